@@ -1,0 +1,1 @@
+"""Engine worker: llama.cpp model and context, attention capture, continuous batching, IPC."""

@@ -1,0 +1,317 @@
+"""Continuous batching: every active generation shares each ``llama_decode``.
+
+One :meth:`Batcher.step` builds one batch from all active jobs (one decode token per
+generating job, then prefill chunks within ``n_batch``), decodes it, samples each
+job with its llama.cpp sampler chain, and emits a ``Token`` (with its attention
+row, gathered into input-position order) per generated token.  A finished
+generation's last sampled token is written to the KV cache in the next step (a
+"commit"), so a slot always holds ``input_ids + generated``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from engine.engine import BatchEntry, Engine, EngineError
+from engine.protocol import CaptureOptions, Done, Error, Generate, Token
+from engine.sampling import SamplerChain, logits_row, logprobs
+
+Emit = Callable[[msgspec.Struct, Sequence[object]], None]
+
+
+@dataclass
+class Job:
+    """One generation: its sequence, what is left to prefill, and what it produced."""
+
+    req: Generate
+    seq: int
+    fork: bool
+    pending: list[int]
+    n_cached: int
+    chain: SamplerChain
+    n_prompt: int
+    generated: list[int] = field(default_factory=list)
+    text: bytearray = field(default_factory=bytearray)
+    last: int = -1
+    cancelled: bool = False
+    n_prefilled: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+
+
+def shape_attention(out: np.ndarray, cap: CaptureOptions) -> np.ndarray:
+    """Attention rows ``float32[L, H, n_ctx]`` in the requested format and dtype.
+
+    ``aggregated``: the mean over the selected layers and all heads, ``[n_ctx]``.
+    """
+    arr = out.mean(axis=(0, 1), dtype=np.float32) if cap.format == "aggregated" else out
+    return arr.astype(np.float16) if cap.dtype == "float16" else arr
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+class Batcher:
+    """Active generations over one :class:`Engine`; call :meth:`step` while :meth:`has_work`."""
+
+    def __init__(self, engine: Engine, emit: Emit) -> None:
+        self.engine = engine
+        self.emit = emit
+        self.jobs: dict[int, Job] = {}
+        self.commits: dict[int, int] = {}  # seq -> last token still to write to the KV cache
+
+    # ------------------------------------------------------------------ admission
+
+    def busy(self, seq: int) -> bool:
+        """True while a ``generate`` job owns ``seq``."""
+        return any(j.seq == seq and not j.fork for j in self.jobs.values())
+
+    def submit(self, req: Generate) -> None:
+        """Admit a generation or emit an ``Error`` (SLOT_BUSY, CONTEXT_OVERFLOW, NO_CACHED_CONTEXT...)."""
+        try:
+            job = self._admit(req)
+        except EngineError as exc:
+            self.emit(Error(req.req, exc.code, exc.message), ())
+            return
+        self.jobs[req.req] = job
+        if not job.pending and req.params.max_new_tokens == 0:
+            self._finish(job, "length")
+
+    def _admit(self, req: Generate) -> Job:
+        eng = self.engine
+        n_ctx = eng.config.n_ctx
+        p = req.params
+        if req.capture.attention and not eng.config.capture:
+            raise EngineError("INVALID_REQUEST", "this engine runs without attention capture")
+        if req.mode == "generate":
+            if not 0 <= req.seq < eng.config.n_slots:
+                raise EngineError("INVALID_REQUEST", f"no engine sequence {req.seq}")
+            if self.busy(req.seq):
+                raise EngineError("SLOT_BUSY", f"sequence {req.seq} is generating")
+            if len(req.input_ids) + p.max_new_tokens > n_ctx:
+                raise EngineError(
+                    "CONTEXT_OVERFLOW", f"{len(req.input_ids)} + {p.max_new_tokens} tokens > n_ctx {n_ctx}"
+                )
+            if not req.input_ids:
+                raise EngineError("INVALID_REQUEST", "input_ids is empty")
+            self.flush(req.seq)
+            common = common_prefix(eng.tokens.get(req.seq, []), req.input_ids)
+            if common == len(req.input_ids) and p.max_new_tokens > 0:
+                common -= 1  # the last token is decoded again for its logits
+            eng.truncate(req.seq, common)
+            seq, fork, pending, history = req.seq, False, list(req.input_ids[common:]), req.input_ids
+        elif req.mode == "preview":
+            base: list[int] = []
+            if req.seq >= 0:
+                self.flush(req.seq)
+                base = eng.tokens.get(req.seq, [])
+            if not base and not req.input_ids:
+                raise EngineError("NO_CACHED_CONTEXT", "No cached context available")
+            pending = list(req.append) if base else list(req.input_ids) + list(req.append)
+            if len(base) + len(pending) + p.max_new_tokens > n_ctx:
+                raise EngineError(
+                    "CONTEXT_OVERFLOW", f"{len(base) + len(pending)} + {p.max_new_tokens} tokens > n_ctx {n_ctx}"
+                )
+            if not base and not pending:
+                raise EngineError("INVALID_REQUEST", "nothing to generate from")
+            seq, fork = eng.take_spare(), True
+            if base:
+                eng.fork(req.seq, seq)
+            common, history = len(base), [*base, *pending]
+        else:
+            raise EngineError("INVALID_REQUEST", f"unknown mode {req.mode!r}")
+        chain = SamplerChain(p, eng.model.n_vocab, history)
+        return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
+
+    def cancel(self, req: int) -> None:
+        """Mark ``req`` cancelled; it ends with ``Done(finish_reason="cancelled")`` at the next step."""
+        job = self.jobs.get(req)
+        if job is not None:
+            job.cancelled = True
+
+    def has_work(self) -> bool:
+        """Anything to decode (jobs or commits)."""
+        return bool(self.jobs or self.commits)
+
+    def flush(self, seq: int | None = None) -> None:
+        """Write pending commits (of ``seq``, or all) to the KV cache now."""
+        todo = {s: t for s, t in self.commits.items() if seq is None or s == seq}
+        if not todo:
+            return
+        entries = [BatchEntry(s, self.engine.seq_len(s), [t]) for s, t in todo.items()]
+        for s in todo:
+            self.commits.pop(s, None)
+        # On failure (no room) the token is simply not stored: the slot keeps what it has
+        # and the next request on it prefills that token again.
+        self.engine.decode(entries)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> None:
+        """One decode over every active job; emits tokens and finished generations."""
+        for job in [j for j in self.jobs.values() if j.cancelled]:
+            self._finish(job, "cancelled")
+        eng = self.engine
+        budget = eng.config.n_batch
+        entries: list[BatchEntry] = []
+        owners: list[Job | None] = []
+        for s, tok in list(self.commits.items()):
+            if not self.busy(s):
+                entries.append(BatchEntry(s, eng.seq_len(s), [tok]))
+                owners.append(None)
+                budget -= 1
+        self.commits.clear()
+        for job in self.jobs.values():
+            if job.last >= 0 and budget > 0:
+                entries.append(self._entry(job, [job.last], True))
+                owners.append(job)
+                budget -= 1
+        for job in self.jobs.values():
+            if job.last < 0 and job.pending and budget > 0:
+                chunk = job.pending[:budget]
+                last = len(chunk) == len(job.pending)
+                entries.append(self._entry(job, chunk, last and job.req.params.max_new_tokens > 0))
+                owners.append(job)
+                budget -= len(chunk)
+        if not entries:
+            return
+        eng.set_embeddings(any(o is not None and o.req.capture.hidden_state for o in owners))
+        try:
+            status = eng.decode(entries)
+        except Exception as exc:  # capture or mirror failure: fail the jobs of this batch
+            for o in {id(o): o for o in owners if o is not None}.values():
+                self._fail(o, "INTERNAL", f"decode failed: {exc}")
+            return
+        if status != 0:
+            self._decode_failed(status, entries, owners)
+            return
+        for e, job in zip(entries, owners, strict=True):
+            if job is None:
+                continue
+            if job.last < 0:
+                del job.pending[: len(e.tokens)]
+                job.n_prefilled += len(e.tokens)
+                if not job.pending and job.req.params.max_new_tokens == 0:
+                    self._finish(job, "length")
+                    continue
+            if e.logits:
+                self._sample(job, e)
+
+    def _entry(self, job: Job, tokens: list[int], logits: bool) -> BatchEntry:
+        pos0 = self.engine.seq_len(job.seq)
+        target = None
+        cap = job.req.capture
+        if logits and cap.attention:
+            target = self.engine.new_target(job.seq, pos0 + len(tokens) - 1, cap.layers)
+        return BatchEntry(job.seq, pos0, tokens, logits=logits, target=target)
+
+    def _sample(self, job: Job, e: BatchEntry) -> None:
+        eng = self.engine
+        p = job.req.params
+        idx = e.batch_start + len(e.tokens) - 1
+        logits = logits_row(eng.ctx, idx, eng.model.n_vocab) if (p.logprobs or p.n_probs) else None
+        tok = job.chain.sample(eng.ctx, idx)
+        if not job.t_first:
+            job.t_first = time.perf_counter()
+        lp, top = logprobs(logits, tok, p.n_probs) if logits is not None else (None, [])
+        buffers: list[object] = []
+        shape: list[int] = []
+        if e.target is not None and e.target.out is not None:
+            arr = shape_attention(e.target.out, job.req.capture)
+            shape = list(arr.shape)
+            buffers.append(arr)
+        if job.req.capture.hidden_state:
+            buffers.append(eng.hidden_state(idx))
+        piece = eng.model.pieces[tok]
+        index = len(job.generated)
+        job.generated.append(tok)
+        job.text += piece
+        n_ctx = e.pos0 + len(e.tokens)
+        msg = Token(
+            job.req.req,
+            index,
+            tok,
+            piece,
+            lp,
+            top,
+            n_ctx,
+            shape,
+            has_attention=bool(shape),
+            has_hidden=job.req.capture.hidden_state,
+        )
+        self.emit(msg, buffers)
+        reason, stop = self._stop_reason(job, tok)
+        if reason:
+            job.last = tok
+            self._finish(job, reason, stop)
+        else:
+            job.last = tok
+
+    def _stop_reason(self, job: Job, tok: int) -> tuple[str, str]:
+        p = job.req.params
+        if tok in p.stop_tokens or (not p.ignore_eos and tok in self.engine.model.eog):
+            return "stop_token", ""
+        for s in p.stop_strings:
+            b = s.encode()
+            if b and b in job.text[-(len(b) + len(self.engine.model.pieces[tok])) :]:
+                return "stop_string", s
+        if len(job.generated) >= p.max_new_tokens:
+            return "length", ""
+        return "", ""
+
+    def _finish(self, job: Job, reason: str, stop: str = "") -> None:
+        self.jobs.pop(job.req.req, None)
+        job.chain.close()
+        n_seq = self.engine.seq_len(job.seq)
+        if job.fork:
+            self.engine.give_spare(job.seq)
+        elif job.last >= 0:
+            self.commits[job.seq] = job.last
+            n_seq += 1
+        now = time.perf_counter()
+        t_first = job.t_first or now
+        self.emit(
+            Done(
+                job.req.req,
+                reason,
+                n_prompt=job.n_prompt,
+                n_cached=job.n_cached,
+                n_prefilled=job.n_prefilled,
+                n_generated=len(job.generated),
+                t_prefill_ms=(t_first - job.t0) * 1000,
+                t_generate_ms=(now - t_first) * 1000,
+                stop_string=stop,
+                seq_tokens=0 if job.fork else n_seq,
+            ),
+            (),
+        )
+
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        self.jobs.pop(job.req.req, None)
+        job.chain.close()
+        if job.fork:
+            self.engine.give_spare(job.seq)
+        self.emit(Error(job.req.req, code, message), ())
+
+    def _decode_failed(self, status: int, entries: list[BatchEntry], owners: list[Job | None]) -> None:
+        jobs = [o for o in owners if o is not None]
+        if status == 1 and any(o.last < 0 for o in jobs):
+            # No room in the KV cache: drop the biggest prefill and let the rest retry.
+            victim = max((o for o in jobs if o.last < 0), key=lambda o: len(o.pending))
+            self._fail(victim, "OOM", "the KV cache is full")
+            return
+        for o in {id(o): o for o in jobs}.values():
+            self._fail(o, "OOM" if status == 1 else "INTERNAL", f"llama_decode failed with status {status}")

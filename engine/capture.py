@@ -1,0 +1,172 @@
+"""Attention capture: an eval callback that copies post-softmax rows during ``llama_decode``.
+
+Verified facts this relies on (DESIGN.md section 3, llama.cpp ``src/llama-graph.cpp``):
+
+* the post-softmax attention of layer ``il`` is the graph node ``kq_soft_max-{il}``,
+  ``ne = [n_kv, n_tokens_in_ubatch, n_head, 1]`` (unified KV, flash attention off),
+  rows already normalized over the visible cells; its ``src[1]`` is the KQ mask;
+* the cells a ubatch writes are the int64 input ``attn_inp_k_idxs`` (``src[1]`` of
+  layer 0's ``SET_ROWS`` into ``cache_k_l0``), one per ubatch token in batch order
+  (a unified cache splits batches simply, in order);
+* ``ggml_backend_sched`` asks the callback about every node (``ask=true``), splits the
+  graph after the nodes we accept and calls again with ``ask=false`` once computed.
+
+For each requested output row the callback gathers the row's cells into
+input-position order through :class:`~engine.cellmap.CellMap`, so ``out[l, h, p]`` is
+the attention of the query token to position ``p`` of its sequence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import llama_cpp as llama
+import numpy as np
+
+from engine import ggml_ffi as g
+from engine.cellmap import CellMap, CellMapError
+
+_U64 = ctypes.c_uint64.from_address
+_KQ_SOFT = int.from_bytes(b"kq_soft_", "little")
+_CACHE_K = int.from_bytes(b"cache_k_", "little")
+_L0 = b"cache_k_l0 "
+_NAME = g.OFF_NAME
+
+
+@dataclass
+class Run:
+    """``n`` consecutive batch entries ``[batch_start, batch_start+n)`` of ``seq`` at positions ``pos0..``."""
+
+    batch_start: int
+    n: int
+    seq: int
+    pos0: int
+
+
+@dataclass
+class RowTarget:
+    """One output row to capture: batch entry ``batch_index`` of ``seq`` at query position ``pos``.
+
+    ``out`` is ``float32[len(layers), n_head, pos+1]`` (filled by the callback) or
+    ``None`` when only the layer-0 ``mask`` row (``float32[n_kv]``) is wanted.
+    ``layer_slot[il]`` is the index in ``out`` of layer ``il`` or -1.
+    """
+
+    batch_index: int
+    seq: int
+    pos: int
+    out: np.ndarray | None
+    layer_slot: np.ndarray | None = None
+    want_mask: bool = False
+    mask: np.ndarray | None = None
+    gather: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+
+
+class AttentionCapture:
+    """Owns the ``cb_eval`` callback of one llama context and the plan of the current decode.
+
+    Call :meth:`begin` before ``llama_decode`` with the batch's runs (for the cell
+    mirror) and the rows to capture, and :meth:`end` after it; :meth:`end` raises the
+    first error the callback hit (:class:`CellMapError` when a captured row's visible
+    cells disagree with the mirror and ``verify`` is on).
+    """
+
+    def __init__(self, cellmap: CellMap, n_layer: int, n_head: int, verify: bool = False) -> None:
+        self.cellmap = cellmap
+        self.n_layer = n_layer
+        self.n_head = n_head
+        self.verify = verify
+        self.callback = llama.ggml_backend_sched_eval_callback(self._on_node)
+        self._layer_of = {f"kq_soft_max-{il}".encode(): il for il in range(n_layer)}
+        self._runs: list[Run] = []
+        self._targets: list[RowTarget] = []
+        self._ub_targets: list[RowTarget] = []
+        self._ub_start = 0
+        self._ub_n = 0
+        self._active = False
+        self._error: BaseException | None = None
+        self.n_softmax_seen = 0
+
+    # -- plan ------------------------------------------------------------------------------
+
+    def begin(self, runs: list[Run], targets: list[RowTarget]) -> None:
+        """Arm the callback for the next ``llama_decode``."""
+        self._runs = runs
+        self._targets = sorted(targets, key=lambda t: t.batch_index)
+        self._ub_targets = []
+        self._ub_start = 0
+        self._ub_n = 0
+        self._error = None
+        self.n_softmax_seen = 0
+        self._active = True
+
+    def end(self) -> None:
+        """Disarm; re-raise a failure seen inside the callback."""
+        self._active = False
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    # -- callback --------------------------------------------------------------------------
+
+    def _on_node(self, t: int, ask: bool, _user: object) -> bool:
+        if not self._active:
+            return False
+        try:
+            if ask:
+                head = _U64(t + _NAME).value
+                if head == _KQ_SOFT:
+                    return bool(self._ub_targets)
+                if head == _CACHE_K and g.node_op(t) == g.GGML_OP_SET_ROWS and ctypes.string_at(t + _NAME, 11) == _L0:
+                    self._new_ubatch(g.node_src(t, 1))
+                return False
+            self._on_softmax(t)
+        except BaseException as exc:
+            if self._error is None:
+                self._error = exc
+        return True
+
+    def _new_ubatch(self, idxs_t: int) -> None:
+        n = int(g.tensor(idxs_t).ne[0])
+        idxs = g.read_array(idxs_t, np.int64, (n,))
+        start = self._ub_start = self._ub_start + self._ub_n
+        self._ub_n = n
+        end = start + n
+        for run in self._runs:
+            lo, hi = max(start, run.batch_start), min(end, run.batch_start + run.n)
+            if lo < hi:
+                self.cellmap.write(run.seq, run.pos0 + lo - run.batch_start, idxs[lo - start : hi - start])
+        self._ub_targets = [tg for tg in self._targets if start <= tg.batch_index < end]
+        for tg in self._ub_targets:
+            tg.gather = self.cellmap.cells(tg.seq, tg.pos + 1)
+
+    def _on_softmax(self, t: int) -> None:
+        il = self._layer_of[ctypes.string_at(t + _NAME)]
+        self.n_softmax_seen += 1
+        n_kv, n_tok, n_head, n_stream = g.check_contiguous_f32(t)
+        if n_head != self.n_head or n_stream != 1:
+            raise g.GgmlLayoutError(f"kq_soft_max-{il} has ne={[n_kv, n_tok, n_head, n_stream]}")
+        rows = g.read_array(t, np.float32, (n_head, n_tok, n_kv))
+        mask = None
+        for tg in self._ub_targets:
+            r = tg.batch_index - self._ub_start
+            if tg.out is not None and tg.layer_slot is not None and tg.layer_slot[il] >= 0:
+                np.take(rows[:, r, :], tg.gather, axis=1, out=tg.out[tg.layer_slot[il]])
+            if il == 0 and (tg.want_mask or self.verify):
+                if mask is None:
+                    mt = g.node_src(t, 1)
+                    ne = g.tensor(mt).ne
+                    mask = g.read_array(mt, np.float32, (int(ne[1]), int(ne[0])))
+                row = mask[r].copy()
+                if tg.want_mask:
+                    tg.mask = row
+                if self.verify and tg.out is not None:
+                    self._verify(tg, row)
+
+    def _verify(self, tg: RowTarget, mask_row: np.ndarray) -> None:
+        visible = np.flatnonzero(np.isfinite(mask_row))
+        if not np.array_equal(visible, np.sort(tg.gather)):
+            raise CellMapError(
+                f"seq {tg.seq} pos {tg.pos}: mask shows {visible.size} visible cells, mirror has {tg.gather.size}"
+            )

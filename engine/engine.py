@@ -1,0 +1,405 @@
+"""The llama.cpp context: one unified KV cache shared by numbered sequences.
+
+:class:`Engine` owns the context, the batch buffer, the attention capture and the
+cell mirror, and performs every operation on the KV cache, so the mirror
+(:mod:`engine.cellmap`) sees all of them.  It is single-threaded: the worker's loop
+calls it between decode steps.
+
+Sequence numbering: ``0..n_slots-1`` are addressed by the orchestrator (resident
+slots); ``n_slots..n_seq_max-2`` are spares for forks (previews); the last one is the
+scratch sequence for restores and probes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llama_cpp as llama
+import numpy as np
+
+from engine import ggml_ffi as g
+from engine import seq_state
+from engine.capture import AttentionCapture, RowTarget, Run
+from engine.cellmap import CellMap
+from engine.model import Model, file_fingerprint
+from engine.protocol import ModelInfo
+
+PROBE_KEY = -2  # cell-mirror key of a probe token (never a llama.cpp sequence)
+
+
+class EngineError(RuntimeError):
+    """An operation failed; ``code`` is an error code of DESIGN.md section 5."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class BatchEntry:
+    """Tokens of one sequence in a decode: ``tokens`` at positions ``pos0..``.
+
+    ``target`` (optional) captures the attention row / mask of the last token;
+    ``logits`` asks llama.cpp for the last token's logits.
+    """
+
+    seq: int
+    pos0: int
+    tokens: Sequence[int]
+    logits: bool = False
+    target: RowTarget | None = None
+    batch_start: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings.  ``n_ctx`` is the context window per slot (tokens)."""
+
+    n_ctx: int = 4096
+    n_slots: int = 4
+    n_spare: int = 4
+    n_threads: int = 2
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_gpu_layers: int = 0
+    verify_cells: bool = False
+    capture: bool = True  # False: no eval callback at all (no attention; the raw-speed baseline)
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.n_slots + self.n_spare + 1
+
+    @property
+    def n_cells(self) -> int:
+        return self.n_ctx * (self.n_slots + 1)
+
+
+class Engine:
+    """A llama.cpp context over ``model`` with attention capture on every layer.
+
+    Raises :class:`engine.model.ModelLoadError` / :class:`EngineError` when the
+    context cannot be created and :class:`engine.ggml_ffi.GgmlLayoutError` when the
+    start-up self-check of the capture fails.
+    """
+
+    def __init__(self, model: Model, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.cellmap = CellMap(config.n_cells)
+        self.capture = AttentionCapture(self.cellmap, model.n_layer, model.n_head, verify=config.verify_cells)
+        cp = llama.llama_context_default_params()
+        cp.n_ctx = config.n_cells
+        cp.n_batch = config.n_batch
+        cp.n_ubatch = config.n_ubatch
+        cp.n_seq_max = config.n_seq_max
+        cp.n_threads = config.n_threads
+        cp.n_threads_batch = config.n_threads
+        cp.kv_unified = True
+        cp.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if config.capture:
+            cp.cb_eval = self.capture.callback
+        cp.no_perf = True
+        ctx = llama.llama_init_from_model(model.ptr, cp)
+        if not ctx:
+            raise EngineError("NO_MODEL", "llama.cpp could not create a context")
+        self.ctx = ctx
+        self.mem = llama.llama_get_memory(ctx)
+        self.n_cells = llama.llama_n_ctx(ctx)
+        self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
+        self.tokens: dict[int, list[int]] = {}
+        self.spare_free = list(range(config.n_slots, config.n_slots + config.n_spare))
+        self.scratch = config.n_seq_max - 1
+        self.embeddings_on = False
+        self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
+        self.layout = self._self_check()
+
+    # ------------------------------------------------------------------ facts
+
+    def info(self) -> ModelInfo:
+        """Model facts for ``GET /api/v1/model`` (seeds 000/001 fields)."""
+        m = self.model
+        name = m.meta("general.name") or m.path.stem
+        special = {
+            "bos_token": m.pieces[m.bos].decode("utf-8", "replace") if m.bos >= 0 else "",
+            "eos_token": m.pieces[m.eos].decode("utf-8", "replace") if m.eos >= 0 else "",
+        }
+        for text in ("<|im_start|>", "<|im_end|>"):
+            ids = m.tokenize(text, False, True)
+            if len(ids) == 1:
+                special[text.strip("<|>") + "_id"] = ids[0]
+        pad = m.meta("tokenizer.ggml.padding_token_id")
+        if pad.isdigit():
+            special["pad_token"] = m.pieces[int(pad)].decode("utf-8", "replace")
+        return ModelInfo(
+            model_name=name,
+            model_path=str(m.path),
+            architecture=m.meta("general.architecture"),
+            description=m.describe(),
+            fingerprint=self.fingerprint,
+            vocab_size=m.n_vocab,
+            num_layers=m.n_layer,
+            num_attention_heads=m.n_head,
+            num_key_value_heads=m.n_head_kv,
+            hidden_size=m.n_embd,
+            n_ctx=self.config.n_ctx,
+            n_ctx_train=m.n_ctx_train,
+            n_kv_cells=self.n_cells,
+            n_slots=self.config.n_slots,
+            rope_freq_base=float(m.meta(f"{m.meta('general.architecture')}.rope.freq_base") or 10000.0),
+            rope_freq_scale=1.0,
+            bos_token_id=m.bos,
+            eos_token_id=m.eos,
+            eot_token_id=m.boundary_eot,
+            eog_token_ids=sorted(m.eog),
+            special_tokens=special,
+            chat_template=m.chat_template,
+            n_params=int(llama.llama_model_n_params(m.ptr)),
+            size_bytes=int(llama.llama_model_size(m.ptr)),
+            llama_cpp_version=llama.__version__,
+        )
+
+    def seq_len(self, seq: int) -> int:
+        """Tokens of ``seq`` with KV in the cache."""
+        return len(self.tokens.get(seq, ()))
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, entries: Sequence[BatchEntry]) -> int:
+        """Run one ``llama_decode`` over ``entries`` (in order); capture their targets.
+
+        Updates the cell mirror and the sequences' token lists.  Returns llama.cpp's
+        status (0 ok, 1 no room in the KV cache, 2 aborted, <0 error); on failure
+        nothing of the batch stays in the cache or in the mirror.
+        """
+        b = self.batch
+        i = 0
+        runs: list[Run] = []
+        targets: list[RowTarget] = []
+        for e in entries:
+            e.batch_start = i
+            n = len(e.tokens)
+            for j, tok in enumerate(e.tokens):
+                b.token[i + j] = tok
+                b.pos[i + j] = e.pos0 + j
+                b.n_seq_id[i + j] = 1
+                b.seq_id[i + j][0] = self.scratch if e.seq == PROBE_KEY else e.seq
+                b.logits[i + j] = 0
+            if e.logits:
+                b.logits[i + n - 1] = 1
+            runs.append(Run(i, n, e.seq, 0 if e.seq == PROBE_KEY else e.pos0))
+            if e.target is not None:
+                e.target.batch_index = i + n - 1
+                targets.append(e.target)
+            i += n
+        b.n_tokens = i
+        self.capture.begin(runs, targets)
+        try:
+            status = llama.llama_decode(self.ctx, b)
+        finally:
+            try:
+                self.capture.end()
+            except Exception:
+                self._rollback(entries)
+                raise
+        if status != 0:
+            self._rollback(entries)
+            return status
+        for e in entries:
+            if e.seq >= 0:
+                toks = self.tokens.setdefault(e.seq, [])
+                del toks[e.pos0 :]
+                toks.extend(e.tokens)
+        return 0
+
+    def _rollback(self, entries: Sequence[BatchEntry]) -> None:
+        for e in entries:
+            seq = self.scratch if e.seq == PROBE_KEY else e.seq
+            llama.llama_memory_seq_rm(self.mem, seq, e.pos0, -1)
+            if e.seq == PROBE_KEY:
+                self.cellmap.remove(PROBE_KEY)
+            else:
+                self.cellmap.truncate(e.seq, e.pos0)
+
+    def set_embeddings(self, on: bool) -> None:
+        """Turn hidden-state output (``llama_get_embeddings_ith``) on or off for the next decodes."""
+        if on != self.embeddings_on:
+            llama.llama_set_embeddings(self.ctx, on)
+            self.embeddings_on = on
+
+    def hidden_state(self, batch_index: int) -> np.ndarray:
+        """``float32[n_embd]``: the final hidden state of ``batch_index`` of the last decode."""
+        ptr = llama.llama_get_embeddings_ith(self.ctx, batch_index)
+        if not ptr:
+            raise EngineError("INTERNAL", "no hidden state for this token")
+        arr = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.model.n_embd,))
+        return arr.copy()
+
+    def new_target(self, seq: int, pos: int, layers: Sequence[int] | None) -> RowTarget:
+        """A capture target for the token of ``seq`` at ``pos``: ``out`` is ``float32[L, n_head, pos+1]``."""
+        sel = np.arange(self.model.n_layer) if layers is None else np.asarray(layers, dtype=np.int64)
+        slot = np.full(self.model.n_layer, -1, dtype=np.int64)
+        slot[sel] = np.arange(len(sel))
+        out = np.empty((len(sel), self.model.n_head, pos + 1), dtype=np.float32)
+        return RowTarget(batch_index=-1, seq=seq, pos=pos, out=out, layer_slot=slot)
+
+    # ------------------------------------------------------------------ sequence operations
+
+    def truncate(self, seq: int, n: int) -> None:
+        """Keep the first ``n`` tokens of ``seq`` (``seq_rm(seq, n, -1)``)."""
+        if n < self.seq_len(seq):
+            llama.llama_memory_seq_rm(self.mem, seq, n, -1)
+            self.cellmap.truncate(seq, n)
+            del self.tokens[seq][n:]
+
+    def erase(self, seq: int) -> None:
+        """Drop every cell of ``seq``."""
+        llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.cellmap.remove(seq)
+        self.tokens.pop(seq, None)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Copy-on-write copy of ``src`` into ``dst`` (``seq_cp``: cells shared, nothing copied)."""
+        self.erase(dst)
+        if self.seq_len(src):
+            llama.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+            self.cellmap.copy(src, dst)
+            self.tokens[dst] = list(self.tokens[src])
+
+    def take_spare(self) -> int:
+        """A free spare sequence for a fork; raises ``EngineError(BUSY)`` when none is left."""
+        if not self.spare_free:
+            raise EngineError("RATE_LIMITED", "all spare sequences are in use by previews")
+        return self.spare_free.pop()
+
+    def give_spare(self, seq: int) -> None:
+        """Discard a fork and return its sequence to the pool."""
+        self.erase(seq)
+        self.spare_free.append(seq)
+
+    def context_shift(self, seq: int, n_keep: int, n_discard: int) -> int:
+        """Remove ``n_discard`` tokens after ``n_keep`` and shift the rest down (llama-server's shift).
+
+        Cells shared with another sequence (a fork) are first made private, because
+        ``seq_add`` moves a shared cell for every sequence.  Returns the new token count.
+        """
+        n = self.seq_len(seq)
+        if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
+            raise EngineError("INVALID_REQUEST", f"need n_keep >= 0, n_discard > 0, n_keep + n_discard <= {n}")
+        if not llama.llama_memory_can_shift(self.mem):
+            raise EngineError("INVALID_REQUEST", "this model's KV cache cannot shift positions")
+        if self.cellmap.sharers(seq):
+            tokens, blob = self.save_state(seq)
+            self.restore_state(seq, tokens, blob)
+        llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
+        llama.llama_memory_seq_add(self.mem, seq, n_keep + n_discard, -1, -n_discard)
+        self.cellmap.shift(seq, n_keep, n_discard)
+        toks = self.tokens[seq]
+        del toks[n_keep : n_keep + n_discard]
+        return len(toks)
+
+    def save_state(self, seq: int) -> tuple[list[int], bytes]:
+        """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``)."""
+        size = llama.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        got = llama.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        if got != size:
+            raise EngineError("INTERNAL", f"llama_state_seq_get_data wrote {got} of {size} bytes")
+        return list(self.tokens.get(seq, ())), bytes(buf)
+
+    def restore_state(self, seq: int, tokens: Sequence[int], blob: bytes | memoryview) -> None:
+        """Replace ``seq`` with ``tokens`` and their KV state; ``seq`` is untouched on failure.
+
+        The blob is parsed and checked against this engine's layout, restored into the
+        scratch sequence, its cells learned (positions from a re-read of the state, cells
+        from the mask of a one-token probe decode), and only then moved to ``seq``.
+        Raises ``EngineError("BAD_STATE")`` for a blob this engine cannot take.
+        """
+        try:
+            parsed = seq_state.parse(blob, self.layout)
+        except seq_state.BadStateError as exc:
+            raise EngineError("BAD_STATE", str(exc)) from exc
+        n = len(tokens)
+        if len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n)):
+            raise EngineError("BAD_STATE", f"state holds positions that are not 0..{n - 1} for {n} tokens")
+        if any(t < 0 or t >= self.model.n_vocab for t in tokens):
+            raise EngineError("BAD_STATE", "state tokens outside the vocabulary")
+        s = self.scratch
+        self.erase(s)
+        if n:
+            data = bytes(blob)
+            src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            if llama.llama_state_seq_set_data(self.ctx, src, len(data), s) != len(data):
+                self.erase(s)
+                raise EngineError("BAD_STATE", "llama.cpp refused the sequence state")
+            try:
+                self._learn_cells(s, n)
+            except Exception:
+                self.erase(s)
+                raise
+            self.tokens[s] = list(tokens)
+        self.erase(seq)
+        if n:
+            llama.llama_memory_seq_cp(self.mem, s, seq, -1, -1)
+            self.cellmap.copy(s, seq)
+            self.tokens[seq] = list(tokens)
+        self.erase(s)
+
+    def _learn_cells(self, seq: int, n: int) -> None:
+        """Mirror the cells of a freshly restored ``seq`` holding positions ``0..n-1``."""
+        _, blob = self.save_state(seq)
+        positions = seq_state.parse(blob, self.layout).positions  # ascending cell order
+        probe = RowTarget(batch_index=-1, seq=PROBE_KEY, pos=0, out=None, want_mask=True)
+        entry = BatchEntry(PROBE_KEY, n, [self.model.bos if self.model.bos >= 0 else 0], target=probe)
+        self.cellmap.remove(PROBE_KEY)
+        status = self.decode([entry])
+        probe_cell = int(self.cellmap.cells(PROBE_KEY)[0]) if self.cellmap.length(PROBE_KEY) else -1
+        self.cellmap.remove(PROBE_KEY)
+        llama.llama_memory_seq_rm(self.mem, seq, n, -1)
+        if status != 0 or probe.mask is None:
+            raise EngineError("OOM", f"no room in the KV cache to place the restored state (status {status})")
+        visible = np.flatnonzero(np.isfinite(probe.mask))
+        cells = visible[visible != probe_cell]
+        if len(cells) != n:
+            raise EngineError("BAD_STATE", f"restored state occupies {len(cells)} cells, expected {n}")
+        pos2cell = np.empty(n, dtype=np.int32)
+        pos2cell[positions] = cells
+        self.cellmap.set(seq, pos2cell)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _self_check(self) -> seq_state.StateLayout:
+        """Check the capture on a real decode and learn this engine's state layout.
+
+        Decodes three tokens on the scratch sequence capturing the last row: every
+        ``kq_soft_max`` node must be seen with the expected shape and each row must sum
+        to 1.  Raises :class:`engine.ggml_ffi.GgmlLayoutError` otherwise.
+        """
+        s = self.scratch
+        toks = self.model.tokenize("Hello world", False, False)[:3] or [0, 0, 0]
+        target = self.new_target(s, len(toks) - 1, None) if self.config.capture else None
+        t0 = time.perf_counter()
+        status = self.decode([BatchEntry(s, 0, toks, logits=True, target=target)])
+        if status != 0:
+            raise g.GgmlLayoutError(f"self-check decode failed with status {status}")
+        seen = self.capture.n_softmax_seen
+        sums = target.out.sum(axis=-1) if target is not None and target.out is not None else np.ones(1)
+        if target is not None and (seen != self.model.n_layer or not np.allclose(sums, 1.0, atol=1e-3)):
+            raise g.GgmlLayoutError(
+                f"attention capture self-check failed: {seen} softmax nodes, row sums {sums.ravel()[:4]}"
+            )
+        _, blob = self.save_state(s)
+        layout = seq_state.parse(blob).layout
+        self.erase(s)
+        self.self_check_ms = (time.perf_counter() - t0) * 1000
+        return layout
+
+    def close(self) -> None:
+        """Free the context and batch."""
+        if self.ctx:
+            llama.llama_batch_free(self.batch)
+            llama.llama_free(self.ctx)
+            self.ctx = None

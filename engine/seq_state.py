@@ -1,0 +1,136 @@
+"""Parse and check llama.cpp sequence state blobs before llama.cpp sees them.
+
+``llama_state_seq_get_data`` (llama.cpp ``src/llama-context.cpp`` and
+``src/llama-kv-cache.cpp`` of the pinned build) writes, little-endian::
+
+    u32 io_magic (0xaf143cd8) | i32 source seq_id
+    u32 n_stream
+    per stream with cells:
+      u32 cell_count
+      cell_count x (i32 pos | u32 n_seq_id (=1) | i32 seq_id)          # cells in ascending cell order
+      u32 v_trans | u32 n_layer
+      n_layer x (i32 k_type | u64 k_row_bytes | cell_count*k_row_bytes)
+      if v_trans: n_layer x (i32 v_type | u32 v_elem_bytes | u32 n_embd_v_gqa | n_embd_v_gqa*cell_count*v_elem_bytes)
+      else:       n_layer x (i32 v_type | u64 v_row_bytes | cell_count*v_row_bytes)
+
+A blob from another model, another KV type or another build differs in these
+fields; a truncated or padded blob differs in length.  :func:`parse` checks all of
+them against the :class:`StateLayout` learned from this engine's own state, so a
+refused blob never reaches ``llama_state_seq_set_data`` (whose failures can abort
+the process).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+IO_MAGIC = 0xAF143CD8
+
+
+class BadStateError(ValueError):
+    """The blob is not a sequence state this engine can restore."""
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Per-layer K/V record headers: ``(k_type, k_row_bytes)`` and V's type/sizes."""
+
+    k_type: int
+    k_row_bytes: int
+    v_type: int
+    v_elem_or_row_bytes: int
+    n_embd_v_gqa: int
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What this engine's sequence states look like (learned at start-up)."""
+
+    n_stream: int
+    v_trans: int
+    layers: tuple[LayerLayout, ...]
+
+    def bytes_per_cell(self) -> int:
+        """KV bytes per cell (token) across all layers."""
+        if self.v_trans:
+            return sum(ly.k_row_bytes + ly.v_elem_or_row_bytes * ly.n_embd_v_gqa for ly in self.layers)
+        return sum(ly.k_row_bytes + ly.v_elem_or_row_bytes for ly in self.layers)
+
+
+@dataclass(frozen=True)
+class ParsedState:
+    """Result of :func:`parse`: positions in the blob's cell order."""
+
+    positions: np.ndarray  # int32[cell_count]
+    layout: StateLayout
+
+
+class _Reader:
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.off = 0
+
+    def take(self, fmt: str) -> tuple[int, ...]:
+        size = struct.calcsize(fmt)
+        if self.off + size > len(self.data):
+            raise BadStateError(f"state truncated at byte {self.off} (needs {size} more)")
+        vals = struct.unpack_from(fmt, self.data, self.off)
+        self.off += size
+        return vals
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.off + n > len(self.data):
+            raise BadStateError(f"state truncated at byte {self.off} (needs {n} more)")
+        self.off += n
+
+
+def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> ParsedState:
+    """Parse a sequence state; check it against ``expect`` when given.
+
+    Raises :class:`BadStateError` on a wrong magic, truncation, trailing bytes, cells
+    that belong to several sequences, or any layout field that differs from ``expect``.
+    An empty sequence (no cells) parses to zero positions.
+    """
+    r = _Reader(memoryview(blob).cast("B"))
+    magic, _src_seq = r.take("<Ii")
+    if magic != IO_MAGIC:
+        raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
+    (n_stream,) = r.take("<I")
+    if expect is not None and n_stream != expect.n_stream:
+        raise BadStateError(f"state has {n_stream} KV streams, this engine has {expect.n_stream}")
+    if r.off == len(r.data):
+        return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
+    (cell_count,) = r.take("<I")
+    if cell_count == 0 or cell_count > (len(r.data) - r.off) // 12:
+        raise BadStateError(f"implausible cell count {cell_count}")
+    cells = np.frombuffer(r.data, dtype="<i4", count=3 * cell_count, offset=r.off).reshape(cell_count, 3)
+    r.skip(12 * cell_count)
+    if not np.all(cells[:, 1] == 1):
+        raise BadStateError("state cells must each belong to exactly one sequence")
+    v_trans, n_layer = r.take("<II")
+    if n_layer == 0 or n_layer > 4096:
+        raise BadStateError(f"implausible layer count {n_layer}")
+    k_heads: list[tuple[int, int]] = []
+    for _ in range(n_layer):
+        k_type, k_row = r.take("<iQ")
+        r.skip(cell_count * k_row)
+        k_heads.append((k_type, k_row))
+    layers = []
+    for k_type, k_row in k_heads:
+        if v_trans:
+            v_type, v_el, n_embd_v = r.take("<iII")
+            r.skip(v_el * n_embd_v * cell_count)
+        else:
+            v_type, v_el = r.take("<iQ")
+            n_embd_v = 0
+            r.skip(cell_count * v_el)
+        layers.append(LayerLayout(k_type, k_row, v_type, v_el, n_embd_v))
+    if r.off != len(r.data):
+        raise BadStateError(f"{len(r.data) - r.off} unexpected bytes after the state")
+    layout = StateLayout(n_stream, v_trans, tuple(layers))
+    if expect is not None and layout != expect:
+        raise BadStateError("state was written by another model, KV type or llama.cpp build")
+    return ParsedState(cells[:, 0].astype(np.int32), layout)

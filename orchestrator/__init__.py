@@ -1,0 +1,1 @@
+"""Orchestrator: the Litestar API, slots, scheduling onto engine sequences, persistence."""

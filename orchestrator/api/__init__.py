@@ -1,0 +1,1 @@
+"""HTTP and WebSocket route handlers (one module per group of endpoints)."""

@@ -1,0 +1,92 @@
+"""HTTP generation: ``POST /api/v1/generate`` (seed 000) and the SSE stream (seed 001)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import Controller, Request, post
+from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
+
+from orchestrator import wire
+from orchestrator.errors import from_exception
+from orchestrator.generation import DoneOut, TokenOut
+from orchestrator.schemas import GenerateRequest
+from orchestrator.services import Services
+
+log = structlog.get_logger("slotserve.api")
+_json = msgspec.json.Encoder()
+
+
+def _sse(obj: dict[str, Any]) -> ServerSentEventMessage:
+    # KoboldCpp frames events as "event: message\ndata: {json}\n\n" (seed 001).
+    return ServerSentEventMessage(data=_json.encode(obj).decode(), event="message", sep="\n")
+
+
+class GenerateController(Controller):
+    """Non-streaming and SSE generation."""
+
+    @post("/api/v1/generate", status_code=200, summary="Generate (non-streaming) with base64 attention")
+    async def generate(self, services: Services, data: GenerateRequest) -> dict[str, Any]:
+        req = data.canonical()
+        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        tokens: list[dict[str, Any]] = []
+        attention: list[dict[str, Any]] = []
+        done: DoneOut | None = None
+        async for ev in services.generation.run(req):
+            if isinstance(ev, TokenOut):
+                tokens.append(wire.token_text_fields(ev) | {"logprob": ev.logprob})
+                if ev.attention is not None:
+                    entry = wire.token_text_fields(ev)
+                    entry["attention"] = wire.attention_json(ev, req.attention_format, req.attention_dtype)
+                    attention.append(entry)
+            else:
+                done = ev
+        assert done is not None
+        body = wire.done_event(done, req.request_id)
+        body.update(
+            generated_tokens=tokens,
+            generated_text=done.text,
+            results=[{"text": done.text, "finish_reason": wire.KOBOLD_FINISH.get(done.done.finish_reason)}],
+        )
+        if req.attention:
+            body["attention_data"] = attention
+        return body
+
+    @post("/api/extra/generate/stream", status_code=200, summary="SSE stream (Kobold events, or attention events)")
+    async def stream(
+        self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
+    ) -> ServerSentEvent:
+        req = data.canonical()
+        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        run = services.generation.run(req)
+        # Validate and take the slot before the response starts, so bad input is a 4xx.
+        first = await anext(run)
+
+        async def events() -> AsyncIterator[ServerSentEventMessage]:
+            ev: TokenOut | DoneOut | None = first
+            try:
+                while ev is not None:
+                    if isinstance(ev, DoneOut):
+                        if req.attention:
+                            yield _sse(wire.done_event(ev, req.request_id))
+                        else:
+                            yield _sse(wire.kobold_done_event(ev))
+                        return
+                    if req.attention:
+                        yield _sse(
+                            wire.sse_attention_event(ev, req.request_id, req.attention_format, req.attention_dtype)
+                        )
+                    else:
+                        yield _sse(wire.kobold_token_event(ev))
+                    ev = await anext(run, None)
+            except Exception as exc:  # the worker failed mid-stream: tell the client, then end
+                err = from_exception(exc)
+                yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
+            finally:
+                await run.aclose()
+
+        return ServerSentEvent(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,109 @@
+"""Model facts and tokenization: seeds 000/001 (``/api/v1/...``) and llama-server's names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, get, post
+
+from orchestrator.errors import ApiError
+from orchestrator.generation import check_tokens
+from orchestrator.schemas import DetokenizeRequest, TokenizeRequest
+from orchestrator.services import Services
+
+
+def model_payload(s: Services) -> dict[str, Any]:
+    """The union of seed 000's ``/api/v1/model/info`` and seed 001's ``/api/v1/model`` fields."""
+    i = s.generation.info
+    name = i.model_name
+    return {
+        "result": name,
+        "model_name": name,
+        "model_path": i.model_path,
+        "architecture": i.architecture,
+        "description": i.description,
+        "fingerprint": i.fingerprint,
+        "vocab_size": i.vocab_size,
+        "num_layers": i.num_layers,
+        "num_attention_heads": i.num_attention_heads,
+        "num_key_value_heads": i.num_key_value_heads,
+        "hidden_size": i.hidden_size,
+        "embedding_size": i.hidden_size,
+        "max_position_embeddings": i.n_ctx_train,
+        "max_trained_context": i.n_ctx_train,
+        "max_context_length": i.n_ctx,
+        "context_length": i.n_ctx,
+        "rope_theta": i.rope_freq_base,
+        "rope_freq_base": i.rope_freq_base,
+        "rope_freq_scale": i.rope_freq_scale,
+        "bos_token_id": i.bos_token_id,
+        "eos_token_id": i.eos_token_id,
+        "eot_token_id": i.eot_token_id,
+        "eog_token_ids": i.eog_token_ids,
+        "special_tokens": i.special_tokens,
+        "chat_template": i.chat_template,
+        "torch_dtype": "gguf",
+        "n_params": i.n_params,
+        "size_bytes": i.size_bytes,
+        "n_slots": i.n_slots,
+        "n_kv_cells": i.n_kv_cells,
+        "llama_cpp_python": i.llama_cpp_version,
+    }
+
+
+def _piece_fields(piece: bytes) -> dict[str, Any]:
+    try:
+        return {"text": piece.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"text": piece.decode("utf-8", "replace"), "bytes": list(piece)}
+
+
+class ModelController(Controller):
+    """``/api/v1/model``, tokenize and detokenize (seeds 000/001; llama-server's ``/tokenize``)."""
+
+    @get(["/api/v1/model", "/api/v1/model/info"], summary="Model architecture and special tokens")
+    async def model(self, services: Services) -> dict[str, Any]:
+        return model_payload(services)
+
+    @post("/api/v1/tokenize", status_code=200, summary="Text to tokens with their text (seeds 000/001)")
+    async def tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
+        text = data.text if data.text is not None else data.content
+        if text is None:
+            raise ApiError("INVALID_REQUEST", "give text")
+        add = data.add_special if data.add_special is not None else data.add_special_tokens
+        res = await services.engine.tokenize(text, add, data.parse_special)
+        body: dict[str, Any] = {"token_ids": res.ids, "token_count": len(res.ids)}
+        if data.with_pieces is not False:
+            body["tokens"] = [{"token_id": t, **_piece_fields(p)} for t, p in zip(res.ids, res.pieces, strict=True)]
+        return body
+
+    @post("/api/v1/detokenize", status_code=200, summary="Token ids to text")
+    async def detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
+        ids = data.token_ids if data.token_ids is not None else data.tokens
+        if ids is None:
+            raise ApiError("INVALID_REQUEST", "give token_ids")
+        check_tokens(ids, services.generation.info.vocab_size, "token_ids")
+        return {"text": await services.engine.detokenize(ids)}
+
+    @post("/tokenize", status_code=200, summary="llama-server tokenize (content, add_special, with_pieces)")
+    async def ls_tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
+        text = data.content if data.content is not None else data.text
+        if text is None:
+            raise ApiError("INVALID_REQUEST", "give content")
+        add = data.add_special if data.add_special is not None else data.add_special_tokens
+        res = await services.engine.tokenize(text, add, data.parse_special)
+        if not data.with_pieces:
+            return {"tokens": res.ids}
+        pieces = []
+        for t, p in zip(res.ids, res.pieces, strict=True):
+            f = _piece_fields(p)
+            pieces.append({"id": t, "piece": f["text"] if "bytes" not in f else f["bytes"]})
+        return {"tokens": pieces}
+
+    @post("/detokenize", status_code=200, summary="llama-server detokenize (tokens)")
+    async def ls_detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
+        ids = data.tokens if data.tokens is not None else data.token_ids
+        if ids is None:
+            raise ApiError("INVALID_REQUEST", "give tokens")
+        check_tokens(ids, services.generation.info.vocab_size, "tokens")
+        return {"content": await services.engine.detokenize(ids)}

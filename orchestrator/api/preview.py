@@ -1,0 +1,127 @@
+"""``POST /api/v1/generate/preview`` (seed 003): generate on a copy-on-write fork of a slot.
+
+The slot's sequence is forked (``llama_memory_seq_cp``: cells shared) into a spare
+sequence, ``append_tokens`` are prefilled on the fork only, up to ``max_tokens`` are
+generated, and the fork is discarded: the slot's tokens and KV cells are untouched.
+The slot is held only while the fork is submitted (the worker applies requests in
+order), so previews of one slot run concurrently with each other and with later
+generations, in the same decode batches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+from litestar import Controller, post
+
+from engine import protocol as proto
+from orchestrator import wire
+from orchestrator.errors import ApiError
+from orchestrator.generation import TokenStream, check_tokens
+from orchestrator.schemas import AppendToken, PreviewRequest
+from orchestrator.services import Services
+
+log = structlog.get_logger("slotserve.preview")
+MAX_PREVIEW_TOKENS = 256
+STOPPED = {"length": "max_tokens", "stop_token": "stop_token", "stop_string": "stop_string", "cancelled": "cancelled"}
+
+
+def _params(data: PreviewRequest, vocab: int) -> proto.SamplingParams:
+    if not 1 <= data.max_tokens <= MAX_PREVIEW_TOKENS:
+        raise ApiError("INVALID_REQUEST", f"max_tokens must be in 1..{MAX_PREVIEW_TOKENS}")
+    if not (data.temperature >= 0 and 0 <= data.top_p <= 1 and data.top_k >= 0):
+        raise ApiError("INVALID_REQUEST", "need temperature >= 0, 0 <= top_p <= 1, top_k >= 0")
+    check_tokens(data.stop_tokens, vocab, "stop_tokens")
+    return proto.SamplingParams(
+        max_new_tokens=data.max_tokens,
+        temperature=data.temperature,
+        top_p=data.top_p,
+        top_k=data.top_k,
+        min_p=0.0,
+        seed=data.seed,
+        stop_tokens=data.stop_tokens,
+    )
+
+
+class PreviewController(Controller):
+    """Seed 003's preview endpoint."""
+
+    @post("/api/v1/generate/preview", status_code=200, summary="Preview continuation on a forked KV cache")
+    async def preview(self, services: Services, data: PreviewRequest) -> dict[str, Any]:
+        info = services.generation.info
+        engine = services.engine
+        append = [t.token_id if isinstance(t, AppendToken) else t for t in data.append_tokens]
+        check_tokens(append, info.vocab_size, "append_tokens")
+        if data.input_ids is not None:
+            check_tokens(data.input_ids, info.vocab_size, "input_ids")
+        params = _params(data, info.vocab_size)
+        capture = proto.CaptureOptions(
+            attention=data.output_attentions, format=data.attention_format, dtype=data.attention_dtype
+        )
+        slot_id = str(
+            data.conversation_id
+            if data.conversation_id is not None
+            else data.id_slot
+            if data.id_slot is not None
+            else "0"
+        )
+        explicit = data.conversation_id is not None or data.id_slot is not None
+        t0 = time.perf_counter()
+        cache_hit = False
+        events = None
+        if data.use_cached_context:
+            known = services.registry.find(slot_id) is not None or (
+                services.persistence is not None and await services.persistence.lookup(slot_id) is not None
+            )
+            if not known and explicit and data.input_ids is None:
+                raise ApiError("SLOT_NOT_FOUND", f"slot {slot_id!r} does not exist")
+            if known:
+                async with services.registry.use(slot_id, wait=True, create=False) as slot:
+                    if slot.n_tokens:
+                        msg = proto.Generate(engine.new_id(), slot.seq, "preview", [], params, capture, append)
+                        events = await engine.open_stream(msg)  # the fork is taken before any later request
+                        cache_hit = True
+        if events is None:
+            if not data.input_ids:
+                raise ApiError("NO_CACHED_CONTEXT", "No cached context available")
+            msg = proto.Generate(engine.new_id(), -1, "preview", data.input_ids, params, capture, append)
+            events = await engine.open_stream(msg)
+        stream = TokenStream(set(params.stop_tokens) | set(info.eog_token_ids))
+        tokens: list[dict[str, Any]] = []
+        attention: list[dict[str, Any]] = []
+        texts: list[str] = []
+        done: proto.Done | None = None
+        try:
+            async for event, bufs in events:
+                if isinstance(event, proto.Token):
+                    out = stream.convert(event, bufs)
+                    tokens.append(wire.token_text_fields(out))
+                    if not out.is_stop:
+                        texts.append(out.text)
+                    if out.attention is not None:
+                        attention.append(
+                            wire.token_text_fields(out)
+                            | {"attention": wire.attention_json(out, data.attention_format, data.attention_dtype)}
+                        )
+                elif isinstance(event, proto.Done):
+                    done = event
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        assert done is not None
+        texts.append(stream.decoder.decode(b"", final=True))
+        body: dict[str, Any] = {
+            "text": "".join(texts),
+            "tokens": tokens,
+            "token_count": len(tokens),
+            "stopped_reason": STOPPED.get(done.finish_reason, done.finish_reason),
+            "cache_hit": cache_hit,
+            "generation_time_ms": round((time.perf_counter() - t0) * 1000, 3),
+            "n_prefilled": done.n_prefilled,
+            "n_cached": done.n_cached,
+            "slot_id": slot_id if cache_hit else None,
+        }
+        if data.output_attentions:
+            body["attention_data"] = attention
+        return body

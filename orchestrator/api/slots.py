@@ -1,0 +1,195 @@
+"""Slot API with seed 004's paths, query actions, field names and content negotiation."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+from litestar.params import Parameter
+
+from orchestrator.errors import ApiError
+from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
+from orchestrator.services import Services
+from orchestrator.slot_ops import SlotOps, message_boundaries
+
+OCTET = "application/octet-stream"
+MAX_STATE_BYTES = 4 << 30
+
+
+def slot_id_out(slot_id: str) -> int | str:
+    """llama-server reports numeric slot ids as integers."""
+    return int(slot_id) if slot_id.isdigit() and len(slot_id) < 10 else slot_id
+
+
+def _json_body(raw: bytes, kind: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError("INVALID_REQUEST", f"invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError("INVALID_REQUEST", f"malformed JSON: {exc}") from exc
+
+
+def _ops(services: Services) -> SlotOps:
+    return SlotOps(services.registry, services.settings.slot_save_path)
+
+
+class SlotController(Controller):
+    """``GET /slots``, ``POST /slots/{id}?action=...``, ``GET /v1/slots/{id}/info``."""
+
+    @get("/slots", summary="All slots: resident and parked, with sizes")
+    async def list_slots(self, services: Services) -> list[dict[str, Any]]:
+        reg = services.registry
+        n_ctx = services.generation.info.n_ctx
+        seen: dict[str, dict[str, Any]] = {}
+        if services.persistence is not None:
+            for meta in await services.persistence.list_stored():
+                seen[meta.slot_id] = {
+                    "id": slot_id_out(meta.slot_id),
+                    "n_ctx": n_ctx,
+                    "is_processing": False,
+                    "n_tokens": meta.n_tokens,
+                    "place": "parked",
+                    "stored_bytes": meta.stored_size,
+                    "state_bytes": meta.raw_size,
+                    "codec": meta.codec,
+                    "updated_at": meta.updated_at,
+                }
+        for slot in reg.slots.values():
+            entry = seen.setdefault(slot.id, {"id": slot_id_out(slot.id), "n_ctx": n_ctx})
+            entry.update(
+                is_processing=slot.lock.locked(),
+                n_tokens=slot.n_tokens,
+                place="resident" if reg.is_resident(slot) else slot.place,
+                seq=slot.seq if reg.is_resident(slot) else None,
+                stored=slot.stored,
+                dirty=slot.dirty,
+                idle_s=round(time.monotonic() - slot.last_used, 3),
+            )
+            entry.setdefault("stored_bytes", slot.stored_bytes)
+            entry.setdefault("state_bytes", slot.raw_bytes)
+        return list(seen.values())
+
+    @get("/v1/slots/{slot_id:str}/info", summary="Tokens and message boundaries at the end-of-turn token")
+    async def info(self, services: Services, slot_id: str) -> dict[str, Any]:
+        eot = services.generation.info.eot_token_id
+        async with services.registry.use(slot_id, create=False, resident=False) as slot:
+            tokens = await _ops(services).tokens(slot)
+        msgs = message_boundaries(tokens, eot)
+        return {
+            "id_slot": slot_id_out(slot_id),
+            "n_tokens": len(tokens),
+            "boundary_eot": eot,
+            "n_messages": len(msgs),
+            "messages": msgs,
+        }
+
+    @post(
+        "/slots/{slot_id:str}",
+        status_code=200,
+        request_max_body_size=MAX_STATE_BYTES,
+        summary="Slot actions (seed 004)",
+    )
+    async def action(
+        self,
+        request: Request[Any, Any, Any],
+        services: Services,
+        slot_id: str,
+        action: str = Parameter(query="action"),
+        wait: bool = Parameter(query="wait", default=False),
+    ) -> Any:
+        ops = _ops(services)
+        reg = services.registry
+        out_id = slot_id_out(slot_id)
+        if action == "save-state":
+            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
+                saved = await ops.save_state(slot)
+            if OCTET in request.headers.get("accept", ""):
+                return Response(saved.blob, media_type=OCTET, headers={"X-Slot-Tokens": str(len(saved.tokens))})
+            return {
+                "id_slot": out_id,
+                "n_tokens": len(saved.tokens),
+                "n_bytes": len(saved.blob),
+                "t_ms": round(saved.t_ms, 3),
+                "state": base64.b64encode(saved.blob).decode("ascii"),
+            }
+        if action == "restore-state":
+            raw = await request.body()
+            if request.headers.get("content-type", "").startswith(OCTET):
+                blob = raw
+            else:
+                body = _json_body(raw, RestoreStateRequest)
+                try:
+                    blob = base64.b64decode(body.state, validate=True)
+                except (binascii.Error, ValueError) as exc:
+                    raise ApiError("BAD_STATE", f"state is not valid base64: {exc}") from exc
+            created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
+            async with reg.use(slot_id, create=True, resident=False, wait=wait) as slot:
+                t_ms = await ops.restore_state(slot, blob, created)
+            return {"id_slot": out_id, "n_bytes_read": len(blob), "success": True, "t_ms": round(t_ms, 3)}
+        if action == "tokens":
+            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
+                tokens = await ops.tokens(slot)
+                processed = slot.n_prompt_tokens_processed or len(tokens)
+            return {
+                "id_slot": out_id,
+                "n_tokens": len(tokens),
+                "tokens": tokens,
+                "n_prompt_tokens_processed": processed,
+            }
+        if action == "context-shift":
+            body = _json_body(await request.body(), ContextShiftRequest)
+            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
+                n = await ops.context_shift(slot, body.n_keep, body.n_discard)
+            return {"id_slot": out_id, "success": True, "new_n_tokens": n}
+        if action == "erase":
+            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
+                n = await ops.erase(slot)
+                await reg.forget(slot)
+            return {"id_slot": out_id, "n_erased": n}
+        if action == "save":
+            body = _json_body(await request.body(), SlotFileRequest)
+            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
+                saved, n_written = await ops.save_file(slot, body.filename)
+            return {
+                "id_slot": out_id,
+                "filename": body.filename,
+                "n_saved": len(saved.tokens),
+                "n_written": n_written,
+                "timings": {"save_ms": round(saved.t_ms, 3)},
+            }
+        if action == "restore":
+            body = _json_body(await request.body(), SlotFileRequest)
+            created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
+            async with reg.use(slot_id, create=True, resident=False, wait=wait) as slot:
+                n, n_read, t_ms = await ops.restore_file(slot, body.filename, created)
+            return {
+                "id_slot": out_id,
+                "filename": body.filename,
+                "n_restored": n,
+                "n_read": n_read,
+                "timings": {"restore_ms": round(t_ms, 3)},
+            }
+        if action == "fork":
+            body = _json_body(await request.body(), ForkRequest)
+            target = str(body.target)
+            if target == slot_id:
+                raise ApiError("INVALID_REQUEST", "fork target must differ from the source slot")
+            async with reg.use(slot_id, create=False, resident=False, wait=wait) as src:
+                async with reg.use(target, create=True, resident=False, wait=wait) as dst:
+                    n = await ops.fork(src, dst)
+            return {"id_slot": out_id, "target": slot_id_out(target), "n_tokens": n, "success": True}
+        raise ApiError(
+            "INVALID_REQUEST",
+            f"unknown action {action!r}: save-state, restore-state, tokens, context-shift, save, restore, erase, fork",
+        )
+
+    @staticmethod
+    async def _stored(services: Services, slot_id: str) -> bool:
+        if services.persistence is None:
+            return False
+        return await services.persistence.lookup(slot_id) is not None

@@ -1,0 +1,199 @@
+"""WebSocket generation: seed 002's binary stream and seed 000's JSON event stream.
+
+``/api/extra/generate/stream/ws`` (seeds 001/002): the first client frame is the
+generation config; per token a JSON text frame then (with attention) one binary
+frame of raw ``float32`` (or ``float16``) ``[n_layers, n_heads, context_length]``;
+then ``{"type":"done"}`` and a clean close (code 1000).
+
+``/api/v1/generate/stream`` (seed 000): ``{"type":"generate", ...}`` messages, each
+answered by ``token`` events (base64 attention, ``logprob``, ``top_logprobs``) and a
+``done`` event with ``generation_time_ms``; failures are ``error`` events.  The socket
+stays open for the next request.
+
+On both, ``{"type":"cancel"}`` stops the running generation within one decode step
+(its ``done`` says ``cancelled``) and a client that goes away cancels it too.
+Messages over the size limit get a ``PAYLOAD_TOO_LARGE`` error and the socket closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import WebSocket, websocket
+from litestar.exceptions import WebSocketDisconnect
+
+from orchestrator import wire
+from orchestrator.errors import ApiError, from_exception
+from orchestrator.generation import DoneOut, RunControl, TokenOut
+from orchestrator.schemas import CanonicalRequest, GenerateRequest
+from orchestrator.services import Services
+
+log = structlog.get_logger("slotserve.ws")
+_json = msgspec.json.Encoder()
+
+
+class _Closed(Exception):
+    """The client disconnected."""
+
+
+async def _receive(socket: WebSocket[Any, Any, Any], limit: int) -> str | bytes:
+    """Next client message; raises :class:`_Closed` on disconnect, ApiError when too large."""
+    msg = await socket.receive()
+    if msg["type"] == "websocket.disconnect":
+        raise _Closed
+    data = msg.get("text")
+    if data is None:
+        data = msg.get("bytes") or b""
+    if len(data) > limit:
+        raise ApiError("PAYLOAD_TOO_LARGE", f"message of {len(data)} bytes exceeds the {limit} byte limit")
+    return data
+
+
+def _parse(data: str | bytes) -> GenerateRequest:
+    try:
+        return msgspec.json.decode(data, type=GenerateRequest)
+    except msgspec.ValidationError as exc:
+        raise ApiError("INVALID_REQUEST", f"invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError("INVALID_REQUEST", f"malformed JSON: {exc}") from exc
+
+
+async def _send_json(socket: WebSocket[Any, Any, Any], obj: dict[str, Any]) -> None:
+    await socket.send_text(_json.encode(obj).decode())
+
+
+async def _error(socket: WebSocket[Any, Any, Any], exc: BaseException, request_id: str | None) -> None:
+    await _send_json(socket, {"type": "error", "request_id": request_id, **from_exception(exc).body()})
+
+
+async def run_controlled(
+    socket: WebSocket[Any, Any, Any],
+    services: Services,
+    req: CanonicalRequest,
+    on_token: Callable[[TokenOut], Awaitable[None]],
+    on_done: Callable[[DoneOut], Awaitable[None]],
+) -> None:
+    """Run one generation while listening to the client for ``cancel`` or a disconnect.
+
+    Raises :class:`_Closed` if the client went away (the generation is cancelled).
+    """
+    control = RunControl()
+    limit = services.settings.max_body_bytes
+
+    async def pump() -> None:
+        run = services.generation.run(req, control)
+        try:
+            async for ev in run:
+                if isinstance(ev, TokenOut):
+                    await on_token(ev)
+                else:
+                    await on_done(ev)
+        finally:
+            await run.aclose()
+
+    async def listen() -> None:
+        while True:
+            data = await _receive(socket, limit)
+            with contextlib.suppress(ApiError, msgspec.DecodeError):
+                msg = msgspec.json.decode(data)
+                if isinstance(msg, dict) and msg.get("type") == "cancel":
+                    await control.cancel()
+
+    sender = asyncio.create_task(pump())
+    listener = asyncio.create_task(listen())
+    try:
+        await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if sender.done():
+            sender.result()
+            return
+        exc = listener.exception()
+        if isinstance(exc, ApiError):  # oversized message while generating: stop and report
+            await control.cancel()
+            await sender
+            raise exc
+        sender.cancel()  # the client is gone
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+        raise _Closed
+    finally:
+        listener.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await listener
+
+
+@websocket("/api/extra/generate/stream/ws")
+async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
+    """Seed 002: JSON config in; per token a JSON text frame then a binary attention frame."""
+    await socket.accept()
+    request_id = None
+    try:
+        data = await _receive(socket, services.settings.max_body_bytes)
+        body = _parse(data)
+        if body.return_attention is None and body.output_attentions is None:
+            body.output_attentions = True  # this endpoint exists to stream attention
+        req = body.canonical()
+        request_id = req.request_id
+
+        async def on_token(t: TokenOut) -> None:
+            await _send_json(socket, wire.binary_ws_token_frame(t))
+            if t.attention is not None:
+                await socket.send_bytes(t.attention)
+
+        async def on_done(d: DoneOut) -> None:
+            await _send_json(socket, wire.done_event(d, request_id))
+
+        await run_controlled(socket, services, req, on_token, on_done)
+    except (_Closed, WebSocketDisconnect):
+        return
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            await _error(socket, exc, request_id)
+    with contextlib.suppress(Exception):
+        await socket.close(code=1000)
+
+
+@websocket("/api/v1/generate/stream")
+async def event_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
+    """Seed 000: ``generate`` messages answered by ``token``/``done``/``error`` events."""
+    await socket.accept()
+    pieces = None
+    while True:
+        request_id = None
+        try:
+            data = await _receive(socket, services.settings.max_body_bytes)
+            body = _parse(data)
+            request_id = body.request_id
+            if body.type not in (None, "generate"):
+                if body.type == "cancel":
+                    continue  # nothing is running
+                raise ApiError("INVALID_REQUEST", f"unknown message type {body.type!r}")
+            req = body.canonical()
+            if pieces is None:
+                pieces = await services.generation.pieces()
+
+            async def on_token(t: TokenOut, req: CanonicalRequest = req) -> None:
+                await _send_json(
+                    socket, wire.v1_token_event(t, req.request_id, req.attention_format, req.attention_dtype, pieces)
+                )
+
+            async def on_done(d: DoneOut, req: CanonicalRequest = req) -> None:
+                await _send_json(socket, wire.done_event(d, req.request_id))
+
+            await run_controlled(socket, services, req, on_token, on_done)
+        except (_Closed, WebSocketDisconnect):
+            return
+        except ApiError as exc:
+            with contextlib.suppress(Exception):
+                await _error(socket, exc, request_id)
+            if exc.code == "PAYLOAD_TOO_LARGE":
+                with contextlib.suppress(Exception):
+                    await socket.close(code=1009)
+                return
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                await _error(socket, exc, request_id)

@@ -1,0 +1,103 @@
+"""The Litestar application: routes, CORS, errors, logging, metrics, and the lifespan
+that owns the engine worker, the slot registry and the state store."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from litestar import Litestar, Request
+from litestar.config.cors import CORSConfig
+from litestar.di import Provide
+from litestar.logging.config import StructLoggingConfig
+from litestar.openapi import OpenAPIConfig
+from litestar.plugins.prometheus import PrometheusConfig, PrometheusController
+from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
+
+from orchestrator import metrics
+from orchestrator.api.generate import GenerateController
+from orchestrator.api.health import health
+from orchestrator.api.model import ModelController
+from orchestrator.api.ws import binary_stream, event_stream
+from orchestrator.auth import api_key_middleware
+from orchestrator.config import Settings
+from orchestrator.engine_client import EngineClient
+from orchestrator.errors import exception_handler
+from orchestrator.generation import GenerationService
+from orchestrator.services import Services, provide_services
+from orchestrator.slots import SlotRegistry
+
+log = structlog.get_logger("slotserve")
+
+
+def build_services(settings: Settings) -> Services:
+    """Create (not start) the long-lived objects."""
+    engine = EngineClient(settings.worker)
+    persistence = None
+    if settings.persist:
+        from orchestrator.persistence import Persistence
+
+        persistence = Persistence.from_settings(settings, engine)
+    registry = SlotRegistry(engine, settings.worker.parallel, persistence)
+    if persistence is not None:
+        persistence.registry = registry
+    return Services(settings, engine, registry, GenerationService(engine, registry), persistence)
+
+
+def create_app(settings: Settings, services: Services | None = None) -> Litestar:
+    """The slotserve ASGI app for ``settings`` (``services`` injectable for tests)."""
+    svc = services or build_services(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.services = svc
+        if svc.persistence is not None:
+            await svc.persistence.start()
+
+        async def on_restart() -> None:
+            metrics.ENGINE_RESTARTS.inc()
+            svc.registry.on_engine_restart()
+
+        svc.engine.on_restart = on_restart
+        await svc.engine.start()
+        try:
+            yield
+        finally:
+            if svc.persistence is not None:
+                await svc.persistence.shutdown()
+            await svc.engine.close()
+
+    async def before_request(_: Request[Any, Any, Any]) -> None:
+        structlog.contextvars.clear_contextvars()
+
+    middleware = [api_key_middleware(settings.api_key)] if settings.api_key else []
+    prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)
+    route_handlers: list[Any] = [
+        ModelController,
+        GenerateController,
+        binary_stream,
+        event_stream,
+        health,
+        PrometheusController,
+    ]
+    from orchestrator.api.preview import PreviewController
+    from orchestrator.api.slots import SlotController
+
+    route_handlers += [SlotController, PreviewController]
+    return Litestar(
+        route_handlers=route_handlers,
+        lifespan=[lifespan],
+        dependencies={"services": Provide(provide_services, sync_to_thread=False)},
+        cors_config=CORSConfig(allow_origins=list(settings.cors_origins), allow_headers=["*"], expose_headers=["*"]),
+        exception_handlers={Exception: exception_handler},
+        middleware=[*middleware, prometheus.middleware],
+        plugins=[
+            StructlogPlugin(StructlogConfig(structlog_logging_config=StructLoggingConfig(log_exceptions="always")))
+        ],
+        before_request=before_request,
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="slotserve", version="0.1.0", path="/schema"),
+        debug=False,
+    )

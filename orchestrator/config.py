@@ -1,0 +1,36 @@
+"""Server settings (the ``slotserve serve`` command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.engine_client import WorkerOptions
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the orchestrator needs to start.
+
+    ``max_body_bytes`` caps HTTP bodies and WebSocket messages (``PAYLOAD_TOO_LARGE``).
+    ``state_dir`` is the embedded store's directory, used when ``redis_url`` is unset.
+    """
+
+    worker: WorkerOptions = field(default_factory=WorkerOptions)
+    host: str = "127.0.0.1"
+    port: int = 5001
+    api_key: str | None = None
+    max_body_bytes: int = 64 << 20
+    cors_origins: tuple[str, ...] = ("*",)
+    slot_save_path: Path | None = None
+    state_dir: Path | None = None
+    redis_url: str | None = None
+    key_prefix: str = "slotserve:"
+    state_ttl_s: int | None = None
+    chunk_bytes: int = 64 << 20
+    codec: str = "auto"
+    codec_level: int = 3
+    persist: bool = True
+    node_id: str = ""
+    lease_ms: int = 30_000
+    log_json: bool = False

@@ -1,0 +1,336 @@
+"""The orchestrator's handle on an engine worker process.
+
+:class:`EngineClient` spawns ``python -m engine.worker`` (or connects to a standalone
+one), speaks :mod:`engine.protocol` over a socket, and demultiplexes replies to the
+requests that are waiting for them.  HTTP handlers depend on this class only; they
+never see frames or sockets.
+
+If the worker dies, every pending request fails with ``EngineDeadError`` (an error
+event for streams) and, when ``restart`` is on, a new worker is started; its
+sequences are empty, so slots must come back from the store (``on_restart`` hook).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from engine import protocol as proto
+
+log = structlog.get_logger("slotserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The worker is gone (crashed or not started); ``code`` NO_MODEL."""
+
+    code = "NO_MODEL"
+
+
+class EngineRequestError(RuntimeError):
+    """The worker answered a request with an ``Error`` (``code``, ``message``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How to start the worker (mirrors ``engine.worker``'s command line)."""
+
+    model: Path | None = None
+    ctx_size: int = 4096
+    parallel: int = 4
+    spare: int = 4
+    threads: int = max(1, os.cpu_count() or 1)
+    batch_size: int = 512
+    ubatch_size: int = 512
+    n_gpu_layers: int = 0
+    verify_cells: bool = False
+    connect: str | None = None  # tcp:host:port of a standalone worker instead of spawning one
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self, address: str) -> list[str]:
+        """Command line for a spawned worker that connects back to ``address``."""
+        args = [sys.executable, "-m", "engine.worker", "--connect", address]
+        if self.model is not None:
+            args += ["--model", str(self.model)]
+        args += ["--ctx-size", str(self.ctx_size), "--parallel", str(self.parallel), "--spare", str(self.spare)]
+        args += ["--threads", str(self.threads), "--batch-size", str(self.batch_size)]
+        args += ["--ubatch-size", str(self.ubatch_size), "--n-gpu-layers", str(self.n_gpu_layers)]
+        if self.verify_cells:
+            args.append("--verify-cells")
+        return args
+
+
+Event = tuple[msgspec.Struct, list[bytes]]
+
+
+class EngineClient:
+    """Async client of one engine worker (see module docstring)."""
+
+    def __init__(self, options: WorkerOptions, restart: bool = True) -> None:
+        self.options = options
+        self.restart = restart
+        self.info: proto.ModelInfo | None = None
+        self.pieces: list[bytes] = []
+        self.generation = 0  # incremented on every (re)start: sequences of older generations are gone
+        self.on_restart: Callable[[], Awaitable[None]] | None = None
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, asyncio.Queue[Event | None]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self._closing = False
+        self._ready = asyncio.Event()
+        self._write_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alive(self) -> bool:
+        """True while a worker is connected and ready."""
+        return self._ready.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        """The spawned worker's process id."""
+        return self._proc.pid if self._proc else None
+
+    async def start(self, timeout: float = 300.0) -> proto.ModelInfo:
+        """Start (or connect to) the worker and wait for its ``Ready``."""
+        if self.options.connect:
+            from engine.worker import parse_address
+
+            family, addr = parse_address(self.options.connect)
+            if family == __import__("socket").AF_UNIX:
+                reader, writer = await asyncio.open_unix_connection(addr)  # type: ignore[arg-type]
+            else:
+                host, port = addr  # type: ignore[misc]
+                reader, writer = await asyncio.open_connection(host, port)
+        else:
+            reader, writer = await self._spawn(timeout)
+        reply, _ = await asyncio.wait_for(proto.read_reply(reader), timeout)
+        if not isinstance(reply, proto.Ready):
+            raise EngineDeadError(f"worker sent {type(reply).__name__} before Ready")
+        self.info = reply.info
+        self.pieces = reply.pieces
+        self._writer = writer
+        self.generation += 1
+        self._reader_task = asyncio.create_task(self._read_loop(reader), name="engine-reader")
+        self._ready.set()
+        log.info("engine ready", model=reply.info.model_name, pid=self.pid, generation=self.generation)
+        return reply.info
+
+    async def _spawn(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="slotserve-")
+        path = str(Path(self._tmpdir.name) / "worker.sock")
+        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+        def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            if not accepted.done():
+                accepted.set_result((r, w))
+            else:
+                w.close()
+
+        server = await asyncio.start_unix_server(on_connect, path=path, limit=1 << 20)
+        env = {**os.environ, **self.options.extra_env}
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._proc = await asyncio.create_subprocess_exec(*self.options.argv(f"unix:{path}"), env=env)
+        try:
+            done, _ = await asyncio.wait(
+                [accepted, asyncio.ensure_future(self._proc.wait())],
+                timeout=timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if accepted not in done:
+                raise EngineDeadError(f"worker exited with {self._proc.returncode} before connecting")
+            return accepted.result()
+        finally:
+            server.close()
+
+    async def close(self) -> None:
+        """Ask the worker to finish (flushing its commits) and stop it."""
+        self._closing = True
+        if self.alive:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.request(proto.Shutdown(0)), 10)
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        self._ready.clear()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.terminate()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._proc.wait(), 10)
+            if self._proc.returncode is None:
+                self._proc.kill()
+                await self._proc.wait()
+        if self._reader_task is not None and self._reader_task is not asyncio.current_task():
+            self._reader_task.cancel()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                msg, bufs = await proto.read_reply(reader)
+                q = self._waiters.get(msg.req)  # type: ignore[attr-defined]
+                if q is not None:
+                    q.put_nowait((msg, bufs))
+        except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError) as exc:
+            if not self._closing:
+                log.error("engine worker connection lost", error=str(exc), pid=self.pid)
+        finally:
+            self._ready.clear()
+            for q in self._waiters.values():
+                q.put_nowait(None)
+            if not self._closing:
+                await self._teardown()
+                if self.restart:
+                    asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        delay = 0.5
+        while not self._closing:
+            try:
+                await self.start()
+                if self.on_restart is not None:
+                    await self.on_restart()
+                return
+            except Exception as exc:
+                log.error("engine restart failed", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until a worker is ready (after a restart); False on timeout."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ------------------------------------------------------------------ requests
+
+    async def _send(self, msg: msgspec.Struct, buffers: Sequence[proto.Buffer] = ()) -> None:
+        if not self.alive or self._writer is None:
+            raise EngineDeadError("the engine worker is not running")
+        async with self._write_lock:
+            self._writer.writelines(proto.encode_frame(msg, buffers))
+            await self._writer.drain()
+
+    def new_id(self) -> int:
+        """A fresh request id."""
+        return next(self._ids)
+
+    async def request(self, msg: msgspec.Struct, buffers: Sequence[proto.Buffer] = ()) -> Event:
+        """Send ``msg`` and return its single reply; raise :class:`EngineRequestError` on ``Error``."""
+        q: asyncio.Queue[Event | None] = asyncio.Queue()
+        req = msg.req  # type: ignore[attr-defined]
+        self._waiters[req] = q
+        try:
+            await self._send(msg, buffers)
+            item = await q.get()
+        finally:
+            self._waiters.pop(req, None)
+        if item is None:
+            raise EngineDeadError("the engine worker died during the request")
+        reply, bufs = item
+        if isinstance(reply, proto.Error):
+            raise EngineRequestError(reply.code, reply.message)
+        return reply, bufs
+
+    async def open_stream(self, msg: proto.Generate) -> AsyncIterator[Event]:
+        """Send a ``Generate`` now; return an iterator of its ``Token`` events, then its ``Done``.
+
+        An ``Error`` reply raises :class:`EngineRequestError`; a dead worker raises
+        :class:`EngineDeadError`.  Leaving the iteration early (client gone) sends a
+        ``Cancel`` and drains the stream until ``Done``.
+        """
+        q: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._waiters[msg.req] = q
+        try:
+            await self._send(msg)
+        except BaseException:
+            self._waiters.pop(msg.req, None)
+            raise
+        return self._events(msg.req, q)
+
+    async def _events(self, req: int, q: asyncio.Queue[Event | None]) -> AsyncIterator[Event]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    finished = True
+                    raise EngineDeadError("the engine worker died during generation")
+                reply = item[0]
+                if isinstance(reply, proto.Error):
+                    finished = True
+                    raise EngineRequestError(reply.code, reply.message)
+                if isinstance(reply, proto.Done):
+                    finished = True
+                    yield item
+                    return
+                yield item
+        finally:
+            if not finished and self.alive:
+                await asyncio.shield(self._cancel_and_drain(req, q))
+            self._waiters.pop(req, None)
+
+    async def cancel(self, req: int) -> None:
+        """Ask the worker to cancel generation ``req`` (no reply; its stream ends with ``Done``)."""
+        await self._send(proto.Cancel(self.new_id(), req))
+
+    async def _cancel_and_drain(self, req: int, q: asyncio.Queue[Event | None]) -> None:
+        with contextlib.suppress(Exception):
+            await self._send(proto.Cancel(self.new_id(), req))
+            while True:
+                item = await asyncio.wait_for(q.get(), 30)
+                if item is None or isinstance(item[0], proto.Done | proto.Error):
+                    return
+
+    # ------------------------------------------------------------------ conveniences
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> proto.TokenizeResult:
+        """Tokenize through the worker's vocabulary."""
+        reply, _ = await self.request(proto.Tokenize(self.new_id(), text, add_special, parse_special))
+        assert isinstance(reply, proto.TokenizeResult)
+        return reply
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Detokenize (ids already validated)."""
+        reply, _ = await self.request(proto.Detokenize(self.new_id(), ids))
+        assert isinstance(reply, proto.DetokenizeResult)
+        return reply.text
+
+    async def seq_op(self, op: str, seq: int, arg0: int = 0, arg1: int = 0) -> Event:
+        """Run a :class:`engine.protocol.SeqOp` and return its reply."""
+        return await self.request(proto.SeqOp(self.new_id(), op, seq, arg0, arg1))
+
+    async def restore(self, seq: int, tokens: list[int], state: proto.Buffer) -> proto.StateBlob:
+        """Restore ``seq`` from tokens + llama.cpp state bytes."""
+        reply, _ = await self.request(proto.RestoreState(self.new_id(), seq, tokens), [state])
+        assert isinstance(reply, proto.StateBlob)
+        return reply

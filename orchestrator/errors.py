@@ -1,0 +1,80 @@
+"""API errors: every failure a client sees is JSON with an ``error_code``.
+
+Codes (DESIGN.md section 5): INVALID_REQUEST, INVALID_TOKEN, CONTEXT_OVERFLOW,
+NO_MODEL, OOM, SLOT_BUSY, SLOT_NOT_FOUND, NO_CACHED_CONTEXT, BAD_STATE, UNAUTHORIZED,
+RATE_LIMITED, PAYLOAD_TOO_LARGE, STORE_UNAVAILABLE, INTERNAL.  Body shape::
+
+    {"error": "<message>", "error_code": "<CODE>", ...extra}
+
+(the ``error`` key is what seed 000's error event uses).  Caller mistakes are 4xx;
+a 500 only ever means a bug of ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from litestar import MediaType, Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from orchestrator.engine_client import EngineDeadError, EngineRequestError
+
+log = structlog.get_logger("slotserve.api")
+
+STATUS_OF_CODE = {
+    "INVALID_REQUEST": 400,
+    "INVALID_TOKEN": 400,
+    "CONTEXT_OVERFLOW": 400,
+    "NO_CACHED_CONTEXT": 400,
+    "BAD_STATE": 400,
+    "UNAUTHORIZED": 401,
+    "SLOT_NOT_FOUND": 404,
+    "SLOT_BUSY": 409,
+    "PAYLOAD_TOO_LARGE": 413,
+    "RATE_LIMITED": 429,
+    "INTERNAL": 500,
+    "NO_MODEL": 503,
+    "OOM": 503,
+    "STORE_UNAVAILABLE": 503,
+}
+
+
+class ApiError(Exception):
+    """A failure to report to the client: ``code`` (above), message, optional extra fields."""
+
+    def __init__(self, code: str, message: str, status: int | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status or STATUS_OF_CODE.get(code, 400)
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        """The JSON error body (also used for WS/SSE error events)."""
+        return {"error": self.message, "error_code": self.code, **self.extra}
+
+
+def from_exception(exc: BaseException) -> ApiError:
+    """Map any exception raised while serving a request to an :class:`ApiError`."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineRequestError):
+        return ApiError(exc.code, exc.message)
+    if isinstance(exc, EngineDeadError):
+        return ApiError("NO_MODEL", str(exc))
+    if isinstance(exc, ValidationException):
+        return ApiError("INVALID_REQUEST", str(exc.detail), extra=exc.extra)
+    if isinstance(exc, HTTPException):
+        code = {401: "UNAUTHORIZED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "PAYLOAD_TOO_LARGE"}.get(
+            exc.status_code, "INVALID_REQUEST" if exc.status_code < 500 else "INTERNAL"
+        )
+        return ApiError(code, str(exc.detail), status=exc.status_code)
+    log.exception("unhandled error", error=str(exc))
+    return ApiError("INTERNAL", f"{type(exc).__name__}: {exc}", status=500)
+
+
+def exception_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    """Litestar exception handler: every error as ``{"error", "error_code"}`` JSON."""
+    err = from_exception(exc)
+    return Response(err.body(), status_code=err.status, media_type=MediaType.JSON)

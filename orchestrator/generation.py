@@ -1,0 +1,245 @@
+"""Generation service: validate a request, run it on its slot, yield wire-neutral events.
+
+HTTP/SSE/WS handlers call :meth:`GenerationService.run` and only format what it
+yields (:class:`TokenOut` per generated token, then one :class:`DoneOut`).  Data flows
+one way: handler -> slot registry -> engine client -> worker -> events back.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from engine import protocol as proto
+from orchestrator.engine_client import EngineClient
+from orchestrator.errors import ApiError
+from orchestrator.schemas import CanonicalRequest
+from orchestrator.slots import SlotRegistry
+
+log = structlog.get_logger("slotserve.generate")
+
+
+@dataclass
+class TokenOut:
+    """One generated token as the wire encoders need it.
+
+    ``text`` is the token's text from an incremental UTF-8 decoder over the stream
+    (a piece that ends mid-character yields ``""`` and the character comes with the
+    next token, so concatenating ``text`` is always the exact output); ``piece`` are
+    the raw bytes.  ``attention`` is raw little-endian ``dtype`` bytes of ``shape``.
+    """
+
+    index: int
+    token_id: int
+    piece: bytes
+    text: str
+    logprob: float | None
+    top: list[tuple[int, float]]
+    attention: bytes | None
+    attention_shape: list[int]
+    hidden: bytes | None
+    is_stop: bool
+
+
+@dataclass
+class DoneOut:
+    """End of a generation (``finish_reason``: length, stop_token, stop_string, cancelled)."""
+
+    done: proto.Done
+    text: str = ""
+    generation_time_ms: float = 0.0
+    slot_id: str = "0"
+
+
+def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """``INVALID_TOKEN`` unless every id is in ``[0, vocab_size)``."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ApiError(
+                "INVALID_TOKEN", f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}", token_id=t
+            )
+
+
+def sampling_params(req: CanonicalRequest, vocab_size: int) -> proto.SamplingParams:
+    """Validated :class:`engine.protocol.SamplingParams` from a canonical request."""
+    if req.max_new_tokens < 0:
+        raise ApiError("INVALID_REQUEST", "max_new_tokens must be >= 0")
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        v = getattr(req, name)
+        if not math.isfinite(v) or v < 0:
+            raise ApiError("INVALID_REQUEST", f"{name} must be a finite number >= 0")
+    if req.top_p > 1 or req.min_p > 1:
+        raise ApiError("INVALID_REQUEST", "top_p and min_p must be <= 1")
+    if req.n_probs < 0 or req.n_probs > 100:
+        raise ApiError("INVALID_REQUEST", "n_probs/top_logprobs must be in 0..100")
+    check_tokens(req.stop_tokens, vocab_size, "stop_tokens")
+    check_tokens(req.banned_tokens, vocab_size, "banned_tokens")
+    return proto.SamplingParams(
+        max_new_tokens=req.max_new_tokens,
+        temperature=req.temperature,
+        top_k=max(0, req.top_k),
+        top_p=req.top_p,
+        min_p=req.min_p,
+        repeat_penalty=req.repeat_penalty if req.repeat_penalty > 0 else 1.0,
+        repeat_last_n=req.repeat_last_n,
+        seed=req.seed,
+        banned_tokens=req.banned_tokens,
+        stop_tokens=req.stop_tokens,
+        stop_strings=req.stop_strings,
+        ignore_eos=req.ignore_eos,
+        n_probs=req.n_probs,
+        logprobs=True,
+    )
+
+
+def capture_options(req: CanonicalRequest, n_layers: int) -> proto.CaptureOptions:
+    """Validated capture options (``attention_layers`` within ``[0, n_layers)``)."""
+    layers = req.attention_layers
+    if layers is not None:
+        if not layers or any(not 0 <= il < n_layers for il in layers) or len(set(layers)) != len(layers):
+            raise ApiError("INVALID_REQUEST", f"attention_layers must be distinct layer indices in 0..{n_layers - 1}")
+    return proto.CaptureOptions(
+        attention=req.attention,
+        format=req.attention_format,
+        dtype=req.attention_dtype,
+        layers=layers,
+        hidden_state=req.hidden_state,
+    )
+
+
+class TokenStream:
+    """Turns engine ``Token`` events into :class:`TokenOut` (incremental UTF-8 text)."""
+
+    def __init__(self, stop_ids: set[int]) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.stop_ids = stop_ids
+
+    def convert(self, msg: proto.Token, bufs: list[bytes]) -> TokenOut:
+        """Attach text and split the buffers (attention first, then hidden state)."""
+        i = 0
+        attention = hidden = None
+        if msg.has_attention:
+            attention, i = bufs[0], 1
+        if msg.has_hidden:
+            hidden = bufs[i]
+        return TokenOut(
+            index=msg.index,
+            token_id=msg.token_id,
+            piece=msg.piece,
+            text=self.decoder.decode(msg.piece),
+            logprob=msg.logprob,
+            top=list(msg.top),
+            attention=attention,
+            attention_shape=list(msg.attention_shape),
+            hidden=hidden,
+            is_stop=msg.token_id in self.stop_ids,
+        )
+
+
+class RunControl:
+    """Lets a handler cancel the generation a :meth:`GenerationService.run` started."""
+
+    def __init__(self) -> None:
+        self.engine: EngineClient | None = None
+        self.req: int | None = None
+        self.pending = False
+
+    async def bind(self, engine: EngineClient, req: int) -> None:
+        """Called by ``run`` at the first event (the worker knows the request by then)."""
+        self.engine, self.req = engine, req
+        if self.pending:
+            await self.cancel()
+
+    async def cancel(self) -> None:
+        """Ask the worker to stop the generation (it ends with ``finish_reason="cancelled"``)."""
+        if self.engine is None or self.req is None:
+            self.pending = True
+            return
+        self.pending = False
+        await self.engine.cancel(self.req)
+
+
+class GenerationService:
+    """Runs generations for the API (see module docstring)."""
+
+    def __init__(self, engine: EngineClient, registry: SlotRegistry) -> None:
+        self.engine = engine
+        self.registry = registry
+
+    @property
+    def info(self) -> proto.ModelInfo:
+        """The loaded model's facts (``NO_MODEL`` while no worker is up)."""
+        if self.engine.info is None:
+            raise ApiError("NO_MODEL", "No model loaded")
+        return self.engine.info
+
+    async def input_ids(self, req: CanonicalRequest) -> list[int]:
+        """The request's context: ``input_ids`` (validated) or its ``prompt`` tokenized."""
+        info = self.info
+        if req.input_ids is not None:
+            ids = req.input_ids
+        elif req.prompt is not None:
+            ids = (await self.engine.tokenize(req.prompt, False, True)).ids
+        else:
+            raise ApiError("INVALID_REQUEST", "give input_ids (token ids) or prompt (text)")
+        if not ids:
+            raise ApiError("INVALID_REQUEST", "the context is empty")
+        check_tokens(ids, info.vocab_size, "input_ids")
+        if len(ids) + req.max_new_tokens > info.n_ctx:
+            raise ApiError(
+                "CONTEXT_OVERFLOW",
+                f"context of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds n_ctx {info.n_ctx}",
+                n_ctx=info.n_ctx,
+                context_length=len(ids),
+            )
+        return ids
+
+    async def pieces(self) -> list[bytes]:
+        """Every token's raw piece, indexed by token id (sent by the worker at start-up)."""
+        return self.engine.pieces
+
+    async def run(self, req: CanonicalRequest, control: RunControl | None = None) -> AsyncIterator[TokenOut | DoneOut]:
+        """Validate, take the slot, generate; yields tokens then one :class:`DoneOut`.
+
+        Raises :class:`ApiError` before the first yield for a bad request, and
+        ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
+        Closing the iterator early cancels the generation within one decode step.
+        """
+        info = self.info
+        ids = await self.input_ids(req)
+        params = sampling_params(req, info.vocab_size)
+        capture = capture_options(req, info.num_layers)
+        async with self.registry.use(req.slot, wait=req.wait) as slot:
+            structlog.contextvars.bind_contextvars(slot_id=slot.id)
+            t0 = time.perf_counter()
+            msg = proto.Generate(self.engine.new_id(), slot.seq, "generate", ids, params, capture)
+            converter = TokenStream(
+                set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
+            )
+            texts: list[str] = []
+            slot.dirty = True
+            events = await self.engine.open_stream(msg)
+            try:
+                if control is not None:
+                    await control.bind(self.engine, msg.req)
+                async for event, bufs in events:
+                    if isinstance(event, proto.Token):
+                        out = converter.convert(event, bufs)
+                        if not out.is_stop:
+                            texts.append(out.text)
+                        yield out
+                    elif isinstance(event, proto.Done):
+                        slot.n_tokens = event.seq_tokens
+                        slot.n_prompt_tokens_processed = event.n_prefilled
+                        tail = converter.decoder.decode(b"", final=True)
+                        text = "".join(texts) + tail
+                        yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+                if self.registry.persistence is not None:
+                    self.registry.persistence.schedule(slot)

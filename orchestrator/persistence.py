@@ -1,0 +1,298 @@
+"""Slot persistence: SES1 blobs, zstd-compressed, in the state store.
+
+* :meth:`Persistence.save` takes a resident slot's state from the worker
+  (``llama_state_seq_get_data``), packs it as SES1 (seed 004) and stores it through
+  :func:`storage.slot_codec.save_slot` (compression in a thread, metadata with the
+  model fingerprint, atomic put).
+* :meth:`Persistence.load_into` does the reverse into an engine sequence; a blob of
+  another model is refused (``BAD_STATE``) and never reaches llama.cpp.
+* Write-behind: every finished generation :meth:`schedule` s its slot; a background
+  task saves dirty slots shortly after (coalesced: one save per burst), retrying
+  with backoff while the store is down (``healthy`` is then False and ``/health``
+  says ``degraded``).  :meth:`shutdown` flushes everything dirty.
+* Leases: with several orchestrators on one Redis a slot is owned by one node at a
+  time (``SET NX PX`` lease, renewed while resident, released when parked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from engine import protocol as proto
+from orchestrator import metrics
+from orchestrator.engine_client import EngineClient
+from orchestrator.errors import ApiError
+from storage.base import SlotMeta, SlotStore
+from storage.errors import BadStateError, FingerprintMismatchError, StoreUnavailableError
+from storage.factory import open_store
+from storage.ses1 import pack_ses1, unpack_ses1
+from storage.slot_codec import load_slot, save_slot
+
+if TYPE_CHECKING:
+    from orchestrator.config import Settings
+    from orchestrator.slots import Slot, SlotRegistry
+
+log = structlog.get_logger("slotserve.persistence")
+
+
+def default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/slotserve`` (``~/.local/state/slotserve``)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "slotserve"
+
+
+class Persistence:
+    """Saves, loads and leases slots in one :class:`storage.base.SlotStore` (see module docstring)."""
+
+    def __init__(
+        self,
+        store: SlotStore,
+        engine: EngineClient,
+        *,
+        codec: str = "auto",
+        level: int = 3,
+        node_id: str = "",
+        lease_ms: int = 30_000,
+        write_delay_s: float = 0.2,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.codec = codec
+        self.level = level
+        self.node_id = node_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease_ms = lease_ms
+        self.write_delay_s = write_delay_s
+        self.registry: SlotRegistry | None = None
+        self.healthy = True
+        self.leases: dict[str, str] = {}
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    def from_settings(cls, settings: Settings, engine: EngineClient) -> Persistence:
+        """Build from ``--redis-url`` / ``--state-dir`` and the codec options."""
+        store = open_store(
+            settings.redis_url,
+            settings.state_dir or default_state_dir(),
+            prefix=settings.key_prefix,
+            ttl_s=settings.state_ttl_s,
+            chunk_size=settings.chunk_bytes,
+        )
+        return cls(
+            store,
+            engine,
+            codec=settings.codec,
+            level=settings.codec_level,
+            node_id=settings.node_id,
+            lease_ms=settings.lease_ms,
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        """The loaded model's fingerprint (states of other models are refused)."""
+        if self.engine.info is None:
+            raise ApiError("NO_MODEL", "No model loaded")
+        return self.engine.info.fingerprint
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Check the store (a failure only marks it unhealthy) and start background tasks."""
+        try:
+            await self.store.ping()
+        except StoreUnavailableError as exc:
+            self.healthy = False
+            log.warning("state store unavailable at start", error=str(exc))
+        self._tasks = [
+            asyncio.create_task(self._write_behind(), name="write-behind"),
+            asyncio.create_task(self._renew_leases(), name="lease-renew"),
+        ]
+
+    async def shutdown(self) -> None:
+        """Flush every dirty slot, release leases, close the store."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.flush(wait_for_locks=True)
+        for slot_id, token in list(self.leases.items()):
+            with contextlib.suppress(Exception):
+                await self.store.release_lease(slot_id, token)
+        self.leases.clear()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+
+    # ------------------------------------------------------------------ store access
+
+    def _unavailable(self, exc: Exception) -> ApiError:
+        self.healthy = False
+        return ApiError("STORE_UNAVAILABLE", f"state store unavailable: {exc}")
+
+    async def lookup(self, slot_id: str) -> SlotMeta | None:
+        """Stored metadata of ``slot_id`` (None if not stored); 503 if the store is down."""
+        try:
+            meta = await self.store.get_meta(slot_id)
+        except StoreUnavailableError as exc:
+            raise self._unavailable(exc) from exc
+        self.healthy = True
+        return meta
+
+    async def list_stored(self) -> list[SlotMeta]:
+        """All stored slots' metadata (empty when the store is down)."""
+        try:
+            return await self.store.list_meta()
+        except StoreUnavailableError:
+            self.healthy = False
+            return []
+
+    async def claim(self, slot: Slot) -> None:
+        """Hold ``slot``'s lease (acquired once, renewed in the background).
+
+        Raises ``SLOT_BUSY`` (with ``owner``) when another node holds it, and
+        ``STORE_UNAVAILABLE`` when it cannot be acquired because the store is down.
+        """
+        if slot.id in self.leases:
+            return
+        try:
+            token = await self.store.acquire_lease(slot.id, self.node_id, self.lease_ms)
+            owner = None if token else await self.store.lease_owner(slot.id)
+        except StoreUnavailableError as exc:
+            raise self._unavailable(exc) from exc
+        if token is None:
+            raise ApiError("SLOT_BUSY", f"slot {slot.id!r} is owned by another node", slot_id=slot.id, owner=owner)
+        self.leases[slot.id] = token
+
+    async def release(self, slot: Slot) -> None:
+        """Give up ``slot``'s lease (after parking it)."""
+        token = self.leases.pop(slot.id, None)
+        if token is not None:
+            with contextlib.suppress(StoreUnavailableError):
+                await self.store.release_lease(slot.id, token)
+
+    async def save(self, slot: Slot) -> SlotMeta:
+        """Persist a resident slot (lock held by the caller) now."""
+        assert slot.seq is not None
+        reply, bufs = await self.engine.seq_op("save_state", slot.seq)
+        assert isinstance(reply, proto.StateBlob)
+        blob = pack_ses1(reply.tokens, bufs[0])
+        try:
+            meta = await save_slot(
+                self.store, slot.id, self.fingerprint, reply.tokens, blob, codec=self.codec, level=self.level
+            )
+        except StoreUnavailableError as exc:
+            raise self._unavailable(exc) from exc
+        self.healthy = True
+        slot.stored, slot.dirty = True, False
+        slot.n_tokens = meta.n_tokens
+        slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+        metrics.PARKS.inc()
+        return meta
+
+    async def load_into(self, slot: Slot, seq: int) -> None:
+        """Restore a parked slot into engine sequence ``seq`` (lock held by the caller)."""
+        try:
+            got = await load_slot(self.store, slot.id, self.fingerprint)
+        except FingerprintMismatchError as exc:
+            raise ApiError("BAD_STATE", f"slot {slot.id!r} was saved by another model: {exc}") from exc
+        except BadStateError as exc:
+            raise ApiError("BAD_STATE", f"stored state of slot {slot.id!r} is damaged: {exc}") from exc
+        except StoreUnavailableError as exc:
+            raise self._unavailable(exc) from exc
+        self.healthy = True
+        if got is None:  # expired or deleted meanwhile: an empty slot
+            await self.engine.seq_op("erase", seq)
+            slot.stored, slot.n_tokens = False, 0
+            return
+        meta, raw = got
+        ses1 = unpack_ses1(raw)
+        await self.engine.restore(seq, ses1.tokens, ses1.state)
+        slot.n_tokens, slot.dirty = meta.n_tokens, False
+        slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+        metrics.RESTORES.inc()
+
+    async def delete(self, slot_id: str) -> bool:
+        """Remove a slot's stored state."""
+        self._dirty.discard(slot_id)
+        try:
+            return await self.store.delete(slot_id)
+        except StoreUnavailableError as exc:
+            raise self._unavailable(exc) from exc
+
+    # ------------------------------------------------------------------ write-behind
+
+    def schedule(self, slot: Slot) -> None:
+        """Queue a save of ``slot`` (coalesced with other requests for it)."""
+        slot.dirty = True
+        self._dirty.add(slot.id)
+        self._wake.set()
+
+    async def flush(self, wait_for_locks: bool = False) -> int:
+        """Save every dirty resident slot now; returns how many were saved."""
+        saved = 0
+        reg = self.registry
+        if reg is None:
+            return 0
+        for slot_id in list(self._dirty):
+            slot = reg.find(slot_id)
+            if slot is None or not slot.dirty or not reg.is_resident(slot):
+                self._dirty.discard(slot_id)
+                continue
+            if slot.lock.locked() and not wait_for_locks:
+                continue  # busy: its own end schedules it again
+            async with slot.lock:
+                if not (slot.dirty and reg.is_resident(slot)):
+                    self._dirty.discard(slot_id)
+                    continue
+                await self.save(slot)
+                self._dirty.discard(slot_id)
+                saved += 1
+        return saved
+
+    async def _write_behind(self) -> None:
+        backoff = 0.5
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self.write_delay_s)
+            try:
+                await self.flush()
+                backoff = 0.5
+            except ApiError as exc:
+                log.warning("write-behind failed; retrying", error=exc.message, retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30)
+                self._wake.set()
+            except Exception as exc:
+                log.exception("write-behind error", error=str(exc))
+                await asyncio.sleep(backoff)
+                self._wake.set()
+            if self._dirty:
+                self._wake.set()
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            for slot_id, token in list(self.leases.items()):
+                try:
+                    if not await self.store.renew_lease(slot_id, token, self.lease_ms):
+                        log.warning("lost lease", slot_id=slot_id)
+                        self.leases.pop(slot_id, None)
+                except StoreUnavailableError:
+                    self.healthy = False
+                    break
+
+    @staticmethod
+    def now() -> float:
+        """Unix seconds."""
+        return time.time()

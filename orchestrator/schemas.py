@@ -1,0 +1,197 @@
+"""Request bodies of the HTTP/WebSocket API (msgspec Structs: validated and documented in OpenAPI).
+
+Field names follow the seeds and the servers their clients know: seed 000
+(``max_new_tokens``, ``repetition_penalty``, ``stop_tokens``, ``banned_tokens``,
+``return_attention``), KoboldCpp / seed 001 (``max_length``, ``rep_pen``,
+``sampler_seed``, ``stop_sequence``, ``output_attentions``), llama-server
+(``n_predict``, ``repeat_penalty``, ``seed``, ``stop``, ``id_slot``, ``n_probs``).
+Aliases are merged by :meth:`GenerateRequest.canonical`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+AttentionFormat = Literal["per_layer", "aggregated"]
+AttentionDtype = Literal["float32", "float16"]
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """A generation request: the whole context as ``input_ids`` (or a ``prompt`` text)."""
+
+    type: str | None = None
+    request_id: str | None = None
+    input_ids: list[int] | None = None
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    max_length: int | None = None
+    max_tokens: int | None = None
+    n_predict: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    rep_pen: float | None = None
+    repeat_penalty: float | None = None
+    rep_pen_range: int | None = None
+    repeat_last_n: int | None = None
+    seed: int | None = None
+    sampler_seed: int | None = None
+    stop_tokens: list[int] | None = None
+    banned_tokens: list[int] | None = None
+    stop_sequence: list[str] | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+    return_attention: bool | None = None
+    output_attentions: bool | None = None
+    attention_format: AttentionFormat = "per_layer"
+    attention_dtype: AttentionDtype = "float32"
+    attention_layers: list[int] | None = None
+    output_hidden_states: bool = False
+    logprobs: bool | None = None
+    n_probs: int | None = None
+    top_logprobs: int | None = None
+    conversation_id: str | int | None = None
+    id_slot: str | int | None = None
+    wait: bool = False
+
+    def canonical(self) -> CanonicalRequest:
+        """Merge aliases (first given wins, seed 000 names first) into one canonical request."""
+
+        def first(*vals: object, default: object) -> object:
+            return next((v for v in vals if v is not None), default)
+
+        stops: list[str] = []
+        for s in (self.stop_sequence, self.stop):
+            if isinstance(s, str):
+                stops.append(s)
+            elif s:
+                stops.extend(s)
+        slot = first(self.conversation_id, self.id_slot, default="0")
+        return CanonicalRequest(
+            request_id=self.request_id,
+            input_ids=self.input_ids,
+            prompt=self.prompt,
+            max_new_tokens=int(
+                first(self.max_new_tokens, self.max_length, self.max_tokens, self.n_predict, default=100)
+            ),  # type: ignore[call-overload]
+            temperature=float(first(self.temperature, default=0.8)),  # type: ignore[arg-type]
+            top_p=float(first(self.top_p, default=0.95)),  # type: ignore[arg-type]
+            top_k=int(first(self.top_k, default=40)),  # type: ignore[call-overload]
+            min_p=float(first(self.min_p, default=0.05)),  # type: ignore[arg-type]
+            repeat_penalty=float(first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=1.0)),  # type: ignore[arg-type]
+            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=64)),  # type: ignore[call-overload]
+            seed=int(first(self.seed, self.sampler_seed, default=-1)),  # type: ignore[call-overload]
+            stop_tokens=list(self.stop_tokens or []),
+            banned_tokens=list(self.banned_tokens or []),
+            stop_strings=[s for s in stops if s],
+            ignore_eos=self.ignore_eos,
+            attention=bool(first(self.return_attention, self.output_attentions, default=False)),
+            attention_format=self.attention_format,
+            attention_dtype=self.attention_dtype,
+            attention_layers=self.attention_layers,
+            hidden_state=self.output_hidden_states,
+            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),  # type: ignore[call-overload]
+            slot=str(slot),
+            wait=self.wait,
+        )
+
+
+class CanonicalRequest(msgspec.Struct, kw_only=True):
+    """A generation request after alias merging (see :meth:`GenerateRequest.canonical`)."""
+
+    request_id: str | None
+    input_ids: list[int] | None
+    prompt: str | None
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    seed: int
+    stop_tokens: list[int]
+    banned_tokens: list[int]
+    stop_strings: list[str]
+    ignore_eos: bool
+    attention: bool
+    attention_format: AttentionFormat
+    attention_dtype: AttentionDtype
+    attention_layers: list[int] | None
+    hidden_state: bool
+    n_probs: int
+    slot: str
+    wait: bool
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/tokenize`` (seeds 000/001) and llama-server's ``/tokenize`` (``content``)."""
+
+    text: str | None = None
+    content: str | None = None
+    add_special_tokens: bool = False
+    add_special: bool | None = None
+    parse_special: bool = True
+    with_pieces: bool | None = None  # default: true on /api/v1/tokenize, false on /tokenize
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/detokenize`` (``token_ids``) and llama-server's ``/detokenize`` (``tokens``)."""
+
+    token_ids: list[int] | None = None
+    tokens: list[int] | None = None
+
+
+class AppendToken(msgspec.Struct):
+    """One appended token of a preview (seed 003)."""
+
+    token_id: int
+    text: str = ""
+
+
+class PreviewRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/generate/preview`` (seed 003)."""
+
+    append_tokens: list[AppendToken | int] = []
+    max_tokens: int = 50
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 40
+    seed: int = -1
+    stop_tokens: list[int] = []
+    use_cached_context: bool = True
+    input_ids: list[int] | None = None
+    conversation_id: str | int | None = None
+    id_slot: str | int | None = None
+    output_attentions: bool = False
+    attention_format: AttentionFormat = "per_layer"
+    attention_dtype: AttentionDtype = "float32"
+
+
+class ContextShiftRequest(msgspec.Struct, kw_only=True):
+    """``POST /slots/{id}?action=context-shift`` (seed 004)."""
+
+    n_keep: int
+    n_discard: int
+
+
+class SlotFileRequest(msgspec.Struct, kw_only=True):
+    """``POST /slots/{id}?action=save|restore`` (llama-server's file actions)."""
+
+    filename: str
+
+
+class ForkRequest(msgspec.Struct, kw_only=True):
+    """``POST /slots/{id}?action=fork``: the new slot's id."""
+
+    target: str | int
+
+
+class RestoreStateRequest(msgspec.Struct, kw_only=True):
+    """``POST /slots/{id}?action=restore-state`` with JSON: base64 SES1 blob."""
+
+    state: str

@@ -1,0 +1,29 @@
+"""The long-lived objects a request handler may use, owned by the app's lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from litestar.datastructures import State
+
+from orchestrator.config import Settings
+from orchestrator.engine_client import EngineClient
+from orchestrator.generation import GenerationService
+from orchestrator.persistence import Persistence
+from orchestrator.slots import SlotRegistry
+
+
+@dataclass
+class Services:
+    """Engine client, slot registry, generation service, persistence and settings."""
+
+    settings: Settings
+    engine: EngineClient
+    registry: SlotRegistry
+    generation: GenerationService
+    persistence: Persistence | None = None
+
+
+def provide_services(state: State) -> Services:
+    """Litestar dependency: the app's :class:`Services`."""
+    return state.services  # type: ignore[no-any-return]

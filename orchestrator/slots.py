@@ -1,0 +1,215 @@
+"""The slot registry: conversations (slots) and the engine sequences they occupy.
+
+A slot is a conversation's KV state, addressed by a string id (``"0"`` is the
+default slot, numeric ids work like llama-server's).  It is *resident* while it holds
+an engine sequence and *parked* when only the store has it.  The registry:
+
+* serializes use of a slot: one generation or admin operation at a time
+  (``SLOT_BUSY``, HTTP 409, unless the request asks to wait);
+* gives a slot a sequence on demand, parking the least recently used idle slot when
+  all ``--parallel`` sequences are taken, and restoring a parked slot transparently;
+* notices a restarted worker (sequences gone) and reloads slots from the store.
+
+Persistence itself (SES1 + codec + store, write-behind, leases) is
+:class:`orchestrator.persistence.Persistence`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from orchestrator.engine_client import EngineClient
+from orchestrator.errors import ApiError
+
+if TYPE_CHECKING:
+    from orchestrator.persistence import Persistence
+
+log = structlog.get_logger("slotserve.slots")
+
+MAX_SLOT_ID = 256
+
+
+@dataclass(eq=False)
+class Slot:
+    """One conversation's state and bookkeeping."""
+
+    id: str
+    seq: int | None = None
+    n_tokens: int = 0
+    engine_generation: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    stored: bool = False
+    dirty: bool = False
+    stored_bytes: int = 0
+    raw_bytes: int = 0
+    n_prompt_tokens_processed: int = 0
+
+    @property
+    def place(self) -> str:
+        """``resident`` (holds an engine sequence), ``parked`` (store only) or ``empty``."""
+        if self.seq is not None:
+            return "resident"
+        return "parked" if self.stored else "empty"
+
+
+def check_slot_id(slot_id: str) -> str:
+    """Validate a slot id (1..256 printable characters); raise ``INVALID_REQUEST``."""
+    if not slot_id or len(slot_id) > MAX_SLOT_ID or not slot_id.isprintable():
+        raise ApiError("INVALID_REQUEST", f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters")
+    return slot_id
+
+
+class SlotRegistry:
+    """Slots and sequence assignment over one :class:`EngineClient` (see module docstring)."""
+
+    def __init__(self, engine: EngineClient, n_seqs: int, persistence: Persistence | None = None) -> None:
+        self.engine = engine
+        self.n_seqs = n_seqs
+        self.persistence = persistence
+        self.slots: dict[str, Slot] = {}
+        self.owner: list[Slot | None] = [None] * n_seqs
+        self._alloc = asyncio.Lock()
+
+    # ------------------------------------------------------------------ lookup
+
+    def find(self, slot_id: str) -> Slot | None:
+        """The slot or None."""
+        return self.slots.get(slot_id)
+
+    async def get(self, slot_id: str, create: bool) -> Slot:
+        """The slot ``slot_id``; known to the store counts as existing.  ``SLOT_NOT_FOUND`` otherwise."""
+        check_slot_id(slot_id)
+        slot = self.slots.get(slot_id)
+        if slot is None and self.persistence is not None:
+            meta = await self.persistence.lookup(slot_id)
+            if meta is not None:
+                slot = self.slots.setdefault(slot_id, Slot(slot_id))
+                slot.stored, slot.n_tokens = True, meta.n_tokens
+                slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+        if slot is None:
+            if not create:
+                raise ApiError("SLOT_NOT_FOUND", f"slot {slot_id!r} does not exist")
+            slot = self.slots[slot_id] = Slot(slot_id)
+        return slot
+
+    # ------------------------------------------------------------------ use
+
+    @asynccontextmanager
+    async def use(
+        self, slot_id: str, *, wait: bool = False, create: bool = True, resident: bool = True
+    ) -> AsyncIterator[Slot]:
+        """Hold ``slot_id`` exclusively (``SLOT_BUSY`` unless ``wait``), resident if asked."""
+        slot = await self.get(slot_id, create)
+        if slot.lock.locked() and not wait:
+            raise ApiError("SLOT_BUSY", f"slot {slot_id!r} is processing another request", slot_id=slot_id)
+        async with slot.lock:
+            if self.persistence is not None:
+                await self.persistence.claim(slot)
+            if resident:
+                await self.ensure_resident(slot)
+            try:
+                yield slot
+            finally:
+                slot.last_used = time.monotonic()
+
+    def is_resident(self, slot: Slot) -> bool:
+        """True if the slot's sequence belongs to the running worker."""
+        return slot.seq is not None and slot.engine_generation == self.engine.generation
+
+    async def ensure_resident(self, slot: Slot, load: bool = True) -> int:
+        """Give ``slot`` (whose lock the caller holds) an engine sequence; restore it if parked.
+
+        With ``load=False`` a parked slot gets an empty sequence (the caller replaces its
+        state; :meth:`unload` undoes this if that fails).
+        """
+        if self.is_resident(slot):
+            return slot.seq  # type: ignore[return-value]
+        if slot.seq is not None:  # the worker restarted: the old sequence is gone
+            self._release_seq(slot)
+        async with self._alloc:
+            seq = self._free_seq()
+            if seq is None:
+                seq = await self._evict()
+            self.owner[seq] = slot
+            slot.seq, slot.engine_generation = seq, self.engine.generation
+        try:
+            if load and slot.stored and self.persistence is not None:
+                await self.persistence.load_into(slot, seq)
+            else:
+                await self.engine.seq_op("erase", seq)
+                if load:
+                    slot.n_tokens = 0
+        except BaseException:
+            self._release_seq(slot)
+            raise
+        return seq
+
+    def _free_seq(self) -> int | None:
+        gen = self.engine.generation
+        for i, s in enumerate(self.owner):
+            if s is None or s.engine_generation != gen or s.seq != i:
+                if s is not None and s.seq == i:
+                    s.seq = None
+                self.owner[i] = None
+                return i
+        return None
+
+    def _release_seq(self, slot: Slot) -> None:
+        if slot.seq is not None and 0 <= slot.seq < self.n_seqs and self.owner[slot.seq] is slot:
+            self.owner[slot.seq] = None
+        slot.seq = None
+
+    def unload(self, slot: Slot) -> None:
+        """Free the slot's sequence without saving (its stored copy, if any, stays the truth)."""
+        self._release_seq(slot)
+        slot.dirty = False
+
+    async def _evict(self) -> int:
+        """Park the least recently used idle resident slot and return its sequence."""
+        idle = [s for s in self.owner if s is not None and not s.lock.locked()]
+        if not idle:
+            raise ApiError("RATE_LIMITED", f"all {self.n_seqs} engine sequences are busy", status=503)
+        victim = min(idle, key=lambda s: s.last_used)
+        async with victim.lock:
+            seq = victim.seq
+            assert seq is not None
+            await self.park(victim)
+            return seq
+
+    async def park(self, slot: Slot) -> None:
+        """Save ``slot`` (lock held) to the store and free its sequence."""
+        if slot.seq is None:
+            return
+        if self.persistence is None:
+            raise ApiError("RATE_LIMITED", "no store configured to park slots in", status=503)
+        if slot.n_tokens or slot.dirty:
+            await self.persistence.save(slot)
+        await self.engine.seq_op("erase", slot.seq)
+        self._release_seq(slot)
+        if self.persistence is not None:
+            await self.persistence.release(slot)
+        log.info("slot parked", slot_id=slot.id, n_tokens=slot.n_tokens)
+
+    async def forget(self, slot: Slot) -> None:
+        """Drop a slot entirely (lock held): engine cells and registry entry."""
+        if self.is_resident(slot):
+            await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
+        self._release_seq(slot)
+        self.slots.pop(slot.id, None)
+
+    def on_engine_restart(self) -> None:
+        """The worker restarted: every resident slot lost its cells (stored ones reload on use)."""
+        for i, s in enumerate(self.owner):
+            if s is not None:
+                s.seq = None
+                if not s.stored:
+                    s.n_tokens = 0
+            self.owner[i] = None

@@ -1,0 +1,127 @@
+"""Wire encoders: one function per event shape the clients read.
+
+Shapes come from the seeds: seed 000 (WS ``token``/``done``/``error`` events with
+base64 attention, ``logprob``, ``top_logprobs``), seed 001 (Kobold SSE ``{"token",
+"finish_reason"}``, and the attention SSE events ``{"type":"token","token":{...},
+"attention":{...}}``), seed 002 (binary WS: a JSON text frame per token, then the raw
+float32 attention frame).  Attention bytes are the worker's bytes, untouched.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from orchestrator.generation import DoneOut, TokenOut
+
+KOBOLD_FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "abort"}
+
+
+def token_text_fields(t: TokenOut) -> dict[str, Any]:
+    """``{"token_id", "text"}`` plus ``bytes`` when the piece alone is not valid UTF-8."""
+    out: dict[str, Any] = {"token_id": t.token_id, "text": t.text}
+    try:
+        t.piece.decode("utf-8")
+    except UnicodeDecodeError:
+        out["bytes"] = list(t.piece)
+    return out
+
+
+def attention_json(t: TokenOut, fmt: str, dtype: str) -> dict[str, Any] | None:
+    """Seed 000/001 attention object: format, shape, context_length, base64 data."""
+    if t.attention is None:
+        return None
+    return {
+        "format": fmt,
+        "shape": t.attention_shape,
+        "context_length": t.attention_shape[-1],
+        "encoding": "base64",
+        "dtype": dtype,
+        "data": base64.b64encode(t.attention).decode("ascii"),
+    }
+
+
+def hidden_json(t: TokenOut) -> dict[str, Any] | None:
+    """``{"shape": [n_embd], "encoding": "base64", "dtype": "float32", "data"}`` (Halo Weave)."""
+    if t.hidden is None:
+        return None
+    return {
+        "shape": [len(t.hidden) // 4],
+        "encoding": "base64",
+        "dtype": "float32",
+        "data": base64.b64encode(t.hidden).decode("ascii"),
+    }
+
+
+def top_logprobs(t: TokenOut, pieces: list[bytes] | None = None) -> list[dict[str, Any]]:
+    """``[{"token_id", "logprob"(, "text")}]`` best first."""
+    out = []
+    for tok, lp in t.top:
+        item: dict[str, Any] = {"token_id": tok, "logprob": lp}
+        if pieces is not None:
+            item["text"] = pieces[tok].decode("utf-8", "replace")
+        out.append(item)
+    return out
+
+
+def v1_token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str, pieces: list[bytes]) -> dict[str, Any]:
+    """Seed 000 WS ``token`` event."""
+    token = token_text_fields(t)
+    token["logprob"] = t.logprob
+    token["top_logprobs"] = top_logprobs(t, pieces)
+    ev: dict[str, Any] = {"type": "token", "request_id": request_id, "index": t.index, "token": token}
+    att = attention_json(t, fmt, dtype)
+    if att is not None:
+        ev["attention"] = att
+    hid = hidden_json(t)
+    if hid is not None:
+        ev["hidden_state"] = hid
+    return ev
+
+
+def done_event(d: DoneOut, request_id: str | None) -> dict[str, Any]:
+    """Seed 000/001 ``done`` event."""
+    ev: dict[str, Any] = {
+        "type": "done",
+        "request_id": request_id,
+        "finish_reason": d.done.finish_reason,
+        "total_tokens": d.done.n_generated,
+        "generation_time_ms": round(d.generation_time_ms, 3),
+        "prompt_tokens": d.done.n_prompt,
+        "cached_tokens": d.done.n_cached,
+        "slot_id": d.slot_id,
+    }
+    if d.done.stop_string:
+        ev["stop_string"] = d.done.stop_string
+    return ev
+
+
+def kobold_token_event(t: TokenOut) -> dict[str, Any]:
+    """KoboldCpp SSE text event (seed 001, no attention); a stop token contributes no text."""
+    return {"token": "" if t.is_stop else t.text, "finish_reason": None}
+
+
+def kobold_done_event(d: DoneOut) -> dict[str, Any]:
+    """KoboldCpp SSE final event."""
+    return {"token": "", "finish_reason": KOBOLD_FINISH.get(d.done.finish_reason, d.done.finish_reason)}
+
+
+def sse_attention_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str) -> dict[str, Any]:
+    """Seed 001 SSE token event with attention (``{"type":"token","token":{token_id,text}, ...}``)."""
+    ev: dict[str, Any] = {"type": "token", "token": token_text_fields(t), "request_id": request_id}
+    ev["attention"] = attention_json(t, fmt, dtype)
+    hid = hidden_json(t)
+    if hid is not None:
+        ev["hidden_state"] = hid
+    return ev
+
+
+def binary_ws_token_frame(t: TokenOut) -> dict[str, Any]:
+    """Seed 002 text frame before the binary attention frame."""
+    ev: dict[str, Any] = {"type": "token", **token_text_fields(t), "index": t.index}
+    if t.attention is not None:
+        ev["shape"] = t.attention_shape
+    hid = hidden_json(t)
+    if hid is not None:
+        ev["hidden_state"] = hid
+    return ev

@@ -1,0 +1,191 @@
+"""The slot store interface and the metadata stored beside every blob.
+
+A store keeps, per slot id, one :class:`SlotMeta` and one already-encoded (compressed) blob, written
+and read together atomically. Stores never compress or interpret blobs; see
+:mod:`storage.slot_codec` for that. Implementations: :class:`storage.directory.DirectoryStore`
+(embedded default, one machine) and :class:`storage.redis_store.RedisStore`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from storage.errors import BadStateError
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_PREFIX",
+    "MAX_SLOT_ID_BYTES",
+    "SlotMeta",
+    "SlotStore",
+    "decode_meta",
+    "encode_meta",
+    "n_chunks_for",
+    "now",
+    "validate_slot_id",
+]
+
+DEFAULT_PREFIX = "slotserve:"
+DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
+"""Default chunk size in bytes (64 MiB); Redis caps a value at 512 MB."""
+MAX_SLOT_ID_BYTES = 1024
+
+
+class SlotMeta(msgspec.Struct):
+    """Metadata of one stored slot.
+
+    Attributes:
+        slot_id: the slot's id (any string, see :func:`validate_slot_id`).
+        model_fingerprint: identifies the model/build that produced the state; a state is only
+            restorable into the same fingerprint.
+        n_tokens: number of tokens in the state (== len(tokens)).
+        tokens: the token ids held by the state.
+        codec: codec name from :mod:`storage.codec` ("none", "zstd", "zstd-planes").
+        level: zstd level used.
+        raw_size: bytes of the SES1 blob before compression.
+        stored_size: bytes of the blob as stored (after compression); set by the store on put.
+        created_at: unix seconds of the first put of this slot (kept across overwrites).
+        updated_at: unix seconds of the latest put; set by the store.
+        n_chunks: number of pieces the stored blob is split into (1 for the directory store).
+        generation: write counter, set by the store: 1 on the first put, +1 on every later put.
+    """
+
+    slot_id: str
+    model_fingerprint: str
+    n_tokens: int
+    tokens: list[int]
+    codec: str
+    level: int
+    raw_size: int
+    stored_size: int
+    created_at: float
+    updated_at: float
+    n_chunks: int = 1
+    generation: int = 0
+
+
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(SlotMeta)
+
+
+def encode_meta(meta: SlotMeta) -> bytes:
+    """Serialize metadata as msgpack (a map keyed by field name)."""
+    return _meta_encoder.encode(meta)
+
+
+def decode_meta(data: bytes | memoryview) -> SlotMeta:
+    """Parse metadata written by :func:`encode_meta`.
+
+    Raises:
+        storage.errors.BadStateError: not valid msgpack or wrong fields/types.
+    """
+    try:
+        return _meta_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadStateError(f"corrupt slot metadata: {exc}") from exc
+
+
+def validate_slot_id(slot_id: str) -> bytes:
+    """Check a slot id and return its UTF-8 bytes.
+
+    Any non-empty string is a valid id (including "/", "..", "{x}", unicode) if it is valid UTF-8
+    (no lone surrogates) and at most :data:`MAX_SLOT_ID_BYTES` bytes long.
+
+    Raises:
+        TypeError: not a str.
+        ValueError: empty, not encodable as UTF-8, or too long.
+    """
+    if not isinstance(slot_id, str):
+        raise TypeError(f"slot id must be str, not {type(slot_id).__name__}")
+    if not slot_id:
+        raise ValueError("slot id must not be empty")
+    try:
+        raw = slot_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"slot id is not valid UTF-8: {exc}") from exc
+    if len(raw) > MAX_SLOT_ID_BYTES:
+        raise ValueError(f"slot id is {len(raw)} bytes long; the limit is {MAX_SLOT_ID_BYTES}")
+    return raw
+
+
+def n_chunks_for(size: int, chunk_size: int) -> int:
+    """Number of chunks of at most ``chunk_size`` bytes for ``size`` bytes (at least 1, even for 0)."""
+    return max(1, -(-size // chunk_size))
+
+
+def now() -> float:
+    """Current wall-clock time in unix seconds."""
+    return time.time()
+
+
+@runtime_checkable
+class SlotStore(Protocol):
+    """What every slot store provides. All methods are coroutines; backend outages raise
+    :class:`storage.errors.StoreUnavailableError`, corrupt stored data raises
+    :class:`storage.errors.BadStateError`, invalid slot ids raise ``ValueError``/``TypeError``.
+
+    Constructor options shared by implementations: ``prefix`` (key prefix, default "slotserve:"),
+    ``ttl_s`` (optional time to live of slot data in seconds, refreshed on every put; expired slots
+    read as absent), ``chunk_size`` (bytes per stored piece, default 64 MiB).
+    """
+
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+        """Store an already-encoded blob and its metadata atomically, replacing any previous version.
+
+        A concurrent reader sees either the old pair or the new pair, never a mix or a partial blob.
+        The store fills ``stored_size`` (len(blob)), ``n_chunks``, ``generation`` (previous + 1, or 1),
+        ``created_at`` (kept from the previous version; else ``meta.created_at`` if > 0, else now) and
+        ``updated_at`` (now). Returns the metadata as stored.
+        """
+        ...
+
+    async def get(self, slot_id: str) -> tuple[SlotMeta, bytes] | None:
+        """Return ``(meta, encoded_blob)`` or None if absent/expired.
+
+        Raises BadStateError if the stored blob is incomplete (missing chunk, wrong length) or the
+        metadata is unreadable.
+        """
+        ...
+
+    async def get_meta(self, slot_id: str) -> SlotMeta | None:
+        """Return the metadata only (cheap: the blob is not read), or None if absent/expired."""
+        ...
+
+    async def delete(self, slot_id: str) -> bool:
+        """Remove a slot; True if it existed."""
+        ...
+
+    async def list_meta(self) -> list[SlotMeta]:
+        """Metadata of every stored (unexpired) slot, in no particular order."""
+        ...
+
+    async def ping(self) -> None:
+        """Check the backend is usable; raises StoreUnavailableError if not."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections/resources. The store is unusable afterwards."""
+        ...
+
+    async def acquire_lease(self, slot_id: str, owner: str, ttl_ms: int) -> str | None:
+        """Take the ownership lease of a slot for ``ttl_ms`` milliseconds.
+
+        Returns a token (needed to renew/release) on success, or None if another owner holds an
+        unexpired lease. If ``owner`` already holds it, its TTL is reset and the same token returned.
+        """
+        ...
+
+    async def renew_lease(self, slot_id: str, token: str, ttl_ms: int) -> bool:
+        """Reset the lease TTL to ``ttl_ms`` if ``token`` still holds it; False otherwise."""
+        ...
+
+    async def release_lease(self, slot_id: str, token: str) -> bool:
+        """Drop the lease if ``token`` still holds it; False otherwise."""
+        ...
+
+    async def lease_owner(self, slot_id: str) -> str | None:
+        """The owner of the unexpired lease of a slot, or None."""
+        ...

@@ -1,0 +1,353 @@
+"""DirectoryStore: the embedded slot store (a local directory; the single-machine default).
+
+Layout::
+
+    root/<namespace>/<slot-name>/slot.bin
+
+``<namespace>`` and ``<slot-name>`` are :func:`safe_name` encodings of the key prefix and slot id:
+``s_`` + the UTF-8 bytes with every byte outside ``[a-z0-9_-]`` written as ``%XX`` (so ``"../x"``
+becomes ``s_%2E%2E%2Fx`` and cannot escape ``root``; upper case is escaped too, so names stay distinct
+on case-insensitive file systems), or ``h_`` + sha256 hex when that would exceed 200 characters.
+
+``slot.bin`` holds meta AND blob in one file, so one ``os.replace`` switches both atomically: a reader
+(or a crash at any moment) sees the old file or the new one, never a mismatched pair. Format, all
+integers little-endian::
+
+    b"SSD1" | u32 meta_len | f64 expires_at (unix s, 0 = never) | u64 blob_len | meta (msgpack) | blob
+
+A put writes ``.tmp-<random>`` in the slot directory, fsyncs it (unless ``fsync=False``), renames it
+over ``slot.bin`` and fsyncs the directory. Blocking I/O runs in ``asyncio.to_thread``.
+
+Concurrency: writers of one slot are serialized inside a process (the generation counter is a
+read-modify-write). Several processes may read one directory; concurrent writers of the same slot in
+different processes still never produce a mismatched pair, but may reuse a generation number.
+Leases are kept in this process's memory (shared by instances with the same root and prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import secrets
+import struct
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+import msgspec
+
+from storage.base import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PREFIX,
+    SlotMeta,
+    decode_meta,
+    encode_meta,
+    now,
+    validate_slot_id,
+)
+from storage.errors import BadStateError, StoreUnavailableError
+from storage.leases import LeaseTable
+
+__all__ = ["DirectoryStore", "safe_name"]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"SSD1"
+_HEADER = struct.Struct("<4sIdQ")
+_FILE = "slot.bin"
+_TMP_PREFIX = ".tmp-"
+_MAX_NAME = 200
+_SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
+_STALE_TMP_S = 3600.0
+_N_LOCKS = 64
+_T = TypeVar("_T")
+
+_lease_tables: dict[tuple[Path, str], LeaseTable] = {}
+
+
+def safe_name(raw: bytes) -> str:
+    """A file name for arbitrary bytes: injective, no path separators, no dots, never empty."""
+    name = "s_" + "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
+    if len(name) > _MAX_NAME:
+        name = "h_" + hashlib.sha256(raw).hexdigest()
+    return name
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise BadStateError(f"slot file truncated: {what} needs {n} bytes, got {len(data)}")
+    return data
+
+
+class DirectoryStore:
+    """Slot store in a local directory. See the module docstring for layout and guarantees.
+
+    Args:
+        root: base directory (created, with parents, on the first put or ping).
+        prefix: key prefix; selects a namespace subdirectory (default "slotserve:").
+        ttl_s: optional time to live of slot data in seconds, set/refreshed by each put; expired slots
+            read as absent and are removed by :meth:`purge_expired` (or by delete/overwrite).
+        chunk_size: accepted for interface parity; files are not chunked (``n_chunks`` is always 1).
+        fsync: fsync files and the directory on put (durable across power loss; default True).
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        ttl_s: float | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        fsync: bool = True,
+    ) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError("ttl_s must be positive or None")
+        self.root = Path(root)
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.chunk_size = chunk_size
+        self.fsync = fsync
+        self.dir = self.root / safe_name(prefix.encode("utf-8")) if prefix else self.root
+        self._locks = [asyncio.Lock() for _ in range(_N_LOCKS)]
+        key = (self.root.resolve(), prefix)
+        self._leases = _lease_tables.setdefault(key, LeaseTable())
+
+    # -- paths and file format ------------------------------------------------------------------
+
+    def slot_dir(self, slot_id: str) -> Path:
+        """Directory holding one slot's file (validates the id)."""
+        return self.dir / safe_name(validate_slot_id(slot_id))
+
+    def _lock(self, slot_id: str) -> asyncio.Lock:
+        return self._locks[zlib.crc32(slot_id.encode("utf-8")) % _N_LOCKS]
+
+    @staticmethod
+    def _read_head(f: BinaryIO, path: Path) -> tuple[SlotMeta, float, int]:
+        magic, meta_len, expires_at, blob_len = _HEADER.unpack(_read_exact(f, _HEADER.size, "header"))
+        if magic != _MAGIC:
+            raise BadStateError(f"{path} is not a slot file (magic {magic!r})")
+        size = os.fstat(f.fileno()).st_size
+        if size != _HEADER.size + meta_len + blob_len:
+            raise BadStateError(
+                f"{path} is {size} bytes; header says {_HEADER.size + meta_len + blob_len} (truncated?)"
+            )
+        meta = decode_meta(_read_exact(f, meta_len, "metadata"))
+        if meta.stored_size != blob_len:
+            raise BadStateError(f"{path}: meta says {meta.stored_size} blob bytes, file has {blob_len}")
+        return meta, expires_at, blob_len
+
+    @staticmethod
+    def _expired(expires_at: float) -> bool:
+        return expires_at > 0 and expires_at <= now()
+
+    def _read(self, slot_id: str, with_blob: bool) -> tuple[SlotMeta, bytes | None] | None:
+        path = self.slot_dir(slot_id) / _FILE
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            return None
+        with f:
+            meta, expires_at, blob_len = self._read_head(f, path)
+            if self._expired(expires_at):
+                return None
+            if meta.slot_id != slot_id:
+                raise BadStateError(f"{path} holds slot {meta.slot_id!r}, not {slot_id!r}")
+            blob = _read_exact(f, blob_len, "blob") if with_blob else None
+        return meta, blob
+
+    def _write(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+        sdir = self.slot_dir(meta.slot_id)
+        try:
+            prev = self._read(meta.slot_id, with_blob=False)
+        except BadStateError:
+            prev = None  # an unreadable old version is simply replaced
+        t = now()
+        if prev is not None:
+            created, generation = prev[0].created_at, prev[0].generation + 1
+        else:
+            created, generation = (meta.created_at if meta.created_at > 0 else t), 1
+        stored = msgspec.structs.replace(
+            meta,
+            stored_size=len(blob),
+            n_chunks=1,
+            generation=generation,
+            created_at=created,
+            updated_at=t,
+        )
+        meta_bytes = encode_meta(stored)
+        expires_at = t + self.ttl_s if self.ttl_s else 0.0
+        header = _HEADER.pack(_MAGIC, len(meta_bytes), expires_at, len(blob))
+        for attempt in range(3):
+            sdir.mkdir(parents=True, exist_ok=True)
+            tmp = sdir / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(header)
+                    f.write(meta_bytes)
+                    f.write(blob)
+                    f.flush()
+                    if self.fsync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, sdir / _FILE)
+                break
+            except FileNotFoundError:
+                # another process removed the (empty) slot directory under us: retry
+                if attempt == 2:
+                    raise
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        if self.fsync:
+            _fsync_dir(sdir)
+        return stored
+
+    def _remove(self, slot_id: str) -> bool:
+        sdir = self.slot_dir(slot_id)
+        try:
+            existed = self._read(slot_id, with_blob=False) is not None
+        except BadStateError:
+            existed = True
+        try:
+            (sdir / _FILE).unlink()
+        except FileNotFoundError:
+            return False
+        self._cleanup_dir(sdir, stale_only=False)
+        return existed
+
+    @staticmethod
+    def _cleanup_dir(sdir: Path, stale_only: bool) -> None:
+        try:
+            for entry in os.scandir(sdir):
+                if entry.name.startswith(_TMP_PREFIX):
+                    try:
+                        if not stale_only or entry.stat().st_mtime < time.time() - _STALE_TMP_S:
+                            os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+            sdir.rmdir()
+        except OSError:
+            pass  # not empty (a writer is active) or already gone
+
+    def _slot_dirs(self) -> list[Path]:
+        try:
+            return [Path(e.path) for e in os.scandir(self.dir) if e.is_dir() and e.name[:2] in ("s_", "h_")]
+        except FileNotFoundError:
+            return []
+
+    def _list(self) -> list[SlotMeta]:
+        out = []
+        for sdir in self._slot_dirs():
+            path = sdir / _FILE
+            try:
+                with open(path, "rb") as f:
+                    meta, expires_at, _ = self._read_head(f, path)
+            except FileNotFoundError:
+                continue
+            except BadStateError as exc:
+                log.warning("skipping unreadable slot file: %s", exc)
+                continue
+            if not self._expired(expires_at):
+                out.append(meta)
+        return out
+
+    def _purge(self) -> int:
+        removed = 0
+        for sdir in self._slot_dirs():
+            path = sdir / _FILE
+            try:
+                with open(path, "rb") as f:
+                    _, expires_at, _ = self._read_head(f, path)
+                if self._expired(expires_at):
+                    path.unlink()
+                    removed += 1
+            except (FileNotFoundError, BadStateError):
+                pass
+            self._cleanup_dir(sdir, stale_only=True)
+        return removed
+
+    # -- async API --------------------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except (BadStateError, ValueError, TypeError):
+            raise
+        except OSError as exc:
+            raise StoreUnavailableError(f"slot directory {self.dir}: {exc}") from exc
+
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+        """Store ``blob`` (already encoded) with ``meta`` in one atomic file replace; see SlotStore.put."""
+        validate_slot_id(meta.slot_id)
+        async with self._lock(meta.slot_id):
+            return await self._run(self._write, meta, blob)
+
+    async def get(self, slot_id: str) -> tuple[SlotMeta, bytes] | None:
+        """``(meta, encoded_blob)`` or None if absent/expired; BadStateError if the file is damaged."""
+        res = await self._run(self._read, slot_id, True)
+        if res is None:
+            return None
+        meta, blob = res
+        assert blob is not None
+        return meta, blob
+
+    async def get_meta(self, slot_id: str) -> SlotMeta | None:
+        """Metadata without reading the blob, or None if absent/expired."""
+        res = await self._run(self._read, slot_id, False)
+        return None if res is None else res[0]
+
+    async def delete(self, slot_id: str) -> bool:
+        """Remove a slot; True if it existed (and had not expired)."""
+        validate_slot_id(slot_id)
+        async with self._lock(slot_id):
+            return await self._run(self._remove, slot_id)
+
+    async def list_meta(self) -> list[SlotMeta]:
+        """Metadata of every unexpired slot (unreadable files are logged and skipped)."""
+        return await self._run(self._list)
+
+    async def purge_expired(self) -> int:
+        """Delete expired slots and stale temp files (older than 1 h); returns the number of slots removed."""
+        return await self._run(self._purge)
+
+    async def ping(self) -> None:
+        """Check that the directory exists (creating it) and is writable; StoreUnavailableError if not."""
+
+        def check() -> None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.dir, os.W_OK | os.X_OK):
+                raise PermissionError(f"{self.dir} is not writable")
+
+        await self._run(check)
+
+    async def close(self) -> None:
+        """Nothing to release (files are closed after each operation)."""
+
+    async def acquire_lease(self, slot_id: str, owner: str, ttl_ms: int) -> str | None:
+        """In-process lease; see SlotStore.acquire_lease."""
+        validate_slot_id(slot_id)
+        return self._leases.acquire(slot_id, owner, ttl_ms)
+
+    async def renew_lease(self, slot_id: str, token: str, ttl_ms: int) -> bool:
+        """See SlotStore.renew_lease."""
+        return self._leases.renew(slot_id, token, ttl_ms)
+
+    async def release_lease(self, slot_id: str, token: str) -> bool:
+        """See SlotStore.release_lease."""
+        return self._leases.release(slot_id, token)
+
+    async def lease_owner(self, slot_id: str) -> str | None:
+        """See SlotStore.lease_owner."""
+        return self._leases.owner(slot_id)

@@ -1,0 +1,46 @@
+"""Exceptions raised by the ``storage`` package.
+
+Every store and helper raises only these (plus ``ValueError``/``TypeError`` for caller mistakes such as an
+invalid slot id), so callers can map them to API errors without knowing the backend:
+
+- :class:`BadStateError`: stored or supplied state is unusable (corrupt, truncated, wrong format).
+  The orchestrator reports it as ``BAD_STATE`` and leaves the slot as it was.
+- :class:`FingerprintMismatchError`: the state was made by another model/build; never restore it.
+- :class:`StoreUnavailableError`: the backend cannot be reached right now (connection refused, timeout,
+  failover in progress). Transient: retrying later may succeed.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BadStateError", "FingerprintMismatchError", "StorageError", "StoreUnavailableError"]
+
+
+class StorageError(Exception):
+    """Base class of every error raised by the storage package."""
+
+
+class BadStateError(StorageError, ValueError):
+    """A state blob or its metadata is malformed, truncated, corrupt or inconsistent."""
+
+
+class FingerprintMismatchError(BadStateError):
+    """A stored slot belongs to a different model fingerprint than the one asking for it.
+
+    Attributes:
+        slot_id: the slot that was asked for.
+        expected: the fingerprint of the caller's model.
+        found: the fingerprint recorded in the slot's metadata.
+    """
+
+    def __init__(self, slot_id: str, expected: str, found: str) -> None:
+        super().__init__(
+            f"slot {slot_id!r} was saved by model fingerprint {found!r}, not {expected!r}; refusing to load it"
+        )
+        self.slot_id = slot_id
+        self.expected = expected
+        self.found = found
+
+
+class StoreUnavailableError(StorageError):
+    """The state store backend is unreachable or timed out (transient; the operation did not happen
+    or its outcome is unknown)."""
