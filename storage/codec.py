@@ -152,9 +152,7 @@ def planes_if_helps(data: Buffer, level: int = DEFAULT_LEVEL, sample_size: int =
     return ZSTD_PLANES if planes < plain else ZSTD
 
 
-def encode_auto(
-    data: Buffer, level: int = DEFAULT_LEVEL, sample_size: int = SAMPLE_SIZE
-) -> tuple[str, bytes]:
+def encode_auto(data: Buffer, level: int = DEFAULT_LEVEL, sample_size: int = SAMPLE_SIZE) -> tuple[str, bytes]:
     """Compress with the codec :func:`planes_if_helps` picks; for data up to ``2 * sample_size`` bytes
     it uses :func:`encode_best` instead (two full compressions are then as cheap as the sampling).
 

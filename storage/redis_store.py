@@ -272,9 +272,7 @@ class RedisStore:
         tmp_keys = [base + b"tmp:%s:%d" % (nonce, i) for i in range(n)]
         t = now()
         created = meta.created_at if meta.created_at > 0 else t
-        body = msgspec.structs.replace(
-            meta, stored_size=len(view), n_chunks=n, updated_at=t, created_at=created
-        )
+        body = msgspec.structs.replace(meta, stored_size=len(view), n_chunks=n, updated_at=t, created_at=created)
         async with _unavailable("put"):
             try:
                 pipe = self.redis.pipeline(transaction=False)

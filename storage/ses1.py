@@ -77,9 +77,7 @@ def _parse_header(blob: bytes | bytearray | memoryview) -> tuple[memoryview, int
         raise BadStateError(f"SES1 n_tokens {n_tokens} is absurd (limit {MAX_TOKENS})")
     end = HEADER_SIZE + 4 * n_tokens
     if len(view) < end:
-        raise BadStateError(
-            f"SES1 blob truncated: header says {n_tokens} tokens ({end} bytes), got {len(view)}"
-        )
+        raise BadStateError(f"SES1 blob truncated: header says {n_tokens} tokens ({end} bytes), got {len(view)}")
     return view, n_tokens
 
 

@@ -147,9 +147,7 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest_asyncio.fixture
-async def harness(
-    store_kind: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> AsyncIterator[StoreHarness]:
+async def harness(store_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[StoreHarness]:
     """A :class:`StoreHarness` for ``store_kind`` (starts the needed redis-server lazily)."""
     url = None
     if store_kind == "redis":

@@ -195,9 +195,7 @@ async def test_concurrent_writers_each_get_a_generation(harness: StoreHarness) -
     meta, blob = await store.get("w")  # type: ignore[misc]
     assert meta.generation == 30 and blob == blob_for(meta.tokens[0])
     if harness.is_redis:
-        assert await harness.artifacts(harness.make(), "w") == {"meta"} | {
-            f"blob:30:{i}" for i in range(meta.n_chunks)
-        }
+        assert await harness.artifacts(harness.make(), "w") == {"meta"} | {f"blob:30:{i}" for i in range(meta.n_chunks)}
 
 
 async def test_ttl_expiry_and_refresh(harness: StoreHarness) -> None:

@@ -68,7 +68,7 @@ async def test_damaged_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) ->
     assert [m.slot_id for m in await store.list_meta()] == ["good"]
     assert "unreadable slot file" in caplog.text
     path.write_bytes(b"garbage")
-    with pytest.raises(BadStateError, match="truncated|not a slot file"):
+    with pytest.raises(BadStateError, match=r"truncated|not a slot file"):
         await store.get("bad")
     replaced = await store.put(meta_for("bad", b"fresh"), b"fresh")  # a damaged slot can be overwritten
     assert replaced.generation == 1

@@ -1,0 +1,523 @@
+"""Streaming throughput: raw engine vs. capture vs. WebSocket binary vs. SSE base64.
+
+Measures, in one run and on the same prompt (same ``input_ids``, greedy, ``ignore_eos``,
+the same number of new tokens), the decode speed of
+
+1. the in-process engine without attention capture (``EngineConfig(capture=False)``),
+2. the in-process engine with capture and attention requested (no client),
+3. a WebSocket client of ``/api/extra/generate/stream/ws`` receiving every token's full
+   per-layer attention as a binary ``float32[L, H, ctx]`` frame (``websockets``),
+   with the library's default permessage-deflate offer and with compression off,
+4. an SSE client of ``POST /api/extra/generate/stream`` decoding every token's base64
+   attention (``httpx`` streaming),
+
+and prints medians and the ratios.  Decode speed is ``(n - 1) / (t_last - t_first)``
+with ``t`` the moment each token is complete (in-process: emitted by the batcher;
+clients: its attention received and decoded), so prefill is excluded and reported
+separately (time to the first token).
+
+Phases run one after the other so each has the machine to itself: the in-process
+engine is closed before the server starts.  Per phase the CPU time of each process
+(client, orchestrator, worker) is reported per token, which shows where time goes.
+
+    .venv/bin/python benchmarks/bench_stream.py [--ctx 500] [--new 64] [--reps 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.batcher import Batcher  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.model import Model, default_model_path  # noqa: E402
+from engine.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+TEXT = (
+    "The history of the lighthouse begins with fires lit on hilltops to guide ships home. "
+    "Later, towers of stone carried lanterns, and mirrors focused their light across the water. "
+    "Keepers trimmed the wicks every night, recorded the weather, and rescued sailors from wrecks. "
+    "In the nineteenth century the Fresnel lens made the beams visible for many miles, "
+    "and clockwork turned the lens so that each station had its own pattern of flashes. "
+    "Today most lights are automatic, yet people still visit them to remember the keepers. "
+)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class Rep:
+    """One generation as seen by one consumer."""
+
+    n: int
+    t_prefill: float  # request sent / submitted -> first token complete (s)
+    t_decode: float  # first token -> last token (s)
+    tokens: list[int]
+    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds over the whole rep
+    wall: float = 0.0  # whole rep (s)
+    cached: int | None = None  # server: prompt tokens reused from the slot's KV cache
+
+    @property
+    def tps(self) -> float:
+        return (self.n - 1) / self.t_decode if self.t_decode > 0 else float("nan")
+
+
+@dataclass
+class Phase:
+    name: str
+    reps: list[Rep] = field(default_factory=list)
+    note: str = ""
+
+    def med(self, f) -> float:  # noqa: ANN001
+        return statistics.median(f(r) for r in self.reps) if self.reps else float("nan")
+
+    @property
+    def tps(self) -> float:
+        return self.med(lambda r: r.tps)
+
+
+# ----------------------------------------------------------------------------- CPU accounting
+
+
+def proc_cpu(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads) in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+class CpuMeter:
+    """CPU seconds of named processes between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.t0: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        out = {"client": time.process_time()}
+        for name, pid in self.pids.items():
+            out[name] = proc_cpu(pid)
+        return out
+
+    def start(self) -> None:
+        self.t0 = self._now()
+
+    def stop(self) -> dict[str, float]:
+        t1 = self._now()
+        return {k: t1[k] - self.t0[k] for k in t1}
+
+
+# ----------------------------------------------------------------------------- prompt
+
+
+def build_prompt(model: Model, n: int) -> list[int]:
+    """Exactly ``n`` token ids: a chat turn whose user message is cut to fit."""
+    head = model.tokenize("<|im_start|>user\nSummarize this text.\n\n", False, True)
+    tail = model.tokenize("<|im_end|>\n<|im_start|>assistant\n", False, True)
+    body: list[int] = []
+    k = 1
+    while len(head) + len(body) + len(tail) < n:
+        body += model.tokenize(f"Part {k}. {TEXT}", False, False)
+        k += 1
+    body = body[: max(0, n - len(head) - len(tail))]
+    ids = (head + body + tail)[-n:]
+    assert len(ids) == n
+    return ids
+
+
+# ----------------------------------------------------------------------------- in-process engine
+
+
+def bench_inproc(
+    model: Model, ids: list[int], args: argparse.Namespace, capture: bool, name: str
+) -> tuple[Phase, tuple[int, int]]:
+    eng = Engine(
+        model,
+        EngineConfig(n_ctx=args.n_ctx, n_slots=1, n_spare=args.spare, n_threads=args.threads, capture=capture),
+    )
+    phase = Phase(name)
+    shape = (model.n_layer, model.n_head)
+    try:
+        for r in range(args.reps + 1):  # rep 0 is a warm-up
+            eng.erase(0)  # the whole prompt is prefilled again each time
+            events: list[tuple[float, object]] = []
+            bad: list[str] = []
+
+            def emit(msg: object, bufs: object, events=events, bad=bad) -> None:
+                t = time.perf_counter()
+                events.append((t, msg))
+                if isinstance(msg, Token) and capture:
+                    a = bufs[0]  # type: ignore[index]
+                    want = (*shape, len(ids) + msg.index)
+                    if a.shape != want:
+                        bad.append(f"token {msg.index}: attention shape {a.shape} != {want}")
+
+            b = Batcher(eng, emit)
+            params = SamplingParams(max_new_tokens=args.new, temperature=0, ignore_eos=True)
+            c0, t0 = time.process_time(), time.perf_counter()
+            b.submit(Generate(1, 0, "generate", ids, params, CaptureOptions(attention=capture)))
+            while b.has_work():
+                b.step()
+            wall = time.perf_counter() - t0
+            cpu = time.process_time() - c0
+            errs = [m for _, m in events if isinstance(m, Error)]
+            if errs:
+                raise RuntimeError(f"{name}: {errs[0]}")
+            if bad:
+                raise RuntimeError(f"{name}: {bad[0]}")
+            toks = [(t, m) for t, m in events if isinstance(m, Token)]
+            assert any(isinstance(m, Done) for _, m in events)
+            rep = Rep(
+                n=len(toks),
+                t_prefill=toks[0][0] - t0,
+                t_decode=toks[-1][0] - toks[0][0],
+                tokens=[m.token_id for _, m in toks],  # type: ignore[attr-defined]
+                cpu={"client": cpu},
+                wall=wall,
+            )
+            if r > 0:
+                phase.reps.append(rep)
+            print(f"  {name} rep {r}{' (warm-up)' if r == 0 else ''}: {rep.tps:7.1f} tok/s", flush=True)
+    finally:
+        eng.close()
+    return phase, shape
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "server.log"
+        cmd = [
+            str(ROOT / ".venv" / "bin" / "slotserve"),
+            "serve",
+            "--port",
+            str(self.port),
+            "--state-dir",
+            str(tmp / "state"),
+            "--parallel",
+            "1",
+            "--spare",
+            str(args.spare),
+            "--ctx-size",
+            str(args.n_ctx),
+            "--threads",
+            str(args.threads),
+        ]
+        if args.model:
+            cmd += ["--model", str(args.model)]
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.worker_pid: int | None = None
+
+    def wait_ready(self, httpx_mod, timeout: float = 300) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx_mod.get(self.base + "/health", timeout=2).status_code == 200:
+                    kids = children(self.proc.pid)
+                    self.worker_pid = kids[0] if kids else None
+                    return
+            except httpx_mod.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"server not healthy after {timeout}s; see {self.log_path}")
+
+    def settle(self, httpx_mod, timeout: float = 30) -> None:  # noqa: ANN001
+        """Wait until slot 0 is idle and its write-behind save is done (so it does not overlap a rep)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            slots = httpx_mod.get(self.base + "/slots", timeout=10).json()
+            s0 = next((s for s in slots if str(s.get("id")) == "0"), None)
+            if s0 is None or (not s0.get("is_processing") and not s0.get("dirty")):
+                time.sleep(0.2)
+                return
+            time.sleep(0.1)
+        print("  warning: slot 0 still busy/dirty after settle timeout", flush=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def request_body(ids: list[int], new: int) -> dict:
+    return {
+        "input_ids": ids,
+        "max_length": new,
+        "temperature": 0,
+        "output_attentions": True,
+        "ignore_eos": True,
+        "wait": True,  # never SLOT_BUSY if a save still holds the slot
+    }
+
+
+async def ws_once(url: str, ids: list[int], new: int, shape: tuple[int, int], compression: str | None) -> Rep:
+    import websockets
+
+    kw = {} if compression == "default" else {"compression": None}
+    n_l, n_h = shape
+    times: list[float] = []
+    tokens: list[int] = []
+    done = None
+    async with websockets.connect(url, max_size=None, **kw) as ws:
+        ext = ws.response.headers.get("Sec-WebSocket-Extensions")
+        t0 = time.perf_counter()
+        await ws.send(json.dumps(request_body(ids, new)))
+        pending = None
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, str):
+                ev = json.loads(msg)
+                if ev["type"] == "token":
+                    pending = ev
+                elif ev["type"] == "done":
+                    done = ev
+                    break
+                else:
+                    raise RuntimeError(f"ws: {ev}")
+            else:
+                assert pending is not None, "binary frame before its token frame"
+                ctx = len(ids) + pending["index"]
+                want = n_l * n_h * ctx * 4
+                if len(msg) != want or pending.get("shape") != [n_l, n_h, ctx]:
+                    raise RuntimeError(f"ws token {pending['index']}: {len(msg)} bytes, shape {pending.get('shape')}")
+                att = np.frombuffer(msg, dtype=np.float32).reshape(n_l, n_h, ctx)
+                if pending["index"] in (0, new - 1) and not np.allclose(att.sum(-1), 1, atol=1e-3):
+                    raise RuntimeError(f"ws token {pending['index']}: rows do not sum to 1")
+                times.append(time.perf_counter())
+                tokens.append(pending["token_id"])
+                pending = None
+    rep = Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"))
+    rep.ext = ext  # type: ignore[attr-defined]
+    return rep
+
+
+def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int]) -> Rep:  # noqa: ANN001
+    n_l, n_h = shape
+    times: list[float] = []
+    tokens: list[int] = []
+    done = None
+    buf = bytearray()
+    t0 = time.perf_counter()
+    with client.stream("POST", url, json=request_body(ids, new)) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"sse: HTTP {resp.status_code} {resp.text[:300]}")
+        for chunk in resp.iter_bytes():
+            start = max(0, len(buf) - 1)
+            buf += chunk
+            while True:
+                i = buf.find(b"\n\n", start)
+                if i < 0:
+                    break
+                event, start = bytes(buf[:i]), 0
+                del buf[: i + 2]
+                data = b"".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
+                if not data:
+                    continue
+                ev = json.loads(data)
+                if ev.get("type") == "token":
+                    a = ev["attention"]
+                    ctx = len(ids) + len(tokens)
+                    raw = base64.b64decode(a["data"])
+                    if len(raw) != n_l * n_h * ctx * 4 or a["shape"] != [n_l, n_h, ctx]:
+                        raise RuntimeError(f"sse token {len(tokens)}: {len(raw)} bytes, shape {a['shape']}")
+                    att = np.frombuffer(raw, dtype=np.float32).reshape(a["shape"])
+                    if len(tokens) in (0, new - 1) and not np.allclose(att.sum(-1), 1, atol=1e-3):
+                        raise RuntimeError(f"sse token {len(tokens)}: rows do not sum to 1")
+                    times.append(time.perf_counter())
+                    tokens.append(ev["token"]["token_id"])
+                elif ev.get("type") == "done":
+                    done = ev
+                else:
+                    raise RuntimeError(f"sse: {ev}")
+    assert done is not None, "sse stream ended without done"
+    return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"))
+
+
+def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int]) -> list[Phase]:
+    import httpx
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    srv = Server(args, tmp)
+    ws_url = f"ws://127.0.0.1:{srv.port}/api/extra/generate/stream/ws"
+    sse_url = srv.base + "/api/extra/generate/stream"
+    ws_modes = ["default", "none"] if args.ws_compression == "both" else [args.ws_compression]
+    phases = {f"ws:{m}": Phase(f"WS binary ({'deflate offered' if m == 'default' else 'no compression'})") for m in ws_modes}
+    phases["sse"] = Phase("SSE base64")
+    try:
+        t0 = time.perf_counter()
+        srv.wait_ready(httpx)
+        print(f"  server up on :{srv.port} in {time.perf_counter() - t0:.1f}s (worker pid {srv.worker_pid})")
+        pids = {"orchestrator": srv.proc.pid}
+        if srv.worker_pid:
+            pids["worker"] = srv.worker_pid
+        meter = CpuMeter(pids)
+        with httpx.Client(timeout=None) as client:
+            for r in range(args.reps + 1):  # rep 0 is a warm-up of every path (the first one prefills fully)
+                for key, phase in phases.items():
+                    srv.settle(httpx)
+                    meter.start()
+                    w0 = time.perf_counter()
+                    if key.startswith("ws:"):
+                        rep = asyncio.run(ws_once(ws_url, ids, args.new, shape, key[3:]))
+                        phase.note = f"Sec-WebSocket-Extensions: {getattr(rep, 'ext', None)}"
+                    else:
+                        rep = sse_once(client, sse_url, ids, args.new, shape)
+                    rep.wall = time.perf_counter() - w0
+                    rep.cpu = meter.stop()
+                    if r > 0:
+                        phase.reps.append(rep)
+                    print(
+                        f"  {phase.name} rep {r}{' (warm-up)' if r == 0 else ''}: {rep.tps:7.1f} tok/s, "
+                        f"ttft {rep.t_prefill * 1000:6.1f} ms, cached {rep.cached}",
+                        flush=True,
+                    )
+    finally:
+        srv.stop()
+        if args.keep_log:
+            print(f"  server log: {srv.log_path}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return list(phases.values())
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, server: list[Phase]) -> None:
+    phases = [raw, cap, *server]
+    print()
+    print(
+        f"prompt {len(ids)} tokens, {args.new} new tokens (greedy, ignore_eos), {args.reps} reps (median), "
+        f"threads {args.threads}, n_ctx {args.n_ctx}, spare {args.spare}, cpus {os.cpu_count()}"
+    )
+    print()
+    hdr = f"{'path':34} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>7}   CPU ms/token (client / orch / worker)"
+    print(hdr)
+    print("-" * len(hdr))
+    for p in phases:
+        tps = [r.tps for r in p.reps]
+        cached = p.reps[0].cached if p.reps else None
+
+        def per_tok(k: str, p: Phase = p) -> str:
+            if not p.reps or k not in p.reps[0].cpu:
+                return "-"
+            return f"{p.med(lambda r: r.cpu[k] / r.n * 1000):.2f}"
+
+        cpu = " / ".join(per_tok(k) for k in ("client", "orchestrator", "worker"))
+        print(
+            f"{p.name:34} {p.tps:12.1f} {min(tps):7.1f}..{max(tps):<7.1f} {p.med(lambda r: r.t_prefill) * 1000:8.1f} "
+            f"{'-' if cached is None else cached:>7}   {cpu}"
+        )
+    print()
+    for p in server:
+        if p.note:
+            print(f"{p.name}: {p.note}")
+    ref = raw.reps[0].tokens if raw.reps else []
+    same = all(r.tokens == ref for p in phases for r in p.reps)
+    print(f"identical token ids on every path and rep: {same}")
+    print()
+    print("ratios (median decode tok/s):")
+    print(f"  capture / raw            {cap.tps / raw.tps:6.3f}")
+    for p in server:
+        if p.name.startswith("WS"):
+            print(f"  {p.name + ' / raw':38} {p.tps / raw.tps:6.3f}")
+    sse = next(p for p in server if p.name.startswith("SSE"))
+    print(f"  {'SSE / raw':38} {sse.tps / raw.tps:6.3f}")
+    for p in server:
+        if p.name.startswith("WS"):
+            print(f"  {p.name + ' / SSE':38} {p.tps / sse.tps:6.3f}")
+    ws = [p for p in server if p.name.startswith("WS")]
+    best = max(ws, key=lambda p: p.tps)
+    goal = ws[0].tps / raw.tps
+    print()
+    print(
+        f"goal WS-with-attention >= 0.85 x raw: {ws[0].name}: {goal:.3f} -> {'MET' if goal >= 0.85 else 'NOT MET'}"
+        + (f"; best WS ({best.name}): {best.tps / raw.tps:.3f}" if best is not ws[0] else "")
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ctx", type=int, default=500, help="prompt length (tokens)")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per generation")
+    ap.add_argument("--reps", type=int, default=3, help="measured repetitions per path (+1 warm-up)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (engine and server worker)")
+    ap.add_argument("--n-ctx", type=int, default=4096, help="context window per slot")
+    ap.add_argument("--spare", type=int, default=1, help="spare sequences (engine and server, kept equal)")
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument(
+        "--ws-compression",
+        choices=["default", "none", "both"],
+        default="both",
+        help="websockets client: default (offers permessage-deflate, like browsers), none, or both",
+    )
+    ap.add_argument("--keep-log", action="store_true", help="keep the server log")
+    args = ap.parse_args()
+    if args.new < 2:
+        ap.error("--new must be >= 2")
+
+    model = Model(args.model or default_model_path())
+    ids = build_prompt(model, args.ctx)
+    print(f"model {model.path.name}, layers {model.n_layer}, heads {model.n_head}, prompt {len(ids)} tokens")
+    print("[1/3] in-process engine, capture off")
+    raw, shape = bench_inproc(model, ids, args, capture=False, name="raw engine (no capture)")
+    print("[2/3] in-process engine, capture on")
+    cap, _ = bench_inproc(model, ids, args, capture=True, name="engine + capture (no client)")
+    model.close()
+    del model
+    print("[3/3] server (WS and SSE clients, interleaved)")
+    server = bench_server(ids, args, shape)
+    report(args, ids, raw, cap, server)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
