@@ -89,7 +89,7 @@ class Phase:
     reps: list[Rep] = field(default_factory=list)
     note: str = ""
 
-    def med(self, f) -> float:  # noqa: ANN001
+    def med(self, f) -> float:
         return statistics.median(f(r) for r in self.reps) if self.reps else float("nan")
 
     @property
@@ -115,6 +115,27 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def system_busy() -> float:
+    """CPU seconds all processes of this machine have used since boot (user+nice+system+irq+softirq)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK_TCK
+
+
+def wait_idle(max_wait: float, threshold: float = 0.15, window: float = 1.0) -> float:
+    """Wait (up to ``max_wait`` s) until other processes use < ``threshold`` cores over ``window`` s.
+
+    Returns the load (cores) of the last window; on a shared machine other jobs distort every figure.
+    """
+    deadline = time.monotonic() + max_wait
+    while True:
+        b0, c0, t0 = system_busy(), time.process_time(), time.perf_counter()
+        time.sleep(window)
+        load = ((system_busy() - b0) - (time.process_time() - c0)) / (time.perf_counter() - t0)
+        if load < threshold or time.monotonic() >= deadline:
+            return load
+
+
 class CpuMeter:
     """CPU seconds of named processes between :meth:`start` and :meth:`stop`."""
 
@@ -123,7 +144,7 @@ class CpuMeter:
         self.t0: dict[str, float] = {}
 
     def _now(self) -> dict[str, float]:
-        out = {"client": time.process_time()}
+        out = {"client": time.process_time(), "_system": system_busy(), "_wall": time.perf_counter()}
         for name, pid in self.pids.items():
             out[name] = proc_cpu(pid)
         return out
@@ -132,8 +153,13 @@ class CpuMeter:
         self.t0 = self._now()
 
     def stop(self) -> dict[str, float]:
+        """CPU seconds per process, plus ``other``: cores used by every other process meanwhile."""
         t1 = self._now()
-        return {k: t1[k] - self.t0[k] for k in t1}
+        d = {k: t1[k] - self.t0[k] for k in t1}
+        ours = sum(v for k, v in d.items() if not k.startswith("_"))
+        wall, system = d.pop("_wall"), d.pop("_system")
+        d["other"] = max(0.0, (system - ours) / wall) if wall > 0 else 0.0
+        return d
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -183,12 +209,16 @@ def bench_inproc(
 
             b = Batcher(eng, emit)
             params = SamplingParams(max_new_tokens=args.new, temperature=0, ignore_eos=True)
-            c0, t0 = time.process_time(), time.perf_counter()
+            if r > 0:
+                wait_idle(args.wait_idle)
+            meter = CpuMeter({})
+            meter.start()
+            t0 = time.perf_counter()
             b.submit(Generate(1, 0, "generate", ids, params, CaptureOptions(attention=capture)))
             while b.has_work():
                 b.step()
             wall = time.perf_counter() - t0
-            cpu = time.process_time() - c0
+            cpu = meter.stop()
             errs = [m for _, m in events if isinstance(m, Error)]
             if errs:
                 raise RuntimeError(f"{name}: {errs[0]}")
@@ -201,12 +231,16 @@ def bench_inproc(
                 t_prefill=toks[0][0] - t0,
                 t_decode=toks[-1][0] - toks[0][0],
                 tokens=[m.token_id for _, m in toks],  # type: ignore[attr-defined]
-                cpu={"client": cpu},
+                cpu=cpu,
                 wall=wall,
             )
             if r > 0:
                 phase.reps.append(rep)
-            print(f"  {name} rep {r}{' (warm-up)' if r == 0 else ''}: {rep.tps:7.1f} tok/s", flush=True)
+            print(
+                f"  {name} rep {r}{' (warm-up)' if r == 0 else ''}: {rep.tps:7.1f} tok/s, "
+                f"prefill {rep.t_prefill * 1000:7.1f} ms, other load {cpu['other']:.2f} cores",
+                flush=True,
+            )
     finally:
         eng.close()
     return phase, shape
@@ -248,7 +282,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.worker_pid: int | None = None
 
-    def wait_ready(self, httpx_mod, timeout: float = 300) -> None:  # noqa: ANN001
+    def wait_ready(self, httpx_mod, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -263,7 +297,7 @@ class Server:
             time.sleep(0.3)
         raise RuntimeError(f"server not healthy after {timeout}s; see {self.log_path}")
 
-    def settle(self, httpx_mod, timeout: float = 30) -> None:  # noqa: ANN001
+    def settle(self, httpx_mod, timeout: float = 30) -> None:
         """Wait until slot 0 is idle and its write-behind save is done (so it does not overlap a rep)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -338,7 +372,7 @@ async def ws_once(url: str, ids: list[int], new: int, shape: tuple[int, int], co
     return rep
 
 
-def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int]) -> Rep:  # noqa: ANN001
+def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int]) -> Rep:
     n_l, n_h = shape
     times: list[float] = []
     tokens: list[int] = []
@@ -389,7 +423,8 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
     ws_url = f"ws://127.0.0.1:{srv.port}/api/extra/generate/stream/ws"
     sse_url = srv.base + "/api/extra/generate/stream"
     ws_modes = ["default", "none"] if args.ws_compression == "both" else [args.ws_compression]
-    phases = {f"ws:{m}": Phase(f"WS binary ({'deflate offered' if m == 'default' else 'no compression'})") for m in ws_modes}
+    label = {"default": "WS binary (deflate offered)", "none": "WS binary (no compression)"}
+    phases = {f"ws:{m}": Phase(label[m]) for m in ws_modes}
     phases["sse"] = Phase("SSE base64")
     try:
         t0 = time.perf_counter()
@@ -403,6 +438,8 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
             for r in range(args.reps + 1):  # rep 0 is a warm-up of every path (the first one prefills fully)
                 for key, phase in phases.items():
                     srv.settle(httpx)
+                    if r > 0:
+                        wait_idle(args.wait_idle)
                     meter.start()
                     w0 = time.perf_counter()
                     if key.startswith("ws:"):
@@ -416,7 +453,8 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
                         phase.reps.append(rep)
                     print(
                         f"  {phase.name} rep {r}{' (warm-up)' if r == 0 else ''}: {rep.tps:7.1f} tok/s, "
-                        f"ttft {rep.t_prefill * 1000:6.1f} ms, cached {rep.cached}",
+                        f"ttft {rep.t_prefill * 1000:6.1f} ms, cached {rep.cached}, "
+                        f"other load {rep.cpu['other']:.2f} cores",
                         flush=True,
                     )
     finally:
@@ -439,7 +477,8 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
         f"threads {args.threads}, n_ctx {args.n_ctx}, spare {args.spare}, cpus {os.cpu_count()}"
     )
     print()
-    hdr = f"{'path':34} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>7}   CPU ms/token (client / orch / worker)"
+    hdr = f"{'path':30} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>6} {'other':>5}"
+    hdr += "   CPU ms/token (client / orch / worker)"
     print(hdr)
     print("-" * len(hdr))
     for p in phases:
@@ -449,12 +488,12 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
         def per_tok(k: str, p: Phase = p) -> str:
             if not p.reps or k not in p.reps[0].cpu:
                 return "-"
-            return f"{p.med(lambda r: r.cpu[k] / r.n * 1000):.2f}"
+            return f"{statistics.median(rep.cpu[k] / rep.n * 1000 for rep in p.reps):.2f}"
 
         cpu = " / ".join(per_tok(k) for k in ("client", "orchestrator", "worker"))
         print(
-            f"{p.name:34} {p.tps:12.1f} {min(tps):7.1f}..{max(tps):<7.1f} {p.med(lambda r: r.t_prefill) * 1000:8.1f} "
-            f"{'-' if cached is None else cached:>7}   {cpu}"
+            f"{p.name:30} {p.tps:12.1f} {min(tps):7.1f}..{max(tps):<7.1f} {p.med(lambda r: r.t_prefill) * 1000:8.1f} "
+            f"{'-' if cached is None else cached:>6} {p.med(lambda r: r.cpu['other']):5.2f}   {cpu}"
         )
     print()
     for p in server:
@@ -463,6 +502,11 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     ref = raw.reps[0].tokens if raw.reps else []
     same = all(r.tokens == ref for p in phases for r in p.reps)
     print(f"identical token ids on every path and rep: {same}")
+    worst = max(r.cpu["other"] for p in phases for r in p.reps)
+    print(
+        "'other' = cores used by processes outside this benchmark during a rep (median); "
+        f"worst rep {worst:.2f}" + ("  <-- WARNING: machine shared, figures distorted" if worst > 0.2 else "")
+    )
     print()
     print("ratios (median decode tok/s):")
     print(f"  capture / raw            {cap.tps / raw.tps:6.3f}")
@@ -498,6 +542,12 @@ def main() -> int:
         choices=["default", "none", "both"],
         default="both",
         help="websockets client: default (offers permessage-deflate, like browsers), none, or both",
+    )
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=120,
+        help="before each measured rep wait up to this many s for other processes to go idle (0: don't)",
     )
     ap.add_argument("--keep-log", action="store_true", help="keep the server log")
     args = ap.parse_args()

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
-        ws_max_size=settings.max_body_bytes + (1 << 20),
+        ws_max_size=4 * settings.max_body_bytes + (1 << 20),  # we answer PAYLOAD_TOO_LARGE ourselves
         timeout_graceful_shutdown=30,
     )
     return 0

@@ -1,0 +1,97 @@
+"""Minimal clients for end-to-end tests, reading the wire formats the way real clients do."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from websockets.sync.client import connect
+
+N_LAYER, N_HEAD = 30, 9
+
+
+def decode_attention(att: dict[str, Any]) -> np.ndarray:
+    """Seed 000/001 base64 attention to an array of its ``shape``."""
+    dt = np.float16 if att["dtype"] == "float16" else np.float32
+    return np.frombuffer(base64.b64decode(att["data"]), dtype=dt).reshape(att["shape"])
+
+
+def sse_events(base: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """POST the SSE endpoint and parse ``event: message`` / ``data:`` frames (split on blank lines)."""
+    out: list[dict[str, Any]] = []
+    with httpx.stream("POST", base + "/api/extra/generate/stream", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        buf = ""
+        for chunk in r.iter_text():
+            buf += chunk
+            while "\n\n" in buf:
+                frame, buf = buf.split("\n\n", 1)
+                lines = frame.split("\n")
+                assert lines[0] == "event: message", frame[:80]
+                data = "".join(line[6:] for line in lines if line.startswith("data: "))
+                out.append(json.loads(data))
+    return out
+
+
+@dataclass
+class BinaryStream:
+    """What the seed 002 WebSocket endpoint sent."""
+
+    tokens: list[dict[str, Any]] = field(default_factory=list)
+    attention: list[np.ndarray] = field(default_factory=list)
+    done: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    close_code: int | None = None
+
+
+def ws_binary(ws_base: str, config: dict[str, Any] | str, ctx_len: int | None = None) -> BinaryStream:
+    """Run one generation on ``/api/extra/generate/stream/ws`` like seed 002's JS client."""
+    res = BinaryStream()
+    with connect(ws_base + "/api/extra/generate/stream/ws", max_size=None, close_timeout=2) as ws:
+        ws.send(config if isinstance(config, str) else json.dumps(config))
+        pending: dict[str, Any] | None = None
+        for msg in ws:
+            if isinstance(msg, str):
+                data = json.loads(msg)
+                if data["type"] == "token":
+                    assert pending is None or "shape" not in pending, "a token frame without its binary frame"
+                    pending = data
+                    res.tokens.append(data)
+                elif data["type"] == "done":
+                    res.done = data
+                elif data["type"] == "error":
+                    res.error = data
+            else:
+                assert pending is not None, "binary frame without a token frame"
+                arr = np.frombuffer(msg, dtype=np.float32)
+                n_ctx = arr.size // (N_LAYER * N_HEAD)
+                res.attention.append(arr.reshape(N_LAYER, N_HEAD, n_ctx))
+                pending = None
+        res.close_code = ws.close_code
+    return res
+
+
+def ws_v1(ws_base: str, messages: list[dict[str, Any] | str], until_done: int = 1) -> list[dict[str, Any]]:
+    """Send seed 000 ``generate`` messages; collect events until ``until_done`` done/error events."""
+    events: list[dict[str, Any]] = []
+    with connect(ws_base + "/api/v1/generate/stream", max_size=None, close_timeout=2) as ws:
+        for m in messages:
+            ws.send(m if isinstance(m, str) else json.dumps(m))
+        finished = 0
+        while finished < until_done:
+            ev = json.loads(ws.recv(timeout=120))
+            events.append(ev)
+            if ev["type"] in ("done", "error"):
+                finished += 1
+    return events
+
+
+def tokenize(base: str, text: str) -> list[int]:
+    r = httpx.post(base + "/api/v1/tokenize", json={"text": text}, timeout=30)
+    r.raise_for_status()
+    return r.json()["token_ids"]
