@@ -248,7 +248,7 @@ class Persistence:
             if slot is None or not slot.dirty or not reg.is_resident(slot):
                 self._dirty.discard(slot_id)
                 continue
-            if slot.lock.locked() and not wait_for_locks:
+            if (slot.lock.locked() or slot.busy) and not wait_for_locks:
                 continue  # busy: its own end schedules it again
             async with slot.lock:
                 if not (slot.dirty and reg.is_resident(slot)):

@@ -121,19 +121,19 @@ class SlotOps:
         this engine refuses.
         """
         t0 = time.perf_counter()
-        try:
-            ses1 = unpack_ses1(blob)
-        except BadStateError as exc:
-            raise ApiError("BAD_STATE", str(exc)) from exc
-        try:
-            check_tokens(ses1.tokens, self._vocab(), "the state's tokens")
-        except ApiError as exc:
-            raise ApiError("BAD_STATE", exc.message) from exc
         was_resident = self.registry.is_resident(slot)
-        seq = await self.registry.ensure_resident(slot, load=False)
         try:
+            try:
+                ses1 = unpack_ses1(blob)
+            except BadStateError as exc:
+                raise ApiError("BAD_STATE", str(exc)) from exc
+            try:
+                check_tokens(ses1.tokens, self._vocab(), "the state's tokens")
+            except ApiError as exc:
+                raise ApiError("BAD_STATE", exc.message) from exc
+            seq = await self.registry.ensure_resident(slot, load=False)
             await self.engine.restore(seq, ses1.tokens, ses1.state)
-        except EngineRequestError:
+        except BaseException:
             if created:
                 await self.registry.forget(slot)
             elif not was_resident:

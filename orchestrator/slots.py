@@ -51,6 +51,12 @@ class Slot:
     stored_bytes: int = 0
     raw_bytes: int = 0
     n_prompt_tokens_processed: int = 0
+    requests: int = 0  # client requests holding or waiting for the lock (not background saves)
+
+    @property
+    def busy(self) -> bool:
+        """True while a client request uses the slot (``is_processing``)."""
+        return self.requests > 0
 
     @property
     def place(self) -> str:
@@ -108,17 +114,21 @@ class SlotRegistry:
     ) -> AsyncIterator[Slot]:
         """Hold ``slot_id`` exclusively (``SLOT_BUSY`` unless ``wait``), resident if asked."""
         slot = await self.get(slot_id, create)
-        if slot.lock.locked() and not wait:
+        if slot.busy and not wait:
             raise ApiError("SLOT_BUSY", f"slot {slot_id!r} is processing another request", slot_id=slot_id)
-        async with slot.lock:
-            if self.persistence is not None:
-                await self.persistence.claim(slot)
-            if resident:
-                await self.ensure_resident(slot)
-            try:
-                yield slot
-            finally:
-                slot.last_used = time.monotonic()
+        slot.requests += 1  # a background save holding the lock is waited for, never reported as busy
+        try:
+            async with slot.lock:
+                if self.persistence is not None:
+                    await self.persistence.claim(slot)
+                if resident:
+                    await self.ensure_resident(slot)
+                try:
+                    yield slot
+                finally:
+                    slot.last_used = time.monotonic()
+        finally:
+            slot.requests -= 1
 
     def is_resident(self, slot: Slot) -> bool:
         """True if the slot's sequence belongs to the running worker."""
@@ -174,7 +184,7 @@ class SlotRegistry:
 
     async def _evict(self) -> int:
         """Park the least recently used idle resident slot and return its sequence."""
-        idle = [s for s in self.owner if s is not None and not s.lock.locked()]
+        idle = [s for s in self.owner if s is not None and not s.busy and not s.lock.locked()]
         if not idle:
             raise ApiError("RATE_LIMITED", f"all {self.n_seqs} engine sequences are busy", status=503)
         victim = min(idle, key=lambda s: s.last_used)

@@ -21,8 +21,8 @@ async def health(services: Services) -> Response[dict[str, Any]]:
         "status": status,
         "engine": "ready" if engine_ok else "down",
         "store": "ok" if store_ok else "unavailable",
-        "slots_idle": sum(1 for s in slots if not s.lock.locked()),
-        "slots_processing": sum(1 for s in slots if s.lock.locked()),
+        "slots_idle": sum(1 for s in slots if not s.busy),
+        "slots_processing": sum(1 for s in slots if s.busy),
     }
     if not engine_ok:
         body["error"] = {"code": 503, "message": "Loading model" if services.engine.generation == 0 else "Engine down"}

@@ -62,7 +62,7 @@ class SlotController(Controller):
         for slot in reg.slots.values():
             entry = seen.setdefault(slot.id, {"id": slot_id_out(slot.id), "n_ctx": n_ctx})
             entry.update(
-                is_processing=slot.lock.locked(),
+                is_processing=slot.busy,
                 n_tokens=slot.n_tokens,
                 place="resident" if reg.is_resident(slot) else slot.place,
                 seq=slot.seq if reg.is_resident(slot) else None,
