@@ -35,7 +35,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
-pytest.importorskip("accelerate")  # transformers' GGUF loader requires it
+# accelerate is not skipped on: transformers' GGUF loader needs it, and a missing one means the
+# `reference` extra is incomplete -- load_reference then fails with "accelerate is required".
 
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner
