@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class Rep:
     cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds over the whole rep
     wall: float = 0.0  # whole rep (s)
     cached: int | None = None  # server: prompt tokens reused from the slot's KV cache
+    ext: str | None = None  # WS: negotiated extensions
 
     @property
     def tps(self) -> float:
@@ -88,6 +90,7 @@ class Phase:
     name: str
     reps: list[Rep] = field(default_factory=list)
     note: str = ""
+    discarded: int = 0  # reps measured again because other processes were busy meanwhile
 
     def med(self, f) -> float:
         return statistics.median(f(r) for r in self.reps) if self.reps else float("nan")
@@ -180,6 +183,55 @@ def build_prompt(model: Model, n: int) -> list[int]:
     return ids
 
 
+# ----------------------------------------------------------------------------- one measured rep
+
+
+def take_rep(
+    phase: Phase,
+    r: int,
+    fn: Callable[[], Rep],
+    meter: CpuMeter,
+    args: argparse.Namespace,
+    before: Callable[[], None] | None = None,
+) -> Rep:
+    """Run ``fn`` once (rep 0: warm-up, not kept) on an idle machine; redo it while others were busy.
+
+    A rep during which processes outside the benchmark used more than ``--max-other`` cores is
+    measured again, up to ``--retries`` times (the last try is kept, and counted in the table).
+    """
+    warm = r == 0
+    tries = 1 if warm else 1 + args.retries
+    for attempt in range(tries):
+        if before is not None:
+            before()
+        if not warm and args.wait_idle > 0:
+            wait_idle(args.wait_idle)
+        meter.start()
+        w0 = time.perf_counter()
+        rep = fn()
+        rep.wall = time.perf_counter() - w0
+        rep.cpu = meter.stop()
+        noisy = rep.cpu["other"] > args.max_other
+        last = attempt == tries - 1
+        tag = " (warm-up)" if warm else (" (busy machine: again)" if noisy and not last else "")
+        extra = (
+            f"prefill {rep.t_prefill * 1000:7.1f} ms"
+            if rep.cached is None
+            else (f"ttft {rep.t_prefill * 1000:6.1f} ms, cached {rep.cached}")
+        )
+        print(
+            f"  {phase.name} rep {r}{tag}: {rep.tps:7.1f} tok/s, {extra}, other load {rep.cpu['other']:.2f} cores",
+            flush=True,
+        )
+        if warm:
+            return rep
+        if not noisy or last:
+            phase.reps.append(rep)
+            return rep
+        phase.discarded += 1
+    raise AssertionError("unreachable")
+
+
 # ----------------------------------------------------------------------------- in-process engine
 
 
@@ -193,12 +245,14 @@ def bench_inproc(
     phase = Phase(name)
     shape = (model.n_layer, model.n_head)
     try:
-        for r in range(args.reps + 1):  # rep 0 is a warm-up
+        meter = CpuMeter({})
+
+        def once() -> Rep:
             eng.erase(0)  # the whole prompt is prefilled again each time
             events: list[tuple[float, object]] = []
             bad: list[str] = []
 
-            def emit(msg: object, bufs: object, events=events, bad=bad) -> None:
+            def emit(msg: object, bufs: object) -> None:
                 t = time.perf_counter()
                 events.append((t, msg))
                 if isinstance(msg, Token) and capture:
@@ -209,16 +263,10 @@ def bench_inproc(
 
             b = Batcher(eng, emit)
             params = SamplingParams(max_new_tokens=args.new, temperature=0, ignore_eos=True)
-            if r > 0:
-                wait_idle(args.wait_idle)
-            meter = CpuMeter({})
-            meter.start()
             t0 = time.perf_counter()
             b.submit(Generate(1, 0, "generate", ids, params, CaptureOptions(attention=capture)))
             while b.has_work():
                 b.step()
-            wall = time.perf_counter() - t0
-            cpu = meter.stop()
             errs = [m for _, m in events if isinstance(m, Error)]
             if errs:
                 raise RuntimeError(f"{name}: {errs[0]}")
@@ -226,21 +274,15 @@ def bench_inproc(
                 raise RuntimeError(f"{name}: {bad[0]}")
             toks = [(t, m) for t, m in events if isinstance(m, Token)]
             assert any(isinstance(m, Done) for _, m in events)
-            rep = Rep(
+            return Rep(
                 n=len(toks),
                 t_prefill=toks[0][0] - t0,
                 t_decode=toks[-1][0] - toks[0][0],
                 tokens=[m.token_id for _, m in toks],  # type: ignore[attr-defined]
-                cpu=cpu,
-                wall=wall,
             )
-            if r > 0:
-                phase.reps.append(rep)
-            print(
-                f"  {name} rep {r}{' (warm-up)' if r == 0 else ''}: {rep.tps:7.1f} tok/s, "
-                f"prefill {rep.t_prefill * 1000:7.1f} ms, other load {cpu['other']:.2f} cores",
-                flush=True,
-            )
+
+        for r in range(args.reps + 1):  # rep 0 is a warm-up
+            take_rep(phase, r, once, meter, args)
     finally:
         eng.close()
     return phase, shape
@@ -367,9 +409,7 @@ async def ws_once(url: str, ids: list[int], new: int, shape: tuple[int, int], co
                 times.append(time.perf_counter())
                 tokens.append(pending["token_id"])
                 pending = None
-    rep = Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"))
-    rep.ext = ext  # type: ignore[attr-defined]
-    return rep
+    return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"), ext=ext)
 
 
 def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int]) -> Rep:
@@ -437,26 +477,18 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
         with httpx.Client(timeout=None) as client:
             for r in range(args.reps + 1):  # rep 0 is a warm-up of every path (the first one prefills fully)
                 for key, phase in phases.items():
-                    srv.settle(httpx)
-                    if r > 0:
-                        wait_idle(args.wait_idle)
-                    meter.start()
-                    w0 = time.perf_counter()
                     if key.startswith("ws:"):
-                        rep = asyncio.run(ws_once(ws_url, ids, args.new, shape, key[3:]))
-                        phase.note = f"Sec-WebSocket-Extensions: {getattr(rep, 'ext', None)}"
+
+                        def once(mode: str = key[3:], phase: Phase = phase) -> Rep:
+                            rep = asyncio.run(ws_once(ws_url, ids, args.new, shape, mode))
+                            phase.note = f"Sec-WebSocket-Extensions: {rep.ext}"
+                            return rep
                     else:
-                        rep = sse_once(client, sse_url, ids, args.new, shape)
-                    rep.wall = time.perf_counter() - w0
-                    rep.cpu = meter.stop()
-                    if r > 0:
-                        phase.reps.append(rep)
-                    print(
-                        f"  {phase.name} rep {r}{' (warm-up)' if r == 0 else ''}: {rep.tps:7.1f} tok/s, "
-                        f"ttft {rep.t_prefill * 1000:6.1f} ms, cached {rep.cached}, "
-                        f"other load {rep.cpu['other']:.2f} cores",
-                        flush=True,
-                    )
+
+                        def once() -> Rep:
+                            return sse_once(client, sse_url, ids, args.new, shape)
+
+                    take_rep(phase, r, once, meter, args, before=lambda: srv.settle(httpx))
     finally:
         srv.stop()
         if args.keep_log:
@@ -477,7 +509,7 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
         f"threads {args.threads}, n_ctx {args.n_ctx}, spare {args.spare}, cpus {os.cpu_count()}"
     )
     print()
-    hdr = f"{'path':30} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>6} {'other':>5}"
+    hdr = f"{'path':30} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>6} {'other':>5} {'redo':>4}"
     hdr += "   CPU ms/token (client / orch / worker)"
     print(hdr)
     print("-" * len(hdr))
@@ -493,7 +525,7 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
         cpu = " / ".join(per_tok(k) for k in ("client", "orchestrator", "worker"))
         print(
             f"{p.name:30} {p.tps:12.1f} {min(tps):7.1f}..{max(tps):<7.1f} {p.med(lambda r: r.t_prefill) * 1000:8.1f} "
-            f"{'-' if cached is None else cached:>6} {p.med(lambda r: r.cpu['other']):5.2f}   {cpu}"
+            f"{'-' if cached is None else cached:>6} {p.med(lambda r: r.cpu['other']):5.2f} {p.discarded:4}   {cpu}"
         )
     print()
     for p in server:
@@ -504,7 +536,8 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     print(f"identical token ids on every path and rep: {same}")
     worst = max(r.cpu["other"] for p in phases for r in p.reps)
     print(
-        "'other' = cores used by processes outside this benchmark during a rep (median); "
+        "'other' = cores used by processes outside this benchmark during a rep (median), "
+        "'redo' = reps measured again because of it; "
         f"worst rep {worst:.2f}" + ("  <-- WARNING: machine shared, figures distorted" if worst > 0.2 else "")
     )
     print()
@@ -549,6 +582,8 @@ def main() -> int:
         default=120,
         help="before each measured rep wait up to this many s for other processes to go idle (0: don't)",
     )
+    ap.add_argument("--max-other", type=float, default=0.1, help="redo a rep if others used more cores than this")
+    ap.add_argument("--retries", type=int, default=5, help="redos per rep at most")
     ap.add_argument("--keep-log", action="store_true", help="keep the server log")
     args = ap.parse_args()
     if args.new < 2:

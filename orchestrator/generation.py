@@ -47,6 +47,13 @@ class TokenOut:
 
 
 @dataclass
+class Started:
+    """First item of every run: the request is valid, the slot is held, the worker has it."""
+
+    slot_id: str
+
+
+@dataclass
 class DoneOut:
     """End of a generation (``finish_reason``: length, stop_token, stop_string, cancelled)."""
 
@@ -203,8 +210,10 @@ class GenerationService:
         """Every token's raw piece, indexed by token id (sent by the worker at start-up)."""
         return self.engine.pieces
 
-    async def run(self, req: CanonicalRequest, control: RunControl | None = None) -> AsyncIterator[TokenOut | DoneOut]:
-        """Validate, take the slot, generate; yields tokens then one :class:`DoneOut`.
+    async def run(
+        self, req: CanonicalRequest, control: RunControl | None = None
+    ) -> AsyncIterator[Started | TokenOut | DoneOut]:
+        """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
         Raises :class:`ApiError` before the first yield for a bad request, and
         ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
@@ -227,6 +236,7 @@ class GenerationService:
             try:
                 if control is not None:
                     await control.bind(self.engine, msg.req)
+                yield Started(slot.id)
                 async for event, bufs in events:
                     if isinstance(event, proto.Token):
                         out = converter.convert(event, bufs)

@@ -93,7 +93,8 @@ class Persistence:
             engine,
             codec=settings.codec,
             level=settings.codec_level,
-            node_id=settings.node_id,
+            # Stable across restarts of the same node, so a restarted node takes its leases back.
+            node_id=settings.node_id or f"{socket.gethostname()}:{settings.port}",
             lease_ms=settings.lease_ms,
         )
 
@@ -132,6 +133,15 @@ class Persistence:
         self.leases.clear()
         with contextlib.suppress(Exception):
             await self.store.close()
+
+    async def check(self, timeout: float = 1.0) -> bool:
+        """Ping the store now (for ``/health``); updates and returns ``healthy``."""
+        try:
+            await asyncio.wait_for(self.store.ping(), timeout)
+            self.healthy = True
+        except (StoreUnavailableError, asyncio.TimeoutError, OSError):
+            self.healthy = False
+        return self.healthy
 
     # ------------------------------------------------------------------ store access
 
@@ -185,10 +195,13 @@ class Persistence:
         assert slot.seq is not None
         reply, bufs = await self.engine.seq_op("save_state", slot.seq)
         assert isinstance(reply, proto.StateBlob)
-        blob = pack_ses1(reply.tokens, bufs[0])
+        return await self.store_blob(slot, reply.tokens, pack_ses1(reply.tokens, bufs[0]))
+
+    async def store_blob(self, slot: Slot, tokens: list[int], ses1: bytes) -> SlotMeta:
+        """Store ``ses1`` (a SES1 blob of ``tokens``) as ``slot``'s state; the slot is then clean."""
         try:
             meta = await save_slot(
-                self.store, slot.id, self.fingerprint, reply.tokens, blob, codec=self.codec, level=self.level
+                self.store, slot.id, self.fingerprint, tokens, ses1, codec=self.codec, level=self.level
             )
         except StoreUnavailableError as exc:
             raise self._unavailable(exc) from exc

@@ -171,9 +171,21 @@ class SlotOps:
         return n
 
     async def fork(self, src: Slot, dst: Slot) -> int:
-        """Make ``dst`` a copy-on-write copy of ``src`` (shared cells); returns its token count."""
-        src_seq = await self.registry.ensure_resident(src)
-        dst_seq = await self.registry.ensure_resident(dst, load=False)  # never evicts src: its lock is held
+        """Make ``dst`` a copy-on-write copy of ``src`` (shared cells); returns its token count.
+
+        When no engine sequence is free for ``dst`` (every other slot busy), the copy is
+        made in the store instead: ``dst`` starts parked with ``src``'s state.
+        """
+        try:
+            src_seq = await self.registry.ensure_resident(src)
+            dst_seq = await self.registry.ensure_resident(dst, load=False)  # never evicts src: its lock is held
+        except ApiError as exc:
+            pers = self.registry.persistence
+            if exc.code != "RATE_LIMITED" or pers is None or self.registry.is_resident(dst):
+                raise
+            saved = await self.save_state(src)
+            await pers.store_blob(dst, saved.tokens, saved.blob)
+            return dst.n_tokens
         reply, _ = await self.engine.seq_op("fork", src_seq, dst_seq)
         assert isinstance(reply, proto.SeqInfo)
         dst.n_tokens = len(reply.tokens)

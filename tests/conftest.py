@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.redis_server import free_port
+from tests.redis_server import RedisServer, free_port, require_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -147,3 +147,23 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on a free port, shared by the session (tests isolate by key prefix)."""
+    require_redis_server()
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server for one test (which may stop and restart it)."""
+    require_redis_server()
+    srv = RedisServer(tmp_path / "redis")
+    srv.start()
+    yield srv
+    srv.stop()

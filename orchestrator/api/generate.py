@@ -13,7 +13,7 @@ from litestar.response.sse import ServerSentEventMessage
 
 from orchestrator import wire
 from orchestrator.errors import from_exception
-from orchestrator.generation import DoneOut, TokenOut
+from orchestrator.generation import DoneOut, Started, TokenOut
 from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
 
@@ -43,7 +43,7 @@ class GenerateController(Controller):
                     entry = wire.token_text_fields(ev)
                     entry["attention"] = wire.attention_json(ev, req.attention_format, req.attention_dtype)
                     attention.append(entry)
-            else:
+            elif isinstance(ev, DoneOut):
                 done = ev
         assert done is not None
         body = wire.done_event(done, req.request_id)
@@ -65,24 +65,23 @@ class GenerateController(Controller):
         run = services.generation.run(req)
         # Validate and take the slot before the response starts, so bad input is a 4xx.
         first = await anext(run)
+        assert isinstance(first, Started)
 
         async def events() -> AsyncIterator[ServerSentEventMessage]:
-            ev: TokenOut | DoneOut | None = first
             try:
-                while ev is not None:
+                async for ev in run:
                     if isinstance(ev, DoneOut):
-                        if req.attention:
-                            yield _sse(wire.done_event(ev, req.request_id))
-                        else:
-                            yield _sse(wire.kobold_done_event(ev))
+                        done = wire.done_event(ev, req.request_id) if req.attention else wire.kobold_done_event(ev)
+                        yield _sse(done)
                         return
+                    if not isinstance(ev, TokenOut):
+                        continue
                     if req.attention:
                         yield _sse(
                             wire.sse_attention_event(ev, req.request_id, req.attention_format, req.attention_dtype)
                         )
                     else:
                         yield _sse(wire.kobold_token_event(ev))
-                    ev = await anext(run, None)
             except Exception as exc:  # the worker failed mid-stream: tell the client, then end
                 err = from_exception(exc)
                 yield _sse({"type": "error", "request_id": req.request_id, **err.body()})

@@ -91,7 +91,7 @@ async def run_controlled(
             async for ev in run:
                 if isinstance(ev, TokenOut):
                     await on_token(ev)
-                else:
+                elif isinstance(ev, DoneOut):
                     await on_done(ev)
         finally:
             await run.aclose()

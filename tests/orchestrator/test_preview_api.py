@@ -37,7 +37,9 @@ def state(server: ServerProc, slot: str) -> tuple[list[int], bytes]:
 @pytest.fixture(scope="module")
 def turn(server: ServerProc) -> tuple[list[int], list[dict[str, object]]]:
     ids = tokenize(server.url, CHAT.format("Tell me about owls."))
-    user = tokenize(server.url, "<|im_end|>\n<|im_start|>user\nAnd what do they eat?<|im_end|>\n<|im_start|>assistant\n")
+    user = tokenize(
+        server.url, "<|im_end|>\n<|im_start|>user\nAnd what do they eat?<|im_end|>\n<|im_start|>assistant\n"
+    )
     pieces = httpx.post(server.url + "/api/v1/tokenize", json={"text": "<|im_end|>\n<|im_start|>user\nAnd what do they eat?<|im_end|>\n<|im_start|>assistant\n"}).json()["tokens"]  # fmt: skip
     assert [p["token_id"] for p in pieces] == user
     return ids, pieces
@@ -77,7 +79,12 @@ def test_plain_id_lists_and_attention(server: ServerProc, turn) -> None:  # type
     n = len(state(server, "pv2")[0])
     plain = [t["token_id"] for t in append]
     p = preview(server, append_tokens=plain, max_tokens=4, id_slot="pv2", output_attentions=True).json()
-    assert p["cache_hit"] and p["n_prefilled"] == len(plain) and p["token_count"] == 4 or p["stopped_reason"] == "stop_token"
+    assert (
+        p["cache_hit"]
+        and p["n_prefilled"] == len(plain)
+        and p["token_count"] == 4
+        or p["stopped_reason"] == "stop_token"
+    )
     for k, e in enumerate(p["attention_data"]):
         att = np.frombuffer(base64.b64decode(e["attention"]["data"]), dtype=np.float32).reshape(e["attention"]["shape"])
         assert att.shape == (30, 9, n + len(plain) + k)
@@ -114,7 +121,9 @@ def test_generation_beside_a_preview(server: ServerProc, turn) -> None:  # type:
     gen(server, "pv4-control", ids)
     control = gen(server, "pv4-control", follow, n=12)
     res: dict[str, dict] = {}  # type: ignore[type-arg]
-    tp = threading.Thread(target=lambda: res.setdefault("p", preview(server, append_tokens=append, max_tokens=60, id_slot="pv4").json()))
+    tp = threading.Thread(
+        target=lambda: res.setdefault("p", preview(server, append_tokens=append, max_tokens=60, id_slot="pv4").json())
+    )
     tp.start()
     res["g"] = gen(server, "pv4", follow, n=12)
     tp.join()

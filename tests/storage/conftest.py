@@ -32,15 +32,6 @@ from tests.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A redis-server shared by the session (tests isolate themselves by key prefix)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A one-node Redis Cluster shared by the session."""
     server = RedisServer.cluster(tmp_path_factory.mktemp("redis-cluster"))
