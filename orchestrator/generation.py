@@ -107,9 +107,10 @@ def sampling_params(req: CanonicalRequest, vocab_size: int) -> proto.SamplingPar
 def capture_options(req: CanonicalRequest, n_layers: int) -> proto.CaptureOptions:
     """Validated capture options (``attention_layers`` within ``[0, n_layers)``)."""
     layers = req.attention_layers
-    if layers is not None:
-        if not layers or any(not 0 <= il < n_layers for il in layers) or len(set(layers)) != len(layers):
-            raise ApiError("INVALID_REQUEST", f"attention_layers must be distinct layer indices in 0..{n_layers - 1}")
+    if layers is not None and (
+        not layers or any(not 0 <= il < n_layers for il in layers) or len(set(layers)) != len(layers)
+    ):
+        raise ApiError("INVALID_REQUEST", f"attention_layers must be distinct layer indices in 0..{n_layers - 1}")
     return proto.CaptureOptions(
         attention=req.attention,
         format=req.attention_format,

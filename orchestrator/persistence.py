@@ -139,7 +139,7 @@ class Persistence:
         try:
             await asyncio.wait_for(self.store.ping(), timeout)
             self.healthy = True
-        except (StoreUnavailableError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, StoreUnavailableError, OSError):
             self.healthy = False
         return self.healthy
 

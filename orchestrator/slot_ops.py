@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import protocol as proto
-from orchestrator.engine_client import EngineRequestError
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry

@@ -179,9 +179,11 @@ class SlotController(Controller):
             target = str(body.target)
             if target == slot_id:
                 raise ApiError("INVALID_REQUEST", "fork target must differ from the source slot")
-            async with reg.use(slot_id, create=False, resident=False, wait=wait) as src:
-                async with reg.use(target, create=True, resident=False, wait=wait) as dst:
-                    n = await ops.fork(src, dst)
+            async with (
+                reg.use(slot_id, create=False, resident=False, wait=wait) as src,
+                reg.use(target, create=True, resident=False, wait=wait) as dst,
+            ):
+                n = await ops.fork(src, dst)
             return {"id_slot": out_id, "target": slot_id_out(target), "n_tokens": n, "success": True}
         raise ApiError(
             "INVALID_REQUEST",

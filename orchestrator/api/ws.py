@@ -161,7 +161,6 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
 async def event_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
     """Seed 000: ``generate`` messages answered by ``token``/``done``/``error`` events."""
     await socket.accept()
-    pieces = None
     while True:
         request_id = None
         try:
@@ -173,10 +172,9 @@ async def event_stream(socket: WebSocket[Any, Any, Any], services: Services) -> 
                     continue  # nothing is running
                 raise ApiError("INVALID_REQUEST", f"unknown message type {body.type!r}")
             req = body.canonical()
-            if pieces is None:
-                pieces = await services.generation.pieces()
+            pieces = await services.generation.pieces()
 
-            async def on_token(t: TokenOut, req: CanonicalRequest = req) -> None:
+            async def on_token(t: TokenOut, req: CanonicalRequest = req, pieces: list[bytes] = pieces) -> None:
                 await _send_json(
                     socket, wire.v1_token_event(t, req.request_id, req.attention_format, req.attention_dtype, pieces)
                 )

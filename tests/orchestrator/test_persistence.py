@@ -8,7 +8,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.conftest import CHAT, ServerProc
 from tests.orchestrator.client import sse_events, tokenize
@@ -100,7 +99,7 @@ def test_restart_resumes_conversations(start_server, tmp_path) -> None:  # type:
     p = tokenize(srv.url, CHAT.format("What is 3+4?"))
     t1 = gen(srv, "r1", p)
     follow = p + toks(t1) + tokenize(srv.url, "\nAnd 5+6?")
-    control = gen(srv, "r-control", p)
+    gen(srv, "r-control", p)  # the control conversation: same turns, never restarted
     control2 = gen(srv, "r-control", follow)
     wait_saved(srv, "r1")
     worker = srv.worker_pid()

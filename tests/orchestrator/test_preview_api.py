@@ -79,12 +79,8 @@ def test_plain_id_lists_and_attention(server: ServerProc, turn) -> None:  # type
     n = len(state(server, "pv2")[0])
     plain = [t["token_id"] for t in append]
     p = preview(server, append_tokens=plain, max_tokens=4, id_slot="pv2", output_attentions=True).json()
-    assert (
-        p["cache_hit"]
-        and p["n_prefilled"] == len(plain)
-        and p["token_count"] == 4
-        or p["stopped_reason"] == "stop_token"
-    )
+    assert p["cache_hit"] and p["n_prefilled"] == len(plain)
+    assert p["token_count"] == 4 or p["stopped_reason"] == "stop_token"
     for k, e in enumerate(p["attention_data"]):
         att = np.frombuffer(base64.b64decode(e["attention"]["data"]), dtype=np.float32).reshape(e["attention"]["shape"])
         assert att.shape == (30, 9, n + len(plain) + k)
