@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import structlog
 
 from engine import protocol as proto
+from orchestrator import metrics
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import ApiError
 from orchestrator.schemas import CanonicalRequest
@@ -245,6 +246,17 @@ class GenerationService:
                             texts.append(out.text)
                         yield out
                     elif isinstance(event, proto.Done):
+                        log.info(
+                            "generation done",
+                            request_id=req.request_id,
+                            finish_reason=event.finish_reason,
+                            n_prompt=event.n_prompt,
+                            n_cached=event.n_cached,
+                            n_generated=event.n_generated,
+                            t_prefill_ms=round(event.t_prefill_ms, 1),
+                            t_generate_ms=round(event.t_generate_ms, 1),
+                        )
+                        metrics.record_generation(event)
                         slot.n_tokens = event.seq_tokens
                         slot.n_prompt_tokens_processed = event.n_prefilled
                         tail = converter.decoder.decode(b"", final=True)

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
+
+from engine.protocol import Done
 
 TOKENS_GENERATED = Counter("slotserve_tokens_generated_total", "Tokens generated")
 PROMPT_TOKENS = Counter("slotserve_prompt_tokens_total", "Prompt tokens prefilled (not served from the KV cache)")
 CACHED_TOKENS = Counter("slotserve_prompt_tokens_cached_total", "Prompt tokens served from a slot's KV cache")
 GENERATIONS = Counter("slotserve_generations_total", "Finished generations", ["finish_reason"])
 GENERATION_SECONDS = Histogram("slotserve_generation_seconds", "Wall time of a generation")
-SLOTS = Gauge("slotserve_slots", "Known slots by place", ["place"])
-PARKS = Counter("slotserve_slot_parks_total", "Slots parked to the store")
+SAVES = Counter("slotserve_slot_saves_total", "Slot states written to the store (parking and write-behind)")
 RESTORES = Counter("slotserve_slot_restores_total", "Slots restored from the store")
 ENGINE_RESTARTS = Counter("slotserve_engine_restarts_total", "Engine worker restarts")
+
+
+def record_generation(done: Done) -> None:
+    """Count a finished generation."""
+    TOKENS_GENERATED.inc(done.n_generated)
+    PROMPT_TOKENS.inc(done.n_prefilled)
+    CACHED_TOKENS.inc(done.n_cached)
+    GENERATIONS.labels(done.finish_reason).inc()
+    GENERATION_SECONDS.observe((done.t_prefill_ms + done.t_generate_ms) / 1000)

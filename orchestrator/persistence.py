@@ -209,7 +209,7 @@ class Persistence:
         slot.stored, slot.dirty = True, False
         slot.n_tokens = meta.n_tokens
         slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
-        metrics.PARKS.inc()
+        metrics.SAVES.inc()
         return meta
 
     async def load_into(self, slot: Slot, seq: int) -> None:

@@ -257,3 +257,30 @@ def test_busy_slot(server: ServerProc, convo: list[int]) -> None:
     t.join()
     assert r.status_code == 409 and r.json()["error_code"] == "SLOT_BUSY"
     assert done and len(done[0]["generated_tokens"]) == 80
+
+
+def test_four_conversations_at_once_match_running_alone(server: ServerProc) -> None:
+    """--parallel 4: four slots decode in the same batches and each gets its solo result."""
+    import threading
+
+    prompts = [tokenize(server.url, CHAT.format(q)) for q in ("Hi!", "Count to five.", "What is 2+2?", "Name a fruit.")]
+    alone = [gen(server, f"solo-{i}", p, n=10) for i, p in enumerate(prompts)]
+    together: dict[int, dict] = {}  # type: ignore[type-arg]
+    threads = [
+        threading.Thread(target=lambda i=i, p=p: together.__setitem__(i, gen(server, f"par-{i}", p, n=10)))
+        for i, p in enumerate(prompts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert [t["token_id"] for t in together[i]["generated_tokens"]] == [
+            t["token_id"] for t in alone[i]["generated_tokens"]
+        ]
+        for k in range(10):
+            assert_attention_close(
+                decode_attention(together[i]["attention_data"][k]["attention"]),
+                decode_attention(alone[i]["attention_data"][k]["attention"]),
+                f"slot {i} token {k}",
+            )
