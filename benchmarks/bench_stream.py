@@ -16,9 +16,17 @@ with ``t`` the moment each token is complete (in-process: emitted by the batcher
 clients: its attention received and decoded), so prefill is excluded and reported
 separately (time to the first token).
 
-Phases run one after the other so each has the machine to itself: the in-process
-engine is closed before the server starts.  Per phase the CPU time of each process
-(client, orchestrator, worker) is reported per token, which shows where time goes.
+The in-process engines (1, 2) run first, their reps interleaved, and are closed before
+the server starts; the server's clients (3, 4) then take turns.  Nothing else of the
+benchmark runs during a rep.  Each rep is preceded by a warm-up (rep 0, not counted);
+server reps reuse slot 0's KV prefix (``cached`` column), which is the same for WS and SSE.
+
+Per path the CPU time each process (client, orchestrator, worker) spends between the first
+and last token is reported per token, and ``cores`` = all of it / decode wall time, which
+shows where time goes.  On a shared machine other jobs distort everything (a 2-thread
+llama.cpp decode slows down many times when a core is taken), so the load of processes
+outside the benchmark is measured per rep (``other``) and a rep is redone while it exceeds
+``--max-other`` cores.
 
     .venv/bin/python benchmarks/bench_stream.py [--ctx 500] [--new 64] [--reps 3] [--threads 2]
 """
@@ -75,7 +83,8 @@ class Rep:
     t_prefill: float  # request sent / submitted -> first token complete (s)
     t_decode: float  # first token -> last token (s)
     tokens: list[int]
-    cpu: dict[str, float] = field(default_factory=dict)  # process -> CPU seconds over the whole rep
+    # process -> CPU seconds over the whole rep; "decode:<process>" over first..last token; "other": cores
+    cpu: dict[str, float] = field(default_factory=dict)
     wall: float = 0.0  # whole rep (s)
     cached: int | None = None  # server: prompt tokens reused from the slot's KV cache
     ext: str | None = None  # WS: negotiated extensions
@@ -145,6 +154,11 @@ class CpuMeter:
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
         self.t0: dict[str, float] = {}
+        self.marks: dict[str, dict[str, float]] = {}
+
+    def mark(self, name: str) -> None:
+        """Snapshot now (``first`` / ``last`` token: the decode window)."""
+        self.marks[name] = self._now()
 
     def _now(self) -> dict[str, float]:
         out = {"client": time.process_time(), "_system": system_busy(), "_wall": time.perf_counter()}
@@ -153,6 +167,7 @@ class CpuMeter:
         return out
 
     def start(self) -> None:
+        self.marks = {}
         self.t0 = self._now()
 
     def stop(self) -> dict[str, float]:
@@ -162,6 +177,11 @@ class CpuMeter:
         ours = sum(v for k, v in d.items() if not k.startswith("_"))
         wall, system = d.pop("_wall"), d.pop("_system")
         d["other"] = max(0.0, (system - ours) / wall) if wall > 0 else 0.0
+        a, b = self.marks.get("first"), self.marks.get("last")
+        if a is not None and b is not None:  # CPU seconds of each process between first and last token
+            for k in a:
+                if not k.startswith("_"):
+                    d["decode:" + k] = b[k] - a[k]
         return d
 
 
@@ -235,57 +255,61 @@ def take_rep(
 # ----------------------------------------------------------------------------- in-process engine
 
 
-def bench_inproc(
-    model: Model, ids: list[int], args: argparse.Namespace, capture: bool, name: str
-) -> tuple[Phase, tuple[int, int]]:
-    eng = Engine(
-        model,
-        EngineConfig(n_ctx=args.n_ctx, n_slots=1, n_spare=args.spare, n_threads=args.threads, capture=capture),
+def inproc_once(eng: Engine, ids: list[int], args: argparse.Namespace, meter: CpuMeter) -> Rep:
+    """One generation on sequence 0 of an in-process engine, prompt prefilled from scratch."""
+    capture = eng.config.capture
+    shape = (eng.model.n_layer, eng.model.n_head)
+    eng.erase(0)  # the whole prompt is prefilled again each time
+    events: list[tuple[float, object]] = []
+    bad: list[str] = []
+
+    def emit(msg: object, bufs: object) -> None:
+        t = time.perf_counter()
+        events.append((t, msg))
+        if isinstance(msg, Token) and msg.index in (0, args.new - 1):
+            meter.mark("first" if msg.index == 0 else "last")
+        if isinstance(msg, Token) and capture:
+            a = bufs[0]  # type: ignore[index]
+            want = (*shape, len(ids) + msg.index)
+            if a.shape != want:
+                bad.append(f"token {msg.index}: attention shape {a.shape} != {want}")
+
+    b = Batcher(eng, emit)
+    params = SamplingParams(max_new_tokens=args.new, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    b.submit(Generate(1, 0, "generate", ids, params, CaptureOptions(attention=capture)))
+    while b.has_work():
+        b.step()
+    errs = [m for _, m in events if isinstance(m, Error)]
+    if errs:
+        raise RuntimeError(f"in-process: {errs[0]}")
+    if bad:
+        raise RuntimeError(f"in-process: {bad[0]}")
+    toks = [(t, m) for t, m in events if isinstance(m, Token)]
+    assert any(isinstance(m, Done) for _, m in events)
+    return Rep(
+        n=len(toks),
+        t_prefill=toks[0][0] - t0,
+        t_decode=toks[-1][0] - toks[0][0],
+        tokens=[m.token_id for _, m in toks],  # type: ignore[attr-defined]
     )
-    phase = Phase(name)
-    shape = (model.n_layer, model.n_head)
+
+
+def bench_inproc(model: Model, ids: list[int], args: argparse.Namespace) -> tuple[Phase, Phase]:
+    """Raw engine (no eval callback) and engine + capture, reps interleaved so drift hits both alike."""
+    paths: list[tuple[Phase, Engine]] = []
+    meter = CpuMeter({})
     try:
-        meter = CpuMeter({})
-
-        def once() -> Rep:
-            eng.erase(0)  # the whole prompt is prefilled again each time
-            events: list[tuple[float, object]] = []
-            bad: list[str] = []
-
-            def emit(msg: object, bufs: object) -> None:
-                t = time.perf_counter()
-                events.append((t, msg))
-                if isinstance(msg, Token) and capture:
-                    a = bufs[0]  # type: ignore[index]
-                    want = (*shape, len(ids) + msg.index)
-                    if a.shape != want:
-                        bad.append(f"token {msg.index}: attention shape {a.shape} != {want}")
-
-            b = Batcher(eng, emit)
-            params = SamplingParams(max_new_tokens=args.new, temperature=0, ignore_eos=True)
-            t0 = time.perf_counter()
-            b.submit(Generate(1, 0, "generate", ids, params, CaptureOptions(attention=capture)))
-            while b.has_work():
-                b.step()
-            errs = [m for _, m in events if isinstance(m, Error)]
-            if errs:
-                raise RuntimeError(f"{name}: {errs[0]}")
-            if bad:
-                raise RuntimeError(f"{name}: {bad[0]}")
-            toks = [(t, m) for t, m in events if isinstance(m, Token)]
-            assert any(isinstance(m, Done) for _, m in events)
-            return Rep(
-                n=len(toks),
-                t_prefill=toks[0][0] - t0,
-                t_decode=toks[-1][0] - toks[0][0],
-                tokens=[m.token_id for _, m in toks],  # type: ignore[attr-defined]
-            )
-
+        for capture, name in ((False, "raw engine (no capture)"), (True, "engine + capture (no client)")):
+            cfg = EngineConfig(n_ctx=args.n_ctx, n_slots=1, n_spare=args.spare, n_threads=args.threads, capture=capture)
+            paths.append((Phase(name), Engine(model, cfg)))
         for r in range(args.reps + 1):  # rep 0 is a warm-up
-            take_rep(phase, r, once, meter, args)
+            for phase, eng in paths:
+                take_rep(phase, r, lambda eng=eng: inproc_once(eng, ids, args, meter), meter, args)
     finally:
-        eng.close()
-    return phase, shape
+        for _, eng in paths:
+            eng.close()
+    return paths[0][0], paths[1][0]
 
 
 # ----------------------------------------------------------------------------- server
@@ -373,7 +397,9 @@ def request_body(ids: list[int], new: int) -> dict:
     }
 
 
-async def ws_once(url: str, ids: list[int], new: int, shape: tuple[int, int], compression: str | None) -> Rep:
+async def ws_once(
+    url: str, ids: list[int], new: int, shape: tuple[int, int], compression: str | None, meter: CpuMeter
+) -> Rep:
     import websockets
 
     kw = {} if compression == "default" else {"compression": None}
@@ -408,11 +434,13 @@ async def ws_once(url: str, ids: list[int], new: int, shape: tuple[int, int], co
                     raise RuntimeError(f"ws token {pending['index']}: rows do not sum to 1")
                 times.append(time.perf_counter())
                 tokens.append(pending["token_id"])
+                if len(times) in (1, new):
+                    meter.mark("first" if len(times) == 1 else "last")
                 pending = None
     return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"), ext=ext)
 
 
-def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int]) -> Rep:
+def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int], meter: CpuMeter) -> Rep:
     n_l, n_h = shape
     times: list[float] = []
     tokens: list[int] = []
@@ -447,6 +475,8 @@ def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int])
                         raise RuntimeError(f"sse token {len(tokens)}: rows do not sum to 1")
                     times.append(time.perf_counter())
                     tokens.append(ev["token"]["token_id"])
+                    if len(times) in (1, new):
+                        meter.mark("first" if len(times) == 1 else "last")
                 elif ev.get("type") == "done":
                     done = ev
                 else:
@@ -480,13 +510,13 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
                     if key.startswith("ws:"):
 
                         def once(mode: str = key[3:], phase: Phase = phase) -> Rep:
-                            rep = asyncio.run(ws_once(ws_url, ids, args.new, shape, mode))
+                            rep = asyncio.run(ws_once(ws_url, ids, args.new, shape, mode, meter))
                             phase.note = f"Sec-WebSocket-Extensions: {rep.ext}"
                             return rep
                     else:
 
                         def once() -> Rep:
-                            return sse_once(client, sse_url, ids, args.new, shape)
+                            return sse_once(client, sse_url, ids, args.new, shape, meter)
 
                     take_rep(phase, r, once, meter, args, before=lambda: srv.settle(httpx))
     finally:
@@ -510,7 +540,7 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     )
     print()
     hdr = f"{'path':30} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>6} {'other':>5} {'redo':>4}"
-    hdr += "   CPU ms/token (client / orch / worker)"
+    hdr += "   decode CPU ms/token: client / orch / worker = cores"
     print(hdr)
     print("-" * len(hdr))
     for p in phases:
@@ -518,11 +548,15 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
         cached = p.reps[0].cached if p.reps else None
 
         def per_tok(k: str, p: Phase = p) -> str:
-            if not p.reps or k not in p.reps[0].cpu:
+            if not p.reps or "decode:" + k not in p.reps[0].cpu:
                 return "-"
-            return f"{statistics.median(rep.cpu[k] / rep.n * 1000 for rep in p.reps):.2f}"
+            return f"{statistics.median(rep.cpu['decode:' + k] / (rep.n - 1) * 1000 for rep in p.reps):.1f}"
+
+        def cores(rep: Rep) -> float:
+            return sum(v for k, v in rep.cpu.items() if k.startswith("decode:")) / rep.t_decode
 
         cpu = " / ".join(per_tok(k) for k in ("client", "orchestrator", "worker"))
+        cpu += f" = {p.med(cores):.2f}"
         print(
             f"{p.name:30} {p.tps:12.1f} {min(tps):7.1f}..{max(tps):<7.1f} {p.med(lambda r: r.t_prefill) * 1000:8.1f} "
             f"{'-' if cached is None else cached:>6} {p.med(lambda r: r.cpu['other']):5.2f} {p.discarded:4}   {cpu}"
@@ -592,13 +626,12 @@ def main() -> int:
     model = Model(args.model or default_model_path())
     ids = build_prompt(model, args.ctx)
     print(f"model {model.path.name}, layers {model.n_layer}, heads {model.n_head}, prompt {len(ids)} tokens")
-    print("[1/3] in-process engine, capture off")
-    raw, shape = bench_inproc(model, ids, args, capture=False, name="raw engine (no capture)")
-    print("[2/3] in-process engine, capture on")
-    cap, _ = bench_inproc(model, ids, args, capture=True, name="engine + capture (no client)")
+    print("[1/2] in-process engine: capture off / on (interleaved)")
+    raw, cap = bench_inproc(model, ids, args)
+    shape = (model.n_layer, model.n_head)
     model.close()
     del model
-    print("[3/3] server (WS and SSE clients, interleaved)")
+    print("[2/2] server: WS and SSE clients (interleaved)")
     server = bench_server(ids, args, shape)
     report(args, ids, raw, cap, server)
     return 0

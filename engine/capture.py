@@ -147,18 +147,20 @@ class AttentionCapture:
         n_kv, n_tok, n_head, n_stream = g.check_contiguous_f32(t)
         if n_head != self.n_head or n_stream != 1:
             raise g.GgmlLayoutError(f"kq_soft_max-{il} has ne={[n_kv, n_tok, n_head, n_stream]}")
-        rows = g.read_array(t, np.float32, (n_head, n_tok, n_kv))
+        local = sorted({tg.batch_index - self._ub_start for tg in self._ub_targets})
+        where = {r: i for i, r in enumerate(local)}
+        rows = g.read_rows(t, local, n_head, n_tok, n_kv)  # [n_head, len(local), n_kv]
         mask = None
         for tg in self._ub_targets:
             r = tg.batch_index - self._ub_start
             if tg.out is not None and tg.layer_slot is not None and tg.layer_slot[il] >= 0:
-                np.take(rows[:, r, :], tg.gather, axis=1, out=tg.out[tg.layer_slot[il]])
+                np.take(rows[:, where[r], :], tg.gather, axis=1, out=tg.out[tg.layer_slot[il]])
             if il == 0 and (tg.want_mask or self.verify):
                 if mask is None:
                     mt = g.node_src(t, 1)
                     ne = g.tensor(mt).ne
-                    mask = g.read_array(mt, np.float32, (int(ne[1]), int(ne[0])))
-                row = mask[r].copy()
+                    mask = g.read_rows(mt, local, 1, int(ne[1]), int(ne[0]))[0]
+                row = mask[where[r]].copy()
                 if tg.want_mask:
                     tg.mask = row
                 if self.verify and tg.out is not None:

@@ -108,6 +108,24 @@ def read_array(t: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     return out
 
 
+def read_rows(t: int, rows: list[int], n_planes: int, n_rows: int, row_len: int) -> np.ndarray:
+    """``float32[n_planes, len(rows), row_len]``: rows ``rows`` of every plane of a contiguous F32 tensor.
+
+    The tensor is ``[n_planes, n_rows, row_len]`` (ggml ``ne = [row_len, n_rows, n_planes]``).  Host
+    buffers are read in place; from device memory only the requested rows are copied
+    (``ggml_backend_tensor_get`` per row and plane), never the whole tensor.
+    """
+    st = tensor(t)
+    if st.buffer and libggml.ggml_backend_buffer_is_host(st.buffer) and st.data:
+        return read_array(t, np.float32, (n_planes, n_rows, row_len))[:, rows, :]
+    out = np.empty((n_planes, len(rows), row_len), dtype=np.float32)
+    row_bytes = 4 * row_len
+    for p in range(n_planes):
+        for i, r in enumerate(rows):
+            libggml.ggml_backend_tensor_get(t, out[p, i].ctypes.data, (p * n_rows + r) * row_bytes, row_bytes)
+    return out
+
+
 def check_contiguous_f32(t: int) -> tuple[int, int, int, int]:
     """Return ``ne`` of an F32 tensor, raising :class:`GgmlLayoutError` unless it is contiguous."""
     st = tensor(t)

@@ -3,6 +3,9 @@ that owns the engine worker, the slot registry and the state store."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,6 +15,7 @@ from litestar import Litestar, Request
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
 from litestar.logging.config import StructLoggingConfig
+from litestar.middleware.logging import LoggingMiddlewareConfig
 from litestar.openapi import OpenAPIConfig
 from litestar.plugins.prometheus import PrometheusConfig, PrometheusController
 from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
@@ -61,10 +65,21 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             svc.registry.on_engine_restart()
 
         svc.engine.on_restart = on_restart
-        await svc.engine.start()
+
+        async def start_engine() -> None:
+            # The port is open while the model loads: /health says 503 "Loading model" meanwhile,
+            # like llama-server.  A model that cannot be loaded stops the server.
+            try:
+                await svc.engine.start()
+            except Exception as exc:
+                log.error("engine failed to start; shutting down", error=str(exc))
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        starting = asyncio.create_task(start_engine(), name="engine-start")
         try:
             yield
         finally:
+            starting.cancel()
             if svc.persistence is not None:
                 await svc.persistence.shutdown()
             await svc.engine.close()
@@ -94,7 +109,16 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         exception_handlers={Exception: exception_handler},
         middleware=[*middleware, prometheus.middleware],
         plugins=[
-            StructlogPlugin(StructlogConfig(structlog_logging_config=StructLoggingConfig(log_exceptions="always")))
+            StructlogPlugin(
+                StructlogConfig(
+                    structlog_logging_config=StructLoggingConfig(log_exceptions="always"),
+                    # Never log bodies (attention, SES1 states, conversations) or query strings (api_key).
+                    middleware_logging_config=LoggingMiddlewareConfig(
+                        request_log_fields=("path", "method", "content_type", "path_params"),
+                        response_log_fields=("status_code",),
+                    ),
+                )
+            )
         ],
         before_request=before_request,
         request_max_body_size=settings.max_body_bytes,

@@ -42,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codec", default="auto", help="auto, best, zstd, zstd-planes, none")
     s.add_argument("--codec-level", type=int, default=3)
     s.add_argument("--no-persist", action="store_true", help="no store: slots live only in the engine")
-    s.add_argument("--node-id", default="", help="this node's name in slot leases")
+    s.add_argument("--node-id", default="", help="this node's name in slot leases (default host:port)")
+    s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
+    s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
+    s.add_argument("--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one")
     s.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
     s.add_argument("--log-level", default="info")
     return p
@@ -60,6 +63,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         ubatch_size=a.ubatch_size,
         n_gpu_layers=a.n_gpu_layers,
         verify_cells=a.verify_cells,
+        connect=a.worker,
     )
     return Settings(
         worker=worker,
@@ -78,6 +82,8 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         codec_level=a.codec_level,
         persist=not a.no_persist,
         node_id=a.node_id,
+        lease_ms=a.lease_ms,
+        park_idle_s=a.park_idle,
     )
 
 
@@ -96,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         ws_max_size=4 * settings.max_body_bytes + (1 << 20),  # we answer PAYLOAD_TOO_LARGE ourselves
         timeout_graceful_shutdown=30,
+        # Attention frames are float32 noise to deflate (ratio ~0.96 at ~27 ms per 540 KB frame):
+        # never negotiate permessage-deflate, whatever the client offers.
+        ws_per_message_deflate=False,
     )
     return 0
 

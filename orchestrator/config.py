@@ -33,4 +33,4 @@ class Settings:
     persist: bool = True
     node_id: str = ""
     lease_ms: int = 30_000
-    log_json: bool = False
+    park_idle_s: float = 600.0

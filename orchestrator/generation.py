@@ -233,6 +233,8 @@ class GenerationService:
                 set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
             )
             texts: list[str] = []
+            n_out = 0
+            finished = False
             slot.dirty = True
             events = await self.engine.open_stream(msg)
             try:
@@ -244,8 +246,10 @@ class GenerationService:
                         out = converter.convert(event, bufs)
                         if not out.is_stop:
                             texts.append(out.text)
+                        n_out += 1
                         yield out
                     elif isinstance(event, proto.Done):
+                        finished = True
                         log.info(
                             "generation done",
                             request_id=req.request_id,
@@ -264,5 +268,9 @@ class GenerationService:
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
             finally:
                 await events.aclose()  # type: ignore[attr-defined]
+                if not finished:  # the client left or the worker failed: the engine stopped it
+                    log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
+                    metrics.record_abandoned(n_out)
+                    slot.n_tokens = len(ids) + n_out  # refreshed from the worker by the tokens action
                 if self.registry.persistence is not None:
                     self.registry.persistence.schedule(slot)

@@ -23,3 +23,9 @@ def record_generation(done: Done) -> None:
     CACHED_TOKENS.inc(done.n_cached)
     GENERATIONS.labels(done.finish_reason).inc()
     GENERATION_SECONDS.observe((done.t_prefill_ms + done.t_generate_ms) / 1000)
+
+
+def record_abandoned(n_generated: int) -> None:
+    """Count a generation whose client left (or whose worker died) before its end."""
+    TOKENS_GENERATED.inc(n_generated)
+    GENERATIONS.labels("abandoned").inc()

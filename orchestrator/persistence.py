@@ -63,6 +63,7 @@ class Persistence:
         node_id: str = "",
         lease_ms: int = 30_000,
         write_delay_s: float = 0.2,
+        park_idle_s: float | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -71,6 +72,7 @@ class Persistence:
         self.node_id = node_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.lease_ms = lease_ms
         self.write_delay_s = write_delay_s
+        self.park_idle_s = park_idle_s
         self.registry: SlotRegistry | None = None
         self.healthy = True
         self.leases: dict[str, str] = {}
@@ -96,6 +98,7 @@ class Persistence:
             # Stable across restarts of the same node, so a restarted node takes its leases back.
             node_id=settings.node_id or f"{socket.gethostname()}:{settings.port}",
             lease_ms=settings.lease_ms,
+            park_idle_s=settings.park_idle_s or None,
         )
 
     @property
@@ -117,6 +120,7 @@ class Persistence:
         self._tasks = [
             asyncio.create_task(self._write_behind(), name="write-behind"),
             asyncio.create_task(self._renew_leases(), name="lease-renew"),
+            asyncio.create_task(self._maintain(), name="store-maintenance"),
         ]
 
     async def shutdown(self) -> None:
@@ -305,7 +309,17 @@ class Persistence:
                     self.healthy = False
                     break
 
-    @staticmethod
-    def now() -> float:
-        """Unix seconds."""
-        return time.time()
+    async def _maintain(self, every_s: float = 5.0) -> None:
+        """Park idle slots (``--park-idle``) and purge expired entries of the directory store."""
+        last_purge = 0.0
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                if self.park_idle_s and self.registry is not None:
+                    await self.registry.park_idle(self.park_idle_s)
+                purge = getattr(self.store, "purge_expired", None)
+                if purge is not None and time.monotonic() - last_purge > 60:
+                    last_purge = time.monotonic()
+                    await purge()
+            except Exception as exc:
+                log.warning("store maintenance failed", error=str(exc))

@@ -183,30 +183,54 @@ class SlotRegistry:
         slot.dirty = False
 
     async def _evict(self) -> int:
-        """Park the least recently used idle resident slot and return its sequence."""
-        idle = [s for s in self.owner if s is not None and not s.busy and not s.lock.locked()]
-        if not idle:
-            raise ApiError("RATE_LIMITED", f"all {self.n_seqs} engine sequences are busy", status=503)
-        victim = min(idle, key=lambda s: s.last_used)
-        async with victim.lock:
-            seq = victim.seq
-            assert seq is not None
-            await self.park(victim)
-            return seq
+        """Park the least recently used idle resident slot and return its sequence.
+
+        Idle means no client request uses it; one that a background save holds right now
+        is waited for (unlocked ones first).  ``RATE_LIMITED`` when every sequence serves
+        a client request.
+        """
+        while True:
+            idle = [s for s in self.owner if s is not None and not s.busy]
+            if not idle:
+                raise ApiError("RATE_LIMITED", f"all {self.n_seqs} engine sequences are busy")
+            victim = min(idle, key=lambda s: (s.lock.locked(), s.last_used))
+            async with victim.lock:
+                seq = victim.seq
+                if victim.busy or seq is None or self.owner[seq] is not victim:
+                    free = self._free_seq()  # parked meanwhile, or taken by a request: look again
+                    if free is not None:
+                        return free
+                    continue
+                await self.park(victim)
+                return seq
 
     async def park(self, slot: Slot) -> None:
         """Save ``slot`` (lock held) to the store and free its sequence."""
         if slot.seq is None:
             return
         if self.persistence is None:
-            raise ApiError("RATE_LIMITED", "no store configured to park slots in", status=503)
-        if slot.n_tokens or slot.dirty:
+            raise ApiError("RATE_LIMITED", "no store configured to park slots in")
+        if slot.dirty or (slot.n_tokens and not slot.stored):
             await self.persistence.save(slot)
         await self.engine.seq_op("erase", slot.seq)
         self._release_seq(slot)
         if self.persistence is not None:
             await self.persistence.release(slot)
         log.info("slot parked", slot_id=slot.id, n_tokens=slot.n_tokens)
+
+    async def park_idle(self, idle_s: float) -> int:
+        """Park every resident slot idle for more than ``idle_s`` seconds (frees its sequence
+        and its lease, so another node may take the conversation).  Returns how many."""
+        now = time.monotonic()
+        parked = 0
+        for slot in [s for s in self.owner if s is not None]:
+            if slot.busy or slot.lock.locked() or now - slot.last_used < idle_s or not self.is_resident(slot):
+                continue
+            async with slot.lock:
+                if not slot.busy and self.is_resident(slot):
+                    await self.park(slot)
+                    parked += 1
+        return parked
 
     async def forget(self, slot: Slot) -> None:
         """Drop a slot entirely (lock held): engine cells and registry entry."""

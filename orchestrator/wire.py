@@ -17,6 +17,11 @@ from orchestrator.generation import DoneOut, TokenOut
 KOBOLD_FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "abort"}
 
 
+def slot_id_out(slot_id: str) -> int | str:
+    """llama-server reports numeric slot ids as integers."""
+    return int(slot_id) if slot_id.isdigit() and len(slot_id) < 10 else slot_id
+
+
 def token_text_fields(t: TokenOut) -> dict[str, Any]:
     """``{"token_id", "text"}`` plus ``bytes`` when the piece alone is not valid UTF-8."""
     out: dict[str, Any] = {"token_id": t.token_id, "text": t.text}
@@ -89,7 +94,7 @@ def done_event(d: DoneOut, request_id: str | None) -> dict[str, Any]:
         "generation_time_ms": round(d.generation_time_ms, 3),
         "prompt_tokens": d.done.n_prompt,
         "cached_tokens": d.done.n_cached,
-        "slot_id": d.slot_id,
+        "slot_id": slot_id_out(d.slot_id),
     }
     if d.done.stop_string:
         ev["stop_string"] = d.done.stop_string

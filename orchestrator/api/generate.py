@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from litestar.response.sse import ServerSentEventMessage
 
 from orchestrator import wire
 from orchestrator.errors import from_exception
-from orchestrator.generation import DoneOut, Started, TokenOut
+from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
 
@@ -26,25 +27,48 @@ def _sse(obj: dict[str, Any]) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=_json.encode(obj).decode(), event="message", sep="\n")
 
 
+async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
+    """Cancel the generation when the client of a non-streaming request goes away."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            await control.cancel()
+            return
+
+
 class GenerateController(Controller):
     """Non-streaming and SSE generation."""
 
     @post("/api/v1/generate", status_code=200, summary="Generate (non-streaming) with base64 attention")
-    async def generate(self, services: Services, data: GenerateRequest) -> dict[str, Any]:
+    async def generate(
+        self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
+    ) -> dict[str, Any]:
         req = data.canonical()
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         tokens: list[dict[str, Any]] = []
         attention: list[dict[str, Any]] = []
         done: DoneOut | None = None
-        async for ev in services.generation.run(req):
-            if isinstance(ev, TokenOut):
-                tokens.append(wire.token_text_fields(ev) | {"logprob": ev.logprob})
-                if ev.attention is not None:
-                    entry = wire.token_text_fields(ev)
-                    entry["attention"] = wire.attention_json(ev, req.attention_format, req.attention_dtype)
-                    attention.append(entry)
-            elif isinstance(ev, DoneOut):
-                done = ev
+        pieces = await services.generation.pieces()
+        control = RunControl()
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
+        try:
+            async for ev in services.generation.run(req, control):
+                if isinstance(ev, TokenOut):
+                    tok = wire.token_text_fields(ev) | {"logprob": ev.logprob}
+                    if req.n_probs:
+                        tok["top_logprobs"] = wire.top_logprobs(ev, pieces)
+                    hidden = wire.hidden_json(ev)
+                    if hidden is not None:
+                        tok["hidden_state"] = hidden
+                    tokens.append(tok)
+                    if ev.attention is not None:
+                        entry = wire.token_text_fields(ev)
+                        entry["attention"] = wire.attention_json(ev, req.attention_format, req.attention_dtype)
+                        attention.append(entry)
+                elif isinstance(ev, DoneOut):
+                    done = ev
+        finally:
+            watcher.cancel()
         assert done is not None
         body = wire.done_event(done, req.request_id)
         body.update(

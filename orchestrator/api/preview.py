@@ -120,7 +120,7 @@ class PreviewController(Controller):
             "generation_time_ms": round((time.perf_counter() - t0) * 1000, 3),
             "n_prefilled": done.n_prefilled,
             "n_cached": done.n_cached,
-            "slot_id": slot_id if cache_hit else None,
+            "slot_id": wire.slot_id_out(slot_id) if cache_hit else None,
         }
         if data.output_attentions:
             body["attention_data"] = attention

@@ -15,14 +15,10 @@ from orchestrator.errors import ApiError
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
 from orchestrator.slot_ops import SlotOps, message_boundaries
+from orchestrator.wire import slot_id_out
 
 OCTET = "application/octet-stream"
 MAX_STATE_BYTES = 4 << 30
-
-
-def slot_id_out(slot_id: str) -> int | str:
-    """llama-server reports numeric slot ids as integers."""
-    return int(slot_id) if slot_id.isdigit() and len(slot_id) < 10 else slot_id
 
 
 def _json_body(raw: bytes, kind: type[Any]) -> Any:

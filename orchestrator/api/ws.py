@@ -41,17 +41,71 @@ class _Closed(Exception):
     """The client disconnected."""
 
 
-async def _receive(socket: WebSocket[Any, Any, Any], limit: int) -> str | bytes:
-    """Next client message; raises :class:`_Closed` on disconnect, ApiError when too large."""
-    msg = await socket.receive()
-    if msg["type"] == "websocket.disconnect":
-        raise _Closed
-    data = msg.get("text")
-    if data is None:
-        data = msg.get("bytes") or b""
-    if len(data) > limit:
-        raise ApiError("PAYLOAD_TOO_LARGE", f"message of {len(data)} bytes exceeds the {limit} byte limit")
-    return data
+_CLOSED = object()
+
+
+class Inbox:
+    """All client messages of one socket, read by one task into a queue.
+
+    A message that arrives while a generation runs is looked at (``cancel``) and, if it
+    is anything else, kept for the next request: nothing a client sends is lost.
+    """
+
+    def __init__(self, socket: WebSocket[Any, Any, Any], limit: int) -> None:
+        self.socket = socket
+        self.limit = limit
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.task = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                msg = await self.socket.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                data = msg.get("text")
+                if data is None:
+                    data = msg.get("bytes") or b""
+                if len(data) > self.limit:
+                    big = f"message of {len(data)} bytes exceeds the {self.limit} byte limit"
+                    await self.queue.put(ApiError("PAYLOAD_TOO_LARGE", big))
+                    continue
+                await self.queue.put(data)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+        await self.queue.put(_CLOSED)
+
+    async def get(self) -> str | bytes:
+        """Next message; raises :class:`_Closed` on disconnect, ``PAYLOAD_TOO_LARGE`` for a big one."""
+        item = await self.queue.get()
+        if item is _CLOSED:
+            self.queue.put_nowait(_CLOSED)  # stays closed for every later get
+            raise _Closed
+        if isinstance(item, ApiError):
+            raise item
+        return item  # type: ignore[return-value]
+
+    def put_back(self, data: str | bytes) -> None:
+        """Return a message to the front of the queue."""
+        rest = []
+        while not self.queue.empty():
+            rest.append(self.queue.get_nowait())
+        for item in (data, *rest):
+            self.queue.put_nowait(item)
+
+    async def close(self) -> None:
+        """Stop reading."""
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
+
+
+def _is_cancel(data: str | bytes) -> bool:
+    try:
+        msg = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(msg, dict) and msg.get("type") == "cancel"
 
 
 def _parse(data: str | bytes) -> GenerateRequest:
@@ -72,18 +126,18 @@ async def _error(socket: WebSocket[Any, Any, Any], exc: BaseException, request_i
 
 
 async def run_controlled(
-    socket: WebSocket[Any, Any, Any],
+    inbox: Inbox,
     services: Services,
     req: CanonicalRequest,
     on_token: Callable[[TokenOut], Awaitable[None]],
     on_done: Callable[[DoneOut], Awaitable[None]],
 ) -> None:
-    """Run one generation while listening to the client for ``cancel`` or a disconnect.
+    """Run one generation while watching the client for ``cancel`` or a disconnect.
 
-    Raises :class:`_Closed` if the client went away (the generation is cancelled).
+    Raises :class:`_Closed` if the client went away (the generation is cancelled), and
+    ``PAYLOAD_TOO_LARGE`` if it sent an oversized message meanwhile (after stopping).
     """
     control = RunControl()
-    limit = services.settings.max_body_bytes
 
     async def pump() -> None:
         run = services.generation.run(req, control)
@@ -96,44 +150,48 @@ async def run_controlled(
         finally:
             await run.aclose()
 
-    async def listen() -> None:
-        while True:
-            data = await _receive(socket, limit)
-            with contextlib.suppress(ApiError, msgspec.DecodeError):
-                msg = msgspec.json.decode(data)
-                if isinstance(msg, dict) and msg.get("type") == "cancel":
-                    await control.cancel()
-
     sender = asyncio.create_task(pump())
-    listener = asyncio.create_task(listen())
     try:
-        await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
-        if sender.done():
-            sender.result()
-            return
-        exc = listener.exception()
-        if isinstance(exc, ApiError):  # oversized message while generating: stop and report
-            await control.cancel()
-            await sender
-            raise exc
-        sender.cancel()  # the client is gone
-        with contextlib.suppress(asyncio.CancelledError):
-            await sender
-        raise _Closed
+        while True:
+            getter = asyncio.create_task(inbox.get())
+            await asyncio.wait({sender, getter}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()  # a pending Queue.get leaves the queue as it was
+                with contextlib.suppress(asyncio.CancelledError):
+                    await getter
+                break
+            try:
+                data = getter.result()
+            except _Closed:
+                sender.cancel()  # the client is gone
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sender
+                raise
+            except ApiError:
+                await control.cancel()
+                await sender
+                raise
+            if _is_cancel(data):
+                await control.cancel()
+                continue
+            inbox.put_back(data)  # the next request: served after this one
+            break
+        await sender
     finally:
-        listener.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await listener
+        if not sender.done():
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sender
 
 
 @websocket("/api/extra/generate/stream/ws")
 async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
     """Seed 002: JSON config in; per token a JSON text frame then a binary attention frame."""
     await socket.accept()
+    inbox = Inbox(socket, services.settings.max_body_bytes)
     request_id = None
     try:
-        data = await _receive(socket, services.settings.max_body_bytes)
-        body = _parse(data)
+        body = _parse(await inbox.get())
         if body.return_attention is None and body.output_attentions is None:
             body.output_attentions = True  # this endpoint exists to stream attention
         req = body.canonical()
@@ -147,12 +205,14 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
         async def on_done(d: DoneOut) -> None:
             await _send_json(socket, wire.done_event(d, request_id))
 
-        await run_controlled(socket, services, req, on_token, on_done)
+        await run_controlled(inbox, services, req, on_token, on_done)
     except (_Closed, WebSocketDisconnect):
+        await inbox.close()
         return
     except Exception as exc:
         with contextlib.suppress(Exception):
             await _error(socket, exc, request_id)
+    await inbox.close()
     with contextlib.suppress(Exception):
         await socket.close(code=1000)
 
@@ -161,11 +221,18 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
 async def event_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
     """Seed 000: ``generate`` messages answered by ``token``/``done``/``error`` events."""
     await socket.accept()
+    inbox = Inbox(socket, services.settings.max_body_bytes)
+    try:
+        await _serve_events(socket, inbox, services)
+    finally:
+        await inbox.close()
+
+
+async def _serve_events(socket: WebSocket[Any, Any, Any], inbox: Inbox, services: Services) -> None:
     while True:
         request_id = None
         try:
-            data = await _receive(socket, services.settings.max_body_bytes)
-            body = _parse(data)
+            body = _parse(await inbox.get())
             request_id = body.request_id
             if body.type not in (None, "generate"):
                 if body.type == "cancel":
@@ -182,7 +249,7 @@ async def event_stream(socket: WebSocket[Any, Any, Any], services: Services) -> 
             async def on_done(d: DoneOut, req: CanonicalRequest = req) -> None:
                 await _send_json(socket, wire.done_event(d, req.request_id))
 
-            await run_controlled(socket, services, req, on_token, on_done)
+            await run_controlled(inbox, services, req, on_token, on_done)
         except (_Closed, WebSocketDisconnect):
             return
         except ApiError as exc:

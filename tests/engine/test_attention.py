@@ -168,3 +168,13 @@ def test_cells_are_not_positions(engine, model) -> None:  # type: ignore[no-unty
     assert_attention_close(target.out, want)
     for s in range(4):
         engine.erase(s)
+
+
+def test_device_buffer_path_copies_the_same_rows(engine, prompt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Tensors in device memory are read row by row with ggml_backend_tensor_get (GPU offload)."""
+    from engine import ggml_ffi
+
+    host = prefill_row(engine, 3, prompt)
+    monkeypatch.setattr(ggml_ffi.libggml, "ggml_backend_buffer_is_host", lambda _buf: False)
+    device = prefill_row(engine, 3, prompt)
+    np.testing.assert_array_equal(device, host)

