@@ -11,9 +11,15 @@ Verified facts this relies on (DESIGN.md section 3, llama.cpp ``src/llama-graph.
 * ``ggml_backend_sched`` asks the callback about every node (``ask=true``), splits the
   graph after the nodes we accept and calls again with ``ask=false`` once computed.
 
-For each requested output row the callback gathers the row's cells into
-input-position order through :class:`~engine.cellmap.CellMap`, so ``out[l, h, p]`` is
-the attention of the query token to position ``p`` of its sequence.
+For each requested output row the row's cells are gathered into input-position order
+through :class:`~engine.cellmap.CellMap`, so ``out[l, h, p]`` is the attention of the
+query token to position ``p`` of its sequence.
+
+Two paths share this plan.  With the C filter (engine/_evalfilter.c via
+:mod:`engine.evalfilter`) Python sees one node per ubatch (the cells it writes) and C
+copies the rows of every layer; the gather into position order happens once per row
+after the decode.  Without it, every node question reaches :meth:`_on_node` and the
+rows are gathered layer by layer in Python (about 1 ms more per token).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from dataclasses import dataclass, field
 import llama_cpp as llama
 import numpy as np
 
+from engine import evalfilter
 from engine import ggml_ffi as g
 from engine.cellmap import CellMap, CellMapError
+from engine.evalfilter import CRowCopier
 
 _U64 = ctypes.c_uint64.from_address
 _KQ_SOFT = int.from_bytes(b"kq_soft_", "little")
@@ -72,12 +80,16 @@ class AttentionCapture:
     cells disagree with the mirror and ``verify`` is on).
     """
 
-    def __init__(self, cellmap: CellMap, n_layer: int, n_head: int, verify: bool = False) -> None:
+    def __init__(self, cellmap: CellMap, n_layer: int, n_head: int, verify: bool = False, use_c: bool = True) -> None:
         self.cellmap = cellmap
         self.n_layer = n_layer
         self.n_head = n_head
         self.verify = verify
         self.callback = llama.ggml_backend_sched_eval_callback(self._on_node)
+        self.c: CRowCopier | None = None
+        if use_c and evalfilter.available():
+            self.c = CRowCopier(self.callback, n_layer, n_head)
+        self._rows_of: list[RowTarget] = []
         self._layer_of = {f"kq_soft_max-{il}".encode(): il for il in range(n_layer)}
         self._runs: list[Run] = []
         self._targets: list[RowTarget] = []
@@ -87,6 +99,13 @@ class AttentionCapture:
         self._active = False
         self._error: BaseException | None = None
         self.n_softmax_seen = 0
+
+    @property
+    def cb_eval(self) -> tuple[object, int | None]:
+        """``(cb_eval, cb_eval_user_data)`` for ``llama_context_params``."""
+        if self.c is not None:
+            return self.c.callback, self.c.user_data
+        return self.callback, None
 
     # -- plan ------------------------------------------------------------------------------
 
@@ -100,13 +119,39 @@ class AttentionCapture:
         self._error = None
         self.n_softmax_seen = 0
         self._active = True
+        if self.c is not None:
+            self._rows_of = [tg for tg in self._targets if tg.out is not None]
+            n_tokens = sum(r.n for r in runs)
+            cap = min(self.cellmap.n_cells, -(-(self.cellmap.high_water + 1 + n_tokens) // 256) * 256)
+            forward_l0 = self.verify or any(tg.want_mask for tg in self._targets)
+            self.c.arm(len(self._rows_of), cap, forward_l0)
 
     def end(self) -> None:
-        """Disarm; re-raise a failure seen inside the callback."""
+        """Disarm; gather the C-copied rows; re-raise a failure seen inside the callback."""
         self._active = False
         err, self._error = self._error, None
+        if self.c is not None:
+            copied = self.c.finish()
+            if err is None:
+                self._gather_c_rows(copied)
         if err is not None:
             raise err
+
+    def _gather_c_rows(self, copied: int) -> None:
+        if self._rows_of and copied % self.n_layer:
+            raise g.GgmlLayoutError(f"copied {copied} kq_soft_max nodes, not a multiple of {self.n_layer}")
+        self.n_softmax_seen = copied
+        assert self.c is not None
+        for i, tg in enumerate(self._rows_of):
+            rows = self.c.rows(i)  # [n_layer, n_head, n_kv]
+            assert tg.out is not None and tg.layer_slot is not None
+            sel = np.flatnonzero(tg.layer_slot >= 0)
+            src = rows if len(sel) == self.n_layer and np.array_equal(tg.layer_slot, np.arange(self.n_layer)) else None
+            if src is None:
+                order = np.empty(len(sel), dtype=np.int64)
+                order[tg.layer_slot[sel]] = sel
+                src = rows[order]
+            np.take(src, tg.gather, axis=2, out=tg.out)
 
     # -- callback --------------------------------------------------------------------------
 
@@ -140,6 +185,10 @@ class AttentionCapture:
         self._ub_targets = [tg for tg in self._targets if start <= tg.batch_index < end]
         for tg in self._ub_targets:
             tg.gather = self.cellmap.cells(tg.seq, tg.pos + 1)
+        if self.c is not None:
+            self.c.set_rows(
+                [(tg.batch_index - start, i) for i, tg in enumerate(self._rows_of) if start <= tg.batch_index < end]
+            )
 
     def _on_softmax(self, t: int) -> None:
         il = self._layer_of[ctypes.string_at(t + _NAME)]
@@ -147,13 +196,14 @@ class AttentionCapture:
         n_kv, n_tok, n_head, n_stream = g.check_contiguous_f32(t)
         if n_head != self.n_head or n_stream != 1:
             raise g.GgmlLayoutError(f"kq_soft_max-{il} has ne={[n_kv, n_tok, n_head, n_stream]}")
+        c_rows = self.c is not None  # rows were copied by C: only the mask is read here
         local = sorted({tg.batch_index - self._ub_start for tg in self._ub_targets})
         where = {r: i for i, r in enumerate(local)}
-        rows = g.read_rows(t, local, n_head, n_tok, n_kv)  # [n_head, len(local), n_kv]
+        rows = None if c_rows else g.read_rows(t, local, n_head, n_tok, n_kv)  # [n_head, len(local), n_kv]
         mask = None
         for tg in self._ub_targets:
             r = tg.batch_index - self._ub_start
-            if tg.out is not None and tg.layer_slot is not None and tg.layer_slot[il] >= 0:
+            if rows is not None and tg.out is not None and tg.layer_slot is not None and tg.layer_slot[il] >= 0:
                 np.take(rows[:, where[r], :], tg.gather, axis=1, out=tg.out[tg.layer_slot[il]])
             if il == 0 and (tg.want_mask or self.verify):
                 if mask is None:

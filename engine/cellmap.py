@@ -30,6 +30,7 @@ class CellMap:
 
     def __init__(self, n_cells: int) -> None:
         self.n_cells = n_cells
+        self.high_water = -1  # the highest cell ever written (bounds n_kv of the next decode)
         self._cells: dict[int, np.ndarray] = {}
         self._len: dict[int, int] = {}
 
@@ -59,11 +60,15 @@ class CellMap:
             arr = self._cells[seq] = grown
         arr[pos0:end] = cells
         self._len[seq] = max(length, end)
+        if len(cells):
+            self.high_water = max(self.high_water, int(cells.max()))
 
     def set(self, seq: int, cells: np.ndarray) -> None:
         """Replace ``seq``'s mapping (after a restore)."""
         self._cells[seq] = np.array(cells, dtype=np.int32)
         self._len[seq] = len(cells)
+        if len(cells):
+            self.high_water = max(self.high_water, int(np.max(cells)))
 
     def copy(self, src: int, dst: int) -> None:
         """``seq_cp(src, dst, -1, -1)``: ``dst`` now shares all of ``src``'s cells."""

@@ -68,6 +68,7 @@ class EngineConfig:
     n_gpu_layers: int = 0
     verify_cells: bool = False
     capture: bool = True  # False: no eval callback at all (no attention; the raw-speed baseline)
+    eval_filter: bool = True  # front the eval callback with the C filter when it is built
 
     @property
     def n_seq_max(self) -> int:
@@ -90,7 +91,9 @@ class Engine:
         self.model = model
         self.config = config
         self.cellmap = CellMap(config.n_cells)
-        self.capture = AttentionCapture(self.cellmap, model.n_layer, model.n_head, verify=config.verify_cells)
+        self.capture = AttentionCapture(
+            self.cellmap, model.n_layer, model.n_head, verify=config.verify_cells, use_c=config.eval_filter
+        )
         cp = llama.llama_context_default_params()
         cp.n_ctx = config.n_cells
         cp.n_batch = config.n_batch
@@ -101,7 +104,7 @@ class Engine:
         cp.kv_unified = True
         cp.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
         if config.capture:
-            cp.cb_eval = self.capture.callback
+            cp.cb_eval, cp.cb_eval_user_data = self.capture.cb_eval
         cp.no_perf = True
         ctx = llama.llama_init_from_model(model.ptr, cp)
         if not ctx:

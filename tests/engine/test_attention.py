@@ -178,3 +178,39 @@ def test_device_buffer_path_copies_the_same_rows(engine, prompt, monkeypatch) ->
     monkeypatch.setattr(ggml_ffi.libggml, "ggml_backend_buffer_is_host", lambda _buf: False)
     device = prefill_row(engine, 3, prompt)
     np.testing.assert_array_equal(device, host)
+
+
+def test_c_filter_and_python_callback_capture_the_same_rows(model, engine, prompt) -> None:  # type: ignore[no-untyped-def]
+    """The C eval filter (the default when built) and the pure Python callback agree exactly."""
+    from engine import evalfilter
+    from engine.engine import Engine, EngineConfig
+
+    if not evalfilter.available():
+        pytest.fail("engine._evalfilter was not built: `pip install -e .` compiles it")
+    assert engine.capture.c is not None
+    py = Engine(
+        model, EngineConfig(n_ctx=1024, n_slots=2, n_spare=1, n_threads=2, verify_cells=True, eval_filter=False)
+    )
+    c = Engine(model, EngineConfig(n_ctx=1024, n_slots=2, n_spare=1, n_threads=2, verify_cells=False))
+    try:
+        assert py.capture.c is None and c.capture.c is not None
+        runs = []
+        for eng in (py, c):
+            r = Runner(eng)
+            first = r.submit(0, prompt, max_new_tokens=6, ignore_eos=True)
+            sel = r.submit(
+                1,
+                prompt[:-3],
+                max_new_tokens=6,
+                ignore_eos=True,
+                capture=CaptureOptions(attention=True, layers=[29, 3]),
+            )
+            r.run()
+            runs.append((r.results[first], r.results[sel]))
+        for a, b in zip(runs[0], runs[1], strict=True):
+            assert a.tokens == b.tokens
+            for x, y in zip(a.attention, b.attention, strict=True):
+                np.testing.assert_array_equal(x, y)
+    finally:
+        py.close()
+        c.close()
