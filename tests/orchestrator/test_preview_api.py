@@ -121,12 +121,20 @@ def test_generation_beside_a_preview(server: ServerProc, turn) -> None:  # type:
     control = gen(server, "pv4-control", follow, n=12)
     res: dict[str, dict] = {}  # type: ignore[type-arg]
     tp = threading.Thread(
-        target=lambda: res.setdefault("p", preview(server, append_tokens=append, max_tokens=60, id_slot="pv4").json())
+        target=lambda: res.setdefault(
+            "p", preview(server, append_tokens=append, max_tokens=60, id_slot="pv4", output_attentions=True).json()
+        )
     )
     tp.start()
     res["g"] = gen(server, "pv4", follow, n=12)
     tp.join()
     assert_same_greedy(control, res["g"])
+    # a cell of the other sequence in either mask would take attention mass that the
+    # gather through the sequence's own cells does not see: every row sums to 1
+    for e in res["g"]["attention_data"]:
+        np.testing.assert_allclose(decode_attention(e["attention"]).sum(-1), 1, atol=1e-3)
+    for e in res["p"]["attention_data"]:
+        np.testing.assert_allclose(decode_attention(e["attention"]).sum(-1), 1, atol=1e-3)
     assert res["p"]["cache_hit"] is True
     assert state(server, "pv4")[0] == follow + [t["token_id"] for t in res["g"]["generated_tokens"]]
 
