@@ -39,10 +39,7 @@ import base64
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,27 +47,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import common  # puts the checkout on sys.path, for the engine imports below
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from engine.batcher import Batcher  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.model import Model, default_model_path  # noqa: E402
-from engine.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token  # noqa: E402
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-TEXT = (
-    "The history of the lighthouse begins with fires lit on hilltops to guide ships home. "
-    "Later, towers of stone carried lanterns, and mirrors focused their light across the water. "
-    "Keepers trimmed the wicks every night, recorded the weather, and rescued sailors from wrecks. "
-    "In the nineteenth century the Fresnel lens made the beams visible for many miles, "
-    "and clockwork turned the lens so that each station had its own pattern of flashes. "
-    "Today most lights are automatic, yet people still visit them to remember the keepers. "
+from common import (
+    CpuMeter,
+    Quiet,
+    ServerProc,
+    SseEvents,
+    add_idle_args,
+    free_port,
+    model_tokenizer,
+    settle,
+    slotserve_cmd,
 )
 
+from engine.batcher import Batcher
+from engine.engine import Engine, EngineConfig
+from engine.model import Model, default_model_path
+from engine.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
 
 # ----------------------------------------------------------------------------- results
 
@@ -85,7 +79,6 @@ class Rep:
     tokens: list[int]
     # process -> CPU seconds over the whole rep; "decode:<process>" over first..last token; "other": cores
     cpu: dict[str, float] = field(default_factory=dict)
-    wall: float = 0.0  # whole rep (s)
     cached: int | None = None  # server: prompt tokens reused from the slot's KV cache
     ext: str | None = None  # WS: negotiated extensions
 
@@ -109,147 +102,37 @@ class Phase:
         return self.med(lambda r: r.tps)
 
 
-# ----------------------------------------------------------------------------- CPU accounting
-
-
-def proc_cpu(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads) in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with open(task / "children") as f:
-            out += [int(x) for x in f.read().split()]
-    return out
-
-
-def system_busy() -> float:
-    """CPU seconds all processes of this machine have used since boot (user+nice+system+irq+softirq)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK_TCK
-
-
-def wait_idle(max_wait: float, threshold: float = 0.15, window: float = 1.0) -> float:
-    """Wait (up to ``max_wait`` s) until other processes use < ``threshold`` cores over ``window`` s.
-
-    Returns the load (cores) of the last window; on a shared machine other jobs distort every figure.
-    """
-    deadline = time.monotonic() + max_wait
-    while True:
-        b0, c0, t0 = system_busy(), time.process_time(), time.perf_counter()
-        time.sleep(window)
-        load = ((system_busy() - b0) - (time.process_time() - c0)) / (time.perf_counter() - t0)
-        if load < threshold or time.monotonic() >= deadline:
-            return load
-
-
-class CpuMeter:
-    """CPU seconds of named processes between :meth:`start` and :meth:`stop`."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.t0: dict[str, float] = {}
-        self.marks: dict[str, dict[str, float]] = {}
-
-    def mark(self, name: str) -> None:
-        """Snapshot now (``first`` / ``last`` token: the decode window)."""
-        self.marks[name] = self._now()
-
-    def _now(self) -> dict[str, float]:
-        out = {"client": time.process_time(), "_system": system_busy(), "_wall": time.perf_counter()}
-        for name, pid in self.pids.items():
-            out[name] = proc_cpu(pid)
-        return out
-
-    def start(self) -> None:
-        self.marks = {}
-        self.t0 = self._now()
-
-    def stop(self) -> dict[str, float]:
-        """CPU seconds per process, plus ``other``: cores used by every other process meanwhile."""
-        t1 = self._now()
-        d = {k: t1[k] - self.t0[k] for k in t1}
-        ours = sum(v for k, v in d.items() if not k.startswith("_"))
-        wall, system = d.pop("_wall"), d.pop("_system")
-        d["other"] = max(0.0, (system - ours) / wall) if wall > 0 else 0.0
-        a, b = self.marks.get("first"), self.marks.get("last")
-        if a is not None and b is not None:  # CPU seconds of each process between first and last token
-            for k in a:
-                if not k.startswith("_"):
-                    d["decode:" + k] = b[k] - a[k]
-        return d
-
-
 # ----------------------------------------------------------------------------- prompt
 
 
 def build_prompt(model: Model, n: int) -> list[int]:
     """Exactly ``n`` token ids: a chat turn whose user message is cut to fit."""
-    head = model.tokenize("<|im_start|>user\nSummarize this text.\n\n", False, True)
-    tail = model.tokenize("<|im_end|>\n<|im_start|>assistant\n", False, True)
-    body: list[int] = []
-    k = 1
-    while len(head) + len(body) + len(tail) < n:
-        body += model.tokenize(f"Part {k}. {TEXT}", False, False)
-        k += 1
-    body = body[: max(0, n - len(head) - len(tail))]
-    ids = (head + body + tail)[-n:]
-    assert len(ids) == n
-    return ids
+    return common.build_prompt(model_tokenizer(model), n)
 
 
 # ----------------------------------------------------------------------------- one measured rep
 
 
 def take_rep(
-    phase: Phase,
-    r: int,
-    fn: Callable[[], Rep],
-    meter: CpuMeter,
-    args: argparse.Namespace,
-    before: Callable[[], None] | None = None,
-) -> Rep:
-    """Run ``fn`` once (rep 0: warm-up, not kept) on an idle machine; redo it while others were busy.
-
-    A rep during which processes outside the benchmark used more than ``--max-other`` cores is
-    measured again, up to ``--retries`` times (the last try is kept, and counted in the table).
-    """
-    warm = r == 0
-    tries = 1 if warm else 1 + args.retries
-    for attempt in range(tries):
-        if before is not None:
-            before()
-        if not warm and args.wait_idle > 0:
-            wait_idle(args.wait_idle)
-        meter.start()
-        w0 = time.perf_counter()
-        rep = fn()
-        rep.wall = time.perf_counter() - w0
-        rep.cpu = meter.stop()
-        noisy = rep.cpu["other"] > args.max_other
-        last = attempt == tries - 1
-        tag = " (warm-up)" if warm else (" (busy machine: again)" if noisy and not last else "")
-        extra = (
-            f"prefill {rep.t_prefill * 1000:7.1f} ms"
-            if rep.cached is None
-            else (f"ttft {rep.t_prefill * 1000:6.1f} ms, cached {rep.cached}")
-        )
-        print(
-            f"  {phase.name} rep {r}{tag}: {rep.tps:7.1f} tok/s, {extra}, other load {rep.cpu['other']:.2f} cores",
-            flush=True,
-        )
-        if warm:
-            return rep
-        if not noisy or last:
-            phase.reps.append(rep)
-            return rep
-        phase.discarded += 1
-    raise AssertionError("unreachable")
+    phase: Phase, r: int, fn: Callable[[], Rep], quiet: Quiet, before: Callable[[], None] | None = None
+) -> None:
+    """Run ``fn`` once on an idle machine (rep 0: a warm-up, not kept), through :meth:`Quiet.run`,
+    which measures it again while other processes were busy (counted in the phase's ``redo``)."""
+    if before is not None:
+        before()
+    redone = quiet.redone
+    rep, cpu = quiet.run(fn, label=f"{phase.name} rep {r}", warm=r == 0)
+    rep.cpu = cpu
+    phase.discarded += quiet.redone - redone
+    extra = (
+        f"prefill {rep.t_prefill * 1000:7.1f} ms"
+        if rep.cached is None
+        else f"ttft {rep.t_prefill * 1000:6.1f} ms, cached {rep.cached}"
+    )
+    tag = " (warm-up)" if r == 0 else ""
+    print(f"  {phase.name} rep {r}{tag}: {rep.tps:7.1f} tok/s, {extra}, other load {rep.cpu['other']:.2f} cores")
+    if r:
+        phase.reps.append(rep)
 
 
 # ----------------------------------------------------------------------------- in-process engine
@@ -298,14 +181,14 @@ def inproc_once(eng: Engine, ids: list[int], args: argparse.Namespace, meter: Cp
 def bench_inproc(model: Model, ids: list[int], args: argparse.Namespace) -> tuple[Phase, Phase]:
     """Raw engine (no eval callback) and engine + capture, reps interleaved so drift hits both alike."""
     paths: list[tuple[Phase, Engine]] = []
-    meter = CpuMeter({})
+    quiet = Quiet(args)
     try:
         for capture, name in ((False, "raw engine (no capture)"), (True, "engine + capture (no client)")):
             cfg = EngineConfig(n_ctx=args.n_ctx, n_slots=1, n_spare=args.spare, n_threads=args.threads, capture=capture)
             paths.append((Phase(name), Engine(model, cfg)))
         for r in range(args.reps + 1):  # rep 0 is a warm-up
             for phase, eng in paths:
-                take_rep(phase, r, lambda eng=eng: inproc_once(eng, ids, args, meter), meter, args)
+                take_rep(phase, r, lambda eng=eng: inproc_once(eng, ids, args, quiet.meter), quiet)
     finally:
         for _, eng in paths:
             eng.close()
@@ -313,77 +196,6 @@ def bench_inproc(model: Model, ids: list[int], args: argparse.Namespace) -> tupl
 
 
 # ----------------------------------------------------------------------------- server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / "server.log"
-        cmd = [
-            str(ROOT / ".venv" / "bin" / "slotserve"),
-            "serve",
-            "--port",
-            str(self.port),
-            "--state-dir",
-            str(tmp / "state"),
-            "--parallel",
-            "1",
-            "--spare",
-            str(args.spare),
-            "--ctx-size",
-            str(args.n_ctx),
-            "--threads",
-            str(args.threads),
-        ]
-        if args.model:
-            cmd += ["--model", str(args.model)]
-        self.log = open(self.log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        self.worker_pid: int | None = None
-
-    def wait_ready(self, httpx_mod, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx_mod.get(self.base + "/health", timeout=2).status_code == 200:
-                    kids = children(self.proc.pid)
-                    self.worker_pid = kids[0] if kids else None
-                    return
-            except httpx_mod.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"server not healthy after {timeout}s; see {self.log_path}")
-
-    def settle(self, httpx_mod, timeout: float = 30) -> None:
-        """Wait until slot 0 is idle and its write-behind save is done (so it does not overlap a rep)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            slots = httpx_mod.get(self.base + "/slots", timeout=10).json()
-            s0 = next((s for s in slots if str(s.get("id")) == "0"), None)
-            if s0 is None or (not s0.get("is_processing") and not s0.get("dirty")):
-                time.sleep(0.2)
-                return
-            time.sleep(0.1)
-        print("  warning: slot 0 still busy/dirty after settle timeout", flush=True)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def request_body(ids: list[int], new: int) -> dict:
@@ -445,25 +257,14 @@ def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int],
     times: list[float] = []
     tokens: list[int] = []
     done = None
-    buf = bytearray()
+    events = SseEvents()
     t0 = time.perf_counter()
     with client.stream("POST", url, json=request_body(ids, new)) as resp:
         if resp.status_code != 200:
             resp.read()
             raise RuntimeError(f"sse: HTTP {resp.status_code} {resp.text[:300]}")
         for chunk in resp.iter_bytes():
-            start = max(0, len(buf) - 1)
-            buf += chunk
-            while True:
-                i = buf.find(b"\n\n", start)
-                if i < 0:
-                    break
-                event, start = bytes(buf[:i]), 0
-                del buf[: i + 2]
-                data = b"".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
-                if not data:
-                    continue
-                ev = json.loads(data)
+            for ev in events.feed(chunk):
                 if ev.get("type") == "token":
                     a = ev["attention"]
                     ctx = len(ids) + len(tokens)
@@ -489,7 +290,11 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
     import httpx
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
-    srv = Server(args, tmp)
+    port = free_port()
+    cmd = slotserve_cmd(
+        port, tmp / "state", parallel=1, ctx_size=args.n_ctx, threads=args.threads, spare=args.spare, model=args.model
+    )
+    srv = ServerProc("orchestrator", cmd, port, tmp / "server.log")
     ws_url = f"ws://127.0.0.1:{srv.port}/api/extra/generate/stream/ws"
     sse_url = srv.base + "/api/extra/generate/stream"
     ws_modes = ["default", "none"] if args.ws_compression == "both" else [args.ws_compression]
@@ -497,13 +302,13 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
     phases = {f"ws:{m}": Phase(label[m]) for m in ws_modes}
     phases["sse"] = Phase("SSE base64")
     try:
-        t0 = time.perf_counter()
-        srv.wait_ready(httpx)
-        print(f"  server up on :{srv.port} in {time.perf_counter() - t0:.1f}s (worker pid {srv.worker_pid})")
+        up = srv.wait_ready(httpx)
+        print(f"  server up on :{srv.port} in {up:.1f}s (worker pid {srv.worker_pid})")
         pids = {"orchestrator": srv.proc.pid}
         if srv.worker_pid:
             pids["worker"] = srv.worker_pid
-        meter = CpuMeter(pids)
+        quiet = Quiet(args, pids)
+        meter = quiet.meter
         with httpx.Client(timeout=None) as client:
             for r in range(args.reps + 1):  # rep 0 is a warm-up of every path (the first one prefills fully)
                 for key, phase in phases.items():
@@ -518,7 +323,7 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
                         def once() -> Rep:
                             return sse_once(client, sse_url, ids, args.new, shape, meter)
 
-                    take_rep(phase, r, once, meter, args, before=lambda: srv.settle(httpx))
+                    take_rep(phase, r, once, quiet, before=lambda: settle(client, srv.base, slots=["0"]))
     finally:
         srv.stop()
         if args.keep_log:
@@ -610,14 +415,7 @@ def main() -> int:
         default="both",
         help="websockets client: default (offers permessage-deflate, like browsers), none, or both",
     )
-    ap.add_argument(
-        "--wait-idle",
-        type=float,
-        default=120,
-        help="before each measured rep wait up to this many s for other processes to go idle (0: don't)",
-    )
-    ap.add_argument("--max-other", type=float, default=0.1, help="redo a rep if others used more cores than this")
-    ap.add_argument("--retries", type=int, default=5, help="redos per rep at most")
+    add_idle_args(ap)
     ap.add_argument("--keep-log", action="store_true", help="keep the server log")
     args = ap.parse_args()
     if args.new < 2:
