@@ -304,22 +304,22 @@ class Engine:
         del toks[n_keep : n_keep + n_discard]
         return len(toks)
 
-    def save_state(self, seq: int) -> tuple[list[int], bytes]:
+    def save_state(self, seq: int) -> tuple[list[int], bytearray]:
         """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``)."""
         size = llama.llama_state_seq_get_size(self.ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        got = llama.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        buf = bytearray(size)
+        got = llama.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
         if got != size:
             raise EngineError("INTERNAL", f"llama_state_seq_get_data wrote {got} of {size} bytes")
-        return list(self.tokens.get(seq, ())), bytes(buf)
+        return list(self.tokens.get(seq, ())), buf
 
-    def restore_state(self, seq: int, tokens: Sequence[int], blob: bytes | memoryview) -> None:
+    def restore_state(self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview) -> None:
         """Replace ``seq`` with ``tokens`` and their KV state; ``seq`` is untouched on failure.
 
-        The blob is parsed and checked against this engine's layout, restored into the
-        scratch sequence, its cells learned (positions from a re-read of the state, cells
-        from the mask of a one-token probe decode), and only then moved to ``seq``.
-        Raises ``EngineError("BAD_STATE")`` for a blob this engine cannot take.
+        The blob (``llama_state_seq_get_data``'s format; read in place when writable) is
+        parsed and checked against this engine's layout, restored into the scratch
+        sequence, its cells learned (see :meth:`_learn_cells`), and only then moved to
+        ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine cannot take.
         """
         try:
             parsed = seq_state.parse(blob, self.layout)
@@ -333,13 +333,15 @@ class Engine:
         s = self.scratch
         self.erase(s)
         if n:
-            data = bytes(blob)
-            src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-            if llama.llama_state_seq_set_data(self.ctx, src, len(data), s) != len(data):
+            view = memoryview(blob).cast("B")
+            array = ctypes.c_uint8 * view.nbytes
+            src = array.from_buffer_copy(view) if view.readonly else array.from_buffer(view)
+            if llama.llama_state_seq_set_data(self.ctx, src, view.nbytes, s) != view.nbytes:
                 self.erase(s)
                 raise EngineError("BAD_STATE", "llama.cpp refused the sequence state")
+            del src
             try:
-                self._learn_cells(s, n)
+                self._learn_cells(s, parsed.positions)
             except Exception:
                 self.erase(s)
                 raise
@@ -351,10 +353,16 @@ class Engine:
             self.tokens[seq] = list(tokens)
         self.erase(s)
 
-    def _learn_cells(self, seq: int, n: int) -> None:
-        """Mirror the cells of a freshly restored ``seq`` holding positions ``0..n-1``."""
-        _, blob = self.save_state(seq)
-        positions = seq_state.parse(blob, self.layout).positions  # ascending cell order
+    def _learn_cells(self, seq: int, positions: np.ndarray) -> None:
+        """Mirror the cells of a freshly restored ``seq`` holding positions ``0..n-1``.
+
+        ``positions`` are the restored blob's, in its cell order.  The cells come from
+        the mask of a one-token probe decode.  llama.cpp's ``state_read_meta`` places a
+        sequence in one contiguous run of cells in blob order (``find_slot(cont=true)``,
+        ``apply_ubatch``); if the cells are not contiguous, the positions are read back
+        from a re-serialized state (ascending cell order) instead.
+        """
+        n = len(positions)
         probe = RowTarget(batch_index=-1, seq=PROBE_KEY, pos=0, out=None, want_mask=True)
         entry = BatchEntry(PROBE_KEY, n, [self.model.bos if self.model.bos >= 0 else 0], target=probe)
         self.cellmap.remove(PROBE_KEY)
@@ -368,6 +376,8 @@ class Engine:
         cells = visible[visible != probe_cell]
         if len(cells) != n:
             raise EngineError("BAD_STATE", f"restored state occupies {len(cells)} cells, expected {n}")
+        if cells[-1] - cells[0] != n - 1:
+            positions = seq_state.parse(self.save_state(seq)[1], self.layout).positions
         pos2cell = np.empty(n, dtype=np.int32)
         pos2cell[positions] = cells
         self.cellmap.set(seq, pos2cell)

@@ -294,14 +294,14 @@ def encode_frame(msg: msgspec.Struct, buffers: Sequence[Buffer] = ()) -> list[Bu
 
 def send_frame(sock: socket.socket, msg: msgspec.Struct, buffers: Sequence[Buffer] = ()) -> None:
     """Write one frame to a blocking socket (gathered write, no copy of the buffers)."""
-    chunks = encode_frame(msg, buffers)
-    total = sum(memoryview(c).nbytes for c in chunks)
-    sent = sock.sendmsg(chunks)
-    while sent < total:
-        # Partial write: fall back to sendall on the remainder.
-        rest = b"".join(bytes(c) for c in chunks)[sent:]
-        sock.sendall(rest)
-        sent = total
+    views = [memoryview(c).cast("B") for c in encode_frame(msg, buffers)]
+    while views:
+        sent = sock.sendmsg(views)
+        # a partial write: go on from where it stopped, still without copying
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if views:
+            views[0] = views[0][sent:]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
