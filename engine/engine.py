@@ -357,10 +357,11 @@ class Engine:
         """Mirror the cells of a freshly restored ``seq`` holding positions ``0..n-1``.
 
         ``positions`` are the restored blob's, in its cell order.  The cells come from
-        the mask of a one-token probe decode.  llama.cpp's ``state_read_meta`` places a
-        sequence in one contiguous run of cells in blob order (``find_slot(cont=true)``,
-        ``apply_ubatch``); if the cells are not contiguous, the positions are read back
-        from a re-serialized state (ascending cell order) instead.
+        the mask of a one-token probe decode.  llama.cpp's ``state_read_meta`` gives the
+        blob's cells, in blob order, the free cells ``find_slot`` meets scanning from the
+        cache's head (``apply_ubatch``): when they form one run, the i-th blob cell sits
+        in the run's i-th cell.  Otherwise (holes, a wrap past the end) the positions are
+        read back from a re-serialized state (ascending cell order) instead.
         """
         n = len(positions)
         probe = RowTarget(batch_index=-1, seq=PROBE_KEY, pos=0, out=None, want_mask=True)
