@@ -341,7 +341,7 @@ class Engine:
                 raise EngineError("BAD_STATE", "llama.cpp refused the sequence state")
             del src
             try:
-                self._learn_cells(s, parsed.positions)
+                self._learn_cells(s, n)
             except Exception:
                 self.erase(s)
                 raise
@@ -353,17 +353,15 @@ class Engine:
             self.tokens[seq] = list(tokens)
         self.erase(s)
 
-    def _learn_cells(self, seq: int, positions: np.ndarray) -> None:
+    def _learn_cells(self, seq: int, n: int) -> None:
         """Mirror the cells of a freshly restored ``seq`` holding positions ``0..n-1``.
 
-        ``positions`` are the restored blob's, in its cell order.  The cells come from
-        the mask of a one-token probe decode.  llama.cpp's ``state_read_meta`` gives the
-        blob's cells, in blob order, the free cells ``find_slot`` meets scanning from the
-        cache's head (``apply_ubatch``): when they form one run, the i-th blob cell sits
-        in the run's i-th cell.  Otherwise (holes, a wrap past the end) the positions are
-        read back from a re-serialized state (ascending cell order) instead.
+        Positions come from a re-read of the state (ascending cell order), cells from the
+        mask of a one-token probe decode.  The blob's own order is not enough: llama.cpp's
+        ``state_read_meta`` gives its cells the free cells ``find_slot`` meets scanning from
+        the cache's head, which may wrap past the end of the cache.
         """
-        n = len(positions)
+        positions = seq_state.parse(self.save_state(seq)[1], self.layout).positions
         probe = RowTarget(batch_index=-1, seq=PROBE_KEY, pos=0, out=None, want_mask=True)
         entry = BatchEntry(PROBE_KEY, n, [self.model.bos if self.model.bos >= 0 else 0], target=probe)
         self.cellmap.remove(PROBE_KEY)
@@ -377,8 +375,6 @@ class Engine:
         cells = visible[visible != probe_cell]
         if len(cells) != n:
             raise EngineError("BAD_STATE", f"restored state occupies {len(cells)} cells, expected {n}")
-        if cells[-1] - cells[0] != n - 1:
-            positions = seq_state.parse(self.save_state(seq)[1], self.layout).positions
         pos2cell = np.empty(n, dtype=np.int32)
         pos2cell[positions] = cells
         self.cellmap.set(seq, pos2cell)
