@@ -17,7 +17,7 @@ QUESTIONS = ["Name a red fruit.", "What is 3+4?", "Say hello in French.", "Name 
 
 
 def gen(srv: ServerProc, slot: str, ids: list[int], n: int = 8) -> dict:  # type: ignore[type-arg]
-    body = {"input_ids": ids, "max_new_tokens": n, "temperature": 0, "ignore_eos": True, "id_slot": slot, "n_probs": 2}
+    body = {"input_ids": ids, "max_new_tokens": n, "temperature": 0, "ignore_eos": True, "id_slot": slot, "n_probs": 5}
     r = httpx.post(srv.url + "/api/v1/generate", json=body, timeout=180)
     assert r.status_code == 200, r.text
     return r.json()

@@ -15,7 +15,7 @@ from tests.orchestrator.client import assert_same_greedy, decode_attention, toke
 
 def gen(server: ServerProc, slot: str, ids: list[int], n: int = 8) -> dict:  # type: ignore[type-arg]
     body = {"input_ids": ids, "max_new_tokens": n, "temperature": 0, "ignore_eos": True, "id_slot": slot,
-            "return_attention": True, "n_probs": 2}  # fmt: skip
+            "return_attention": True, "n_probs": 5}  # fmt: skip
     r = httpx.post(server.url + "/api/v1/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
