@@ -53,7 +53,6 @@ import httpx
 from common import (
     Quiet,
     ServerProc,
-    SseEvents,
     add_idle_args,
     build_prompt,
     check,
@@ -61,8 +60,11 @@ from common import (
     free_port,
     http_tokenizer,
     median,
+    prefix_len,
     settle,
     slotserve_cmd,
+    sse_events,
+    ws_token_frames,
 )
 
 # ----------------------------------------------------------------------------- one run of N streams
@@ -126,14 +128,6 @@ class Marks:
                 self.quiet.meter.mark("last")
 
 
-async def sse_events(resp: httpx.Response):
-    """JSON payloads of an SSE response's ``data:`` lines, one per event."""
-    events = SseEvents()
-    async for chunk in resp.aiter_bytes():
-        for ev in events.feed(chunk):
-            yield ev
-
-
 BANNED: list[int] = []
 """The model's end-of-generation tokens: llama-server's ``ignore_eos`` bans them (logit bias -inf),
 slotserve's only does not stop on them, so slotserve requests ban them explicitly (same load)."""
@@ -176,26 +170,15 @@ async def slotserve_ws(url: str, ids: list[int], slot: int, new: int, shape: tup
     async with websockets.connect(url, max_size=None, compression=None) as ws:
         s.t_send = time.perf_counter()
         await ws.send(json.dumps(slotserve_body(ids, slot, new, True)))
-        pending = None
-        while True:
-            msg = await ws.recv()
-            if isinstance(msg, str):
-                ev = json.loads(msg)
-                if ev["type"] == "token":
-                    pending = ev
-                elif ev["type"] == "done":
-                    s.cached = ev.get("cached_tokens")
-                    break
-                else:
-                    raise RuntimeError(f"slotserve WS: {ev}")
-            else:
-                assert pending is not None, "binary frame before its token frame"
-                want = n_l * n_h * (len(ids) + pending["index"]) * 4
-                if len(msg) != want:
-                    raise RuntimeError(f"slotserve WS token {pending['index']}: {len(msg)} bytes, want {want}")
-                m.token(s)
-                s.text.append(pending["text"])
-                pending = None
+        async for ev, frame in ws_token_frames(ws):
+            if frame is None:
+                s.cached = ev.get("cached_tokens")
+                break
+            want = n_l * n_h * (len(ids) + ev["index"]) * 4
+            if len(frame) != want:
+                raise RuntimeError(f"slotserve WS token {ev['index']}: {len(frame)} bytes, want {want}")
+            m.token(s)
+            s.text.append(ev["text"])
     return s
 
 
@@ -233,12 +216,6 @@ async def llama_sse(client: httpx.AsyncClient, base: str, ids: list[int], slot: 
 
 
 # ----------------------------------------------------------------------------- driver
-
-
-def prefix_len(a: str, b: str) -> int:
-    """Length of the common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass

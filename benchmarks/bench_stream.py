@@ -59,6 +59,7 @@ from common import (
     model_tokenizer,
     settle,
     slotserve_cmd,
+    ws_token_frames,
 )
 
 from engine.batcher import Batcher
@@ -223,32 +224,22 @@ async def ws_once(
         ext = ws.response.headers.get("Sec-WebSocket-Extensions")
         t0 = time.perf_counter()
         await ws.send(json.dumps(request_body(ids, new)))
-        pending = None
-        while True:
-            msg = await ws.recv()
-            if isinstance(msg, str):
-                ev = json.loads(msg)
-                if ev["type"] == "token":
-                    pending = ev
-                elif ev["type"] == "done":
-                    done = ev
-                    break
-                else:
-                    raise RuntimeError(f"ws: {ev}")
-            else:
-                assert pending is not None, "binary frame before its token frame"
-                ctx = len(ids) + pending["index"]
-                want = n_l * n_h * ctx * 4
-                if len(msg) != want or pending.get("shape") != [n_l, n_h, ctx]:
-                    raise RuntimeError(f"ws token {pending['index']}: {len(msg)} bytes, shape {pending.get('shape')}")
-                att = np.frombuffer(msg, dtype=np.float32).reshape(n_l, n_h, ctx)
-                if pending["index"] in (0, new - 1) and not np.allclose(att.sum(-1), 1, atol=1e-3):
-                    raise RuntimeError(f"ws token {pending['index']}: rows do not sum to 1")
-                times.append(time.perf_counter())
-                tokens.append(pending["token_id"])
-                if len(times) in (1, new):
-                    meter.mark("first" if len(times) == 1 else "last")
-                pending = None
+        async for ev, frame in ws_token_frames(ws):
+            if frame is None:
+                done = ev
+                break
+            ctx = len(ids) + ev["index"]
+            want = n_l * n_h * ctx * 4
+            if len(frame) != want or ev.get("shape") != [n_l, n_h, ctx]:
+                raise RuntimeError(f"ws token {ev['index']}: {len(frame)} bytes, shape {ev.get('shape')}")
+            att = np.frombuffer(frame, dtype=np.float32).reshape(n_l, n_h, ctx)
+            if ev["index"] in (0, new - 1) and not np.allclose(att.sum(-1), 1, atol=1e-3):
+                raise RuntimeError(f"ws token {ev['index']}: rows do not sum to 1")
+            times.append(time.perf_counter())
+            tokens.append(ev["token_id"])
+            if len(times) in (1, new):
+                meter.mark("first" if len(times) == 1 else "last")
+    assert done is not None, "ws stream ended without done"
     return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"), ext=ext)
 
 

@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -290,6 +290,42 @@ class SseEvents:
             if data and data != b"[DONE]":
                 out.append(json.loads(data))
         return out
+
+
+async def sse_events(resp) -> AsyncIterator[dict]:
+    """The JSON payloads of an ``httpx`` async streaming response's SSE events (see :class:`SseEvents`)."""
+    events = SseEvents()
+    async for chunk in resp.aiter_bytes():
+        for ev in events.feed(chunk):
+            yield ev
+
+
+def prefix_len(a: str, b: str) -> int:
+    """Length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+async def ws_token_frames(ws) -> AsyncIterator[tuple[dict, bytes | None]]:
+    """Seed 002's frames from a ``websockets`` connection: ``(token event, its binary attention
+    frame)`` per token, then ``(done event, None)``. An error event raises RuntimeError."""
+    pending = None
+    while True:
+        msg = await ws.recv()
+        if isinstance(msg, str):
+            ev = json.loads(msg)
+            if ev["type"] == "token":
+                pending = ev
+            elif ev["type"] == "done":
+                yield ev, None
+                return
+            else:
+                raise RuntimeError(f"ws: {ev}")
+        elif pending is None:
+            raise RuntimeError("ws: binary frame before its token frame")
+        else:
+            yield pending, msg
+            pending = None
 
 
 # ----------------------------------------------------------------------------- servers
