@@ -107,7 +107,9 @@ class Batcher:
                 )
             if not req.input_ids:
                 raise EngineError("INVALID_REQUEST", "input_ids is empty")
+            self._offload_idle(keep=req.seq)
             self.flush(req.seq)
+            eng.make_resident(req.seq)
             common = common_prefix(eng.tokens.get(req.seq, []), req.input_ids)
             if common == len(req.input_ids) and p.max_new_tokens > 0:
                 common -= 1  # the last token is decoded again for its logits
@@ -115,6 +117,7 @@ class Batcher:
             seq, fork, pending, history = req.seq, False, list(req.input_ids[common:]), req.input_ids
         elif req.mode == "preview":
             base: list[int] = []
+            self._offload_idle(keep=req.seq)
             if req.seq >= 0:
                 self.flush(req.seq)
                 base = eng.tokens.get(req.seq, [])
@@ -135,6 +138,22 @@ class Batcher:
             raise EngineError("INVALID_REQUEST", f"unknown mode {req.mode!r}")
         chain = SamplerChain(p, eng.model.n_vocab, history)
         return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
+
+    def _offload_idle(self, keep: int) -> None:
+        """With ``cache_idle_slots``, move every idle slot but ``keep`` out of the KV cache.
+
+        llama-server's ``--cache-idle-slots`` on a unified cache: a new job starts, and
+        the cells of slots nobody uses stop widening every decode's attention.  A slot
+        comes back (restored in place) when a job or an operation needs it.
+        """
+        eng = self.engine
+        if not eng.config.cache_idle_slots:
+            return
+        in_use = {j.seq for j in self.jobs.values()} | {j.req.seq for j in self.jobs.values()}
+        for s in range(eng.config.n_slots):
+            if s != keep and s not in in_use and s not in eng.offloaded and eng.seq_len(s):
+                self.flush(s)
+                eng.offload(s)
 
     def cancel(self, req: int) -> None:
         """Mark ``req`` cancelled; it ends with ``Done(finish_reason="cancelled")`` at the next step."""

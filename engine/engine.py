@@ -69,6 +69,7 @@ class EngineConfig:
     verify_cells: bool = False
     capture: bool = True  # False: no eval callback at all (no attention; the raw-speed baseline)
     eval_filter: bool = True  # front the eval callback with the C filter when it is built
+    cache_idle_slots: bool = True  # a new job moves idle slots' cells to host memory (llama-server's flag)
 
     @property
     def n_seq_max(self) -> int:
@@ -114,6 +115,7 @@ class Engine:
         self.n_cells = llama.llama_n_ctx(ctx)
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
+        self.offloaded: dict[int, bytearray] = {}  # seq -> its state while its cells are out of the cache
         self.spare_free = list(range(config.n_slots, config.n_slots + config.n_spare))
         self.scratch = config.n_seq_max - 1
         self.embeddings_on = False
@@ -183,6 +185,8 @@ class Engine:
         runs: list[Run] = []
         targets: list[RowTarget] = []
         for e in entries:
+            if e.seq in self.offloaded:
+                raise EngineError("INTERNAL", f"sequence {e.seq} is offloaded; make it resident first")
             e.batch_start = i
             n = len(e.tokens)
             for j, tok in enumerate(e.tokens):
@@ -254,12 +258,14 @@ class Engine:
     def truncate(self, seq: int, n: int) -> None:
         """Keep the first ``n`` tokens of ``seq`` (``seq_rm(seq, n, -1)``)."""
         if n < self.seq_len(seq):
+            self.make_resident(seq)
             llama.llama_memory_seq_rm(self.mem, seq, n, -1)
             self.cellmap.truncate(seq, n)
             del self.tokens[seq][n:]
 
     def erase(self, seq: int) -> None:
-        """Drop every cell of ``seq``."""
+        """Drop every cell of ``seq`` (and its offloaded state)."""
+        self.offloaded.pop(seq, None)
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
@@ -268,6 +274,7 @@ class Engine:
         """Copy-on-write copy of ``src`` into ``dst`` (``seq_cp``: cells shared, nothing copied)."""
         self.erase(dst)
         if self.seq_len(src):
+            self.make_resident(src)
             llama.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
             self.cellmap.copy(src, dst)
             self.tokens[dst] = list(self.tokens[src])
@@ -283,6 +290,32 @@ class Engine:
         self.erase(seq)
         self.spare_free.append(seq)
 
+    def offload(self, seq: int) -> int:
+        """Move the cells of ``seq`` out of the KV cache into host memory; its tokens stay.
+
+        What llama-server does with ``--cache-idle-slots`` on a unified cache: an idle
+        slot's cells no longer widen every decode's attention (n_kv spans every used
+        cell).  Any operation that needs the cells brings them back
+        (:meth:`make_resident`).  Returns the bytes now held in host memory (0 if
+        nothing moved).
+        """
+        if seq in self.offloaded or not self.seq_len(seq):
+            return 0
+        _, blob = self.save_state(seq)
+        llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.cellmap.remove(seq)
+        self.offloaded[seq] = blob
+        return len(blob)
+
+    def make_resident(self, seq: int) -> None:
+        """Restore an offloaded ``seq`` into the KV cache (:meth:`restore_state`); no-op otherwise.
+
+        Raises ``EngineError("OOM")`` when the cache has no room; ``seq`` stays offloaded.
+        """
+        blob = self.offloaded.get(seq)
+        if blob is not None:
+            self.restore_state(seq, self.tokens[seq], blob)
+
     def context_shift(self, seq: int, n_keep: int, n_discard: int) -> int:
         """Remove ``n_discard`` tokens after ``n_keep`` and shift the rest down (llama-server's shift).
 
@@ -294,6 +327,7 @@ class Engine:
             raise EngineError("INVALID_REQUEST", f"need n_keep >= 0, n_discard > 0, n_keep + n_discard <= {n}")
         if not llama.llama_memory_can_shift(self.mem):
             raise EngineError("INVALID_REQUEST", "this model's KV cache cannot shift positions")
+        self.make_resident(seq)
         if self.cellmap.sharers(seq):
             tokens, blob = self.save_state(seq)
             self.restore_state(seq, tokens, blob)
@@ -306,6 +340,8 @@ class Engine:
 
     def save_state(self, seq: int) -> tuple[list[int], bytearray]:
         """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``)."""
+        if seq in self.offloaded:
+            return list(self.tokens[seq]), self.offloaded[seq]
         size = llama.llama_state_seq_get_size(self.ctx, seq)
         buf = bytearray(size)
         got = llama.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)

@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ubatch-size", type=int, default=512)
     p.add_argument("--n-gpu-layers", type=int, default=0)
     p.add_argument("--verify-cells", action="store_true", help="check the cell mirror against every mask")
+    p.add_argument(
+        "--cache-idle-slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when a job starts, move idle slots' KV cells to host memory",
+    )
     return p
 
 
@@ -214,6 +220,7 @@ def run_worker_process(argv: list[str] | None = None) -> int:
         n_ubatch=args.ubatch_size,
         n_gpu_layers=args.n_gpu_layers,
         verify_cells=args.verify_cells,
+        cache_idle_slots=args.cache_idle_slots,
     )
     engine = Engine(model, config)
     sock = open_socket(args)

@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
     s.add_argument("--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one")
+    s.add_argument(
+        "--cache-idle-slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when a job starts, move idle slots' KV cells to host memory (llama-server's flag)",
+    )
     s.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
     s.add_argument("--log-level", default="info")
     return p
@@ -63,6 +69,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         ubatch_size=a.ubatch_size,
         n_gpu_layers=a.n_gpu_layers,
         verify_cells=a.verify_cells,
+        cache_idle_slots=a.cache_idle_slots,
         connect=a.worker,
     )
     return Settings(

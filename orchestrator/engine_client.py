@@ -58,6 +58,7 @@ class WorkerOptions:
     ubatch_size: int = 512
     n_gpu_layers: int = 0
     verify_cells: bool = False
+    cache_idle_slots: bool = True
     connect: str | None = None  # tcp:host:port of a standalone worker instead of spawning one
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -71,6 +72,8 @@ class WorkerOptions:
         args += ["--ubatch-size", str(self.ubatch_size), "--n-gpu-layers", str(self.n_gpu_layers)]
         if self.verify_cells:
             args.append("--verify-cells")
+        if not self.cache_idle_slots:
+            args.append("--no-cache-idle-slots")
         return args
 
 

@@ -1,0 +1,93 @@
+"""Idle slots leave the KV cache when a job starts (``cache_idle_slots``) and come back intact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import llama_cpp as llama
+import numpy as np
+import pytest
+
+from engine.engine import BatchEntry, EngineError
+from tests.conftest import CHAT
+from tests.engine.enginekit import Runner, assert_attention_close
+
+
+@pytest.fixture
+def runner(engine):  # type: ignore[no-untyped-def]
+    for s in range(engine.config.n_slots):
+        engine.erase(s)
+    yield Runner(engine)
+    for s in range(engine.config.n_slots):
+        engine.erase(s)
+
+
+def n_cells(engine, seq: int) -> int:  # type: ignore[no-untyped-def]
+    return int(llama.llama_memory_seq_pos_max(engine.mem, seq) + 1)
+
+
+def test_a_new_job_offloads_idle_slots_and_they_come_back(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    a = model.tokenize(CHAT.format("Name three birds."), False, True)
+    b = model.tokenize(CHAT.format("Count to four."), False, True)
+    first = runner.generate(0, a, max_new_tokens=6, ignore_eos=True)
+    runner.batcher.flush()
+    tokens0, blob0 = engine.save_state(0)
+    follow = tokens0 + model.tokenize("\nMore:", False, False)
+    # what slot 0 says next while it stays in the cache (a fork: same cells)
+    engine.fork(0, 3)
+    control = runner.generate(3, follow, max_new_tokens=6, ignore_eos=True)
+    engine.erase(3)
+
+    runner.generate(1, b, max_new_tokens=4, ignore_eos=True)  # a job on slot 1 moves slot 0 out
+    assert 0 in engine.offloaded and n_cells(engine, 0) == 0 and engine.cellmap.length(0) == 0
+    assert engine.tokens[0] == tokens0, "the token list stays"
+    assert engine.save_state(0) == (tokens0, blob0), "save-state of an offloaded slot is its state"
+    with pytest.raises(EngineError) as err:
+        engine.decode([BatchEntry(0, len(tokens0), [1])])
+    assert err.value.code == "INTERNAL"
+
+    again = runner.generate(0, follow, max_new_tokens=6, ignore_eos=True)  # brings it back, moves slot 1 out
+    assert 0 not in engine.offloaded and 1 in engine.offloaded
+    assert again.done is not None and again.done.n_cached == len(tokens0), "no re-prefill"
+    assert again.tokens == control.tokens
+    for k, (x, y) in enumerate(zip(again.attention, control.attention, strict=True)):
+        assert_attention_close(x, y, f"token {k}")
+    assert len(first.tokens) == 6
+
+
+def test_operations_bring_an_offloaded_slot_back(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    a = model.tokenize(CHAT.format("Tell me about rivers."), False, True)
+    runner.generate(0, a, max_new_tokens=8, ignore_eos=True)
+    runner.batcher.flush()
+    tokens0, _ = engine.save_state(0)
+    assert engine.offload(0) > 0 and engine.offload(0) == 0  # once
+    engine.fork(0, 2)  # the source comes back for seq_cp
+    assert 0 not in engine.offloaded and engine.tokens[2] == tokens0
+    assert n_cells(engine, 2) == len(tokens0)
+    engine.offload(0)
+    engine.truncate(0, len(tokens0) - 3)
+    assert 0 not in engine.offloaded and n_cells(engine, 0) == len(tokens0) - 3
+    engine.offload(0)
+    assert engine.context_shift(0, 4, 5) == len(tokens0) - 8 and 0 not in engine.offloaded
+    engine.offload(0)
+    engine.erase(0)
+    assert 0 not in engine.offloaded and 0 not in engine.tokens
+
+
+def test_off_switch_and_busy_slots_stay(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    a = model.tokenize(CHAT.format("Hello!"), False, True)
+    runner.generate(0, a, max_new_tokens=3, ignore_eos=True)
+    # a preview of slot 0 and a generation on slot 1 at once: slot 0 is the preview's parent, so it stays
+    p = runner.submit(0, [], mode="preview", append=model.tokenize("\nAnd?", False, False), max_new_tokens=3)
+    g = runner.submit(1, a, max_new_tokens=3, ignore_eos=True)
+    runner.run()
+    assert runner.results[p].done is not None and runner.results[g].done is not None
+    assert 0 not in engine.offloaded
+    cfg = engine.config
+    engine.config = dataclasses.replace(cfg, cache_idle_slots=False)
+    try:
+        runner.generate(2, a, max_new_tokens=2, ignore_eos=True)
+        assert not engine.offloaded.keys() & {0, 1}
+    finally:
+        engine.config = cfg
+    assert np.all(engine.cellmap.cells(0) >= 0)
