@@ -115,7 +115,10 @@ class Engine:
         self.n_cells = llama.llama_n_ctx(ctx)
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
-        self.offloaded: dict[int, bytearray] = {}  # seq -> its state while its cells are out of the cache
+        # seq -> a copy of its current state (llama_state_seq_get_data), dropped when the sequence
+        # changes; for the offloaded sequences (cells out of the cache) the only copy
+        self.states: dict[int, bytearray] = {}
+        self.offloaded: set[int] = set()
         self.spare_free = list(range(config.n_slots, config.n_slots + config.n_spare))
         self.scratch = config.n_seq_max - 1
         self.embeddings_on = False
@@ -187,6 +190,7 @@ class Engine:
         for e in entries:
             if e.seq in self.offloaded:
                 raise EngineError("INTERNAL", f"sequence {e.seq} is offloaded; make it resident first")
+            self.states.pop(e.seq, None)
             e.batch_start = i
             n = len(e.tokens)
             for j, tok in enumerate(e.tokens):
@@ -259,13 +263,15 @@ class Engine:
         """Keep the first ``n`` tokens of ``seq`` (``seq_rm(seq, n, -1)``)."""
         if n < self.seq_len(seq):
             self.make_resident(seq)
+            self.states.pop(seq, None)
             llama.llama_memory_seq_rm(self.mem, seq, n, -1)
             self.cellmap.truncate(seq, n)
             del self.tokens[seq][n:]
 
     def erase(self, seq: int) -> None:
-        """Drop every cell of ``seq`` (and its offloaded state)."""
-        self.offloaded.pop(seq, None)
+        """Drop every cell of ``seq`` (and any copy of its state)."""
+        self.offloaded.discard(seq)
+        self.states.pop(seq, None)
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
@@ -296,15 +302,16 @@ class Engine:
         What llama-server does with ``--cache-idle-slots`` on a unified cache: an idle
         slot's cells no longer widen every decode's attention (n_kv spans every used
         cell).  Any operation that needs the cells brings them back
-        (:meth:`make_resident`).  Returns the bytes now held in host memory (0 if
-        nothing moved).
+        (:meth:`make_resident`).  Free when the state was saved since the sequence last
+        changed (the write-behind save after a generation).  Returns the bytes of the
+        state now held in host memory (0 if nothing moved).
         """
         if seq in self.offloaded or not self.seq_len(seq):
             return 0
         _, blob = self.save_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
-        self.offloaded[seq] = blob
+        self.offloaded.add(seq)
         return len(blob)
 
     def make_resident(self, seq: int) -> None:
@@ -312,9 +319,10 @@ class Engine:
 
         Raises ``EngineError("OOM")`` when the cache has no room; ``seq`` stays offloaded.
         """
-        blob = self.offloaded.get(seq)
-        if blob is not None:
+        if seq in self.offloaded:
+            blob = self.states[seq]
             self.restore_state(seq, self.tokens[seq], blob)
+            self.states[seq] = blob  # still the sequence's state
 
     def context_shift(self, seq: int, n_keep: int, n_discard: int) -> int:
         """Remove ``n_discard`` tokens after ``n_keep`` and shift the rest down (llama-server's shift).
@@ -331,6 +339,7 @@ class Engine:
         if self.cellmap.sharers(seq):
             tokens, blob = self.save_state(seq)
             self.restore_state(seq, tokens, blob)
+        self.states.pop(seq, None)
         llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
         llama.llama_memory_seq_add(self.mem, seq, n_keep + n_discard, -1, -n_discard)
         self.cellmap.shift(seq, n_keep, n_discard)
@@ -339,14 +348,19 @@ class Engine:
         return len(toks)
 
     def save_state(self, seq: int) -> tuple[list[int], bytearray]:
-        """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``)."""
-        if seq in self.offloaded:
-            return list(self.tokens[seq]), self.offloaded[seq]
-        size = llama.llama_state_seq_get_size(self.ctx, seq)
-        buf = bytearray(size)
-        got = llama.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
-        if got != size:
-            raise EngineError("INTERNAL", f"llama_state_seq_get_data wrote {got} of {size} bytes")
+        """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``).
+
+        The state is kept until ``seq`` changes, so saving an unchanged sequence again (or
+        offloading it) reads nothing; callers must not modify the returned buffer.
+        """
+        buf = self.states.get(seq)
+        if buf is None:
+            size = llama.llama_state_seq_get_size(self.ctx, seq)
+            buf = bytearray(size)
+            got = llama.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
+            if got != size:
+                raise EngineError("INTERNAL", f"llama_state_seq_get_data wrote {got} of {size} bytes")
+            self.states[seq] = buf
         return list(self.tokens.get(seq, ())), buf
 
     def restore_state(self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview) -> None:

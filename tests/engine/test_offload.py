@@ -87,7 +87,38 @@ def test_off_switch_and_busy_slots_stay(runner: Runner, engine, model) -> None: 
     engine.config = dataclasses.replace(cfg, cache_idle_slots=False)
     try:
         runner.generate(2, a, max_new_tokens=2, ignore_eos=True)
-        assert not engine.offloaded.keys() & {0, 1}
+        assert not engine.offloaded & {0, 1}
     finally:
         engine.config = cfg
     assert np.all(engine.cellmap.cells(0) >= 0)
+
+
+def test_a_saved_state_is_kept_until_the_sequence_changes(runner: Runner, engine, model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    reads: list[int] = []
+    real = llama.llama_state_seq_get_data
+    monkeypatch.setattr(llama, "llama_state_seq_get_data", lambda *a: reads.append(a[3]) or real(*a))
+    a = model.tokenize(CHAT.format("Say something about tea."), False, True)
+    runner.generate(0, a, max_new_tokens=4, ignore_eos=True)
+    runner.batcher.flush()
+    toks, blob = engine.save_state(0)
+    assert engine.save_state(0)[1] is blob and reads == [0], "saved once"
+    assert engine.offload(0) == len(blob) and reads == [0], "offloading a saved sequence reads nothing"
+    engine.make_resident(0)  # (learning the cells reads the scratch sequence's state)
+    assert engine.save_state(0)[1] is blob and reads.count(0) == 1
+    # any change drops the copy: a stale state must never be offloaded or saved
+    extra = model.tokenize(" More.", False, False)
+    more = runner.generate(0, toks + extra, max_new_tokens=3, ignore_eos=True)
+    runner.batcher.flush()
+    toks2, blob2 = engine.save_state(0)
+    assert reads.count(0) == 2 and blob2 is not blob and toks2 == toks + extra + more.tokens
+    assert seq_state_positions(engine, blob2) == len(toks2)
+    engine.truncate(0, 5)
+    assert seq_state_positions(engine, engine.save_state(0)[1]) == 5
+    engine.context_shift(0, 1, 2)
+    assert seq_state_positions(engine, engine.save_state(0)[1]) == 3
+
+
+def seq_state_positions(engine, blob: bytearray) -> int:  # type: ignore[no-untyped-def]
+    from engine import seq_state
+
+    return len(seq_state.parse(blob, engine.layout).positions)
