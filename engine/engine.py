@@ -25,7 +25,6 @@ from engine import seq_state
 from engine.capture import AttentionCapture, RowTarget, Run
 from engine.cellmap import CellMap
 from engine.model import Model, file_fingerprint
-from engine.protocol import ModelInfo
 
 PROBE_KEY = -2  # cell-mirror key of a probe token (never a llama.cpp sequence)
 
@@ -126,49 +125,6 @@ class Engine:
         self.layout = self._self_check()
 
     # ------------------------------------------------------------------ facts
-
-    def info(self) -> ModelInfo:
-        """Model facts for ``GET /api/v1/model`` (seeds 000/001 fields)."""
-        m = self.model
-        name = m.meta("general.name") or m.path.stem
-        special = {
-            "bos_token": m.pieces[m.bos].decode("utf-8", "replace") if m.bos >= 0 else "",
-            "eos_token": m.pieces[m.eos].decode("utf-8", "replace") if m.eos >= 0 else "",
-        }
-        for text in ("<|im_start|>", "<|im_end|>"):
-            ids = m.tokenize(text, False, True)
-            if len(ids) == 1:
-                special[text.strip("<|>") + "_id"] = ids[0]
-        pad = m.meta("tokenizer.ggml.padding_token_id")
-        if pad.isdigit():
-            special["pad_token"] = m.pieces[int(pad)].decode("utf-8", "replace")
-        return ModelInfo(
-            model_name=name,
-            model_path=str(m.path),
-            architecture=m.meta("general.architecture"),
-            description=m.describe(),
-            fingerprint=self.fingerprint,
-            vocab_size=m.n_vocab,
-            num_layers=m.n_layer,
-            num_attention_heads=m.n_head,
-            num_key_value_heads=m.n_head_kv,
-            hidden_size=m.n_embd,
-            n_ctx=self.config.n_ctx,
-            n_ctx_train=m.n_ctx_train,
-            n_kv_cells=self.n_cells,
-            n_slots=self.config.n_slots,
-            rope_freq_base=float(m.meta(f"{m.meta('general.architecture')}.rope.freq_base") or 10000.0),
-            rope_freq_scale=1.0,
-            bos_token_id=m.bos,
-            eos_token_id=m.eos,
-            eot_token_id=m.boundary_eot,
-            eog_token_ids=sorted(m.eog),
-            special_tokens=special,
-            chat_template=m.chat_template,
-            n_params=int(llama.llama_model_n_params(m.ptr)),
-            size_bytes=int(llama.llama_model_size(m.ptr)),
-            llama_cpp_version=llama.__version__,
-        )
 
     def seq_len(self, seq: int) -> int:
         """Tokens of ``seq`` with KV in the cache."""

@@ -29,6 +29,7 @@ from engine import protocol as proto
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineConfig, EngineError
 from engine.model import Model, default_model_path
+from engine.model_info import model_info
 
 log = logging.getLogger("slotserve.worker")
 
@@ -76,7 +77,7 @@ class Worker:
 
     def serve(self) -> None:
         """Announce readiness, then run until the peer goes away or asks to shut down."""
-        self.send(proto.Ready(0, self.engine.info(), self.engine.model.pieces))
+        self.send(proto.Ready(0, model_info(self.engine), self.engine.model.pieces))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         while self.running:
             block = not self.batcher.has_work()
