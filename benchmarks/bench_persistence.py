@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ from common import (
     median,
     settle,
     slotserve_cmd,
+    stop_servers,
 )
 
 from storage import codec as codecs
@@ -434,15 +434,10 @@ def main() -> int:
                 bench.park(res, blob, tokens)
         report(args, model, redis.url, results, quiet)
     finally:
-        for srv in servers:
-            srv.stop()
         redis.stop()
         if bench is not None:
             bench.loop.close()
-        if args.keep_logs:
-            print(f"logs in {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        stop_servers(servers, tmp, args.keep_logs)
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from common import (
     median,
     settle,
     slotserve_cmd,
+    stop_servers,
 )
 
 REPLY = "Here is a short summary: lighthouses guided ships, and their keepers kept the lights burning.<|im_end|>\n"
@@ -256,11 +256,7 @@ def main() -> int:
         print(f"ratio falling as the context grows: {falling} ({', '.join(f'{r:.3f}' for r in ordered)})")
         print(quiet.summary())
     finally:
-        srv.stop()
-        if args.keep_logs:
-            print(f"log: {srv.log_path}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        stop_servers([srv], tmp, args.keep_logs)
     return 0
 
 

@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -64,6 +63,7 @@ from common import (
     settle,
     slotserve_cmd,
     sse_events,
+    stop_servers,
     ws_token_frames,
 )
 
@@ -431,12 +431,7 @@ def main() -> int:
                 )
         print(quiet.summary())
     finally:
-        for srv in servers:
-            srv.stop()
-        if args.keep_logs:
-            print(f"logs in {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        stop_servers(servers, tmp, args.keep_logs)
     return 0
 
 

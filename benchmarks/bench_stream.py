@@ -38,7 +38,6 @@ import asyncio
 import base64
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from common import (
     model_tokenizer,
     settle,
     slotserve_cmd,
+    stop_servers,
     ws_token_frames,
 )
 
@@ -316,11 +316,7 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
 
                     take_rep(phase, r, once, quiet, before=lambda: settle(client, srv.base, slots=["0"]))
     finally:
-        srv.stop()
-        if args.keep_log:
-            print(f"  server log: {srv.log_path}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        stop_servers([srv], tmp, args.keep_log)
     return list(phases.values())
 
 

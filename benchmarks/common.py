@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -419,6 +420,16 @@ class ServerProc:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def stop_servers(servers: Iterable[ServerProc], tmp: Path, keep_logs: bool) -> None:
+    """Stop ``servers``; then keep their work directory ``tmp`` (and say where) or remove it."""
+    for srv in servers:
+        srv.stop()
+    if keep_logs:
+        print(f"logs in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def settle(client, base: str, timeout: float = 60, slots: Sequence[str] | None = None) -> None:

@@ -151,9 +151,9 @@ class Batcher:
             return
         in_use = {j.seq for j in self.jobs.values()} | {j.req.seq for j in self.jobs.values()}
         for s in range(eng.config.n_slots):
-            if s != keep and s not in in_use and s not in eng.offloaded and eng.seq_len(s):
+            if s != keep and s not in in_use:
                 self.flush(s)
-                eng.offload(s)
+                eng.offload(s)  # (nothing for an empty or already offloaded slot)
 
     def cancel(self, req: int) -> None:
         """Mark ``req`` cancelled; it ends with ``Done(finish_reason="cancelled")`` at the next step."""

@@ -146,11 +146,9 @@ class AttentionCapture:
             rows = self.c.rows(i)  # [n_layer, n_head, n_kv]
             assert tg.out is not None and tg.layer_slot is not None
             sel = np.flatnonzero(tg.layer_slot >= 0)
-            src = rows if len(sel) == self.n_layer and np.array_equal(tg.layer_slot, np.arange(self.n_layer)) else None
-            if src is None:
-                order = np.empty(len(sel), dtype=np.int64)
-                order[tg.layer_slot[sel]] = sel
-                src = rows[order]
+            order = np.empty(len(sel), dtype=np.int64)
+            order[tg.layer_slot[sel]] = sel  # output layer slot -> captured layer
+            src = rows if np.array_equal(order, np.arange(self.n_layer)) else rows[order]
             np.take(src, tg.gather, axis=2, out=tg.out)
 
     # -- callback --------------------------------------------------------------------------
