@@ -45,6 +45,7 @@ def build_services(settings: Settings) -> Services:
 
         persistence = Persistence.from_settings(settings, engine)
     registry = SlotRegistry(engine, settings.worker.parallel, persistence)
+    registry.wait_s = settings.slot_wait_s
     if persistence is not None:
         persistence.registry = registry
     return Services(settings, engine, registry, GenerationService(engine, registry), persistence)
@@ -97,10 +98,11 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         health,
         PrometheusController,
     ]
+    from orchestrator.api.openai import OpenAIController
     from orchestrator.api.preview import PreviewController
     from orchestrator.api.slots import SlotController
 
-    route_handlers += [SlotController, PreviewController]
+    route_handlers += [SlotController, PreviewController, OpenAIController]
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],

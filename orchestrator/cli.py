@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-id", default="", help="this node's name in slot leases (default host:port)")
     s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
+    s.add_argument(
+        "--slot-wait", type=float, default=300.0, help="seconds a request waits for a busy slot before SLOT_BUSY"
+    )
     s.add_argument("--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one")
     s.add_argument(
         "--cache-idle-slots",
@@ -91,6 +94,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         node_id=a.node_id,
         lease_ms=a.lease_ms,
         park_idle_s=a.park_idle,
+        slot_wait_s=a.slot_wait,
     )
 
 

@@ -34,3 +34,4 @@ class Settings:
     node_id: str = ""
     lease_ms: int = 30_000
     park_idle_s: float = 600.0
+    slot_wait_s: float = 300.0  # longest wait for a busy slot (KoboldCpp/OpenAI clients queue)

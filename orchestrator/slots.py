@@ -5,7 +5,8 @@ default slot, numeric ids work like llama-server's).  It is *resident* while it 
 an engine sequence and *parked* when only the store has it.  The registry:
 
 * serializes use of a slot: one generation or admin operation at a time
-  (``SLOT_BUSY``, HTTP 409, unless the request asks to wait);
+  (``SLOT_BUSY``, HTTP 409, unless the request asks to wait; a wait is bounded by
+  ``wait_s`` seconds, then ``SLOT_BUSY`` too);
 * gives a slot a sequence on demand, parking the least recently used idle slot when
   all ``--parallel`` sequences are taken, and restoring a parked slot transparently;
 * notices a restarted worker (sequences gone) and reloads slots from the store.
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from engine import protocol as proto
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import ApiError
 
@@ -51,6 +53,11 @@ class Slot:
     stored_bytes: int = 0
     raw_bytes: int = 0
     n_prompt_tokens_processed: int = 0
+    # the last generation on this slot, for llama-server's GET /slots (id_task, params, next_token)
+    id_task: int = -1
+    params: proto.SamplingParams | None = None
+    n_decoded: int = 0
+    n_prompt_tokens_cache: int = 0
     requests: int = 0  # client requests holding or waiting for the lock (not background saves)
 
     @property
@@ -83,6 +90,7 @@ class SlotRegistry:
         self.slots: dict[str, Slot] = {}
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
+        self.wait_s = 300.0  # longest wait for a busy slot (``--slot-wait``)
 
     # ------------------------------------------------------------------ lookup
 
@@ -112,13 +120,22 @@ class SlotRegistry:
     async def use(
         self, slot_id: str, *, wait: bool = False, create: bool = True, resident: bool = True
     ) -> AsyncIterator[Slot]:
-        """Hold ``slot_id`` exclusively (``SLOT_BUSY`` unless ``wait``), resident if asked."""
+        """Hold ``slot_id`` exclusively (``SLOT_BUSY`` unless ``wait``), resident if asked.
+
+        A waiting request gets ``SLOT_BUSY`` after :attr:`wait_s` seconds.
+        """
         slot = await self.get(slot_id, create)
         if slot.busy and not wait:
             raise ApiError("SLOT_BUSY", f"slot {slot_id!r} is processing another request", slot_id=slot_id)
         slot.requests += 1  # a background save holding the lock is waited for, never reported as busy
         try:
-            async with slot.lock:
+            try:
+                await asyncio.wait_for(slot.lock.acquire(), self.wait_s)
+            except TimeoutError:
+                raise ApiError(
+                    "SLOT_BUSY", f"slot {slot_id!r} stayed busy for {self.wait_s:g} s", slot_id=slot_id
+                ) from None
+            try:
                 if self.persistence is not None:
                     await self.persistence.claim(slot)
                 if resident:
@@ -127,6 +144,8 @@ class SlotRegistry:
                     yield slot
                 finally:
                     slot.last_used = time.monotonic()
+            finally:
+                slot.lock.release()
         finally:
             slot.requests -= 1
 

@@ -1,0 +1,140 @@
+"""Shared pieces of the client-compatible APIs (OpenAI, llama-server, KoboldCpp).
+
+* the error shape OpenAI and llama-server clients read, ``{"error": {"code", "message",
+  "type"}}`` (llama-server ``tools/server/server-common.cpp`` ``format_error_response``;
+  OpenAI's API reference "Error codes"), plus slotserve's ``error_code``;
+* :func:`collect`: run a non-streaming generation, cancelled when the client leaves;
+* :func:`sse_data`: one ``data: {json}`` Server-Sent Event (OpenAI/llama-server framing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from litestar import MediaType, Request, Response
+from litestar.response import Stream
+
+from orchestrator.api.generate import _cancel_on_disconnect
+from orchestrator.errors import ApiError, from_exception
+from orchestrator.generation import DoneOut, RunControl, TokenOut
+from orchestrator.schemas import CanonicalRequest
+from orchestrator.services import Services
+
+_json = msgspec.json.Encoder()
+
+ERROR_TYPE_OF_STATUS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+def compat_error_body(err: ApiError) -> dict[str, Any]:
+    """``{"error": {"code": <HTTP status>, "message", "type"}, "error_code", ...}`` (llama-server/OpenAI)."""
+    if err.code == "CONTEXT_OVERFLOW":
+        kind = "exceed_context_size_error"
+    else:
+        kind = ERROR_TYPE_OF_STATUS.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    inner: dict[str, Any] = {"code": err.status, "message": err.message, "type": kind}
+    if err.code == "CONTEXT_OVERFLOW":
+        inner["n_prompt_tokens"] = err.extra.get("context_length")
+        inner["n_ctx"] = err.extra.get("n_ctx")
+    return {"error": inner, "error_code": err.code, **err.extra}
+
+
+def compat_exception_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    """Litestar exception handler for the OpenAI and llama-server paths."""
+    err = from_exception(exc)
+    return Response(compat_error_body(err), status_code=err.status, media_type=MediaType.JSON)
+
+
+COMPAT_ERRORS = {Exception: compat_exception_handler}
+
+
+def sse_data(obj: Any) -> bytes:
+    """``data: {json}\\n\\n``: one event as OpenAI and llama-server frame it."""
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(Stream):
+    """A ``text/event-stream`` response from a handler that may also answer JSON.
+
+    Litestar gives the route's media type (JSON, for a handler returning ``dict | Stream``)
+    precedence over the response's own; this keeps the stream's.
+    """
+
+    def __init__(self, content: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = self.media_type
+        return super().to_asgi_response(*args, **kwargs)
+
+
+@dataclass
+class Collected:
+    """A finished non-streaming generation: every token and the end."""
+
+    tokens: list[TokenOut] = field(default_factory=list)
+    done: DoneOut | None = None
+
+    @property
+    def end(self) -> DoneOut:
+        """The :class:`DoneOut` (always set once :func:`collect` returns)."""
+        assert self.done is not None
+        return self.done
+
+
+async def collect(
+    services: Services, req: CanonicalRequest, request: Request[Any, Any, Any], control: RunControl | None = None
+) -> Collected:
+    """Run ``req`` to the end; the generation is cancelled if the client disconnects first."""
+    control = control or RunControl()
+    out = Collected()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
+    try:
+        async for ev in services.generation.run(req, control):
+            if isinstance(ev, TokenOut):
+                out.tokens.append(ev)
+            elif isinstance(ev, DoneOut):
+                out.done = ev
+    finally:
+        watcher.cancel()
+    return out
+
+
+def piece_text(piece: bytes) -> str:
+    """A token's piece as text (invalid UTF-8 replaced; the raw bytes go in ``bytes`` fields)."""
+    return piece.decode("utf-8", "replace")
+
+
+def one_prompt(prompt: str | list[int | str]) -> str | list[int]:
+    """A request's one prompt: text, token ids, or a list holding one text (several: ``INVALID_REQUEST``)."""
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(t, int) for t in prompt):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    raise ApiError("INVALID_REQUEST", "prompt must be a text, a list of token ids, or a list of one text")
+
+
+async def prompt_ids(services: Services, prompt: str | list[int]) -> list[int]:
+    """Token ids of a prompt: text is tokenized as llama-server does (``add_special``, special
+    tokens parsed); ids are taken as they are (checked later against the vocabulary)."""
+    if isinstance(prompt, str):
+        return (await services.engine.tokenize(prompt, True, True)).ids
+    return list(prompt)
+
+
+def remaining(services: Services, n_prompt: int) -> int:
+    """Tokens left in the window after a prompt of ``n_prompt`` (the default generation length)."""
+    return max(0, services.generation.info.n_ctx - n_prompt)

@@ -1,0 +1,55 @@
+"""Units of the client-compatible APIs: stop-string hold-back and chat-template rendering."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.chat_template import ChatTemplate
+from orchestrator.errors import ApiError
+from orchestrator.stop_text import StopTextFilter
+
+
+def feed_all(stops: list[str], parts: list[str], stop: str) -> list[str]:
+    f = StopTextFilter(stops)
+    return [f.feed(p) for p in parts] + [f.finish(stop)]
+
+
+def test_stop_text_never_sent() -> None:
+    out = feed_all(["\nUser:"], ["Hello", " there", "\n", "Us", "er:"], "\nUser:")
+    assert out == ["Hello", " there", "", "", "", ""]  # the partial "\nUs" was held, then dropped
+
+
+def test_held_text_released_when_it_is_not_a_stop() -> None:
+    out = feed_all(["\nUser:"], ["a", "\n", "Usual", " text"], "")
+    assert "".join(out) == "a\nUsual text" and out[1] == ""
+
+
+def test_no_stops_passes_everything() -> None:
+    assert feed_all([], ["a", "b"], "") == ["a", "b", ""]
+
+
+def test_stop_in_the_middle_of_a_token() -> None:
+    assert "".join(feed_all(["END"], ["foo EN", "Dbar"], "END")) == "foo "
+
+
+def test_real_template_renders_chatml(model) -> None:  # type: ignore[no-untyped-def]
+    t = ChatTemplate(model.chat_template, "", "<|im_end|>")
+    text = t.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in text
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    parts = [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]
+    assert t.render([{"role": "user", "content": parts}]) == t.render([{"role": "user", "content": "Hi"}])
+
+
+def test_template_errors_are_client_errors() -> None:
+    t = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}x", "", "")
+    with pytest.raises(ApiError, match="user first"):
+        t.render([{"role": "assistant", "content": "no"}])
+    assert t.render([{"role": "user", "content": "ok"}]) == "x"
+    with pytest.raises(ApiError):
+        t.render([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(ApiError):
+        ChatTemplate("", "", "")
+    sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}", "", "")
+    with pytest.raises(ApiError):
+        sandboxed.render([{"role": "user", "content": "x"}])
