@@ -98,11 +98,12 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         health,
         PrometheusController,
     ]
+    from orchestrator.api.llama_server import LlamaServerController
     from orchestrator.api.openai import OpenAIController
     from orchestrator.api.preview import PreviewController
     from orchestrator.api.slots import SlotController
 
-    route_handlers += [SlotController, PreviewController, OpenAIController]
+    route_handlers += [SlotController, PreviewController, OpenAIController, LlamaServerController]
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],

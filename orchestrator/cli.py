@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
     s.add_argument(
+        "--n-predict", "-n", type=int, default=-1, help="default tokens per /completion (-1: up to the window)"
+    )
+    s.add_argument(
         "--slot-wait", type=float, default=300.0, help="seconds a request waits for a busy slot before SLOT_BUSY"
     )
     s.add_argument("--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one")
@@ -95,6 +98,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         lease_ms=a.lease_ms,
         park_idle_s=a.park_idle,
         slot_wait_s=a.slot_wait,
+        n_predict=a.n_predict,
     )
 
 

@@ -34,4 +34,5 @@ class Settings:
     node_id: str = ""
     lease_ms: int = 30_000
     park_idle_s: float = 600.0
+    n_predict: int = -1  # llama-server's -n: tokens a /completion generates without n_predict (-1: to the window)
     slot_wait_s: float = 300.0  # longest wait for a busy slot (KoboldCpp/OpenAI clients queue)

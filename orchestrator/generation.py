@@ -229,6 +229,7 @@ class GenerationService:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
             msg = proto.Generate(self.engine.new_id(), slot.seq, "generate", ids, params, capture)
+            slot.id_task, slot.params, slot.n_decoded = msg.req, params, 0
             converter = TokenStream(
                 set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
             )
@@ -263,6 +264,7 @@ class GenerationService:
                         metrics.record_generation(event)
                         slot.n_tokens = event.seq_tokens
                         slot.n_prompt_tokens_processed = event.n_prefilled
+                        slot.n_prompt_tokens_cache, slot.n_decoded = event.n_cached, event.n_generated
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)

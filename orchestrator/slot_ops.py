@@ -18,6 +18,7 @@ from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry
 from storage.errors import BadStateError, FingerprintMismatchError, StoreUnavailableError
+from storage.ggsq import pack_seq_file, unpack_seq_file
 from storage.ses1 import pack_ses1, unpack_ses1
 from storage.slot_codec import load_slot
 
@@ -200,19 +201,27 @@ class SlotOps:
     # ------------------------------------------------------------------ files (llama-server)
 
     async def save_file(self, slot: Slot, filename: str) -> tuple[SavedState, int]:
-        """Write the slot's SES1 blob to ``--slot-save-path/filename``; returns bytes written."""
+        """Write the slot to ``--slot-save-path/filename`` as llama.cpp's sequence-state file
+        (``ggsq``, what llama-server writes: :mod:`storage.ggsq`); returns bytes written."""
         path = confined_path(self.save_path, filename)
         saved = await self.save_state(slot)
+        ses1 = unpack_ses1(saved.blob)
+        data = pack_seq_file(ses1.tokens, ses1.state)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(saved.blob)
+        tmp.write_bytes(data)
         tmp.replace(path)
-        return saved, len(saved.blob)
+        return saved, len(data)
 
     async def restore_file(self, slot: Slot, filename: str, created: bool) -> tuple[int, int, float]:
-        """Restore the slot from ``--slot-save-path/filename``: ``(n_tokens, n_bytes, ms)``."""
+        """Restore the slot from a ``ggsq`` file in ``--slot-save-path`` (llama-server's or ours):
+        ``(n_tokens, n_bytes, ms)``.  ``BAD_STATE`` for a file this engine cannot take."""
         path = confined_path(self.save_path, filename)
         if not path.is_file():
             raise ApiError("INVALID_REQUEST", f"no saved slot file {filename!r}")
-        blob = path.read_bytes()
-        t_ms = await self.restore_state(slot, blob, created)
-        return slot.n_tokens, len(blob), t_ms
+        data = path.read_bytes()
+        try:
+            parsed = unpack_seq_file(data)
+        except BadStateError as exc:
+            raise ApiError("BAD_STATE", f"Unable to restore slot: {exc}") from exc
+        t_ms = await self.restore_state(slot, pack_ses1(parsed.tokens, parsed.state), created)
+        return slot.n_tokens, len(data), t_ms

@@ -6,6 +6,7 @@ from typing import Any
 
 from litestar import Controller, get, post
 
+from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.schemas import DetokenizeRequest, TokenizeRequest
@@ -85,7 +86,12 @@ class ModelController(Controller):
         check_tokens(ids, services.generation.info.vocab_size, "token_ids")
         return {"text": await services.engine.detokenize(ids)}
 
-    @post("/tokenize", status_code=200, summary="llama-server tokenize (content, add_special, with_pieces)")
+    @post(
+        "/tokenize",
+        status_code=200,
+        exception_handlers=COMPAT_ERRORS,
+        summary="llama-server tokenize (content, add_special, with_pieces)",
+    )
     async def ls_tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.content if data.content is not None else data.text
         if text is None:
@@ -100,7 +106,7 @@ class ModelController(Controller):
             pieces.append({"id": t, "piece": f["text"] if "bytes" not in f else f["bytes"]})
         return {"tokens": pieces}
 
-    @post("/detokenize", status_code=200, summary="llama-server detokenize (tokens)")
+    @post("/detokenize", status_code=200, exception_handlers=COMPAT_ERRORS, summary="llama-server detokenize (tokens)")
     async def ls_detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.tokens if data.tokens is not None else data.token_ids
         if ids is None:

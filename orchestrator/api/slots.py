@@ -11,6 +11,8 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import Parameter
 
+from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.llama_server import check_slot_number, slot_task_fields
 from orchestrator.errors import ApiError
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
@@ -35,7 +37,12 @@ def _ops(services: Services) -> SlotOps:
 
 
 class SlotController(Controller):
-    """``GET /slots``, ``POST /slots/{id}?action=...``, ``GET /v1/slots/{id}/info``."""
+    """``GET /slots``, ``POST /slots/{id}?action=...``, ``GET /v1/slots/{id}/info``.
+
+    Errors have llama-server's shape, ``{"error": {"code", "message", "type"}, "error_code"}``.
+    """
+
+    exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
     @get("/slots", summary="All slots: resident and parked, with sizes")
     async def list_slots(self, services: Services) -> list[dict[str, Any]]:
@@ -65,6 +72,7 @@ class SlotController(Controller):
                 stored=slot.stored,
                 dirty=slot.dirty,
                 idle_s=round(time.monotonic() - slot.last_used, 3),
+                **slot_task_fields(slot),
             )
             entry.setdefault("stored_bytes", slot.stored_bytes)
             entry.setdefault("state_bytes", slot.raw_bytes)
@@ -98,6 +106,7 @@ class SlotController(Controller):
         action: str = Parameter(query="action"),
         wait: bool = Parameter(query="wait", default=False),
     ) -> Any:
+        check_slot_number(slot_id)
         ops = _ops(services)
         reg = services.registry
         out_id = slot_id_out(slot_id)

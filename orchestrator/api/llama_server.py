@@ -1,0 +1,326 @@
+"""llama-server's native API: ``POST /completion`` (and ``/completions``), ``GET /props``.
+
+Field names and shapes are llama-server's (llama.cpp ``tools/server/README.md``;
+``tools/server/server-task.cpp``: ``to_json_non_oaicompat``, ``task_params::to_json``;
+``server-common.cpp``: ``server_slot_stats::to_json`` for ``timings``), so its clients and
+its own test suite (``tools/server/tests/unit``) work unchanged.  Errors have its shape,
+``{"error": {"code", "message", "type"}}`` (:mod:`orchestrator.api.compat`).
+
+Slots: ``id_slot`` names the slot (an integer as llama-server's, or any slotserve slot id);
+``-1`` or none means slot ``"0"``, and a busy slot is waited for (bounded) where
+llama-server would pick another idle slot.  ``cache_prompt: false`` empties the slot first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import Controller, Request, get, post
+
+from engine import protocol as proto
+from orchestrator.api.compat import (
+    COMPAT_ERRORS,
+    EventStream,
+    collect,
+    compat_error_body,
+    one_prompt,
+    piece_text,
+    prompt_ids,
+    remaining,
+    sse_data,
+)
+from orchestrator.errors import ApiError, from_exception
+from orchestrator.generation import DoneOut, Started, TokenOut
+from orchestrator.schemas import CanonicalRequest, GenerateRequest
+from orchestrator.services import Services
+from orchestrator.slot_ops import SlotOps
+from orchestrator.slots import Slot
+from orchestrator.stop_text import StopTextFilter
+from orchestrator.wire import slot_id_out
+
+log = structlog.get_logger("slotserve.llama_server")
+
+STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
+DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+class CompletionBody(msgspec.Struct, kw_only=True):
+    """``POST /completion`` (llama-server README, "POST /completion": options)."""
+
+    prompt: str | list[int | str]
+    n_predict: int | None = None  # None: the server's --n-predict
+    stream: bool = False
+    cache_prompt: bool = True
+    id_slot: int | str = -1
+    n_probs: int = 0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    ignore_eos: bool = False
+    return_tokens: bool = False
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    mirostat: int = 0
+    post_sampling_probs: bool = False
+
+
+def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dict[str, Any]:
+    """llama-server's ``params`` / ``generation_settings`` object for sampler settings ``p``."""
+    p = p or DEFAULT_PARAMS
+    out: dict[str, Any] = {
+        "seed": p.seed,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "max_tokens": p.max_new_tokens,
+        "n_predict": p.max_new_tokens,
+        "ignore_eos": p.ignore_eos,
+        "n_probs": p.n_probs,
+        "stop": list(p.stop_strings),
+        "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+    }
+    if n_ctx is not None:
+        out["n_ctx"] = n_ctx
+    return out
+
+
+def slot_task_fields(slot: Slot) -> dict[str, Any]:
+    """The fields llama-server's ``GET /slots`` adds once a slot has served a task."""
+    if slot.id_task < 0:
+        return {"speculative": False}
+    n_remain = (slot.params.max_new_tokens - slot.n_decoded) if slot.params else 0
+    return {
+        "speculative": False,
+        "id_task": slot.id_task,
+        "n_prompt_tokens": slot.n_tokens,
+        "n_prompt_tokens_processed": slot.n_prompt_tokens_processed,
+        "n_prompt_tokens_cache": slot.n_prompt_tokens_cache,
+        "params": params_json(slot.params),
+        "next_token": [
+            {
+                "has_next_token": slot.busy,
+                "has_new_line": False,
+                "n_remain": max(0, n_remain) if slot.busy else -1,
+                "n_decoded": slot.n_decoded,
+            }
+        ],
+    }
+
+
+def check_slot_number(slot_id: str) -> None:
+    """llama-server answers a negative slot number with 400 ``Invalid slot ID``."""
+    if slot_id.startswith("-") and slot_id[1:].isdigit():
+        raise ApiError("INVALID_REQUEST", "Invalid slot ID")
+
+
+def _timings(d: proto.Done) -> dict[str, Any]:
+    def rate(n: int, ms: float) -> tuple[float, float]:
+        return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
+
+    p_tok, p_s = rate(d.n_prefilled, d.t_prefill_ms)
+    g_tok, g_s = rate(d.n_generated, d.t_generate_ms)
+    return {
+        "cache_n": d.n_cached,
+        "prompt_n": d.n_prefilled,
+        "prompt_ms": d.t_prefill_ms,
+        "prompt_per_token_ms": p_tok,
+        "prompt_per_second": p_s,
+        "predicted_n": d.n_generated,
+        "predicted_ms": d.t_generate_ms,
+        "predicted_per_token_ms": g_tok,
+        "predicted_per_second": g_s,
+    }
+
+
+def _probs(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
+    return {
+        "id": t.token_id,
+        "token": piece_text(t.piece),
+        "bytes": list(t.piece),
+        "logprob": t.logprob,
+        "top_logprobs": [
+            {"id": tok, "token": piece_text(pieces[tok]), "bytes": list(pieces[tok]), "logprob": lp}
+            for tok, lp in t.top
+        ],
+    }
+
+
+class Completion:
+    """One ``/completion`` request: its canonical form and the response shapes."""
+
+    def __init__(self, body: CompletionBody, req: CanonicalRequest, model: str, pieces: list[bytes], n_ctx: int):
+        self.body, self.req, self.model, self.pieces, self.n_ctx = body, req, model, pieces, n_ctx
+        self.slot_out = slot_id_out(req.slot)
+
+    def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
+        """A streamed chunk (``stop: false``)."""
+        out: dict[str, Any] = {
+            "index": 0,
+            "content": text,
+            "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
+            "stop": False,
+            "id_slot": self.slot_out,
+            "tokens_predicted": n_done,
+            "tokens_evaluated": len(self.req.input_ids or ()),
+        }
+        if self.body.n_probs:
+            out["completion_probabilities"] = [_probs(t, self.pieces) for t in tokens]
+        return out
+
+    def final(self, text: str, tokens: list[TokenOut], done: DoneOut, prompt: str) -> dict[str, Any]:
+        """The last (or only) response (``stop: true``, ``timings``)."""
+        d = done.done
+        out: dict[str, Any] = {
+            "index": 0,
+            "content": text,
+            "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
+            "id_slot": self.slot_out,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": d.n_generated,
+            "tokens_evaluated": d.n_prompt,
+            "generation_settings": params_json(proto.SamplingParams(**_sampling(self.req)), self.n_ctx),
+            "prompt": prompt,
+            "has_new_line": "\n" in text,
+            "truncated": False,
+            "stop_type": STOP_TYPE.get(d.finish_reason, "none"),
+            "stopping_word": d.stop_string,
+            "tokens_cached": d.seq_tokens,
+            "timings": _timings(d),
+        }
+        if self.body.n_probs and not self.body.stream:
+            out["completion_probabilities"] = [_probs(t, self.pieces) for t in tokens]
+        return out
+
+
+def _sampling(req: CanonicalRequest) -> dict[str, Any]:
+    return {
+        "max_new_tokens": req.max_new_tokens,
+        "temperature": req.temperature,
+        "top_k": req.top_k,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "repeat_penalty": req.repeat_penalty,
+        "repeat_last_n": req.repeat_last_n,
+        "seed": req.seed,
+        "stop_strings": req.stop_strings,
+        "ignore_eos": req.ignore_eos,
+        "n_probs": req.n_probs,
+    }
+
+
+def _warn_ignored(body: CompletionBody) -> None:
+    ignored = [k for k in ("grammar", "json_schema", "mirostat", "post_sampling_probs") if getattr(body, k)]
+    if ignored:
+        log.warning("llama-server fields not supported, ignored", fields=ignored)
+
+
+async def _prepare(services: Services, body: CompletionBody) -> Completion:
+    ids = await prompt_ids(services, one_prompt(body.prompt))
+    if not 0 <= body.n_probs <= 100:
+        raise ApiError("INVALID_REQUEST", "n_probs must be in 0..100")
+    _warn_ignored(body)
+    slot = None if str(body.id_slot) == "-1" else body.id_slot
+    n_predict = body.n_predict if body.n_predict is not None else services.settings.n_predict
+    if n_predict < 0:
+        n_predict = remaining(services, len(ids))
+    req = GenerateRequest(
+        input_ids=ids,
+        n_predict=n_predict,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        min_p=body.min_p,
+        repeat_penalty=body.repeat_penalty,
+        repeat_last_n=body.repeat_last_n,
+        seed=body.seed,
+        stop=body.stop,
+        ignore_eos=body.ignore_eos,
+        n_probs=body.n_probs,
+        id_slot=slot,
+    ).canonical()
+    req.wait = True
+    if not body.cache_prompt:
+        async with services.registry.use(req.slot, wait=True, create=True, resident=False) as s:
+            await SlotOps(services.registry, None).erase(s)
+    info = services.generation.info
+    return Completion(body, req, info.model_name, await services.generation.pieces(), info.n_ctx)
+
+
+class LlamaServerController(Controller):
+    """llama-server's native completion and props (errors in its ``{"error": {...}}`` shape)."""
+
+    exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
+
+    @get("/props", summary="llama-server: server properties and default generation settings")
+    async def props(self, services: Services) -> dict[str, Any]:
+        info = services.generation.info
+        special = info.special_tokens
+        return {
+            "default_generation_settings": {"params": params_json(None), "n_ctx": info.n_ctx},
+            "total_slots": services.settings.worker.parallel,
+            "model_alias": info.model_name,
+            "model_path": info.model_path,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": True,
+            "endpoint_props": False,
+            "endpoint_metrics": True,
+            "chat_template": info.chat_template,
+            "bos_token": special.get("bos_token", ""),
+            "eos_token": special.get("eos_token", ""),
+            "build_info": f"llama-cpp-python {info.llama_cpp_version} (slotserve)",
+            "is_sleeping": False,
+        }
+
+    @post(["/completion", "/completions"], status_code=200, summary="llama-server: native completion")
+    async def completion(
+        self, request: Request[Any, Any, Any], services: Services, data: CompletionBody
+    ) -> EventStream | dict[str, Any]:
+        c = await _prepare(services, data)
+        ids = c.req.input_ids or []
+        stops = c.req.stop_strings
+        if not data.stream:
+            got = await collect(services, c.req, request)
+            kept = [t for t in got.tokens if not t.is_stop]
+            filt = StopTextFilter(stops)
+            text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
+            return c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
+        run = services.generation.run(c.req)
+        first = await anext(run)
+        assert isinstance(first, Started)
+
+        async def events() -> AsyncIterator[bytes]:
+            filt = StopTextFilter(stops)
+            pending: list[TokenOut] = []
+            n = 0
+            try:
+                async for ev in run:
+                    if isinstance(ev, TokenOut):
+                        n += 1
+                        pending.append(ev)
+                        text = filt.feed("" if ev.is_stop else ev.text)
+                        if text or ev.is_stop:
+                            yield sse_data(c.partial(text, pending, n))
+                            pending = []
+                    elif isinstance(ev, DoneOut):
+                        rest = filt.finish(ev.done.stop_string)
+                        if rest or pending:
+                            yield sse_data(c.partial(rest, pending, n))
+                        yield sse_data(c.final("", [], ev, ""))
+            except Exception as exc:
+                yield sse_data(compat_error_body(from_exception(exc)))
+            finally:
+                await run.aclose()
+
+        return EventStream(events())

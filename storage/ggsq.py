@@ -1,0 +1,98 @@
+"""llama.cpp's sequence-state file (magic ``ggsq``), as llama-server's slot ``save``/``restore`` write it.
+
+``llama_state_seq_save_file`` (llama.cpp ``src/llama-context.cpp``, ``include/llama.h``:
+``LLAMA_STATE_SEQ_MAGIC`` = ``0x67677371``, ``LLAMA_STATE_SEQ_VERSION`` = 3) writes,
+little-endian::
+
+    u32 magic | u32 version | u32 n_token_count | n_token_count x i32 "tokens" | KV state
+
+where the KV state is what ``llama_state_seq_get_data`` returns *without* its first 8 bytes
+(``u32 io_magic | i32 seq_id``).  llama-server (``tools/server/server-common.cpp``,
+``server_tokens::serialize``) stores in the token words not the plain tokens but a packed
+record, zero-padded to whole words::
+
+    i32 LLAMA_TOKEN_NULL (-1) | u32 version (1) | u32 n | n x i32 tokens | u32 n_media | media...
+
+Older servers wrote the plain token list; :func:`unpack_seq_file` reads both, like
+llama-server's ``server_tokens::deserialize``.  This module converts such files to and from
+``(tokens, llama_state_seq_get_data blob)``, so a file moves between llama-server and slotserve.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from storage.errors import BadStateError
+
+GGSQ_MAGIC = 0x67677371
+GGSQ_VERSION = 3
+IO_MAGIC = 0xAF143CD8  # the first u32 of llama_state_seq_get_data's output
+TOKEN_NULL = -1
+SERVER_TOKENS_VERSION = 1
+_HEAD = struct.Struct("<III")
+
+
+@dataclass(frozen=True)
+class SeqFile:
+    """A parsed sequence-state file: the slot's tokens and the state as ``llama_state_seq_set_data`` takes it."""
+
+    tokens: list[int]
+    state: bytes
+
+
+def pack_seq_file(tokens: list[int], state: bytes | bytearray | memoryview) -> bytes:
+    """The file llama-server writes for a slot holding ``tokens`` with ``state``
+    (``llama_state_seq_get_data`` output, starting with its io magic)."""
+    view = memoryview(state).cast("B")
+    if len(view) < 8 or struct.unpack_from("<I", view)[0] != IO_MAGIC:
+        raise BadStateError("not a llama.cpp sequence state")
+    packed = np.empty(3 + len(tokens) + 1, dtype="<i4")
+    packed[:3] = (TOKEN_NULL, SERVER_TOKENS_VERSION, len(tokens))
+    packed[3 : 3 + len(tokens)] = tokens
+    packed[-1] = 0  # no media chunks
+    return b"".join((_HEAD.pack(GGSQ_MAGIC, GGSQ_VERSION, len(packed)), packed.tobytes(), view[8:]))
+
+
+def _server_tokens(words: np.ndarray) -> list[int]:
+    """``server_tokens::deserialize``: the packed record, or a plain token list."""
+    if len(words) == 0 or int(words[0]) != TOKEN_NULL:
+        return [int(t) for t in words]
+    raw = words.tobytes()
+    if len(raw) < 12:
+        raise BadStateError("truncated token record in the slot file")
+    version, n = struct.unpack_from("<II", raw, 4)
+    if version != SERVER_TOKENS_VERSION:
+        raise BadStateError(f"unsupported server tokens version {version}")
+    end = 12 + 4 * n
+    if end + 4 > len(raw):
+        raise BadStateError("truncated token record in the slot file")
+    (n_media,) = struct.unpack_from("<I", raw, end)
+    if n_media:
+        raise BadStateError("the slot file holds media (image/audio) chunks, which this server cannot restore")
+    if len(raw) - (end + 4) >= 4:
+        raise BadStateError("trailing data in the slot file's token record")
+    return [int(t) for t in words[3 : 3 + n]]
+
+
+def unpack_seq_file(data: bytes) -> SeqFile:
+    """Parse a ``ggsq`` file; raises :class:`BadStateError` for anything else.
+
+    The returned ``state`` carries the io magic and source sequence 0 in front, as
+    ``llama_state_seq_set_data`` expects; its KV part is checked by the engine.
+    """
+    if len(data) < _HEAD.size:
+        raise BadStateError("not a llama.cpp sequence-state file (too short)")
+    magic, version, n_words = _HEAD.unpack_from(data)
+    if magic != GGSQ_MAGIC:
+        raise BadStateError(f"not a llama.cpp sequence-state file (magic {magic:#x}, expected 'ggsq')")
+    if version != GGSQ_VERSION:
+        raise BadStateError(f"sequence-state file version {version}; this llama.cpp reads version {GGSQ_VERSION}")
+    end = _HEAD.size + 4 * n_words
+    if end > len(data):
+        raise BadStateError("token count in the sequence-state file exceeds the file size")
+    words = np.frombuffer(data, dtype="<i4", count=n_words, offset=_HEAD.size)
+    tokens = _server_tokens(words)
+    return SeqFile(tokens, struct.pack("<Ii", IO_MAGIC, 0) + data[end:])
