@@ -98,12 +98,13 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         health,
         PrometheusController,
     ]
+    from orchestrator.api.kobold import KoboldController
     from orchestrator.api.llama_server import LlamaServerController
     from orchestrator.api.openai import OpenAIController
     from orchestrator.api.preview import PreviewController
     from orchestrator.api.slots import SlotController
 
-    route_handlers += [SlotController, PreviewController, OpenAIController, LlamaServerController]
+    route_handlers += [SlotController, PreviewController, OpenAIController, LlamaServerController, KoboldController]
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],

@@ -41,7 +41,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     sampler_seed: int | None = None
     stop_tokens: list[int] | None = None
-    banned_tokens: list[int] | None = None
+    banned_tokens: list[int | str] | None = None  # ids, or KoboldCpp's strings (resolved by the handler)
     stop_sequence: list[str] | None = None
     stop: list[str] | str | None = None
     ignore_eos: bool = False
@@ -57,6 +57,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     conversation_id: str | int | None = None
     id_slot: str | int | None = None
     wait: bool = False
+    # KoboldCpp's fields (koboldcpp.py ``generate``); see orchestrator/api/kobold.py
+    genkey: str | None = None
+    trim_stop: bool = False
+    max_context_length: int | None = None
+    memory: str | None = None
+    banned_strings: list[str] | None = None
+    grammar: str | None = None
+    mirostat: int | None = None
+    n: int | None = None
 
     def canonical(self) -> CanonicalRequest:
         """Merge aliases (first given wins, seed 000 names first) into one canonical request."""
@@ -70,7 +79,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
                 stops.append(s)
             elif s:
                 stops.extend(s)
-        slot = first(self.conversation_id, self.id_slot, default="0")
+        slot = first(self.conversation_id, self.id_slot, default=None)
         return CanonicalRequest(
             request_id=self.request_id,
             input_ids=self.input_ids,
@@ -86,7 +95,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
             repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=64)),  # type: ignore[call-overload]
             seed=int(first(self.seed, self.sampler_seed, default=-1)),  # type: ignore[call-overload]
             stop_tokens=list(self.stop_tokens or []),
-            banned_tokens=list(self.banned_tokens or []),
+            banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
             stop_strings=[s for s in stops if s],
             ignore_eos=self.ignore_eos,
             attention=bool(first(self.return_attention, self.output_attentions, default=False)),
@@ -95,8 +104,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
             attention_layers=self.attention_layers,
             hidden_state=self.output_hidden_states,
             n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),  # type: ignore[call-overload]
-            slot=str(slot),
-            wait=self.wait,
+            slot="0" if slot is None else str(slot),
+            wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
         )
 
 

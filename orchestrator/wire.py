@@ -101,9 +101,9 @@ def done_event(d: DoneOut, request_id: str | None) -> dict[str, Any]:
     return ev
 
 
-def kobold_token_event(t: TokenOut) -> dict[str, Any]:
+def kobold_token_event(text: str) -> dict[str, Any]:
     """KoboldCpp SSE text event (seed 001, no attention); a stop token contributes no text."""
-    return {"token": "" if t.is_stop else t.text, "finish_reason": None}
+    return {"token": text, "finish_reason": None}
 
 
 def kobold_done_event(d: DoneOut) -> dict[str, Any]:

@@ -13,10 +13,12 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from orchestrator import wire
+from orchestrator.api import kobold
 from orchestrator.errors import from_exception
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
+from orchestrator.stop_text import StopTextFilter, trim_stop
 
 log = structlog.get_logger("slotserve.api")
 _json = msgspec.json.Encoder()
@@ -41,6 +43,15 @@ def _sse(obj: dict[str, Any]) -> JsonEvent:
     return JsonEvent(data=_json.encode(obj))
 
 
+async def _raw_body(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """The JSON body as a dict (Kobold's sampler fields this server does not model)."""
+    try:
+        raw = msgspec.json.decode(await request.body())
+    except msgspec.DecodeError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
     """Cancel the generation when the client of a non-streaming request goes away."""
     while True:
@@ -57,73 +68,98 @@ class GenerateController(Controller):
     async def generate(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> dict[str, Any]:
-        req = data.canonical()
+        req = await kobold.prepare(services, data, await _raw_body(request))
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         tokens: list[dict[str, Any]] = []
         attention: list[dict[str, Any]] = []
         done: DoneOut | None = None
         pieces = await services.generation.pieces()
         control = RunControl()
+        jobs = kobold.jobs_of(request.app.state)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
         try:
-            async for ev in services.generation.run(req, control):
-                if isinstance(ev, TokenOut):
-                    tok = wire.token_text_fields(ev) | {"logprob": ev.logprob}
-                    if req.n_probs:
-                        tok["top_logprobs"] = wire.top_logprobs(ev, pieces)
-                    hidden = wire.hidden_json(ev)
-                    if hidden is not None:
-                        tok["hidden_state"] = hidden
-                    tokens.append(tok)
-                    if ev.attention is not None:
-                        entry = wire.token_text_fields(ev)
-                        entry["attention"] = wire.attention_json(ev, req.attention_format, req.attention_dtype)
-                        attention.append(entry)
-                elif isinstance(ev, DoneOut):
-                    done = ev
+            with jobs.track(data.genkey, control) as job:
+                async for ev in services.generation.run(req, control):
+                    if isinstance(ev, TokenOut):
+                        if not ev.is_stop:
+                            job.text.append(ev.text)
+                        tokens.append(self._token(ev, req.n_probs, pieces))
+                        if ev.attention is not None:
+                            entry = wire.token_text_fields(ev)
+                            entry["attention"] = wire.attention_json(ev, req.attention_format, req.attention_dtype)
+                            attention.append(entry)
+                    elif isinstance(ev, DoneOut):
+                        done = ev
+                        jobs.finished(ev.done, req.seed)
         finally:
             watcher.cancel()
         assert done is not None
         body = wire.done_event(done, req.request_id)
+        kobold_text = trim_stop(done.text, done.done.stop_string) if data.trim_stop else done.text
         body.update(
             generated_tokens=tokens,
             generated_text=done.text,
-            results=[{"text": done.text, "finish_reason": wire.KOBOLD_FINISH.get(done.done.finish_reason)}],
+            results=[{"text": kobold_text, "finish_reason": wire.KOBOLD_FINISH.get(done.done.finish_reason)}],
         )
         if req.attention:
             body["attention_data"] = attention
         return body
 
+    @staticmethod
+    def _token(ev: TokenOut, n_probs: int, pieces: list[bytes]) -> dict[str, Any]:
+        tok = wire.token_text_fields(ev) | {"logprob": ev.logprob}
+        if n_probs:
+            tok["top_logprobs"] = wire.top_logprobs(ev, pieces)
+        hidden = wire.hidden_json(ev)
+        if hidden is not None:
+            tok["hidden_state"] = hidden
+        return tok
+
     @post("/api/extra/generate/stream", status_code=200, summary="SSE stream (Kobold events, or attention events)")
     async def stream(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> ServerSentEvent:
-        req = data.canonical()
+        req = await kobold.prepare(services, data, await _raw_body(request))
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        run = services.generation.run(req)
+        control = RunControl()
+        jobs = kobold.jobs_of(request.app.state)
+        run = services.generation.run(req, control)
         # Validate and take the slot before the response starts, so bad input is a 4xx.
         first = await anext(run)
         assert isinstance(first, Started)
+        # trim_stop: text that may become a stop string is held back, the stop string never sent
+        filt = StopTextFilter(req.stop_strings if data.trim_stop else [])
 
         async def events() -> AsyncIterator[JsonEvent]:
-            try:
-                async for ev in run:
-                    if isinstance(ev, DoneOut):
-                        done = wire.done_event(ev, req.request_id) if req.attention else wire.kobold_done_event(ev)
-                        yield _sse(done)
-                        return
-                    if not isinstance(ev, TokenOut):
-                        continue
-                    if req.attention:
-                        yield _sse(
-                            wire.sse_attention_event(ev, req.request_id, req.attention_format, req.attention_dtype)
-                        )
-                    else:
-                        yield _sse(wire.kobold_token_event(ev))
-            except Exception as exc:  # the worker failed mid-stream: tell the client, then end
-                err = from_exception(exc)
-                yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
-            finally:
-                await run.aclose()
+            with jobs.track(data.genkey, control) as job:
+                try:
+                    async for ev in run:
+                        if isinstance(ev, DoneOut):
+                            jobs.finished(ev.done, req.seed)
+                            if req.attention:
+                                yield _sse(wire.done_event(ev, req.request_id))
+                                return
+                            rest = filt.finish(ev.done.stop_string)
+                            if rest:
+                                yield _sse(wire.kobold_token_event(rest))
+                            yield _sse(wire.kobold_done_event(ev))
+                            return
+                        if not isinstance(ev, TokenOut):
+                            continue
+                        if not ev.is_stop:
+                            job.text.append(ev.text)
+                        if req.attention:
+                            yield _sse(
+                                wire.sse_attention_event(ev, req.request_id, req.attention_format, req.attention_dtype)
+                            )
+                        else:
+                            text = filt.feed("" if ev.is_stop else ev.text)
+                            if text or not data.trim_stop:
+                                yield _sse(wire.kobold_token_event(text))
+                except Exception as exc:  # the worker failed mid-stream: tell the client, then end
+                    err = from_exception(exc)
+                    yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
+                finally:
+                    await run.aclose()
 
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
