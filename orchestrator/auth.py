@@ -15,6 +15,8 @@ import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 PUBLIC_PATHS = ("/health", "/v1/health", "/metrics")
+# OpenAI's and llama-server's paths answer errors as {"error": {"code", "message", "type"}} (docs/api.md "Errors")
+NESTED_ERROR_PATHS = ("/v1/", "/chat/", "/completion", "/models", "/props", "/slots", "/tokenize", "/detokenize")
 
 
 def _presented_key(scope: Scope) -> str | None:
@@ -41,8 +43,11 @@ def api_key_middleware(api_key: str):  # type: ignore[no-untyped-def]
             if key is not None and hmac.compare_digest(key.encode(), api_key.encode()):
                 await app(scope, receive, send)
                 return
-            body = {"error": "Invalid or missing API key", "error_code": "UNAUTHORIZED"}
+            message = "Invalid or missing API key"
+            body: dict[str, object] = {"error": message, "error_code": "UNAUTHORIZED"}
             if kind == "http":
+                if scope["path"].startswith(NESTED_ERROR_PATHS):
+                    body["error"] = {"code": 401, "message": message, "type": "authentication_error"}
                 await send(
                     {
                         "type": "http.response.start",

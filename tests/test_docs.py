@@ -16,6 +16,7 @@ import pytest
 from litestar.routes import WebSocketRoute
 
 from orchestrator import schemas
+from orchestrator.api import kobold, llama_server, openai
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
 from orchestrator.config import Settings
@@ -127,6 +128,13 @@ REQUEST_BODIES = [
     schemas.SlotFileRequest,
     schemas.ForkRequest,
     schemas.RestoreStateRequest,
+    openai.ChatCompletionRequest,
+    openai.CompletionRequest,
+    openai.StreamOptions,
+    openai.AttentionOption,
+    llama_server.CompletionBody,
+    kobold.GenkeyBody,
+    kobold.TokenCountBody,
 ]
 
 

@@ -10,7 +10,9 @@ sequences), ``/api/v1/info/version``, ``/api/v1/config/max_context_length``,
 
 :func:`prepare` turns a Kobold generation body (``POST /api/v1/generate``, ``POST
 /api/extra/generate/stream``) into a canonical request the way KoboldCpp reads it:
-``memory`` before the prompt, string ``banned_tokens``/``banned_strings``, and a prompt over
+``memory`` before the prompt, string ``banned_tokens``/``banned_strings``,
+``use_default_badwordsids``/``ban_eos_token`` (end-of-generation tokens banned), ``bypass_eos``
+(they do not stop), and a prompt over
 the window trimmed from the front when the client sends ``max_context_length`` (as Lite and
 SillyTavern do).  Fields this server cannot honour are named in one warning line.
 """
@@ -148,8 +150,12 @@ async def _banned_ids(services: Services, words: list[str]) -> list[int]:
 async def prepare(services: Services, data: GenerateRequest, raw: dict[str, Any] | None = None) -> CanonicalRequest:
     """The canonical request for a Kobold/seed body (see module docstring); ``raw`` is the JSON body."""
     req = data.canonical()
-    if raw is not None:
-        _warn_unsupported(data, raw)
+    raw = raw or {}
+    _warn_unsupported(data, raw)
+    if raw.get("bypass_eos") is True:  # KoboldCpp: end-of-stream tokens do not stop the generation
+        req.ignore_eos = True
+    if raw.get("use_default_badwordsids") is True or raw.get("ban_eos_token") is True:  # they are never sampled
+        req.banned_tokens = sorted(set(req.banned_tokens) | set(services.generation.info.eog_token_ids))
     words = [t for t in (data.banned_tokens or []) if isinstance(t, str)] + list(data.banned_strings or [])
     if words:
         req.banned_tokens = sorted(set(req.banned_tokens) | set(await _banned_ids(services, words)))

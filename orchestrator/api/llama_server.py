@@ -33,7 +33,7 @@ from orchestrator.api.compat import (
     sse_data,
 )
 from orchestrator.errors import ApiError, from_exception
-from orchestrator.generation import DoneOut, Started, TokenOut
+from orchestrator.generation import DoneOut, Started, TokenOut, sampling_params
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
 from orchestrator.services import Services
 from orchestrator.slot_ops import SlotOps
@@ -190,7 +190,7 @@ class Completion:
             "model": self.model,
             "tokens_predicted": d.n_generated,
             "tokens_evaluated": d.n_prompt,
-            "generation_settings": params_json(proto.SamplingParams(**_sampling(self.req)), self.n_ctx),
+            "generation_settings": params_json(sampling_params(self.req, len(self.pieces)), self.n_ctx),
             "prompt": prompt,
             "has_new_line": "\n" in text,
             "truncated": False,
@@ -202,22 +202,6 @@ class Completion:
         if self.body.n_probs and not self.body.stream:
             out["completion_probabilities"] = [_probs(t, self.pieces) for t in tokens]
         return out
-
-
-def _sampling(req: CanonicalRequest) -> dict[str, Any]:
-    return {
-        "max_new_tokens": req.max_new_tokens,
-        "temperature": req.temperature,
-        "top_k": req.top_k,
-        "top_p": req.top_p,
-        "min_p": req.min_p,
-        "repeat_penalty": req.repeat_penalty,
-        "repeat_last_n": req.repeat_last_n,
-        "seed": req.seed,
-        "stop_strings": req.stop_strings,
-        "ignore_eos": req.ignore_eos,
-        "n_probs": req.n_probs,
-    }
 
 
 def _warn_ignored(body: CompletionBody) -> None:

@@ -121,6 +121,9 @@ def test_api_key(start_server) -> None:  # type: ignore[no-untyped-def]
     assert r.status_code == 401
     assert httpx.get(srv.url + "/api/v1/model", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert httpx.get(srv.url + "/api/v1/model", headers={"X-Api-Key": "s3cret"}).status_code == 200
+    r = httpx.get(srv.url + "/v1/models")  # OpenAI's path: OpenAI's error shape
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.json()["error_code"] == "UNAUTHORIZED"
     pre = httpx.options(
         srv.url + "/api/v1/tokenize",
         headers={"Origin": "http://x.test", "Access-Control-Request-Method": "POST"},

@@ -167,3 +167,16 @@ def test_queue_wait_is_bounded(start_server) -> None:  # type: ignore[no-untyped
     t.join()
     assert r.status_code == 409 and r.json()["error_code"] == "SLOT_BUSY" and "1 s" in r.json()["error"]
     assert 0.9 < waited < 30
+
+
+def test_ban_eos_and_bypass_eos(server: ServerProc) -> None:
+    bare = {"prompt": "What is the capital of France?", "max_length": 6, "temperature": 0, "id_slot": "kb-eos"}
+    first = httpx.post(server.url + "/api/v1/generate", json=bare, timeout=120).json()
+    assert first["finish_reason"] == "stop_token"  # this instruct model ends the turn at once
+    banned = httpx.post(server.url + "/api/v1/generate", json={**bare, "use_default_badwordsids": True}, timeout=120)
+    out = banned.json()
+    assert out["finish_reason"] == "length" and out["total_tokens"] == 6
+    eog = set(httpx.get(server.url + "/api/v1/model").json()["eog_token_ids"])
+    assert not eog & {t["token_id"] for t in out["generated_tokens"]}
+    bypass = httpx.post(server.url + "/api/v1/generate", json={**bare, "bypass_eos": True}, timeout=120).json()
+    assert bypass["finish_reason"] == "length" and bypass["total_tokens"] == 6
