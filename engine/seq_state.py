@@ -87,23 +87,8 @@ class _Reader:
         self.off += n
 
 
-def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> ParsedState:
-    """Parse a sequence state; check it against ``expect`` when given.
-
-    Raises :class:`BadStateError` on a wrong magic, truncation, trailing bytes, cells
-    that belong to several sequences, or any layout field that differs from ``expect``.
-    An empty sequence (no cells) parses to zero positions.
-    """
-    r = _Reader(memoryview(blob).cast("B"))
-    magic, _src_seq = r.take("<Ii")
-    if magic != IO_MAGIC:
-        raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
-    (n_stream,) = r.take("<I")
-    if expect is not None and n_stream != expect.n_stream:
-        raise BadStateError(f"state has {n_stream} KV streams, this engine has {expect.n_stream}")
-    if r.off == len(r.data):
-        return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
-    (cell_count,) = r.take("<I")
+def _read_stream(r: _Reader, cell_count: int) -> tuple[np.ndarray, int, tuple[LayerLayout, ...]]:
+    """One stream's record after its ``cell_count``: ``(positions, v_trans, layers)``."""
     if cell_count == 0 or cell_count > (len(r.data) - r.off) // 12:
         raise BadStateError(f"implausible cell count {cell_count}")
     cells = np.frombuffer(r.data, dtype="<i4", count=3 * cell_count, offset=r.off).reshape(cell_count, 3)
@@ -128,9 +113,60 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> Parsed
             n_embd_v = 0
             r.skip(cell_count * v_el)
         layers.append(LayerLayout(k_type, k_row, v_type, v_el, n_embd_v))
+    return cells[:, 0].astype(np.int32), v_trans, tuple(layers)
+
+
+def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> ParsedState:
+    """Parse a sequence state; check it against ``expect`` when given.
+
+    Raises :class:`BadStateError` on a wrong magic, truncation, trailing bytes, cells
+    that belong to several sequences, or any layout field that differs from ``expect``.
+    An empty sequence (no cells) parses to zero positions.
+    """
+    r = _Reader(memoryview(blob).cast("B"))
+    magic, _src_seq = r.take("<Ii")
+    if magic != IO_MAGIC:
+        raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
+    (n_stream,) = r.take("<I")
+    if expect is not None and n_stream != expect.n_stream:
+        raise BadStateError(f"state has {n_stream} KV streams, this engine has {expect.n_stream}")
+    if r.off == len(r.data):
+        return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
+    (cell_count,) = r.take("<I")
+    positions, v_trans, layers = _read_stream(r, cell_count)
     if r.off != len(r.data):
         raise BadStateError(f"{len(r.data) - r.off} unexpected bytes after the state")
-    layout = StateLayout(n_stream, v_trans, tuple(layers))
+    layout = StateLayout(n_stream, v_trans, layers)
     if expect is not None and layout != expect:
         raise BadStateError("state was written by another model, KV type or llama.cpp build")
-    return ParsedState(cells[:, 0].astype(np.int32), layout)
+    return ParsedState(positions, layout)
+
+
+def single_stream(blob: bytes | memoryview) -> bytes:
+    """A state written by a context with several KV streams (llama-server's ``-np N`` without
+    ``--kv-unified``: one stream per slot), as the one stream that holds its cells.
+
+    A state with one stream comes back unchanged.  Raises :class:`BadStateError` when the
+    cells are spread over several streams or the blob is malformed.
+    """
+    data = memoryview(blob).cast("B")
+    r = _Reader(data)
+    magic, src_seq = r.take("<Ii")
+    if magic != IO_MAGIC:
+        raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
+    (n_stream,) = r.take("<I")
+    if n_stream <= 1:
+        return bytes(data)
+    records = []
+    for _ in range(n_stream):
+        start = r.off
+        (cell_count,) = r.take("<I")
+        if cell_count:
+            _read_stream(r, cell_count)
+            records.append(data[start : r.off])
+    if r.off != len(data):
+        raise BadStateError(f"{len(data) - r.off} unexpected bytes after the state")
+    if len(records) > 1:
+        raise BadStateError(f"the state's cells are spread over {len(records)} KV streams")
+    body = bytes(records[0]) if records else struct.pack("<I", 0)
+    return struct.pack("<IiI", magic, src_seq, 1) + body

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import protocol as proto
+from engine import seq_state
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry
@@ -221,7 +222,8 @@ class SlotOps:
         data = path.read_bytes()
         try:
             parsed = unpack_seq_file(data)
-        except BadStateError as exc:
+            state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
+        except (BadStateError, seq_state.BadStateError) as exc:
             raise ApiError("BAD_STATE", f"Unable to restore slot: {exc}") from exc
-        t_ms = await self.restore_state(slot, pack_ses1(parsed.tokens, parsed.state), created)
+        t_ms = await self.restore_state(slot, pack_ses1(parsed.tokens, state), created)
         return slot.n_tokens, len(data), t_ms

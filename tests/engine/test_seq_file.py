@@ -7,7 +7,9 @@ import ctypes
 from pathlib import Path
 
 import llama_cpp as llama
+import pytest
 
+from engine import seq_state
 from engine.engine import BatchEntry
 from storage.ggsq import pack_seq_file, unpack_seq_file
 
@@ -39,4 +41,26 @@ def test_file_equals_llama_cpp_save_file(engine, model, tmp_path: Path) -> None:
         assert llama.llama_memory_seq_pos_max(engine.mem, scratch) == len(toks) - 1
     finally:
         llama.llama_memory_seq_rm(engine.mem, engine.scratch, -1, -1)
+        engine.erase(seq)
+
+
+def test_state_of_several_streams_becomes_one(engine, model) -> None:  # type: ignore[no-untyped-def]
+    """llama-server with ``-np 3`` and no ``--kv-unified`` writes one record per stream; only its
+    slot's stream has cells.  ``single_stream`` keeps that record: the state this engine wrote."""
+    seq = 2
+    engine.erase(seq)
+    assert engine.decode([BatchEntry(seq, 0, model.tokenize("Hello there", False, False), logits=True)]) == 0
+    try:
+        _, state = engine.save_state(seq)
+        state = bytes(state)
+        head, record = state[:8], state[12:]
+        empty = (0).to_bytes(4, "little")
+        three = head + (3).to_bytes(4, "little") + empty + record + empty
+        assert seq_state.single_stream(three) == state
+        assert seq_state.single_stream(state) == state
+        with pytest.raises(seq_state.BadStateError, match="spread over 2"):
+            seq_state.single_stream(head + (2).to_bytes(4, "little") + record + record)
+        with pytest.raises(seq_state.BadStateError):
+            seq_state.single_stream(three[:-5])
+    finally:
         engine.erase(seq)
