@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llama_cpp as llama
@@ -87,7 +87,8 @@ class Engine:
     start-up self-check of the capture fails.
     """
 
-    def __init__(self, model: Model, config: EngineConfig) -> None:
+    def __init__(self, model: Model, config: EngineConfig, on_stage: Callable[[str], None] | None = None) -> None:
+        report = on_stage or (lambda _stage: None)
         self.model = model
         self.config = config
         self.cellmap = CellMap(config.n_cells)
@@ -106,6 +107,7 @@ class Engine:
         if config.capture:
             cp.cb_eval, cp.cb_eval_user_data = self.capture.cb_eval
         cp.no_perf = True
+        report("creating_context")
         ctx = llama.llama_init_from_model(model.ptr, cp)
         if not ctx:
             raise EngineError("NO_MODEL", "llama.cpp could not create a context")
@@ -122,6 +124,8 @@ class Engine:
         self.scratch = config.n_seq_max - 1
         self.embeddings_on = False
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
+        self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
+        report("self_check")
         self.layout = self._self_check()
 
     # ------------------------------------------------------------------ facts

@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Sequence
+from typing import Literal
 
 import msgspec
 
@@ -161,6 +162,35 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 # ----------------------------------------------------------------------------- worker -> orchestrator
 
 
+class EngineRuntime(msgspec.Struct, kw_only=True):
+    """The engine configuration in force (``/health``, ``GET /api/v1/model``'s ``engine``).
+
+    ``devices``: ggml backend devices as ``NAME (description)``; ``backend``: the device
+    type layers run on (``CPU``, ``GPU``); ``extra_bufts``: the CPU backend's extra buffer
+    types on this host and ``use_extra_bufts`` whether the model uses them (llama-server's
+    ``--no-repack`` is False), with ``repack_reason``; ``eval_filter``: how attention rows
+    are read (``c``, ``python``, or ``off`` without capture); ``system_info``: llama.cpp's
+    ``llama_print_system_info`` line.
+    """
+
+    backend: str
+    devices: list[str]
+    n_gpu_layers: int
+    n_layers_offloaded: int
+    extra_bufts: list[str]
+    use_extra_bufts: bool
+    repack_reason: str
+    flash_attn: bool
+    type_k: str
+    type_v: str
+    kv_unified: bool
+    n_threads: int
+    n_seq_max: int
+    eval_filter: str
+    self_check_ms: float
+    system_info: str
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
     """Model and engine facts; fields follow seeds 000/001 and llama.cpp's names."""
 
@@ -189,6 +219,19 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     n_params: int
     size_bytes: int
     llama_cpp_version: str
+    runtime: EngineRuntime
+
+
+StartStage = Literal["loading_model", "creating_context", "self_check"]
+
+
+class Starting(msgspec.Struct, tag="starting", array_like=True):
+    """Start-up progress, sent before ``Ready``: the stage the worker entered and, while
+    loading the model, the fraction loaded (llama.cpp's progress callback, 0..1)."""
+
+    req: int
+    stage: StartStage
+    fraction: float = 0.0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -275,13 +318,24 @@ class StateBlob(msgspec.Struct, tag="state", array_like=True):
 
 
 Request = Generate | Cancel | Tokenize | Detokenize | SeqOp | RestoreState | Shutdown
-Reply = Ready | Token | Done | Error | TokenizeResult | DetokenizeResult | SeqInfo | StateBlob
+Reply = Starting | Ready | Token | Done | Error | TokenizeResult | DetokenizeResult | SeqInfo | StateBlob
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 Buffer = bytes | bytearray | memoryview
+
+
+def parse_address(addr: str) -> tuple[int, object]:
+    """``unix:/path`` or ``tcp:host:port`` (a worker's address) to ``(family, sockaddr)``; ValueError otherwise."""
+    kind, _, rest = addr.partition(":")
+    if kind == "unix":
+        return socket.AF_UNIX, rest
+    if kind == "tcp":
+        host, _, port = rest.rpartition(":")
+        return socket.AF_INET, (host or "127.0.0.1", int(port))
+    raise ValueError(f"bad address {addr!r}: use unix:/path or tcp:host:port")
 
 
 def encode_frame(msg: msgspec.Struct, buffers: Sequence[Buffer] = ()) -> list[Buffer]:

@@ -20,15 +20,17 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import llama_cpp  # noqa: F401 - first of the native libraries, before numpy's (docs/hardware.md)
 import msgspec
 
+from engine import backend
 from engine import protocol as proto
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineConfig, EngineError
-from engine.model import Model, default_model_path
+from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
 
 log = logging.getLogger("slotserve.worker")
@@ -40,17 +42,6 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def parse_address(addr: str) -> tuple[int, object]:
-    """``unix:/path`` or ``tcp:host:port`` to ``(family, sockaddr)``."""
-    kind, _, rest = addr.partition(":")
-    if kind == "unix":
-        return socket.AF_UNIX, rest
-    if kind == "tcp":
-        host, _, port = rest.rpartition(":")
-        return socket.AF_INET, (host or "127.0.0.1", int(port))
-    raise ValueError(f"bad address {addr!r}: use unix:/path or tcp:host:port")
 
 
 class Worker:
@@ -181,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-gpu-layers", type=int, default=0)
     p.add_argument("--verify-cells", action="store_true", help="check the cell mirror against every mask")
     p.add_argument(
+        "--repack",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU weight repacking into extra buffer types (llama-server's --no-repack); default: auto",
+    )
+    p.add_argument(
+        "--eval-filter",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="read attention rows through the C eval-callback filter when it is built",
+    )
+    p.add_argument(
         "--cache-idle-slots",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -192,11 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
 def open_socket(args: argparse.Namespace) -> socket.socket:
     """Connect to, or accept, the orchestrator."""
     if args.connect:
-        family, addr = parse_address(args.connect)
+        family, addr = proto.parse_address(args.connect)
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.connect(addr)  # type: ignore[arg-type]
         return sock
-    family, addr = parse_address(args.listen)
+    family, addr = proto.parse_address(args.listen)
     srv = socket.socket(family, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(addr)  # type: ignore[arg-type]
@@ -207,11 +210,55 @@ def open_socket(args: argparse.Namespace) -> socket.socket:
 
 
 def run_worker_process(argv: list[str] | None = None) -> int:
-    """Process entry: load the model, build the engine, serve until the peer leaves."""
+    """Process entry: reach the orchestrator, load the model and engine (reporting each stage), serve.
+
+    The socket is opened first so that the orchestrator learns every start-up stage
+    (:class:`engine.protocol.Starting`) and, if the process dies on the way (a crash in
+    native code), which stage it reached.
+    """
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
-    model = Model(args.model or default_model_path(), n_gpu_layers=args.n_gpu_layers)
+    sock = open_socket(args)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    try:
+        engine = start_engine(
+            args, lambda stage, fraction=0.0: proto.send_frame(sock, proto.Starting(0, stage, fraction))
+        )
+        try:
+            Worker(engine, sock).serve()
+        finally:
+            engine.close()
+            engine.model.close()
+    finally:
+        sock.close()
+    return 0
+
+
+def start_engine(args: argparse.Namespace, report: Callable[..., None]) -> Engine:
+    """Load the model and build the :class:`Engine` for the worker's ``args``.
+
+    ``report(stage, fraction=0.0)`` is called as each start-up stage begins and with the
+    model load's progress (at most every 5 %).  Extra buffer types follow
+    :func:`engine.backend.choose_repack` (``--repack`` / ``--no-repack``, else auto).
+    """
+    init_backend()
+    choice = backend.choose_repack(args.repack, backend.cpu_extra_bufts())
+    log.info("CPU weight repacking %s: %s", "on" if choice.use_extra_bufts else "off", choice.reason)
+    last = [-1.0]
+
+    def progress(fraction: float) -> None:
+        if fraction - last[0] >= 0.05 or fraction >= 1.0:
+            last[0] = fraction
+            report("loading_model", fraction)
+
+    report("loading_model", 0.0)
+    model = Model(
+        args.model or default_model_path(),
+        n_gpu_layers=args.n_gpu_layers,
+        repack=choice,
+        on_progress=progress,
+    )
     config = EngineConfig(
         n_ctx=args.ctx_size,
         n_slots=args.parallel,
@@ -222,17 +269,24 @@ def run_worker_process(argv: list[str] | None = None) -> int:
         n_gpu_layers=args.n_gpu_layers,
         verify_cells=args.verify_cells,
         cache_idle_slots=args.cache_idle_slots,
+        eval_filter=args.eval_filter,
     )
-    engine = Engine(model, config)
-    sock = open_socket(args)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    if config.n_ctx > model.n_ctx_train:
+        log.warning(
+            "each slot's window (%d tokens) exceeds the model's trained context (%d)", config.n_ctx, model.n_ctx_train
+        )
+    log.info(
+        "KV cache: %d cells shared by %d sequences (unified); each slot's window is %d tokens (trained: %d)",
+        config.n_cells,
+        config.n_seq_max,
+        config.n_ctx,
+        model.n_ctx_train,
+    )
     try:
-        Worker(engine, sock).serve()
-    finally:
-        sock.close()
-        engine.close()
+        return Engine(model, config, on_stage=report)
+    except BaseException:
         model.close()
-    return 0
+        raise
 
 
 if __name__ == "__main__":

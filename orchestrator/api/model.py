@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from litestar import Controller, get, post
 
 from orchestrator.errors import ApiError
@@ -48,6 +49,7 @@ def model_payload(s: Services) -> dict[str, Any]:
         "n_slots": i.n_slots,
         "n_kv_cells": i.n_kv_cells,
         "llama_cpp_python": i.llama_cpp_version,
+        "engine": msgspec.to_builtins(i.runtime),
     }
 
 
