@@ -9,17 +9,23 @@ capture armed), and measures, reps interleaved so drift hits both alike:
   requested (as a Halo Weave client asks).
 
 It prints the CPU's extra buffer types and the engine's automatic choice on this host.
+``--requantize q4_0`` first requantizes the model with llama.cpp's own quantizer
+(``llama_model_quantize``) into a temporary file: x86's ``CPU_REPACK`` has kernels for
+Q4_0 (not for the default model's Q4_1), so this shows what repacking is worth where it applies.
 
-    .venv/bin/python benchmarks/bench_repack.py [--ctx 500] [--new 64] [--reps 3] [--threads 2]
+    .venv/bin/python benchmarks/bench_repack.py [--ctx 500] [--new 64] [--reps 3] [--threads 2] [--requantize q4_0]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
+import tempfile
 from pathlib import Path
 
 import common  # noqa: F401 - puts the checkout on sys.path, for the engine imports below
+import llama_cpp as llama
 from bench_stream import Phase, build_prompt, inproc_once, take_rep
 from common import Quiet, add_idle_args
 
@@ -36,6 +42,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--n-ctx", type=int, default=2048, help="context window per slot")
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--requantize", choices=sorted(FTYPES), default=None, help="requantize the model first")
     add_idle_args(ap)
     args = ap.parse_args()
     args.spare = 1
@@ -49,6 +56,9 @@ def main() -> int:
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
     print(f"CPU flags of note: {isa}; extra buffer types: {extra}; auto: {auto.reason}")
     path = args.model or default_model_path()
+    tmp = tempfile.TemporaryDirectory(prefix="bench-repack-")
+    if args.requantize:
+        path = requantize(path, Path(tmp.name) / f"model-{args.requantize}.gguf", FTYPES[args.requantize], args.threads)
     configs: list[tuple[Phase, Model, Engine]] = []
     quiet = Quiet(args)
     try:
@@ -78,7 +88,23 @@ def main() -> int:
         f"decode {on.tps / base.tps:.2f}x; same greedy tokens: {same}"
     )
     print(quiet.summary())
+    tmp.cleanup()
     return 0
+
+
+FTYPES = {"q4_0": llama.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama.LLAMA_FTYPE_MOSTLY_Q8_0}
+
+
+def requantize(src: Path, dst: Path, ftype: int, threads: int) -> Path:
+    """``src`` requantized to ``ftype`` in ``dst`` by ``llama_model_quantize`` (``include/llama.h``)."""
+    params = llama.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = threads
+    if llama.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {src}")
+    print(f"requantized {src.name} -> {dst.name} ({dst.stat().st_size / 2**20:.0f} MiB)")
+    return dst
 
 
 if __name__ == "__main__":
