@@ -54,7 +54,7 @@ def main() -> int:
     auto = backend.choose_repack(None, extra)
     flags = backend.cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
-    print(f"CPU flags of note: {isa}; extra buffer types: {extra}; auto: {auto.reason}")
+    print(f"CPU flags of note: {isa}; extra buffer types: {extra}; engine default: {auto.reason}")
     path = args.model or default_model_path()
     tmp = tempfile.TemporaryDirectory(prefix="bench-repack-")
     if args.requantize:
