@@ -13,7 +13,8 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from orchestrator import wire
-from orchestrator.errors import from_exception
+from orchestrator.api.body import StrictJson
+from orchestrator.errors import ERROR_RESPONSES, from_exception
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
@@ -41,7 +42,7 @@ def _sse(obj: dict[str, Any]) -> JsonEvent:
     return JsonEvent(data=_json.encode(obj))
 
 
-async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
+async def cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
     """Cancel the generation when the client of a non-streaming request goes away."""
     while True:
         msg = await request.receive()
@@ -53,7 +54,14 @@ async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunCon
 class GenerateController(Controller):
     """Non-streaming and SSE generation."""
 
-    @post("/api/v1/generate", status_code=200, summary="Generate (non-streaming) with base64 attention")
+    @post(
+        "/api/v1/generate",
+        status_code=200,
+        summary="Generate (non-streaming) with base64 attention",
+        responses=ERROR_RESPONSES,
+        dto=StrictJson[GenerateRequest],
+        return_dto=None,
+    )
     async def generate(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> dict[str, Any]:
@@ -64,7 +72,7 @@ class GenerateController(Controller):
         done: DoneOut | None = None
         pieces = await services.generation.pieces()
         control = RunControl()
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, control))
         try:
             async for ev in services.generation.run(req, control):
                 if isinstance(ev, TokenOut):
@@ -94,7 +102,14 @@ class GenerateController(Controller):
             body["attention_data"] = attention
         return body
 
-    @post("/api/extra/generate/stream", status_code=200, summary="SSE stream (Kobold events, or attention events)")
+    @post(
+        "/api/extra/generate/stream",
+        status_code=200,
+        summary="SSE stream (Kobold events, or attention events)",
+        responses=ERROR_RESPONSES,
+        dto=StrictJson[GenerateRequest],
+        return_dto=None,
+    )
     async def stream(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> ServerSentEvent:

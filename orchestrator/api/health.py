@@ -5,11 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Response, get
+from litestar.openapi import ResponseSpec
 
 from orchestrator.services import Services
 
 
-@get(["/health", "/v1/health"], summary="Liveness: ok, degraded (store down) or 503 (no engine)")
+@get(
+    ["/health", "/v1/health"],
+    summary="Liveness: ok, degraded (store down) or 503 (no engine)",
+    responses={503: ResponseSpec(dict[str, Any], description="no engine: the health body with error and error_code")},
+)
 async def health(services: Services) -> Response[dict[str, Any]]:
     engine_ok = services.engine.alive
     store_ok = True
