@@ -17,12 +17,12 @@ from litestar.di import Provide
 from litestar.logging.config import StructLoggingConfig
 from litestar.middleware.logging import LoggingMiddlewareConfig
 from litestar.openapi import OpenAPIConfig
-from litestar.plugins.prometheus import PrometheusConfig, PrometheusController
+from litestar.plugins.prometheus import PrometheusConfig
 from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from orchestrator import metrics
 from orchestrator.api.generate import GenerateController
-from orchestrator.api.health import health
+from orchestrator.api.health import MetricsController, health
 from orchestrator.api.model import ModelController
 from orchestrator.api.ws import binary_stream, event_stream
 from orchestrator.auth import api_key_middleware
@@ -99,7 +99,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         binary_stream,
         event_stream,
         health,
-        PrometheusController,
+        MetricsController,
     ]
     from orchestrator.api.preview import PreviewController
     from orchestrator.api.slots import SlotController

@@ -16,7 +16,7 @@ import msgspec
 from litestar.dto import MsgspecDTO
 from litestar.typing import FieldDefinition
 
-from orchestrator.errors import ApiError
+from orchestrator.errors import ERROR_RESPONSES, ApiError
 
 if TYPE_CHECKING:
     from litestar._openapi.schema_generation import SchemaCreator
@@ -51,3 +51,8 @@ class StrictJson(MsgspecDTO[T]):  # type: ignore[type-var]
     ) -> Reference | Schema:
         """The schema of the model itself (its fields and value ranges), not of a DTO transfer type."""
         return schema_creator.for_field_definition(FieldDefinition.from_annotation(cls.model_type))
+
+
+def json_route(model: type[Any]) -> dict[str, Any]:
+    """Options of a route whose ``data`` is a ``model`` body: :class:`StrictJson`, documented errors."""
+    return {"dto": StrictJson[model], "return_dto": None, "responses": ERROR_RESPONSES}

@@ -1,11 +1,12 @@
-"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status."""
+"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status; ``GET /metrics``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from litestar import Response, get
+from litestar import MediaType, Response, get
 from litestar.openapi import ResponseSpec
+from litestar.plugins.prometheus import PrometheusController
 
 from orchestrator.services import Services
 
@@ -33,3 +34,11 @@ async def health(services: Services) -> Response[dict[str, Any]]:
         body["error"] = {"code": 503, "message": "Loading model" if services.engine.generation == 0 else "Engine down"}
         body["error_code"] = "NO_MODEL"
     return Response(body, status_code=200 if engine_ok else 503)
+
+
+class MetricsController(PrometheusController):
+    """``GET /metrics``: Litestar's Prometheus exposition, documented as the text it is."""
+
+    @get(media_type=MediaType.TEXT, summary="Prometheus metrics (text exposition format)")
+    async def get(self) -> Response[bytes]:
+        return await PrometheusController.get.fn(self)  # type: ignore[no-any-return]

@@ -6,7 +6,7 @@ from typing import Any
 
 from litestar import Controller, get, post
 
-from orchestrator.api.body import StrictJson
+from orchestrator.api.body import json_route
 from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.schemas import DetokenizeRequest, TokenizeRequest
@@ -74,9 +74,7 @@ class ModelController(Controller):
         "/api/v1/tokenize",
         status_code=200,
         summary="Text to tokens with their text (seeds 000/001)",
-        responses=ERROR_RESPONSES,
-        dto=StrictJson[TokenizeRequest],
-        return_dto=None,
+        **json_route(TokenizeRequest),
     )
     async def tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.text if data.text is not None else data.content
@@ -93,9 +91,7 @@ class ModelController(Controller):
         "/api/v1/detokenize",
         status_code=200,
         summary="Token ids to text",
-        responses=ERROR_RESPONSES,
-        dto=StrictJson[DetokenizeRequest],
-        return_dto=None,
+        **json_route(DetokenizeRequest),
     )
     async def detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.token_ids if data.token_ids is not None else data.tokens
@@ -108,9 +104,7 @@ class ModelController(Controller):
         "/tokenize",
         status_code=200,
         summary="llama-server tokenize (content, add_special, with_pieces)",
-        responses=ERROR_RESPONSES,
-        dto=StrictJson[TokenizeRequest],
-        return_dto=None,
+        **json_route(TokenizeRequest),
     )
     async def ls_tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.content if data.content is not None else data.text
@@ -130,9 +124,7 @@ class ModelController(Controller):
         "/detokenize",
         status_code=200,
         summary="llama-server detokenize (tokens)",
-        responses=ERROR_RESPONSES,
-        dto=StrictJson[DetokenizeRequest],
-        return_dto=None,
+        **json_route(DetokenizeRequest),
     )
     async def ls_detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.tokens if data.tokens is not None else data.token_ids

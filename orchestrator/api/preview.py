@@ -10,7 +10,6 @@ generations, in the same decode batches.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -19,9 +18,9 @@ from litestar import Controller, Request, post
 
 from engine import protocol as proto
 from orchestrator import wire
-from orchestrator.api.body import StrictJson
-from orchestrator.api.generate import cancel_on_disconnect
-from orchestrator.errors import ERROR_RESPONSES, ApiError
+from orchestrator.api.body import json_route
+from orchestrator.api.generate import cancelled_on_disconnect
+from orchestrator.errors import ApiError
 from orchestrator.generation import RunControl, TokenStream, check_tokens
 from orchestrator.schemas import AppendToken, PreviewRequest
 from orchestrator.services import Services
@@ -52,19 +51,13 @@ class PreviewController(Controller):
         "/api/v1/generate/preview",
         status_code=200,
         summary="Preview continuation on a forked KV cache",
-        responses=ERROR_RESPONSES,
-        dto=StrictJson[PreviewRequest],
-        return_dto=None,
+        **json_route(PreviewRequest),
     )
     async def preview(
         self, request: Request[Any, Any, Any], services: Services, data: PreviewRequest
     ) -> dict[str, Any]:
-        control = RunControl()  # the client leaving cancels the preview, even while it waits for the slot
-        watcher = asyncio.create_task(cancel_on_disconnect(request, control))
-        try:
+        async with cancelled_on_disconnect(request) as control:
             return await self._preview(services, data, control)
-        finally:
-            watcher.cancel()
 
     async def _preview(self, services: Services, data: PreviewRequest, control: RunControl) -> dict[str, Any]:
         info = services.generation.info
