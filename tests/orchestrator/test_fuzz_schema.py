@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -117,3 +118,19 @@ def test_schema_fuzz(fuzz_server: ServerProc) -> None:
     print(f"\nschema fuzz: {n_cases} cases over {len(operations)} operations in {elapsed:.1f} s")
     assert fuzz_server.proc is not None and fuzz_server.proc.poll() is None, "the server died"
     assert not failures, f"{len(failures)} failing cases:\n\n" + "\n\n".join(failures[:8])
+
+
+def test_schema_documents_the_real_error_body(server: ServerProc) -> None:
+    """Every route's error statuses are ``{"error", "error_code"}`` in the schema, as sent."""
+    schema = httpx.get(server.url + "/schema/openapi.json", timeout=30).json()
+    body = schema["components"]["schemas"]["ErrorBody"]
+    assert set(body["required"]) == {"error", "error_code"}
+    for path, item in schema["paths"].items():
+        for method, op in item.items():
+            if path in ("/health", "/v1/health", "/metrics"):
+                continue
+            for status in ("400", "404", "409", "429", "503"):
+                ref = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+                assert ref.endswith("/ErrorBody"), (method, path, status)
+    r = httpx.post(server.url + "/api/v1/tokenize", json={"text": 5}, timeout=30)
+    assert r.status_code == 400 and {"error", "error_code"} <= set(r.json())
