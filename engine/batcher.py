@@ -134,6 +134,13 @@ class Batcher:
             if base:
                 eng.fork(req.seq, seq)
             common, history = len(base), [*base, *pending]
+            if not pending and p.max_new_tokens > 0:
+                # Nothing appended: the fork decodes the slot's last token again for its
+                # logits (llama-server does the same when the whole prompt is cached).
+                # seq_rm on the fork alone drops its reference; the slot keeps the cell.
+                common -= 1
+                eng.truncate(seq, common)
+                pending = [base[-1]]
         else:
             raise EngineError("INVALID_REQUEST", f"unknown mode {req.mode!r}")
         chain = SamplerChain(p, eng.model.n_vocab, history)
@@ -162,8 +169,11 @@ class Batcher:
             job.cancelled = True
 
     def has_work(self) -> bool:
-        """Anything to decode (jobs or commits)."""
-        return bool(self.jobs or self.commits)
+        """Anything for :meth:`step` to do: commits, or a job to decode or to end.
+
+        The worker blocks on its inbox while this is false, so it never spins.
+        """
+        return bool(self.commits) or any(j.cancelled or j.last >= 0 or j.pending for j in self.jobs.values())
 
     def flush(self, seq: int | None = None) -> None:
         """Write pending commits (of ``seq``, or all) to the KV cache now."""

@@ -329,13 +329,16 @@ class Engine:
         The blob (``llama_state_seq_get_data``'s format; read in place when writable) is
         parsed and checked against this engine's layout, restored into the scratch
         sequence, its cells learned (see :meth:`_learn_cells`), and only then moved to
-        ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine cannot take.
+        ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine cannot take, and
+        ``EngineError("CONTEXT_OVERFLOW")`` for more tokens than the context window (``n_ctx``).
         """
+        n = len(tokens)
+        if n > self.config.n_ctx:
+            raise EngineError("CONTEXT_OVERFLOW", f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
         try:
             parsed = seq_state.parse(blob, self.layout)
         except seq_state.BadStateError as exc:
             raise EngineError("BAD_STATE", str(exc)) from exc
-        n = len(tokens)
         if len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n)):
             raise EngineError("BAD_STATE", f"state holds positions that are not 0..{n - 1} for {n} tokens")
         if any(t < 0 or t >= self.model.n_vocab for t in tokens):

@@ -17,12 +17,12 @@ from litestar.di import Provide
 from litestar.logging.config import StructLoggingConfig
 from litestar.middleware.logging import LoggingMiddlewareConfig
 from litestar.openapi import OpenAPIConfig
-from litestar.plugins.prometheus import PrometheusConfig, PrometheusController
+from litestar.plugins.prometheus import PrometheusConfig
 from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from orchestrator import metrics
 from orchestrator.api.generate import GenerateController
-from orchestrator.api.health import health
+from orchestrator.api.health import MetricsController, health
 from orchestrator.api.model import ModelController
 from orchestrator.api.ws import binary_stream, event_stream
 from orchestrator.auth import api_key_middleware
@@ -30,6 +30,7 @@ from orchestrator.config import Settings
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import exception_handler
 from orchestrator.generation import GenerationService
+from orchestrator.origins import websocket_origin_middleware
 from orchestrator.services import Services, provide_services
 from orchestrator.slots import SlotRegistry
 
@@ -87,7 +88,10 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     async def before_request(_: Request[Any, Any, Any]) -> None:
         structlog.contextvars.clear_contextvars()
 
-    middleware = [api_key_middleware(settings.api_key)] if settings.api_key else []
+    cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
+    middleware = [websocket_origin_middleware(cors)]
+    if settings.api_key:
+        middleware.append(api_key_middleware(settings.api_key))
     prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)
     route_handlers: list[Any] = [
         ModelController,
@@ -95,7 +99,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         binary_stream,
         event_stream,
         health,
-        PrometheusController,
+        MetricsController,
     ]
     from orchestrator.api.preview import PreviewController
     from orchestrator.api.slots import SlotController
@@ -105,7 +109,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         route_handlers=route_handlers,
         lifespan=[lifespan],
         dependencies={"services": Provide(provide_services, sync_to_thread=False)},
-        cors_config=CORSConfig(allow_origins=list(settings.cors_origins), allow_headers=["*"], expose_headers=["*"]),
+        cors_config=cors,
         exception_handlers={Exception: exception_handler},
         middleware=[*middleware, prometheus.middleware],
         plugins=[

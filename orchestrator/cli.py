@@ -11,6 +11,7 @@ import uvicorn
 
 from orchestrator.config import Settings
 from orchestrator.engine_client import WorkerOptions
+from orchestrator.logfilter import uvicorn_log_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=5001)
     s.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"), help="require this key (Bearer)")
     s.add_argument("--max-body", type=int, default=64 << 20, help="max JSON body / WebSocket message, bytes")
-    s.add_argument("--cors-origin", action="append", default=None, help="allowed CORS origin (default *)")
+    s.add_argument(
+        "--allowed-origins",
+        "--cors-origin",
+        action="append",
+        default=None,
+        help="web origins allowed to call the API, HTTP (CORS) and WebSocket alike; comma-separated or repeated"
+        " (default *: any page)",
+    )
     s.add_argument("--slot-save-path", type=Path, default=None, help="directory of the save/restore file actions")
     s.add_argument("--state-dir", type=Path, default=None, help="embedded store directory (default ~/.local/state)")
     s.add_argument(
@@ -100,7 +108,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         port=a.port,
         api_key=a.api_key or None,
         max_body_bytes=a.max_body,
-        cors_origins=tuple(a.cors_origin or ["*"]),
+        allowed_origins=tuple(o.strip() for v in a.allowed_origins or ["*"] for o in v.split(",") if o.strip()),
         slot_save_path=a.slot_save_path,
         state_dir=a.state_dir,
         redis_url=a.redis_url or None,
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
+        log_config=uvicorn_log_config(),  # no query strings (api_key) in its log lines
         ws_max_size=4 * settings.max_body_bytes + (1 << 20),  # we answer PAYLOAD_TOO_LARGE ourselves
         timeout_graceful_shutdown=30,
         # Attention frames are float32 noise to deflate (ratio ~0.96 at ~27 ms per 540 KB frame):

@@ -14,6 +14,8 @@ class Settings:
 
     ``max_body_bytes`` caps HTTP bodies and WebSocket messages (``PAYLOAD_TOO_LARGE``).
     ``state_dir`` is the embedded store's directory, used when ``redis_url`` is unset.
+    ``allowed_origins``: web origins (``https://host:port``) allowed to use the API, by CORS
+    on HTTP and by the ``Origin`` header of a WebSocket handshake; ``*`` allows any.
     """
 
     worker: WorkerOptions = field(default_factory=WorkerOptions)
@@ -21,7 +23,7 @@ class Settings:
     port: int = 5001
     api_key: str | None = None
     max_body_bytes: int = 64 << 20
-    cors_origins: tuple[str, ...] = ("*",)
+    allowed_origins: tuple[str, ...] = ("*",)
     slot_save_path: Path | None = None
     state_dir: Path | None = None
     redis_url: str | None = None

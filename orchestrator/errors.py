@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import structlog
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
 
 from orchestrator.engine_client import EngineDeadError, EngineRequestError
 
@@ -38,6 +40,41 @@ STATUS_OF_CODE = {
     "OOM": 503,
     "STORE_UNAVAILABLE": 503,
 }
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """The JSON body of every error response (documents it in the OpenAPI schema).
+
+    ``error`` is the message and ``error_code`` one of the codes above; the other fields
+    come with some codes (docs/api.md, "Errors").
+    """
+
+    error: str
+    error_code: str
+    token_id: int | None = None
+    n_ctx: int | None = None
+    context_length: int | None = None
+    n_tokens: int | None = None
+    slot_id: str | None = None
+    owner: str | None = None
+    extra: list[dict[str, Any]] | dict[str, Any] | None = None
+
+
+ERROR_RESPONSES = {
+    status: ResponseSpec(ErrorBody, description=f"error ({', '.join(codes)})", generate_examples=False)
+    for status, codes in {
+        400: ["INVALID_REQUEST", "INVALID_TOKEN", "CONTEXT_OVERFLOW", "NO_CACHED_CONTEXT", "BAD_STATE"],
+        401: ["UNAUTHORIZED"],
+        404: ["SLOT_NOT_FOUND", "NOT_FOUND"],
+        405: ["METHOD_NOT_ALLOWED"],
+        409: ["SLOT_BUSY"],
+        413: ["PAYLOAD_TOO_LARGE"],
+        429: ["RATE_LIMITED"],
+        500: ["INTERNAL"],
+        503: ["NO_MODEL", "OOM", "STORE_UNAVAILABLE"],
+    }.items()
+}
+"""``responses=`` of every route: the error statuses with :class:`ErrorBody`."""
 
 
 class ApiError(Exception):

@@ -8,7 +8,6 @@ one way: handler -> slot registry -> engine client -> worker -> events back.
 from __future__ import annotations
 
 import codecs
-import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -73,18 +72,14 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
             )
 
 
-def sampling_params(req: CanonicalRequest, vocab_size: int) -> proto.SamplingParams:
-    """Validated :class:`engine.protocol.SamplingParams` from a canonical request."""
-    if req.max_new_tokens < 0:
-        raise ApiError("INVALID_REQUEST", "max_new_tokens must be >= 0")
-    for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
-        v = getattr(req, name)
-        if not math.isfinite(v) or v < 0:
-            raise ApiError("INVALID_REQUEST", f"{name} must be a finite number >= 0")
-    if req.top_p > 1 or req.min_p > 1:
-        raise ApiError("INVALID_REQUEST", "top_p and min_p must be <= 1")
-    if req.n_probs < 0 or req.n_probs > 100:
-        raise ApiError("INVALID_REQUEST", "n_probs/top_logprobs must be in 0..100")
+def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.SamplingParams:
+    """Validated :class:`engine.protocol.SamplingParams` from a canonical request.
+
+    Value ranges are checked when the body is decoded (``orchestrator/schemas.py``); this
+    checks token ids against the vocabulary and resolves llama-server's special values
+    (``repeat_last_n`` -1: the context size; ``top_k`` <= 0 and ``repeat_penalty`` 0: off).
+    """
+    vocab_size = info.vocab_size
     check_tokens(req.stop_tokens, vocab_size, "stop_tokens")
     check_tokens(req.banned_tokens, vocab_size, "banned_tokens")
     return proto.SamplingParams(
@@ -94,7 +89,7 @@ def sampling_params(req: CanonicalRequest, vocab_size: int) -> proto.SamplingPar
         top_p=req.top_p,
         min_p=req.min_p,
         repeat_penalty=req.repeat_penalty if req.repeat_penalty > 0 else 1.0,
-        repeat_last_n=req.repeat_last_n,
+        repeat_last_n=info.n_ctx if req.repeat_last_n == -1 else req.repeat_last_n,
         seed=req.seed,
         banned_tokens=req.banned_tokens,
         stop_tokens=req.stop_tokens,
@@ -223,7 +218,7 @@ class GenerationService:
         """
         info = self.info
         ids = await self.input_ids(req)
-        params = sampling_params(req, info.vocab_size)
+        params = sampling_params(req, info)
         capture = capture_options(req, info.num_layers)
         async with self.registry.use(req.slot, wait=req.wait) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)

@@ -9,6 +9,7 @@ it was: SES1 blobs are checked here (magic, lengths, vocabulary) and by the work
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,13 @@ def confined_path(root: Path | None, filename: str) -> Path:
         or "\\" in filename
     ):
         raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: a plain file name inside --slot-save-path")
-    return root / name
+    # save writes ".NAME.tmp" first: that name too must fit the file system's limit (NAME_MAX).
+    if len(os.fsencode(f".{filename}.tmp")) > os.pathconf(root, "PC_NAME_MAX"):
+        raise ApiError("INVALID_REQUEST", f"filename of {len(filename)} characters is too long")
+    path = root / name
+    if path.is_dir():
+        raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: it names a directory")
+    return path
 
 
 class SlotOps:
@@ -204,15 +211,22 @@ class SlotOps:
         path = confined_path(self.save_path, filename)
         saved = await self.save_state(slot)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(saved.blob)
-        tmp.replace(path)
+        try:
+            tmp.write_bytes(saved.blob)
+            tmp.replace(path)
+        except IsADirectoryError as exc:  # made a directory meanwhile
+            raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: it names a directory") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
         return saved, len(saved.blob)
 
-    async def restore_file(self, slot: Slot, filename: str, created: bool) -> tuple[int, int, float]:
-        """Restore the slot from ``--slot-save-path/filename``: ``(n_tokens, n_bytes, ms)``."""
+    def read_file(self, filename: str) -> bytes:
+        """The SES1 blob in ``--slot-save-path/filename`` (``INVALID_REQUEST`` if there is none).
+
+        Read before the restore takes its slot, so a missing file changes nothing.
+        """
         path = confined_path(self.save_path, filename)
-        if not path.is_file():
-            raise ApiError("INVALID_REQUEST", f"no saved slot file {filename!r}")
-        blob = path.read_bytes()
-        t_ms = await self.restore_state(slot, blob, created)
-        return slot.n_tokens, len(blob), t_ms
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ApiError("INVALID_REQUEST", f"no saved slot file {filename!r}") from exc

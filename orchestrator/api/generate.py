@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -13,6 +14,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from orchestrator import wire
+from orchestrator.api.body import json_route
 from orchestrator.errors import from_exception
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import GenerateRequest
@@ -42,7 +44,6 @@ def _sse(obj: dict[str, Any]) -> JsonEvent:
 
 
 async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
-    """Cancel the generation when the client of a non-streaming request goes away."""
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
@@ -50,10 +51,27 @@ async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunCon
             return
 
 
+@asynccontextmanager
+async def cancelled_on_disconnect(request: Request[Any, Any, Any]) -> AsyncIterator[RunControl]:
+    """A :class:`RunControl` that cancels the generation when the client of a non-streaming
+    request goes away (also before the generation starts, e.g. while it waits for its slot)."""
+    control = RunControl()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
+    try:
+        yield control
+    finally:
+        watcher.cancel()
+
+
 class GenerateController(Controller):
     """Non-streaming and SSE generation."""
 
-    @post("/api/v1/generate", status_code=200, summary="Generate (non-streaming) with base64 attention")
+    @post(
+        "/api/v1/generate",
+        status_code=200,
+        summary="Generate (non-streaming) with base64 attention",
+        **json_route(GenerateRequest),
+    )
     async def generate(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> dict[str, Any]:
@@ -63,9 +81,7 @@ class GenerateController(Controller):
         attention: list[dict[str, Any]] = []
         done: DoneOut | None = None
         pieces = await services.generation.pieces()
-        control = RunControl()
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
-        try:
+        async with cancelled_on_disconnect(request) as control:
             async for ev in services.generation.run(req, control):
                 if isinstance(ev, TokenOut):
                     tok = wire.token_text_fields(ev) | {"logprob": ev.logprob}
@@ -81,8 +97,6 @@ class GenerateController(Controller):
                         attention.append(entry)
                 elif isinstance(ev, DoneOut):
                     done = ev
-        finally:
-            watcher.cancel()
         assert done is not None
         body = wire.done_event(done, req.request_id)
         body.update(
@@ -94,7 +108,12 @@ class GenerateController(Controller):
             body["attention_data"] = attention
         return body
 
-    @post("/api/extra/generate/stream", status_code=200, summary="SSE stream (Kobold events, or attention events)")
+    @post(
+        "/api/extra/generate/stream",
+        status_code=200,
+        summary="SSE stream (Kobold events, or attention events)",
+        **json_route(GenerateRequest),
+    )
     async def stream(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> ServerSentEvent:

@@ -1,11 +1,13 @@
-"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status."""
+"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status; ``GET /metrics``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import msgspec
-from litestar import Response, get
+from litestar import MediaType, Response, get
+from litestar.openapi import ResponseSpec
+from litestar.plugins.prometheus import PrometheusController
 
 from orchestrator.services import Services
 
@@ -13,6 +15,7 @@ from orchestrator.services import Services
 @get(
     ["/health", "/v1/health"],
     summary="Liveness: ok, degraded (store down), 503 loading (start-up stage and load fraction) or down",
+    responses={503: ResponseSpec(dict[str, Any], description="no engine: the health body with error and error_code")},
 )
 async def health(services: Services) -> Response[dict[str, Any]]:
     engine_ok = services.engine.alive
@@ -40,3 +43,11 @@ async def health(services: Services) -> Response[dict[str, Any]]:
         if engine.stage == "loading_model":
             body["progress"] = round(engine.load_fraction, 3)
     return Response(body, status_code=200 if engine_ok else 503)
+
+
+class MetricsController(PrometheusController):
+    """``GET /metrics``: Litestar's Prometheus exposition, documented as the text it is."""
+
+    @get(media_type=MediaType.TEXT, summary="Prometheus metrics (text exposition format)")
+    async def get(self) -> Response[bytes]:
+        return await PrometheusController.get.fn(self)  # type: ignore[no-any-return]

@@ -28,6 +28,7 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
 from orchestrator import wire
+from orchestrator.api.body import decode_json_body
 from orchestrator.errors import ApiError, from_exception
 from orchestrator.generation import DoneOut, RunControl, TokenOut
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
@@ -103,18 +104,13 @@ class Inbox:
 def _is_cancel(data: str | bytes) -> bool:
     try:
         msg = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return False
     return isinstance(msg, dict) and msg.get("type") == "cancel"
 
 
 def _parse(data: str | bytes) -> GenerateRequest:
-    try:
-        return msgspec.json.decode(data, type=GenerateRequest)
-    except msgspec.ValidationError as exc:
-        raise ApiError("INVALID_REQUEST", f"invalid request: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise ApiError("INVALID_REQUEST", f"malformed JSON: {exc}") from exc
+    return decode_json_body(data, GenerateRequest)
 
 
 async def _send_json(socket: WebSocket[Any, Any, Any], obj: dict[str, Any]) -> None:
