@@ -76,7 +76,9 @@ class EngineConfig:
 
     @property
     def n_cells(self) -> int:
-        return self.n_ctx * (self.n_slots + 1)
+        """KV cells of the unified cache: a window per slot plus one for forks and restores,
+        rounded up to 256 as ``llama_context`` rounds ``n_ctx`` (``src/llama-context.cpp``)."""
+        return -(-self.n_ctx * (self.n_slots + 1) // 256) * 256
 
 
 class Engine:
@@ -114,6 +116,9 @@ class Engine:
         self.ctx = ctx
         self.mem = llama.llama_get_memory(ctx)
         self.n_cells = llama.llama_n_ctx(ctx)
+        if self.n_cells != config.n_cells:
+            llama.llama_free(ctx)
+            raise EngineError("NO_MODEL", f"llama.cpp made {self.n_cells} KV cells, expected {config.n_cells}")
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
         # seq -> a copy of its current state (llama_state_seq_get_data), dropped when the sequence

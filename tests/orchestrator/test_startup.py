@@ -185,3 +185,10 @@ def test_health_says_loading_with_progress(start_server, tmp_path: Path) -> None
     fractions = [s["progress"] for s in loading if s.get("stage") == "loading_model" and "progress" in s]
     assert fractions and fractions == sorted(fractions) and any(0 < f < 1 for f in fractions)
     assert seen[-1]["status_code"] == 200 and seen[-1]["status"] == "ok"
+
+
+def test_small_context_starts() -> None:
+    """A window smaller than llama.cpp's 256-cell padding: the capture is sized by the cells llama.cpp made."""
+    code, out = check(WorkerOptions(parallel=1, spare=1, ctx_size=64, threads=2))
+    assert code == 0, out
+    assert "verdict: PASS" in out
