@@ -27,9 +27,10 @@ import msgspec
 
 from engine import protocol as proto
 from engine.batcher import Batcher
+from engine.classifier import Classifier
 from engine.engine import Engine, EngineConfig, EngineError
-from engine.model import Model, default_model_path
-from engine.model_info import model_info
+from engine.model import Model, ModelLoadError, default_model_path
+from engine.model_info import describe_model, model_info
 
 log = logging.getLogger("slotserve.worker")
 
@@ -53,14 +54,21 @@ def parse_address(addr: str) -> tuple[int, object]:
     raise ValueError(f"bad address {addr!r}: use unix:/path or tcp:host:port")
 
 
-class Worker:
-    """Serves requests from one socket on one :class:`Engine`."""
+_CLASSIFIER_REQUESTS = (proto.Classify, proto.Tokenize, proto.Detokenize, proto.Shutdown)
 
-    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+
+class Worker:
+    """Serves requests from one socket on one :class:`Engine` (generation) or :class:`Classifier`.
+
+    A classifier worker answers ``Classify``, ``Tokenize``, ``Detokenize`` and
+    ``Shutdown``; a generation worker answers everything but ``Classify``.
+    """
+
+    def __init__(self, engine: Engine | Classifier, sock: socket.socket) -> None:
         self.engine = engine
         self.sock = sock
         self.inbox: queue.Queue[tuple[proto.Request, list[bytearray]] | None] = queue.Queue()
-        self.batcher = Batcher(engine, self.send)
+        self.batcher = Batcher(engine, self.send) if isinstance(engine, Engine) else None
         self.running = True
 
     def send(self, msg: msgspec.Struct, buffers: Sequence[object] = ()) -> None:
@@ -77,10 +85,15 @@ class Worker:
 
     def serve(self) -> None:
         """Announce readiness, then run until the peer goes away or asks to shut down."""
-        self.send(proto.Ready(0, model_info(self.engine), self.engine.model.pieces))
+        eng = self.engine
+        if isinstance(eng, Engine):
+            info = model_info(eng)
+        else:
+            info = describe_model(eng.model, eng.fingerprint, eng.n_ctx, eng.n_ctx, 0, eng.labels)
+        self.send(proto.Ready(0, info, eng.model.pieces))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         while self.running:
-            block = not self.batcher.has_work()
+            block = not self.has_work()
             try:
                 item = self.inbox.get(block=block)
             except queue.Empty:
@@ -93,8 +106,12 @@ class Worker:
                     item = self.inbox.get_nowait()
                 except queue.Empty:
                     item = ()
-            if self.running and self.batcher.has_work():
+            if self.running and self.batcher is not None and self.batcher.has_work():
                 self.batcher.step()
+
+    def has_work(self) -> bool:
+        """True while generations are active (a classifier answers each request at once)."""
+        return self.batcher is not None and self.batcher.has_work()
 
     def _handle(self, msg: proto.Request, bufs: list[bytearray]) -> None:
         try:
@@ -111,18 +128,52 @@ class Worker:
         if writes and self.batcher.busy(seq):
             raise EngineError("SLOT_BUSY", f"sequence {seq} is generating")
 
-    def _dispatch(self, msg: proto.Request, bufs: list[bytearray]) -> None:
+    def _classify(self, msg: proto.Classify) -> None:
         eng = self.engine
+        if not isinstance(eng, Classifier):
+            raise EngineError("NO_MODEL", "this worker has no classifier model")
+        ids = [eng.tokenize(t) for t in msg.texts]
+        logits = eng.classify(ids)
+        self.send(proto.Classified(msg.req, [len(i) for i in ids], eng.n_out), [logits])
+
+    def _dispatch(self, msg: proto.Request, bufs: list[bytearray]) -> None:
+        if isinstance(msg, proto.Classify):
+            self._classify(msg)
+            return
+        if self.batcher is None:
+            if not isinstance(msg, _CLASSIFIER_REQUESTS):
+                raise EngineError("INVALID_REQUEST", f"a classifier worker does not serve {type(msg).__name__}")
+            self._dispatch_common(msg)
+            return
+        self._dispatch_engine(msg, bufs)
+
+    def _dispatch_common(self, msg: proto.Request) -> None:
+        model = self.engine.model
+        match msg:
+            case proto.Tokenize():
+                ids = model.tokenize(msg.text, msg.add_special, msg.parse_special)
+                self.send(proto.TokenizeResult(msg.req, ids, [model.pieces[t] for t in ids]))
+            case proto.Detokenize():
+                self.send(proto.DetokenizeResult(msg.req, model.detokenize(msg.ids)))
+            case proto.Shutdown():
+                if self.batcher is not None:
+                    self.batcher.flush()
+                self.running = False
+                self.send(proto.SeqInfo(msg.req, -1, []))
+
+    def _dispatch_engine(self, msg: proto.Request, bufs: list[bytearray]) -> None:
+        eng = self.engine
+        assert isinstance(eng, Engine) and self.batcher is not None
         match msg:
             case proto.Generate():
                 self.batcher.submit(msg)
             case proto.Cancel():
                 self.batcher.cancel(msg.target)
-            case proto.Tokenize():
-                ids = eng.model.tokenize(msg.text, msg.add_special, msg.parse_special)
-                self.send(proto.TokenizeResult(msg.req, ids, [eng.model.pieces[t] for t in ids]))
-            case proto.Detokenize():
-                self.send(proto.DetokenizeResult(msg.req, eng.model.detokenize(msg.ids)))
+            case proto.Tokenize() | proto.Detokenize() | proto.Shutdown():
+                self._dispatch_common(msg)
+            case proto.Status():
+                busy = sorted({j.seq for j in self.batcher.jobs.values() if not j.fork})
+                self.send(proto.EngineState(msg.req, sorted(eng.offloaded), busy))
             case proto.SeqOp(op="tokens"):
                 self._check_seq(msg.seq, writes=False)
                 self.batcher.flush(msg.seq)
@@ -157,10 +208,6 @@ class Worker:
                 t0 = time.perf_counter()
                 eng.restore_state(msg.seq, msg.tokens, memoryview(bufs[0]))
                 self.send(proto.StateBlob(msg.req, msg.seq, msg.tokens, (time.perf_counter() - t0) * 1000))
-            case proto.Shutdown():
-                self.batcher.flush()
-                self.running = False
-                self.send(proto.SeqInfo(msg.req, -1, []))
             case _:
                 raise EngineError("INVALID_REQUEST", f"unknown request {type(msg).__name__}")
 
@@ -180,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ubatch-size", type=int, default=512)
     p.add_argument("--n-gpu-layers", type=int, default=0)
     p.add_argument("--verify-cells", action="store_true", help="check the cell mirror against every mask")
+    p.add_argument("--classifier", action="store_true", help="serve the model as a classifier (pooling rank)")
     p.add_argument(
         "--cache-idle-slots",
         action=argparse.BooleanOptionalAction,
@@ -206,12 +254,29 @@ def open_socket(args: argparse.Namespace) -> socket.socket:
     return conn
 
 
-def run_worker_process(argv: list[str] | None = None) -> int:
-    """Process entry: load the model, build the engine, serve until the peer leaves."""
-    _die_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
-    model = Model(args.model or default_model_path(), n_gpu_layers=args.n_gpu_layers)
+class LoadReporter:
+    """Model load progress: a ``Loading`` frame per percent and a log line per tenth."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sent = -1
+        self.logged = -1
+
+    def __call__(self, fraction: float) -> None:
+        pct = int(fraction * 100)
+        if pct > self.sent:
+            self.sent = pct
+            proto.send_frame(self.sock, proto.Loading(0, fraction))
+        if pct // 10 > self.logged:
+            self.logged = pct // 10
+            log.info("loading model: %d%%", pct)
+
+
+def load_engine(args: argparse.Namespace, sock: socket.socket) -> Engine | Classifier:
+    """Load the model (reporting progress on ``sock``) and build the generation engine or the classifier."""
+    model = Model(args.model or default_model_path(), n_gpu_layers=args.n_gpu_layers, on_progress=LoadReporter(sock))
+    if args.classifier:
+        return Classifier(model, args.threads)
     config = EngineConfig(
         n_ctx=args.ctx_size,
         n_slots=args.parallel,
@@ -223,15 +288,34 @@ def run_worker_process(argv: list[str] | None = None) -> int:
         verify_cells=args.verify_cells,
         cache_idle_slots=args.cache_idle_slots,
     )
-    engine = Engine(model, config)
+    return Engine(model, config)
+
+
+def run_worker_process(argv: list[str] | None = None) -> int:
+    """Process entry: connect, load the model (sending progress), serve until the peer leaves.
+
+    A model that cannot be loaded is reported as an ``Error`` (``NO_MODEL``) frame before exit (status 1).
+    """
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
     sock = open_socket(args)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     try:
-        Worker(engine, sock).serve()
+        try:
+            engine = load_engine(args, sock)
+        except (ModelLoadError, EngineError) as exc:
+            log.error("model load failed: %s", exc)
+            proto.send_frame(sock, proto.Error(0, "NO_MODEL", str(exc)))
+            return 1
+        try:
+            Worker(engine, sock).serve()
+        finally:
+            model = engine.model
+            engine.close()
+            model.close()
     finally:
         sock.close()
-        engine.close()
-        model.close()
     return 0
 
 

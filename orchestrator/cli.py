@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ubatch-size", "-ub", type=int, default=512)
     s.add_argument("--spare", type=int, default=4, help="spare engine sequences for concurrent previews")
     s.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"), help="require this key (Bearer)")
+    s.add_argument(
+        "--admin-key", default=os.environ.get("SLOTSERVE_ADMIN_KEY"), help="guards /admin and slot-changing actions"
+    )
+    s.add_argument("--no-slots", action="store_true", help="turn off the GET /slots listing (llama-server's)")
     s.add_argument("--max-body", type=int, default=64 << 20, help="max JSON body / WebSocket message, bytes")
     s.add_argument("--cors-origin", action="append", default=None, help="allowed CORS origin (default *)")
     s.add_argument("--slot-save-path", type=Path, default=None, help="directory of the save/restore file actions")
@@ -53,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="when a job starts, move idle slots' KV cells to host memory (llama-server's flag)",
     )
     s.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
+    s.add_argument(
+        "--classifier-model", type=Path, default=None, help="classifier GGUF (pooling rank) served by POST /classify"
+    )
     s.add_argument("--log-level", default="info")
     return p
 
@@ -72,11 +79,17 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         cache_idle_slots=a.cache_idle_slots,
         connect=a.worker,
     )
+    classifier = None
+    if a.classifier_model is not None:
+        classifier = WorkerOptions(model=a.classifier_model, threads=a.threads, classifier=True)
     return Settings(
         worker=worker,
+        classifier=classifier,
         host=a.host,
         port=a.port,
         api_key=a.api_key or None,
+        admin_key=a.admin_key or None,
+        slots_endpoint=not a.no_slots,
         max_body_bytes=a.max_body,
         cors_origins=tuple(a.cors_origin or ["*"]),
         slot_save_path=a.slot_save_path,

@@ -59,6 +59,7 @@ class WorkerOptions:
     n_gpu_layers: int = 0
     verify_cells: bool = False
     cache_idle_slots: bool = True
+    classifier: bool = False  # serve ``model`` as a sequence classifier (``Classify`` requests only)
     connect: str | None = None  # tcp:host:port of a standalone worker instead of spawning one
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -74,6 +75,8 @@ class WorkerOptions:
             args.append("--verify-cells")
         if not self.cache_idle_slots:
             args.append("--no-cache-idle-slots")
+        if self.classifier:
+            args.append("--classifier")
         return args
 
 
@@ -88,6 +91,7 @@ class EngineClient:
         self.restart = restart
         self.info: proto.ModelInfo | None = None
         self.pieces: list[bytes] = []
+        self.load_progress = 0.0  # fraction of the model loaded (llama.cpp's progress callback)
         self.generation = 0  # incremented on every (re)start: sequences of older generations are gone
         self.on_restart: Callable[[], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
@@ -125,9 +129,7 @@ class EngineClient:
                 reader, writer = await asyncio.open_connection(host, port)
         else:
             reader, writer = await self._spawn(timeout)
-        reply, _ = await asyncio.wait_for(proto.read_reply(reader), timeout)
-        if not isinstance(reply, proto.Ready):
-            raise EngineDeadError(f"worker sent {type(reply).__name__} before Ready")
+        reply = await asyncio.wait_for(self._await_ready(reader), timeout)
         self.info = reply.info
         self.pieces = reply.pieces
         self._writer = writer
@@ -136,6 +138,24 @@ class EngineClient:
         self._ready.set()
         log.info("engine ready", model=reply.info.model_name, pid=self.pid, generation=self.generation)
         return reply.info
+
+    async def _await_ready(self, reader: asyncio.StreamReader) -> proto.Ready:
+        """Read ``Loading`` frames (into :attr:`load_progress`) until ``Ready``."""
+        self.load_progress = 0.0
+        while True:
+            try:
+                reply, _ = await proto.read_reply(reader)
+            except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError) as exc:
+                raise EngineDeadError(f"the worker left while loading: {exc}") from exc
+            if isinstance(reply, proto.Loading):
+                self.load_progress = reply.fraction
+            elif isinstance(reply, proto.Ready):
+                self.load_progress = 1.0
+                return reply
+            elif isinstance(reply, proto.Error):
+                raise EngineDeadError(f"the worker could not load its model: {reply.message}")
+            else:
+                raise EngineDeadError(f"worker sent {type(reply).__name__} before Ready")
 
     async def _spawn(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         self._tmpdir = tempfile.TemporaryDirectory(prefix="slotserve-")
@@ -331,6 +351,18 @@ class EngineClient:
     async def seq_op(self, op: str, seq: int, arg0: int = 0, arg1: int = 0) -> Event:
         """Run a :class:`engine.protocol.SeqOp` and return its reply."""
         return await self.request(proto.SeqOp(self.new_id(), op, seq, arg0, arg1))
+
+    async def classify(self, texts: list[str]) -> tuple[proto.Classified, bytes]:
+        """Raw logits of each text from a classifier worker: the reply and ``float32[n, n_out]`` bytes."""
+        reply, bufs = await self.request(proto.Classify(self.new_id(), texts))
+        assert isinstance(reply, proto.Classified)
+        return reply, bufs[0]
+
+    async def status(self) -> proto.EngineState:
+        """Which sequences are offloaded to host memory and which are generating."""
+        reply, _ = await self.request(proto.Status(self.new_id()))
+        assert isinstance(reply, proto.EngineState)
+        return reply
 
     async def restore(self, seq: int, tokens: list[int], state: proto.Buffer) -> proto.StateBlob:
         """Restore ``seq`` from tokens + llama.cpp state bytes."""

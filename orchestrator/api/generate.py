@@ -12,6 +12,7 @@ from litestar import Controller, Request, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
+from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.errors import from_exception
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
@@ -112,6 +113,9 @@ class GenerateController(Controller):
                         done = wire.done_event(ev, req.request_id) if req.attention else wire.kobold_done_event(ev)
                         yield _sse(done)
                         return
+                    if isinstance(ev, Progress):
+                        yield _sse(wire.progress_event(ev, req.request_id))
+                        continue
                     if not isinstance(ev, TokenOut):
                         continue
                     if req.attention:
