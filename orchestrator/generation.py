@@ -255,6 +255,7 @@ class GenerationService:
                         if not out.is_stop:
                             texts.append(out.text)
                         n_out += 1
+                        slot.n_tokens = len(ids) + n_out  # live count; the worker's at Done
                         self.feed.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
                         yield out
                     elif isinstance(event, proto.Progress):

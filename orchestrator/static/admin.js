@@ -191,11 +191,13 @@ function drawHeatmap() {
   const canvas = $("heatmap");
   const rows = state.rows;
   canvas.dataset.rows = String(rows.length);
+  // one pixel row per generated token (newest at the bottom once full), one column per context position
   const width = Math.max(1, ...rows.map((r) => r.values.length));
   canvas.width = width;
-  canvas.height = Math.max(1, rows.length);
+  canvas.height = MAX_ROWS;
   const ctx = canvas.getContext("2d");
   const img = ctx.createImageData(width, canvas.height);
+  for (let o = 0; o < img.data.length; o += 4) { img.data[o] = 16; img.data[o + 1] = 19; img.data[o + 2] = 26; img.data[o + 3] = 255; }
   rows.forEach((row, y) => {
     let max = 0;
     for (const v of row.values) max = Math.max(max, v);

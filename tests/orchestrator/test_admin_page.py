@@ -59,8 +59,39 @@ def test_refused_without_the_admin_key(admin_server: ServerProc) -> None:
     r = httpx.post(f"{srv.url}/slots/kept?action=tokens", headers=api(srv), timeout=10)
     assert r.status_code == 200
     # the admin key passes both checks
-    r = httpx.get(srv.url + "/admin", headers={"X-Admin-Key": ADMIN_KEY}, timeout=10)
+    admin = {"X-Admin-Key": ADMIN_KEY}
+    r = httpx.get(srv.url + "/admin", headers=admin, timeout=10)
     assert r.status_code == 200 and "slotserve admin" in r.text
+
+
+def test_admin_api_with_the_key(admin_server: ServerProc) -> None:
+    srv = admin_server
+    admin = {"X-Admin-Key": ADMIN_KEY}
+    converse(srv, "kept", "hi", 4)
+    msgs = httpx.get(srv.url + "/admin/api/slots/kept/messages", headers=admin, timeout=10).json()
+    assert [m["index"] for m in msgs["messages"]] == list(range(len(msgs["messages"])))
+    assert "hi" in msgs["messages"][0]["text"] and msgs["messages"][0]["start"] == 0
+    assert msgs["messages"][-1]["end"] == msgs["n_tokens"] - 1
+    r = httpx.post(f"{srv.url}/slots/kept?action=fork", json={"target": "copy"}, headers=admin, timeout=30)
+    assert r.status_code == 200 and r.json()["n_tokens"] == msgs["n_tokens"], r.text
+    first = msgs["messages"][0]
+    r = httpx.post(
+        f"{srv.url}/slots/copy?action=context-shift",
+        json={"n_keep": 0, "n_discard": first["end"] + 1},
+        headers=admin,
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["new_n_tokens"] == msgs["n_tokens"] - first["end"] - 1, r.text
+    r = httpx.post(f"{srv.url}/slots/kept?action=save", json={"filename": "kept.bin"}, headers=admin, timeout=30)
+    assert r.status_code == 200 and r.json()["n_saved"] == msgs["n_tokens"], r.text
+    listing = {s["id"]: s for s in httpx.get(srv.url + "/admin/api/slots", headers=admin, timeout=10).json()}
+    assert set(listing) == {"kept", "copy"}
+    assert listing["copy"]["n_tokens"] == msgs["n_tokens"] - first["end"] - 1
+    assert listing["kept"]["n_messages"] == len(msgs["messages"])
+    assert all(s["place"] in ("kv_cache", "host") and s["owner"] for s in listing.values())
+    assert httpx.get(srv.url + "/admin/api/slots/nope/messages", headers=admin, timeout=10).status_code == 404
+    r = httpx.get(srv.url + "/admin/events?layer=99", headers=admin, timeout=10)
+    assert r.status_code == 400 and r.json()["error_code"] == "INVALID_REQUEST"
 
 
 def test_no_slots_turns_the_listing_off(start_server: Callable[..., ServerProc]) -> None:
@@ -86,7 +117,7 @@ def test_admin_page_live(admin_server: ServerProc, tmp_path: Path) -> None:
         page.wait_for_selector('tr[data-slot="alpha"]', timeout=20_000)
 
         beta: list[list[dict[str, Any]]] = []
-        runner = threading.Thread(target=lambda: beta.append(converse(srv, "beta", "Tell me a story.", 260, True)))
+        runner = threading.Thread(target=lambda: beta.append(converse(srv, "beta", "Tell me a story.", 120, True)))
         runner.start()
         try:
             page.wait_for_selector('tr[data-slot="beta"] td.gen', timeout=30_000)
@@ -98,9 +129,10 @@ def test_admin_page_live(admin_server: ServerProc, tmp_path: Path) -> None:
             page.wait_for_function(
                 "document.getElementById('hm-info').textContent.includes('(layer 3')", timeout=30_000
             )
+            page.wait_for_function("Number(document.getElementById('heatmap').dataset.rows) >= 8", timeout=60_000)
             page.screenshot(path=str(shot), full_page=True)
         finally:
-            runner.join(120)
+            runner.join(600)
         assert beta and beta[0][-1]["type"] == "done"
 
         # alpha's messages, then erase it from the page
