@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import llama_cpp as llama
 import numpy as np
 
-from engine.engine import EngineError
+from engine.engine import EngineConfig, EngineError
 from engine.model import Model, ModelLoadError, file_fingerprint
 
 
@@ -59,6 +59,9 @@ class Classifier:
             )
         self.n_out = n_out
         self.n_seq = n_seq
+        # what engine.model_info reads: a context of n_ctx tokens and no slots
+        self.config = EngineConfig(n_ctx=self.n_ctx, n_slots=0, n_spare=0, n_threads=n_threads, capture=False)
+        self.n_cells = self.n_ctx
         self.labels = [self._label(i) for i in range(n_out)]
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
         self.batch = llama.llama_batch_init(self.n_ctx, 0, 1)

@@ -13,7 +13,6 @@ import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as llama
@@ -103,25 +102,15 @@ def file_fingerprint(path: Path, type_k: int, type_v: int) -> str:
 class Model:
     """A llama.cpp model and its vocabulary.
 
-    ``on_progress(fraction)`` is called while the tensors load (llama.cpp's
-    ``llama_model_params.progress_callback``, fraction in [0, 1]).  Raises
-    :class:`ModelLoadError` when ``path`` is not a loadable GGUF.
+    Raises :class:`ModelLoadError` when ``path`` is not a loadable GGUF.
     """
 
-    def __init__(self, path: Path, n_gpu_layers: int = 0, on_progress: Callable[[float], None] | None = None) -> None:
+    def __init__(self, path: Path, n_gpu_layers: int = 0) -> None:
         _init_backend()
         if not Path(path).is_file():
             raise ModelLoadError(f"model file not found: {path}")
         params = llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        if on_progress is not None:
-
-            def progress(fraction: float, _user: ctypes.c_void_p) -> bool:
-                on_progress(fraction)
-                return True  # go on loading
-
-            callback = llama.llama_progress_callback(progress)
-            params.progress_callback = callback
         model = llama.llama_model_load_from_file(str(path).encode(), params)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}")

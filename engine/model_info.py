@@ -5,19 +5,12 @@ from __future__ import annotations
 import llama_cpp as llama
 
 from engine.engine import Engine
-from engine.model import Model
 from engine.protocol import ModelInfo
 
 
 def model_info(engine: Engine) -> ModelInfo:
     """Model facts for ``GET /api/v1/model`` (seeds 000/001 fields), sent in the worker's ``Ready``."""
-    return describe_model(engine.model, engine.fingerprint, engine.config.n_ctx, engine.n_cells, engine.config.n_slots)
-
-
-def describe_model(
-    m: Model, fingerprint: str, n_ctx: int, n_kv_cells: int, n_slots: int, labels: list[str] | None = None
-) -> ModelInfo:
-    """:class:`ModelInfo` of ``m`` in a context of ``n_ctx`` tokens per slot (``labels``: a classifier's)."""
+    m = engine.model
     name = m.meta("general.name") or m.path.stem
     special = {
         "bos_token": m.pieces[m.bos].decode("utf-8", "replace") if m.bos >= 0 else "",
@@ -35,16 +28,16 @@ def describe_model(
         model_path=str(m.path),
         architecture=m.meta("general.architecture"),
         description=m.describe(),
-        fingerprint=fingerprint,
+        fingerprint=engine.fingerprint,
         vocab_size=m.n_vocab,
         num_layers=m.n_layer,
         num_attention_heads=m.n_head,
         num_key_value_heads=m.n_head_kv,
         hidden_size=m.n_embd,
-        n_ctx=n_ctx,
+        n_ctx=engine.config.n_ctx,
         n_ctx_train=m.n_ctx_train,
-        n_kv_cells=n_kv_cells,
-        n_slots=n_slots,
+        n_kv_cells=engine.n_cells,
+        n_slots=engine.config.n_slots,
         rope_freq_base=float(m.meta(f"{m.meta('general.architecture')}.rope.freq_base") or 10000.0),
         rope_freq_scale=1.0,
         bos_token_id=m.bos,
@@ -56,5 +49,4 @@ def describe_model(
         n_params=int(llama.llama_model_n_params(m.ptr)),
         size_bytes=int(llama.llama_model_size(m.ptr)),
         llama_cpp_version=llama.__version__,
-        classifier_labels=labels or [],
     )

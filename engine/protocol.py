@@ -206,13 +206,6 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     classifier_labels: list[str] = []  # a classifier's output labels, in logit order
 
 
-class Loading(msgspec.Struct, tag="loading", array_like=True):
-    """Model load progress before ``Ready``: ``fraction`` in [0, 1] (llama.cpp's ``progress_callback``)."""
-
-    req: int
-    fraction: float
-
-
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     """Sent once when the model is loaded; ``pieces[t]`` is token ``t``'s raw text bytes."""
 
@@ -329,8 +322,7 @@ class StateBlob(msgspec.Struct, tag="state", array_like=True):
 
 Request = Generate | Cancel | Tokenize | Detokenize | SeqOp | RestoreState | Classify | Status | Shutdown
 Reply = (
-    Loading
-    | Ready
+    Ready
     | Token
     | Progress
     | Done

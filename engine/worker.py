@@ -29,8 +29,8 @@ from engine import protocol as proto
 from engine.batcher import Batcher
 from engine.classifier import Classifier
 from engine.engine import Engine, EngineConfig, EngineError
-from engine.model import Model, ModelLoadError, default_model_path
-from engine.model_info import describe_model, model_info
+from engine.model import Model, default_model_path
+from engine.model_info import model_info
 
 log = logging.getLogger("slotserve.worker")
 
@@ -86,10 +86,9 @@ class Worker:
     def serve(self) -> None:
         """Announce readiness, then run until the peer goes away or asks to shut down."""
         eng = self.engine
-        if isinstance(eng, Engine):
-            info = model_info(eng)
-        else:
-            info = describe_model(eng.model, eng.fingerprint, eng.n_ctx, eng.n_ctx, 0, eng.labels)
+        info = model_info(eng)  # type: ignore[arg-type]  # a Classifier has the attributes it reads
+        if isinstance(eng, Classifier):
+            info.classifier_labels = eng.labels
         self.send(proto.Ready(0, info, eng.model.pieces))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         while self.running:
@@ -254,29 +253,12 @@ def open_socket(args: argparse.Namespace) -> socket.socket:
     return conn
 
 
-class LoadReporter:
-    """Model load progress: a ``Loading`` frame per percent and a log line per tenth."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.sent = -1
-        self.logged = -1
-
-    def __call__(self, fraction: float) -> None:
-        pct = int(fraction * 100)
-        if pct > self.sent:
-            self.sent = pct
-            proto.send_frame(self.sock, proto.Loading(0, fraction))
-        if pct // 10 > self.logged:
-            self.logged = pct // 10
-            log.info("loading model: %d%%", pct)
-
-
-def load_engine(args: argparse.Namespace, sock: socket.socket) -> Engine | Classifier:
-    """Load the model (reporting progress on ``sock``) and build the generation engine or the classifier."""
-    model = Model(args.model or default_model_path(), n_gpu_layers=args.n_gpu_layers, on_progress=LoadReporter(sock))
-    if args.classifier:
-        return Classifier(model, args.threads)
+def run_worker_process(argv: list[str] | None = None) -> int:
+    """Process entry: load the model, build the engine (or the classifier), serve until the peer leaves."""
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    model = Model(args.model or default_model_path(), n_gpu_layers=args.n_gpu_layers)
     config = EngineConfig(
         n_ctx=args.ctx_size,
         n_slots=args.parallel,
@@ -288,34 +270,15 @@ def load_engine(args: argparse.Namespace, sock: socket.socket) -> Engine | Class
         verify_cells=args.verify_cells,
         cache_idle_slots=args.cache_idle_slots,
     )
-    return Engine(model, config)
-
-
-def run_worker_process(argv: list[str] | None = None) -> int:
-    """Process entry: connect, load the model (sending progress), serve until the peer leaves.
-
-    A model that cannot be loaded is reported as an ``Error`` (``NO_MODEL``) frame before exit (status 1).
-    """
-    _die_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    engine = Classifier(model, args.threads) if args.classifier else Engine(model, config)
     sock = open_socket(args)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     try:
-        try:
-            engine = load_engine(args, sock)
-        except (ModelLoadError, EngineError) as exc:
-            log.error("model load failed: %s", exc)
-            proto.send_frame(sock, proto.Error(0, "NO_MODEL", str(exc)))
-            return 1
-        try:
-            Worker(engine, sock).serve()
-        finally:
-            model = engine.model
-            engine.close()
-            model.close()
+        Worker(engine, sock).serve()
     finally:
         sock.close()
+        engine.close()
+        model.close()
     return 0
 
 

@@ -91,7 +91,6 @@ class EngineClient:
         self.restart = restart
         self.info: proto.ModelInfo | None = None
         self.pieces: list[bytes] = []
-        self.load_progress = 0.0  # fraction of the model loaded (llama.cpp's progress callback)
         self.generation = 0  # incremented on every (re)start: sequences of older generations are gone
         self.on_restart: Callable[[], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
@@ -129,7 +128,9 @@ class EngineClient:
                 reader, writer = await asyncio.open_connection(host, port)
         else:
             reader, writer = await self._spawn(timeout)
-        reply = await asyncio.wait_for(self._await_ready(reader), timeout)
+        reply, _ = await asyncio.wait_for(proto.read_reply(reader), timeout)
+        if not isinstance(reply, proto.Ready):
+            raise EngineDeadError(f"worker sent {type(reply).__name__} before Ready")
         self.info = reply.info
         self.pieces = reply.pieces
         self._writer = writer
@@ -138,24 +139,6 @@ class EngineClient:
         self._ready.set()
         log.info("engine ready", model=reply.info.model_name, pid=self.pid, generation=self.generation)
         return reply.info
-
-    async def _await_ready(self, reader: asyncio.StreamReader) -> proto.Ready:
-        """Read ``Loading`` frames (into :attr:`load_progress`) until ``Ready``."""
-        self.load_progress = 0.0
-        while True:
-            try:
-                reply, _ = await proto.read_reply(reader)
-            except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError) as exc:
-                raise EngineDeadError(f"the worker left while loading: {exc}") from exc
-            if isinstance(reply, proto.Loading):
-                self.load_progress = reply.fraction
-            elif isinstance(reply, proto.Ready):
-                self.load_progress = 1.0
-                return reply
-            elif isinstance(reply, proto.Error):
-                raise EngineDeadError(f"the worker could not load its model: {reply.message}")
-            else:
-                raise EngineDeadError(f"worker sent {type(reply).__name__} before Ready")
 
     async def _spawn(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         self._tmpdir = tempfile.TemporaryDirectory(prefix="slotserve-")

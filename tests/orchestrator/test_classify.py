@@ -84,6 +84,7 @@ def post(srv: ServerProc, body: Any, path: str = "/v1/classify") -> httpx.Respon
 
 def test_single_input_matches_transformers(cls_server: ServerProc, classifier: tuple[Any, Any, Path]) -> None:
     model, tok, _ = classifier
+    assert httpx.get(cls_server.url + "/health", timeout=10).json()["classifier"] == "ready"
     r = post(cls_server, {"inputs": TEXTS[0]}, "/classify")
     assert r.status_code == 200, r.text
     body = r.json()

@@ -1,10 +1,8 @@
-"""Progress: prompt-processing events (``return_progress``) and ``/health`` while the model loads."""
+"""Prompt-processing progress events (``return_progress``) on SSE and both WebSockets."""
 
 from __future__ import annotations
 
 import itertools
-import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -83,41 +81,6 @@ def test_cached_prefix_counts_as_cache(server: ServerProc) -> None:
     prog = [e["prompt_progress"] for e in events if e["type"] == "progress"]
     assert prog[0]["cache"] >= 399 and prog[0]["processed"] == prog[0]["cache"]
     assert prog[-1]["processed"] == 600 and all(p["cache"] == prog[0]["cache"] for p in prog)
-
-
-def test_health_while_loading(tmp_path: Path) -> None:
-    srv = ServerProc(["--threads", "2", "--no-persist", "--parallel", "1", "--ctx-size", "512"], tmp_path)
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-
-    cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(srv.port), *srv.args]
-    with open(srv.log_path, "ab") as log:
-        srv.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=srv.env)
-    seen: list[dict[str, Any]] = []
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(srv.url + "/health", timeout=2)
-            except httpx.HTTPError:
-                time.sleep(0.01)
-                continue
-            seen.append({"code": r.status_code, **r.json()})
-            if r.status_code == 200:
-                break
-            time.sleep(0.01)
-        loading = [h for h in seen if h["code"] == 503]
-        assert loading, "never saw the server loading"
-        assert all(h["status"] == "loading" and h["error_code"] == "NO_MODEL" for h in loading)
-        fractions = [h["progress"] for h in loading]
-        assert all(0.0 <= f <= 1.0 for f in fractions) and fractions == sorted(fractions)
-        assert seen[-1]["code"] == 200 and seen[-1]["status"] == "ok" and "progress" not in seen[-1]
-        text = srv.log_path.read_text(errors="replace")
-        assert "loading model: 0%" in text and "loading model: 100%" in text
-    finally:
-        srv.stop()
 
 
 def test_progress_flag_is_validated(server: ServerProc) -> None:
