@@ -65,7 +65,7 @@ class AdminController(Controller):
 
     path = "/admin"
 
-    @get("/", summary="The admin page (HTML)", include_in_schema=False)
+    @get("/", summary="The admin page (HTML)")
     async def page(self, request: Request[Any, Any, Any], services: Services) -> Response[bytes]:
         require_admin(request.scope, services.settings.admin_key)
         return Response(_static("admin.html"), media_type="text/html; charset=utf-8")
