@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from rich.console import Console  # noqa: E402 - after the path set-up above, like the project imports
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
@@ -205,6 +208,18 @@ class Quiet:
             f"load of other processes during measured reps (beyond clock-tick resolution): worst "
             f"{self.worst_other:.2f} cores, {self.redone} reps redone because of it{warn}{steal}"
         )
+
+
+def progress_bar() -> Progress:
+    """A rich progress bar on stderr (the figures go to stdout): description, bar, done/total, elapsed."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
 def median(xs: Iterable[float]) -> float:
@@ -389,20 +404,27 @@ class ServerProc:
         self.worker_pid: int | None = None
 
     def wait_ready(self, httpx_mod, timeout: float = 300) -> float:
-        """Seconds until ``/health`` answered 200."""
+        """Seconds until ``/health`` answered 200; a progress bar follows the model load meanwhile
+        (``/health``'s ``progress`` fraction and ``stage`` where the server reports them)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx_mod.get(self.base + "/health", timeout=2).status_code == 200:
-                    kids = children(self.proc.pid)
-                    self.worker_pid = kids[0] if kids else None
-                    return time.perf_counter() - t0
-            except httpx_mod.HTTPError:
-                pass
-            time.sleep(0.3)
+        with progress_bar() as bar:
+            task = bar.add_task(f"{self.name}: starting", total=100)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    r = httpx_mod.get(self.base + "/health", timeout=2)
+                    if r.status_code == 200:
+                        kids = children(self.proc.pid)
+                        self.worker_pid = kids[0] if kids else None
+                        return time.perf_counter() - t0
+                    body = r.json()
+                    stage = body.get("stage") or body.get("error", {}).get("message", "starting")
+                    bar.update(task, description=f"{self.name}: {stage}", completed=100 * body.get("progress", 0.0))
+                except (httpx_mod.HTTPError, ValueError):
+                    pass
+                time.sleep(0.3)
         raise RuntimeError(f"{self.name} not healthy after {timeout}s; see {self.log_path}")
 
     def pids(self) -> dict[str, int]:
