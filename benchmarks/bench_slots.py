@@ -60,13 +60,13 @@ from common import (
     http_tokenizer,
     median,
     prefix_len,
-    progress_bar,
     settle,
     slotserve_cmd,
     sse_events,
     stop_servers,
     ws_token_frames,
 )
+from progress import progress_bar
 
 # ----------------------------------------------------------------------------- one run of N streams
 

@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402 - after the path set-up above, like the project imports
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from progress import progress_bar  # noqa: E402 - benchmarks/, beside this file
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
@@ -208,18 +207,6 @@ class Quiet:
             f"load of other processes during measured reps (beyond clock-tick resolution): worst "
             f"{self.worst_other:.2f} cores, {self.redone} reps redone because of it{warn}{steal}"
         )
-
-
-def progress_bar() -> Progress:
-    """A rich progress bar on stderr (the figures go to stdout): description, bar, done/total, elapsed."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
 
 
 def median(xs: Iterable[float]) -> float:
