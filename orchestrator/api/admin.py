@@ -9,6 +9,8 @@ EventSource).  The page's actions are the slot API's own
 
 * ``{"type": "slots", "node", "slots": [SlotView...]}`` when the listing changed
   (looked at once a second, sent only on change);
+* ``{"type": "error", "error", "error_code"}`` when the listing cannot be read (engine
+  restarting, store down); the stream goes on;
 * ``{"type": "attention", "slot_id", "index", "text", "layer", "n_ctx", "data"}`` for
   each token a generation streams to its client with attention: ``data`` is base64
   little-endian ``float32[n_ctx]``, the mean over every layer and head, or over the
@@ -33,7 +35,7 @@ from orchestrator.admin_feed import AttentionRow
 from orchestrator.admin_view import AdminView, SlotView
 from orchestrator.api.generate import JsonEvent
 from orchestrator.auth import require_admin
-from orchestrator.errors import ApiError
+from orchestrator.errors import ApiError, from_exception
 from orchestrator.services import Services
 
 LISTING_EVERY_S = 1.0  # the slot listing is looked at once a second, pushed only when it changed
@@ -107,7 +109,12 @@ class AdminController(Controller):
                     now = time.monotonic()
                     if now >= next_listing:
                         next_listing = now + LISTING_EVERY_S
-                        listing = _json.encode({"type": "slots", "node": view.node_id(), "slots": await view.slots()})
+                        try:
+                            slots = await view.slots()
+                        except Exception as exc:  # engine restarting, store down: say so, keep the stream
+                            listing = _json.encode({"type": "error", **from_exception(exc).body()})
+                        else:
+                            listing = _json.encode({"type": "slots", "node": view.node_id(), "slots": slots})
                         if listing != last:
                             last = listing
                             yield JsonEvent(data=listing)

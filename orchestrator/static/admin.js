@@ -247,6 +247,8 @@ function connect() {
       if (sel && !sel.generating && sel.n_tokens !== state.selectedTokens) refreshMessages();
     } else if (ev.type === "attention") {
       onAttention(ev);
+    } else if (ev.type === "error") {
+      setResult(`listing: ${ev.error_code}: ${ev.error}`, true);
     }
   };
 }
