@@ -28,7 +28,8 @@ from orchestrator.wire import slot_id_out
 
 
 class SlotView(msgspec.Struct, kw_only=True):
-    """One slot as the admin page shows it (sizes in bytes, ``idle_s`` in seconds)."""
+    """One slot as the admin page shows it (sizes in bytes; ``last_used`` in unix seconds, so that
+    the listing only changes when a slot does)."""
 
     id: str
     place: str
@@ -37,7 +38,7 @@ class SlotView(msgspec.Struct, kw_only=True):
     n_messages: int | None
     state_bytes: int
     stored_bytes: int
-    idle_s: float | None
+    last_used: float | None
     owner: str | None
     seq: int | None = None
 
@@ -76,7 +77,7 @@ class AdminView:
                     n_messages=self._known_messages(meta.slot_id, meta.n_tokens),
                     state_bytes=meta.raw_size,
                     stored_bytes=meta.stored_size,
-                    idle_s=round(time.time() - meta.updated_at, 1),
+                    last_used=round(meta.updated_at, 1),
                     owner=owner or None,
                 )
         for slot in list(reg.slots.values()):
@@ -100,7 +101,7 @@ class AdminView:
                 n_messages=n_messages,
                 state_bytes=slot.raw_bytes or (view.state_bytes if view else 0),
                 stored_bytes=slot.stored_bytes or (view.stored_bytes if view else 0),
-                idle_s=0.0 if slot.busy else round(time.monotonic() - slot.last_used, 1),
+                last_used=round(time.time() - (time.monotonic() - slot.last_used), 1),
                 owner=node or None,
                 seq=slot.seq if resident else None,
             )

@@ -99,11 +99,11 @@ class AdminController(Controller):
             raise ApiError("INVALID_REQUEST", f"layer must be in 0..{n_layers - 1}")
         view = AdminView(services)
         feed = services.generation.feed
-        sub = feed.subscribe(layer)
 
         async def stream() -> AsyncIterator[JsonEvent]:
             last = b""
             next_listing = 0.0
+            sub = feed.subscribe(layer)  # here, so that the finally below always drops it
             try:
                 while True:
                     now = time.monotonic()

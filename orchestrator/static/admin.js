@@ -61,7 +61,7 @@ function renderSlots() {
       s.n_messages === null ? "?" : s.n_messages,
       fmtBytes(s.state_bytes),
       fmtBytes(s.stored_bytes),
-      s.generating ? "now" : fmtIdle(s.idle_s),
+      s.generating ? "now" : fmtIdle(s.last_used === null ? null : Date.now() / 1000 - s.last_used),
       s.owner || "",
     ];
     cells.forEach((v, i) => {
@@ -270,3 +270,4 @@ async function init() {
 }
 
 init();
+setInterval(renderSlots, 5000); // "x s ago" ages locally; nothing is fetched
