@@ -98,6 +98,7 @@ class Generate(msgspec.Struct, tag="generate", array_like=True, omit_defaults=Tr
     params: SamplingParams
     capture: CaptureOptions
     append: list[int] = []
+    progress: bool = False  # send ``Progress`` while prefilling (llama-server's ``return_progress``)
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -151,6 +152,19 @@ class RestoreState(msgspec.Struct, tag="restore", array_like=True):
     req: int
     seq: int
     tokens: list[int]
+
+
+class Classify(msgspec.Struct, tag="classify", array_like=True):
+    """Classify each text with the worker's classifier model (reply ``Classified``)."""
+
+    req: int
+    texts: list[str]
+
+
+class Status(msgspec.Struct, tag="status", array_like=True):
+    """Where the sequences' KV cells are (reply ``EngineState``)."""
+
+    req: int
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -220,6 +234,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     size_bytes: int
     llama_cpp_version: str
     runtime: EngineRuntime
+    classifier_labels: list[str] = []  # a classifier's output labels, in logit order
 
 
 StartStage = Literal["loading_model", "creating_context", "self_check"]
@@ -260,6 +275,20 @@ class Token(msgspec.Struct, tag="token", array_like=True, omit_defaults=True):
     attention_shape: list[int] = []
     has_attention: bool = False
     has_hidden: bool = False
+
+
+class Progress(msgspec.Struct, tag="progress", array_like=True):
+    """Prefill progress of a generation: ``n_done`` of ``n_total`` prompt tokens processed.
+
+    ``n_cached`` of them came from the KV cache (llama-server's ``prompt_progress``:
+    ``total``, ``cache``, ``processed``, ``time_ms``).
+    """
+
+    req: int
+    n_total: int
+    n_cached: int
+    n_done: int
+    t_ms: float
 
 
 class Done(msgspec.Struct, tag="done", array_like=True, omit_defaults=True):
@@ -308,6 +337,23 @@ class SeqInfo(msgspec.Struct, tag="seq_info", array_like=True):
     tokens: list[int]
 
 
+class Classified(msgspec.Struct, tag="classified", array_like=True):
+    """Raw logits of each text (buffer 0: ``float32[len(n_tokens), n_out]``) and its token count."""
+
+    req: int
+    n_tokens: list[int]
+    n_out: int
+
+
+class EngineState(msgspec.Struct, tag="engine_state", array_like=True):
+    """``offloaded``: sequences whose cells were moved to host memory (``--cache-idle-slots``);
+    ``generating``: sequences with an active generation."""
+
+    req: int
+    offloaded: list[int]
+    generating: list[int]
+
+
 class StateBlob(msgspec.Struct, tag="state", array_like=True):
     """A sequence's tokens and its llama.cpp sequence state (buffer 0)."""
 
@@ -317,8 +363,21 @@ class StateBlob(msgspec.Struct, tag="state", array_like=True):
     t_ms: float
 
 
-Request = Generate | Cancel | Tokenize | Detokenize | SeqOp | RestoreState | Shutdown
-Reply = Starting | Ready | Token | Done | Error | TokenizeResult | DetokenizeResult | SeqInfo | StateBlob
+Request = Generate | Cancel | Tokenize | Detokenize | SeqOp | RestoreState | Classify | Status | Shutdown
+Reply = (
+    Starting
+    | Ready
+    | Token
+    | Progress
+    | Done
+    | Error
+    | TokenizeResult
+    | DetokenizeResult
+    | SeqInfo
+    | StateBlob
+    | Classified
+    | EngineState
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -48,7 +48,8 @@ def build_services(settings: Settings) -> Services:
     registry = SlotRegistry(engine, settings.worker.parallel, persistence)
     if persistence is not None:
         persistence.registry = registry
-    return Services(settings, engine, registry, GenerationService(engine, registry), persistence)
+    classifier = EngineClient(settings.classifier) if settings.classifier is not None else None
+    return Services(settings, engine, registry, GenerationService(engine, registry), persistence, classifier)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:
@@ -67,22 +68,27 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
 
         svc.engine.on_restart = on_restart
 
-        async def start_engine() -> None:
+        async def start_engine(client: EngineClient) -> None:
             # The port is open while the model loads: /health says 503 "Loading model" meanwhile,
             # like llama-server.  A model that cannot be loaded stops the server.
             try:
-                await svc.engine.start()
+                await client.start()
             except Exception as exc:
                 log.error("engine failed to start; shutting down", error=str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        starting = asyncio.create_task(start_engine(), name="engine-start")
+        starting = [asyncio.create_task(start_engine(svc.engine), name="engine-start")]
+        if svc.classifier is not None:
+            starting.append(asyncio.create_task(start_engine(svc.classifier), name="classifier-start"))
         try:
             yield
         finally:
-            starting.cancel()
+            for task in starting:
+                task.cancel()
             if svc.persistence is not None:
                 await svc.persistence.shutdown()
+            if svc.classifier is not None:
+                await svc.classifier.close()
             await svc.engine.close()
 
     async def before_request(_: Request[Any, Any, Any]) -> None:
@@ -91,7 +97,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
     middleware = [websocket_origin_middleware(cors)]
     if settings.api_key:
-        middleware.append(api_key_middleware(settings.api_key))
+        middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
     prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)
     route_handlers: list[Any] = [
         ModelController,
@@ -101,10 +107,12 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         health,
         MetricsController,
     ]
+    from orchestrator.api.admin import AdminController
+    from orchestrator.api.classify import classify
     from orchestrator.api.preview import PreviewController
     from orchestrator.api.slots import SlotController
 
-    route_handlers += [SlotController, PreviewController]
+    route_handlers += [SlotController, PreviewController, classify, AdminController]
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=5001)
     s.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"), help="require this key (Bearer)")
+    s.add_argument(
+        "--admin-key", default=os.environ.get("SLOTSERVE_ADMIN_KEY"), help="guards /admin and slot-changing actions"
+    )
+    s.add_argument("--no-slots", action="store_true", help="turn off the GET /slots listing (llama-server's)")
     s.add_argument("--max-body", type=int, default=64 << 20, help="max JSON body / WebSocket message, bytes")
     s.add_argument(
         "--allowed-origins",
@@ -78,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-id", default="", help="this node's name in slot leases (default host:port)")
     s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
+    s.add_argument(
+        "--classifier-model", type=Path, default=None, help="classifier GGUF (pooling rank) served by POST /classify"
+    )
     s.add_argument("--log-level", default="info")
     return p
 
@@ -102,11 +109,17 @@ def worker_options(a: argparse.Namespace) -> WorkerOptions:
 
 def settings_from_args(a: argparse.Namespace) -> Settings:
     """:class:`Settings` from parsed ``serve`` arguments."""
+    classifier = None
+    if a.classifier_model is not None:
+        classifier = WorkerOptions(model=a.classifier_model, threads=a.threads, classifier=True, repack=a.repack)
     return Settings(
         worker=worker_options(a),
+        classifier=classifier,
         host=a.host,
         port=a.port,
         api_key=a.api_key or None,
+        admin_key=a.admin_key or None,
+        slots_endpoint=not a.no_slots,
         max_body_bytes=a.max_body,
         allowed_origins=tuple(o.strip() for v in a.allowed_origins or ["*"] for o in v.split(",") if o.strip()),
         slot_save_path=a.slot_save_path,

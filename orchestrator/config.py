@@ -22,6 +22,8 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 5001
     api_key: str | None = None
+    admin_key: str | None = None  # guards /admin and every slot-changing action
+    slots_endpoint: bool = True  # GET /slots (llama-server's --no-slots turns it off)
     max_body_bytes: int = 64 << 20
     allowed_origins: tuple[str, ...] = ("*",)
     slot_save_path: Path | None = None
@@ -36,3 +38,4 @@ class Settings:
     node_id: str = ""
     lease_ms: int = 30_000
     park_idle_s: float = 600.0
+    classifier: WorkerOptions | None = None  # a second worker serving a classifier GGUF

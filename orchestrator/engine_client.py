@@ -77,6 +77,7 @@ class WorkerOptions:
     cache_idle_slots: bool = True
     repack: bool | None = None  # CPU weight repacking (extra buffer types); None: the worker decides
     eval_filter: bool = True  # the C eval-callback filter for attention rows, when built
+    classifier: bool = False  # serve ``model`` as a sequence classifier (``Classify`` requests only)
     connect: str | None = None  # tcp:host:port of a standalone worker instead of spawning one
     extra_env: dict[str, str] = field(default_factory=dict)
     # the interpreter that runs the worker (e.g. another venv's, with a GPU build of llama.cpp)
@@ -98,6 +99,8 @@ class WorkerOptions:
             args.append("--repack" if self.repack else "--no-repack")
         if not self.eval_filter:
             args.append("--no-eval-filter")
+        if self.classifier:
+            args.append("--classifier")
         return args
 
 
@@ -435,6 +438,18 @@ class EngineClient:
     async def seq_op(self, op: str, seq: int, arg0: int = 0, arg1: int = 0) -> Event:
         """Run a :class:`engine.protocol.SeqOp` and return its reply."""
         return await self.request(proto.SeqOp(self.new_id(), op, seq, arg0, arg1))
+
+    async def classify(self, texts: list[str]) -> tuple[proto.Classified, bytes]:
+        """Raw logits of each text from a classifier worker: the reply and ``float32[n, n_out]`` bytes."""
+        reply, bufs = await self.request(proto.Classify(self.new_id(), texts))
+        assert isinstance(reply, proto.Classified)
+        return reply, bufs[0]
+
+    async def status(self) -> proto.EngineState:
+        """Which sequences are offloaded to host memory and which are generating."""
+        reply, _ = await self.request(proto.Status(self.new_id()))
+        assert isinstance(reply, proto.EngineState)
+        return reply
 
     async def restore(self, seq: int, tokens: list[int], state: proto.Buffer) -> proto.StateBlob:
         """Restore ``seq`` from tokens + llama.cpp state bytes."""

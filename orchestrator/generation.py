@@ -16,6 +16,7 @@ import structlog
 
 from engine import protocol as proto
 from orchestrator import metrics
+from orchestrator.admin_feed import AttentionFeed
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import ApiError
 from orchestrator.schemas import CanonicalRequest
@@ -174,6 +175,7 @@ class GenerationService:
     def __init__(self, engine: EngineClient, registry: SlotRegistry) -> None:
         self.engine = engine
         self.registry = registry
+        self.feed = AttentionFeed()  # the admin page's live view of generated tokens
 
     @property
     def info(self) -> proto.ModelInfo:
@@ -209,8 +211,12 @@ class GenerationService:
 
     async def run(
         self, req: CanonicalRequest, control: RunControl | None = None
-    ) -> AsyncIterator[Started | TokenOut | DoneOut]:
+    ) -> AsyncIterator[Started | TokenOut | proto.Progress | DoneOut]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
+
+        With ``req.progress``, ``engine.protocol.Progress`` events come before the first
+        token: one when the prefill starts, then one per at most 256 prompt tokens, the
+        last with ``n_done == n_total``.
 
         Raises :class:`ApiError` before the first yield for a bad request, and
         ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
@@ -223,7 +229,9 @@ class GenerationService:
         async with self.registry.use(req.slot, wait=req.wait) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
-            msg = proto.Generate(self.engine.new_id(), slot.seq, "generate", ids, params, capture)
+            msg = proto.Generate(
+                self.engine.new_id(), slot.seq, "generate", ids, params, capture, progress=req.progress
+            )
             converter = TokenStream(
                 set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
             )
@@ -242,7 +250,11 @@ class GenerationService:
                         if not out.is_stop:
                             texts.append(out.text)
                         n_out += 1
+                        slot.n_tokens = len(ids) + n_out  # live count; the worker's at Done
+                        self.feed.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
                         yield out
+                    elif isinstance(event, proto.Progress):
+                        yield event
                     elif isinstance(event, proto.Done):
                         finished = True
                         log.info(

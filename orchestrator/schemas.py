@@ -72,6 +72,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     conversation_id: str | int | None = None
     id_slot: str | int | None = None
     wait: bool = False
+    return_progress: bool = False  # llama-server's: stream prompt-processing progress events
 
     def canonical(self) -> CanonicalRequest:
         """Merge aliases (first given wins, seed 000 names first) into one canonical request."""
@@ -112,6 +113,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
             n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),  # type: ignore[call-overload]
             slot=str(slot),
             wait=self.wait,
+            progress=self.return_progress,
         )
 
 
@@ -141,6 +143,7 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     n_probs: int
     slot: str
     wait: bool
+    progress: bool = False
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

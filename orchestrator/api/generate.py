@@ -13,6 +13,7 @@ from litestar import Controller, Request, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
+from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.api.body import json_route
 from orchestrator.errors import from_exception
@@ -131,6 +132,9 @@ class GenerateController(Controller):
                         done = wire.done_event(ev, req.request_id) if req.attention else wire.kobold_done_event(ev)
                         yield _sse(done)
                         return
+                    if isinstance(ev, Progress):
+                        yield _sse(wire.progress_event(ev, req.request_id))
+                        continue
                     if not isinstance(ev, TokenOut):
                         continue
                     if req.attention:

@@ -34,6 +34,8 @@ async def health(services: Services) -> Response[dict[str, Any]]:
     engine = services.engine
     if engine_ok and engine.info is not None:
         body["engine_config"] = msgspec.to_builtins(engine.info.runtime)
+    if services.classifier is not None:
+        body["classifier"] = "ready" if services.classifier.alive else "loading"
     if not engine_ok:
         loading = engine.generation == 0
         body["error"] = {"code": 503, "message": "Loading model" if loading else "Engine down"}

@@ -11,6 +11,7 @@ from litestar import Controller, Request, Response, get, post
 from litestar.params import Parameter
 
 from orchestrator.api.body import decode_json_body
+from orchestrator.auth import require_admin
 from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
@@ -19,6 +20,7 @@ from orchestrator.slots import check_slot_id
 from orchestrator.wire import slot_id_out
 
 OCTET = "application/octet-stream"
+READ_ONLY_ACTIONS = ("save-state", "tokens")  # every other action changes a slot or writes a file: admin key
 MAX_STATE_BYTES = 4 << 30
 
 
@@ -31,6 +33,8 @@ class SlotController(Controller):
 
     @get("/slots", summary="All slots: resident and parked, with sizes", responses=ERROR_RESPONSES)
     async def list_slots(self, services: Services) -> list[dict[str, Any]]:
+        if not services.settings.slots_endpoint:
+            raise ApiError("NOT_SUPPORTED", "This server does not support slots endpoint (--no-slots)", 501)
         reg = services.registry
         n_ctx = services.generation.info.n_ctx
         seen: dict[str, dict[str, Any]] = {}
@@ -95,6 +99,8 @@ class SlotController(Controller):
         action: str = Parameter(query="action"),
         wait: bool = Parameter(query="wait", default=False),
     ) -> Any:
+        if action not in READ_ONLY_ACTIONS:
+            require_admin(request.scope, services.settings.admin_key)
         ops = _ops(services)
         reg = services.registry
         out_id = slot_id_out(check_slot_id(slot_id))

@@ -27,6 +27,7 @@ import structlog
 from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
+from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.api.body import decode_json_body
 from orchestrator.errors import ApiError, from_exception
@@ -130,6 +131,9 @@ async def run_controlled(
 ) -> None:
     """Run one generation while watching the client for ``cancel`` or a disconnect.
 
+    Progress events (``return_progress``) go to the client as JSON text frames, the same
+    on both WebSockets.
+
     Raises :class:`_Closed` if the client went away (the generation is cancelled), and
     ``PAYLOAD_TOO_LARGE`` if it sent an oversized message meanwhile (after stopping).
     """
@@ -143,6 +147,8 @@ async def run_controlled(
                     await on_token(ev)
                 elif isinstance(ev, DoneOut):
                     await on_done(ev)
+                elif isinstance(ev, Progress):
+                    await _send_json(inbox.socket, wire.progress_event(ev, req.request_id))
         finally:
             await run.aclose()
 
