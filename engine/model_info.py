@@ -26,7 +26,6 @@ def runtime_info(engine: Engine) -> EngineRuntime:
     devs = backend.devices()
     gpus = [d for d in devs if d.type in ("GPU", "IGPU")]
     offloaded = min(c.n_gpu_layers, m.n_layer + 1) if gpus and c.n_gpu_layers > 0 else 0
-    capture = engine.capture
     return EngineRuntime(
         backend=gpus[0].name if offloaded else "CPU",
         devices=[f"{d.name} ({d.description})" for d in devs],
@@ -41,7 +40,7 @@ def runtime_info(engine: Engine) -> EngineRuntime:
         kv_unified=True,
         n_threads=c.n_threads,
         n_seq_max=c.n_seq_max,
-        eval_filter="off" if not c.capture else ("c" if capture.c is not None else "python"),
+        eval_filter="off" if not c.capture else ("c" if engine.capture.c is not None else "python"),
         self_check_ms=round(engine.self_check_ms, 1),
         system_info=llama.llama_print_system_info().decode("utf-8", "replace").strip(),
     )
