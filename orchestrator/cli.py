@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-id", default="", help="this node's name in slot leases (default host:port)")
     s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
+    s.add_argument(
+        "--queue-size", type=int, default=64, help="requests that may wait for a free engine sequence (0: 429 at once)"
+    )
+    s.add_argument("--queue-timeout", type=float, default=300.0, help="longest wait for an engine sequence, seconds")
+    s.add_argument("--store-timeout", type=float, default=3.0, help="deadline of one state-store call, seconds")
     s.add_argument("--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one")
     s.add_argument(
         "--cache-idle-slots",
@@ -91,6 +96,9 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         node_id=a.node_id,
         lease_ms=a.lease_ms,
         park_idle_s=a.park_idle,
+        queue_size=a.queue_size,
+        queue_timeout_s=a.queue_timeout,
+        store_timeout_s=a.store_timeout,
     )
 
 

@@ -14,6 +14,9 @@ class Settings:
 
     ``max_body_bytes`` caps HTTP bodies and WebSocket messages (``PAYLOAD_TOO_LARGE``).
     ``state_dir`` is the embedded store's directory, used when ``redis_url`` is unset.
+    ``queue_size`` / ``queue_timeout_s``: requests that may wait for a free engine sequence,
+    and for how long (seconds); see :mod:`orchestrator.admission`.  ``store_timeout_s``:
+    deadline of one state-store call (seconds; :class:`storage.timeouts.TimeoutStore`).
     """
 
     worker: WorkerOptions = field(default_factory=WorkerOptions)
@@ -34,3 +37,6 @@ class Settings:
     node_id: str = ""
     lease_ms: int = 30_000
     park_idle_s: float = 600.0
+    queue_size: int = 64
+    queue_timeout_s: float = 300.0
+    store_timeout_s: float = 3.0

@@ -10,13 +10,14 @@ from __future__ import annotations
 import codecs
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from engine import protocol as proto
 from orchestrator import metrics
+from orchestrator.admission import WaitHooks
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import ApiError
 from orchestrator.schemas import CanonicalRequest
@@ -151,12 +152,18 @@ class TokenStream:
 
 
 class RunControl:
-    """Lets a handler cancel the generation a :meth:`GenerationService.run` started."""
+    """Lets a handler cancel the generation a :meth:`GenerationService.run` started.
 
-    def __init__(self) -> None:
+    ``on_queued(position)`` is awaited while the request waits for a free engine
+    sequence (1 = next; see :mod:`orchestrator.admission`); cancelling a queued request
+    ends its wait (``CLIENT_GONE``) and frees its place.
+    """
+
+    def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.engine: EngineClient | None = None
         self.req: int | None = None
         self.pending = False
+        self.hooks = WaitHooks(on_queued)
 
     async def bind(self, engine: EngineClient, req: int) -> None:
         """Called by ``run`` at the first event (the worker knows the request by then)."""
@@ -168,6 +175,7 @@ class RunControl:
         """Ask the worker to stop the generation (it ends with ``finish_reason="cancelled"``)."""
         if self.engine is None or self.req is None:
             self.pending = True
+            self.hooks.gone.set()
             return
         self.pending = False
         await self.engine.cancel(self.req)
@@ -225,7 +233,8 @@ class GenerationService:
         ids = await self.input_ids(req)
         params = sampling_params(req, info.vocab_size)
         capture = capture_options(req, info.num_layers)
-        async with self.registry.use(req.slot, wait=req.wait) as slot:
+        hooks = control.hooks if control is not None else None
+        async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
             msg = proto.Generate(self.engine.new_id(), slot.seq, "generate", ids, params, capture)
