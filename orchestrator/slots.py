@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -69,6 +69,17 @@ class Slot:
         if self.seq is not None:
             return "resident"
         return "parked" if self.stored else "empty"
+
+
+async def _uncancellable(step: Coroutine[Any, Any, None]) -> None:
+    """Run ``step`` to its end even if the caller is cancelled meanwhile (the cancellation is
+    re-raised after it), so a slot is never left half parked."""
+    task = asyncio.ensure_future(step)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
 
 
 def check_slot_id(slot_id: str) -> str:
@@ -151,7 +162,15 @@ class SlotRegistry:
                 finally:
                     slot.last_used = time.monotonic()
                     if len(self.queue) and slot.requests == 1 and self.is_resident(slot):
-                        await self._hand_over(slot)
+                        # The client may leave right after its last event (a binary WebSocket
+                        # closes after "done"): the hand-over finishes anyway, under the lock.
+                        # Its request is over: the client's next one waits for the lock (and
+                        # then queues), it is not told SLOT_BUSY.
+                        slot.requests -= 1
+                        try:
+                            await _uncancellable(self._hand_over(slot))
+                        finally:
+                            slot.requests += 1
         finally:
             slot.requests -= 1
 
@@ -159,14 +178,18 @@ class SlotRegistry:
         """True if the slot's sequence belongs to the running worker."""
         return slot.seq is not None and slot.engine_generation == self.engine.generation
 
-    async def ensure_resident(self, slot: Slot, load: bool = True, hooks: WaitHooks | None = None) -> int:
+    async def ensure_resident(
+        self, slot: Slot, load: bool = True, hooks: WaitHooks | None = None, queue: bool = True
+    ) -> int:
         """Give ``slot`` (whose lock the caller holds) an engine sequence; restore it if parked.
 
         With ``load=False`` a parked slot gets an empty sequence (the caller replaces its
         state; :meth:`unload` undoes this if that fails).  When every sequence serves a
         request, waits its turn in :attr:`queue`; ``RATE_LIMITED`` (with ``retry_after``)
         when the queue is full or the wait exceeds ``--queue-timeout``, ``CLIENT_GONE``
-        when ``hooks.gone`` is set meanwhile.
+        when ``hooks.gone`` is set meanwhile.  ``queue=False``: ``RATE_LIMITED`` at once
+        instead of waiting (for a caller that holds another slot's sequence: waiting could
+        wait for itself).
         """
         if self.is_resident(slot):
             return slot.seq  # type: ignore[return-value]
@@ -180,7 +203,7 @@ class SlotRegistry:
                     seq = await self._evict_if_idle()
             if seq is not None:
                 self._assign(slot, seq)
-            elif self.persistence is None or not self.queue.max_waiting:
+            elif self.persistence is None or not self.queue.max_waiting or not queue:
                 raise self.queue.refusal(
                     f"all {self.n_seqs} engine sequences are busy"
                     + ("" if self.persistence is not None else " (and there is no store to park slots in)")
@@ -331,11 +354,15 @@ class SlotRegistry:
         if self.persistence is None:
             raise ApiError("RATE_LIMITED", "no store configured to park slots in")
         await self.persistence.ensure_saved(slot)
+        await _uncancellable(self._drop(slot))
+        log.info("slot parked", slot_id=slot.id, n_tokens=slot.n_tokens)
+
+    async def _drop(self, slot: Slot) -> None:
+        """Erase a saved slot's cells and free its sequence and lease (all or nothing)."""
+        assert slot.seq is not None and self.persistence is not None
         await self.engine.seq_op("erase", slot.seq)
         self._release_seq(slot)
-        if self.persistence is not None:
-            await self.persistence.release(slot)
-        log.info("slot parked", slot_id=slot.id, n_tokens=slot.n_tokens)
+        await self.persistence.release(slot)
 
     async def park_idle(self, idle_s: float) -> int:
         """Park every resident slot idle for more than ``idle_s`` seconds (frees its sequence
