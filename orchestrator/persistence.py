@@ -278,10 +278,12 @@ class Persistence:
                 meta = await save_slot(
                     self.store, slot.id, self.fingerprint, tokens, ses1, codec=self.codec, level=self.level
                 )
-            except StoreUnavailableError as exc:
+            except BaseException as exc:  # not stored: the write-behind tries again
                 slot.dirty = True
                 self._dirty.add(slot.id)
-                raise self._unavailable(exc) from exc
+                if isinstance(exc, StoreUnavailableError):
+                    raise self._unavailable(exc) from exc
+                raise
             self._written[slot.id] = version
         self._up()
         slot.stored = True

@@ -81,18 +81,19 @@ def one_seq(start_server: Callable[..., ServerProc]) -> ServerProc:
     return start_server("--parallel", "1", "--ctx-size", "512", "--queue-size", "2", "--park-idle", "0")
 
 
-def _hold(srv: ServerProc) -> WsClient:
+def _hold_and_queue(srv: ServerProc, *names: str) -> list[WsClient]:
+    """A long generation holding the one sequence, then one queued client per name, in order."""
     holder = WsClient(srv, "holder", LONG)
     assert holder.first.wait(RECV_S) and holder.types()[0] == "token", holder.events
-    return holder
+    clients = [holder]
+    for position, name in enumerate(names, 1):
+        clients.append(WsClient(srv, name))
+        clients[-1].wait_positions([position])
+    return clients
 
 
 def test_fifo_order_and_full_queue(one_seq: ServerProc) -> None:
-    holder = _hold(one_seq)
-    first = WsClient(one_seq, "first")
-    first.wait_positions([1])
-    second = WsClient(one_seq, "second")
-    second.wait_positions([2])
+    holder, first, second = _hold_and_queue(one_seq, "first", "second")
     # Full: a third waiter is refused at once, with Retry-After.
     r = httpx.post(one_seq.url + "/api/v1/generate", json={"prompt": "x", "id_slot": "third"}, timeout=30)
     assert r.status_code == 429, r.text
@@ -111,11 +112,7 @@ def test_fifo_order_and_full_queue(one_seq: ServerProc) -> None:
 
 
 def test_leaving_frees_the_place(one_seq: ServerProc) -> None:
-    holder = _hold(one_seq)
-    first = WsClient(one_seq, "first")
-    first.wait_positions([1])
-    leaver = WsClient(one_seq, "leaver")
-    leaver.wait_positions([2])
+    holder, first, leaver = _hold_and_queue(one_seq, "first", "leaver")
     leaver.ws.close()  # the client leaves while queued
     leaver.join(10)
     # Its place is free: a newcomer queues (position 2) instead of getting 429.  Over SSE the
