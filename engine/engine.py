@@ -328,20 +328,26 @@ class Engine:
             self.states[seq] = buf
         return list(self.tokens.get(seq, ())), buf
 
-    def restore_state(self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview) -> None:
+    def restore_state(
+        self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview, check_values: bool = False
+    ) -> None:
         """Replace ``seq`` with ``tokens`` and their KV state; ``seq`` is untouched on failure.
 
         The blob (``llama_state_seq_get_data``'s format; read in place when writable) is
-        parsed and checked against this engine's layout, restored into the scratch
-        sequence, its cells learned (see :meth:`_learn_cells`), and only then moved to
-        ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine cannot take, and
-        ``EngineError("CONTEXT_OVERFLOW")`` for more tokens than the context window (``n_ctx``).
+        parsed and checked against this engine's layout (with ``check_values``, its float
+        K/V values must also be finite: :func:`engine.seq_state.check_finite`), restored
+        into the scratch sequence, its cells learned (see :meth:`_learn_cells`), and only
+        then moved to ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine
+        cannot take, and ``EngineError("CONTEXT_OVERFLOW")`` for more tokens than the context
+        window (``n_ctx``).
         """
         n = len(tokens)
         if n > self.config.n_ctx:
             raise EngineError("CONTEXT_OVERFLOW", f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
         try:
             parsed = seq_state.parse(blob, self.layout)
+            if check_values:
+                seq_state.check_finite(blob, parsed)
         except seq_state.BadStateError as exc:
             raise EngineError("BAD_STATE", str(exc)) from exc
         if len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n)):

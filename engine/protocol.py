@@ -144,8 +144,9 @@ class SeqOp(msgspec.Struct, tag="seq_op", array_like=True, omit_defaults=True):
 class RestoreState(msgspec.Struct, tag="restore", array_like=True):
     """Restore sequence ``seq`` from ``tokens`` + a llama.cpp sequence state (buffer 0).
 
-    The state is parsed and checked against this model first, then restored into a
-    scratch sequence; only when that succeeds does it replace ``seq``.  A refused
+    The state is parsed and checked against this model first (layout, and K/V values
+    all finite), then restored into a scratch sequence; only when that succeeds does it
+    replace ``seq``.  A refused
     state leaves ``seq`` exactly as it was (reply ``Error`` with ``BAD_STATE``).
     """
 

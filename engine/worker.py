@@ -196,7 +196,7 @@ class Worker:
                     raise EngineError("BAD_STATE", "restore needs exactly one state buffer")
                 self.batcher.flush(msg.seq)
                 t0 = time.perf_counter()
-                eng.restore_state(msg.seq, msg.tokens, memoryview(bufs[0]))
+                eng.restore_state(msg.seq, msg.tokens, memoryview(bufs[0]), check_values=True)
                 self.send(proto.StateBlob(msg.req, msg.seq, msg.tokens, (time.perf_counter() - t0) * 1000))
             case _:
                 raise EngineError("INVALID_REQUEST", f"unknown request {type(msg).__name__}")

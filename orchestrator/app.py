@@ -21,6 +21,7 @@ from litestar.plugins.prometheus import PrometheusConfig
 from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from orchestrator import metrics
+from orchestrator.admission import AdmissionQueue
 from orchestrator.api.generate import GenerateController
 from orchestrator.api.health import MetricsController, health
 from orchestrator.api.model import ModelController
@@ -45,7 +46,8 @@ def build_services(settings: Settings) -> Services:
         from orchestrator.persistence import Persistence
 
         persistence = Persistence.from_settings(settings, engine)
-    registry = SlotRegistry(engine, settings.worker.parallel, persistence)
+    queue = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
+    registry = SlotRegistry(engine, settings.worker.parallel, persistence, queue)
     if persistence is not None:
         persistence.registry = registry
     classifier = EngineClient(settings.classifier) if settings.classifier is not None else None

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
     s.add_argument(
+        "--queue-size", type=int, default=64, help="requests that may wait for a free engine sequence (0: 429 at once)"
+    )
+    s.add_argument("--queue-timeout", type=float, default=300.0, help="longest wait for an engine sequence, seconds")
+    s.add_argument("--store-timeout", type=float, default=3.0, help="deadline of one state-store call, seconds")
+    s.add_argument(
         "--classifier-model", type=Path, default=None, help="classifier GGUF (pooling rank) served by POST /classify"
     )
     s.add_argument("--log-level", default="info")
@@ -134,6 +139,9 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         node_id=a.node_id,
         lease_ms=a.lease_ms,
         park_idle_s=a.park_idle,
+        queue_size=a.queue_size,
+        queue_timeout_s=a.queue_timeout,
+        store_timeout_s=a.store_timeout,
     )
 
 

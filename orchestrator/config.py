@@ -16,6 +16,9 @@ class Settings:
     ``state_dir`` is the embedded store's directory, used when ``redis_url`` is unset.
     ``allowed_origins``: web origins (``https://host:port``) allowed to use the API, by CORS
     on HTTP and by the ``Origin`` header of a WebSocket handshake; ``*`` allows any.
+    ``queue_size`` / ``queue_timeout_s``: requests that may wait for a free engine sequence,
+    and for how long (seconds); see :mod:`orchestrator.admission`.  ``store_timeout_s``:
+    deadline of one state-store call (seconds; :class:`storage.timeouts.TimeoutStore`).
     """
 
     worker: WorkerOptions = field(default_factory=WorkerOptions)
@@ -39,3 +42,6 @@ class Settings:
     lease_ms: int = 30_000
     park_idle_s: float = 600.0
     classifier: WorkerOptions | None = None  # a second worker serving a classifier GGUF
+    queue_size: int = 64
+    queue_timeout_s: float = 300.0
+    store_timeout_s: float = 3.0

@@ -2,7 +2,7 @@
 
 Codes (DESIGN.md section 5): INVALID_REQUEST, INVALID_TOKEN, CONTEXT_OVERFLOW,
 NO_MODEL, OOM, SLOT_BUSY, SLOT_NOT_FOUND, NO_CACHED_CONTEXT, BAD_STATE, UNAUTHORIZED,
-RATE_LIMITED, PAYLOAD_TOO_LARGE, STORE_UNAVAILABLE, NOT_SUPPORTED, INTERNAL.  Body shape::
+RATE_LIMITED, PAYLOAD_TOO_LARGE, STORE_UNAVAILABLE, NOT_SUPPORTED, CLIENT_GONE, INTERNAL.  Body shape::
 
     {"error": "<message>", "error_code": "<CODE>", ...extra}
 
@@ -35,6 +35,7 @@ STATUS_OF_CODE = {
     "SLOT_BUSY": 409,
     "PAYLOAD_TOO_LARGE": 413,
     "RATE_LIMITED": 429,
+    "CLIENT_GONE": 499,  # nginx's "client closed request": the client left while its request waited
     "INTERNAL": 500,
     "NOT_SUPPORTED": 501,
     "NO_MODEL": 503,
@@ -115,4 +116,6 @@ def from_exception(exc: BaseException) -> ApiError:
 def exception_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
     """Litestar exception handler: every error as ``{"error", "error_code"}`` JSON."""
     err = from_exception(exc)
-    return Response(err.body(), status_code=err.status, media_type=MediaType.JSON)
+    retry = err.extra.get("retry_after")
+    headers = {"Retry-After": str(retry)} if retry is not None else None
+    return Response(err.body(), status_code=err.status, media_type=MediaType.JSON, headers=headers)

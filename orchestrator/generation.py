@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -17,6 +17,7 @@ import structlog
 from engine import protocol as proto
 from orchestrator import metrics
 from orchestrator.admin_feed import AttentionFeed
+from orchestrator.admission import WaitHooks
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import ApiError
 from orchestrator.schemas import CanonicalRequest
@@ -147,12 +148,18 @@ class TokenStream:
 
 
 class RunControl:
-    """Lets a handler cancel the generation a :meth:`GenerationService.run` started."""
+    """Lets a handler cancel the generation a :meth:`GenerationService.run` started.
 
-    def __init__(self) -> None:
+    ``on_queued(position)`` is awaited while the request waits for a free engine
+    sequence (1 = next; see :mod:`orchestrator.admission`); cancelling a queued request
+    ends its wait (``CLIENT_GONE``) and frees its place.
+    """
+
+    def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.engine: EngineClient | None = None
         self.req: int | None = None
         self.pending = False
+        self.hooks = WaitHooks(on_queued)
 
     async def bind(self, engine: EngineClient, req: int) -> None:
         """Called by ``run`` at the first event (the worker knows the request by then)."""
@@ -164,6 +171,7 @@ class RunControl:
         """Ask the worker to stop the generation (it ends with ``finish_reason="cancelled"``)."""
         if self.engine is None or self.req is None:
             self.pending = True
+            self.hooks.gone.set()
             return
         self.pending = False
         await self.engine.cancel(self.req)
@@ -226,7 +234,8 @@ class GenerationService:
         ids = await self.input_ids(req)
         params = sampling_params(req, info)
         capture = capture_options(req, info.num_layers)
-        async with self.registry.use(req.slot, wait=req.wait) as slot:
+        hooks = control.hooks if control is not None else None
+        async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
             msg = proto.Generate(

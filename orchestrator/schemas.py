@@ -210,6 +210,11 @@ class ForkRequest(msgspec.Struct, kw_only=True):
 
 
 class RestoreStateRequest(msgspec.Struct, kw_only=True):
-    """``POST /slots/{id}?action=restore-state`` with JSON: base64 SES1 blob."""
+    """``POST /slots/{id}?action=restore-state`` with JSON: base64 SES1 blob.
+
+    ``digest`` (optional): the decoded blob's RFC 9530 digest, e.g. ``"sha-256=:<base64>:"``
+    as ``save-state`` returned it; a state that does not match is refused (``BAD_STATE``).
+    """
 
     state: str
+    digest: str | None = None

@@ -183,8 +183,10 @@ class SlotOps:
         made in the store instead: ``dst`` starts parked with ``src``'s state.
         """
         try:
-            src_seq = await self.registry.ensure_resident(src)
-            dst_seq = await self.registry.ensure_resident(dst, load=False)  # never evicts src: its lock is held
+            # Holding two slots, a fork never queues for a sequence: the one it would wait for may
+            # be the other slot's.  dst never evicts src: src's lock is held.
+            src_seq = await self.registry.ensure_resident(src, queue=False)
+            dst_seq = await self.registry.ensure_resident(dst, load=False, queue=False)
         except ApiError as exc:
             pers = self.registry.persistence
             if exc.code != "RATE_LIMITED" or pers is None or self.registry.is_resident(dst):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -42,6 +43,27 @@ class JsonEvent(ServerSentEventMessage):
 
 def _sse(obj: dict[str, Any]) -> JsonEvent:
     return JsonEvent(data=_json.encode(obj))
+
+
+class QueuedComment(ServerSentEventMessage):
+    """``: queued position N``: an SSE comment line (ignored by EventSource clients) sent while
+    the request waits for a free engine sequence (1 = next; :mod:`orchestrator.admission`)."""
+
+    def encode(self) -> bytes:
+        return f": {self.comment}\n\n".encode()
+
+
+async def _queued_comments(first: asyncio.Future[Any], positions: asyncio.Queue[int]) -> AsyncIterator[QueuedComment]:
+    """One :class:`QueuedComment` per queue position until ``first`` (the run's start) is done;
+    then re-raises what the start raised (a queue timeout, a store failure...)."""
+    while not first.done():
+        getter = asyncio.ensure_future(positions.get())
+        await asyncio.wait({first, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            yield QueuedComment(comment=f"queued position {getter.result()}")
+        else:
+            getter.cancel()
+    first.result()
 
 
 async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
@@ -120,13 +142,23 @@ class GenerateController(Controller):
     ) -> ServerSentEvent:
         req = data.canonical()
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        run = services.generation.run(req)
-        # Validate and take the slot before the response starts, so bad input is a 4xx.
-        first = await anext(run)
-        assert isinstance(first, Started)
+        positions: asyncio.Queue[int] = asyncio.Queue()
+        run = services.generation.run(req, RunControl(positions.put))
+        # Validate and take the slot before the response starts, so bad input is a 4xx; a
+        # request queued for an engine sequence starts the stream with its position instead.
+        first = asyncio.ensure_future(anext(run))
+        getter = asyncio.ensure_future(positions.get())
+        await asyncio.wait({first, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            positions.put_nowait(getter.result())
+        getter.cancel()
+        if first.done():
+            assert isinstance(first.result(), Started)
 
-        async def events() -> AsyncIterator[JsonEvent]:
+        async def events() -> AsyncIterator[ServerSentEventMessage]:
             try:
+                async for comment in _queued_comments(first, positions):
+                    yield comment
                 async for ev in run:
                     if isinstance(ev, DoneOut):
                         done = wire.done_event(ev, req.request_id) if req.attention else wire.kobold_done_event(ev)
@@ -147,6 +179,10 @@ class GenerateController(Controller):
                 err = from_exception(exc)
                 yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
             finally:
+                if not first.done():
+                    first.cancel()  # the client left while queued: give up its place
+                    with contextlib.suppress(BaseException):
+                        await first
                 await run.aclose()
 
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -12,6 +12,7 @@ from litestar.params import Parameter
 
 from orchestrator.api.body import decode_json_body
 from orchestrator.auth import require_admin
+from orchestrator.digest import check_repr_digest, repr_digest
 from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
@@ -107,17 +108,23 @@ class SlotController(Controller):
         if action == "save-state":
             async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
                 saved = await ops.save_state(slot)
+            digest = repr_digest(saved.blob)
             if OCTET in request.headers.get("accept", ""):
-                return Response(saved.blob, media_type=OCTET, headers={"X-Slot-Tokens": str(len(saved.tokens))})
+                headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
+                return Response(saved.blob, media_type=OCTET, headers=headers)
             return {
                 "id_slot": out_id,
                 "n_tokens": len(saved.tokens),
                 "n_bytes": len(saved.blob),
                 "t_ms": round(saved.t_ms, 3),
                 "state": base64.b64encode(saved.blob).decode("ascii"),
+                "digest": digest,
             }
         if action == "restore-state":
             raw = await request.body()
+            header = request.headers.get("repr-digest")
+            if header is not None:
+                check_repr_digest(header, raw, "the request body")
             if request.headers.get("content-type", "").startswith(OCTET):
                 blob = raw
             else:
@@ -126,6 +133,8 @@ class SlotController(Controller):
                     blob = base64.b64decode(body.state, validate=True)
                 except (binascii.Error, ValueError) as exc:
                     raise ApiError("BAD_STATE", f"state is not valid base64: {exc}") from exc
+                if body.digest is not None:
+                    check_repr_digest(body.digest, blob, "the state")
             created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
             async with reg.use(slot_id, create=True, resident=False, wait=wait) as slot:
                 t_ms = await ops.restore_state(slot, blob, created)

@@ -134,10 +134,17 @@ async def run_controlled(
     Progress events (``return_progress``) go to the client as JSON text frames, the same
     on both WebSockets.
 
+    While the request waits for a free engine sequence, the client gets
+    ``{"type": "queued", "position": N, "request_id"}`` frames (1 = next).
+
     Raises :class:`_Closed` if the client went away (the generation is cancelled), and
     ``PAYLOAD_TOO_LARGE`` if it sent an oversized message meanwhile (after stopping).
     """
-    control = RunControl()
+
+    async def on_queued(position: int) -> None:
+        await _send_json(inbox.socket, {"type": "queued", "position": position, "request_id": req.request_id})
+
+    control = RunControl(on_queued)
 
     async def pump() -> None:
         run = services.generation.run(req, control)
