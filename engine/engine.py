@@ -30,7 +30,7 @@ PROBE_KEY = -2  # cell-mirror key of a probe token (never a llama.cpp sequence)
 
 
 class EngineError(RuntimeError):
-    """An operation failed; ``code`` is an error code of DESIGN.md section 5."""
+    """An operation failed; ``code`` is an API error code (docs/api.md, "Errors")."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

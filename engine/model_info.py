@@ -47,7 +47,7 @@ def runtime_info(engine: Engine) -> EngineRuntime:
 
 
 def model_info(engine: Engine) -> ModelInfo:
-    """Model facts for ``GET /api/v1/model`` (seeds 000/001 fields), sent in the worker's ``Ready``."""
+    """Model facts for ``GET /api/v1/model`` (the fields docs/api.md lists), sent in the worker's ``Ready``."""
     m = engine.model
     name = m.meta("general.name") or m.path.stem
     special = {

@@ -207,7 +207,7 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
-    """Model and engine facts; fields follow seeds 000/001 and llama.cpp's names."""
+    """Model and engine facts; fields as docs/api.md lists them for ``GET /api/v1/model``, llama.cpp's names."""
 
     model_name: str
     model_path: str
@@ -308,7 +308,7 @@ class Done(msgspec.Struct, tag="done", array_like=True, omit_defaults=True):
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):
-    """A request failed; ``code`` is one of DESIGN.md section 5's error codes."""
+    """A request failed; ``code`` is one of the API error codes (docs/api.md, "Errors")."""
 
     req: int
     code: str

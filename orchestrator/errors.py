@@ -1,12 +1,12 @@
 """API errors: every failure a client sees is JSON with an ``error_code``.
 
-Codes (DESIGN.md section 5): INVALID_REQUEST, INVALID_TOKEN, CONTEXT_OVERFLOW,
+Codes (docs/api.md, "Errors"): INVALID_REQUEST, INVALID_TOKEN, CONTEXT_OVERFLOW,
 NO_MODEL, OOM, SLOT_BUSY, SLOT_NOT_FOUND, NO_CACHED_CONTEXT, BAD_STATE, UNAUTHORIZED,
 RATE_LIMITED, PAYLOAD_TOO_LARGE, STORE_UNAVAILABLE, NOT_SUPPORTED, CLIENT_GONE, INTERNAL.  Body shape::
 
     {"error": "<message>", "error_code": "<CODE>", ...extra}
 
-(the ``error`` key is what seed 000's error event uses).  Caller mistakes are 4xx;
+(the ``error`` key is what the JSON WebSocket's ``error`` event uses, docs/api.md).  Caller mistakes are 4xx;
 a 500 only ever means a bug of ours.
 """
 

@@ -1,7 +1,7 @@
 """Slot persistence: SES1 blobs, zstd-compressed, in the state store.
 
 * :meth:`Persistence.save` takes a resident slot's state from the worker
-  (``llama_state_seq_get_data``), packs it as SES1 (seed 004) and stores it through
+  (``llama_state_seq_get_data``), packs it as SES1 (:mod:`storage.ses1`) and stores it through
   :func:`storage.slot_codec.save_slot` (compression in a thread, metadata with the
   model fingerprint, atomic put).
 * :meth:`Persistence.load_into` does the reverse into an engine sequence; a blob of
