@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codec-level", type=int, default=3)
     s.add_argument("--no-persist", action="store_true", help="no store: slots live only in the engine")
     s.add_argument("--node-id", default="", help="this node's name in slot leases (default host:port)")
-    s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
+    s.add_argument("--lease-ms", type=int, default=6_000, help="slot lease time-to-live, ms (renewed every third)")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
     s.add_argument(
         "--queue-size", type=int, default=64, help="requests that may wait for a free engine sequence (0: 429 at once)"

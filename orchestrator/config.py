@@ -39,7 +39,7 @@ class Settings:
     codec_level: int = 3
     persist: bool = True
     node_id: str = ""
-    lease_ms: int = 30_000
+    lease_ms: int = 6_000
     park_idle_s: float = 600.0
     classifier: WorkerOptions | None = None  # a second worker serving a classifier GGUF
     queue_size: int = 64

@@ -71,7 +71,7 @@ class Persistence:
         codec: str = "auto",
         level: int = 3,
         node_id: str = "",
-        lease_ms: int = 30_000,
+        lease_ms: int = 6_000,
         write_delay_s: float = 0.2,
         park_idle_s: float | None = None,
         store_timeout_s: float = 3.0,
@@ -206,7 +206,8 @@ class Persistence:
     async def claim(self, slot: Slot) -> None:
         """Hold ``slot``'s lease (acquired once, renewed in the background).
 
-        Raises ``SLOT_BUSY`` (with ``owner``) when another node holds it, and
+        Raises ``SLOT_BUSY`` (with ``owner`` and ``retry_after``: the lease TTL in seconds, after
+        which a dead owner's lease has lapsed) when another node holds it, and
         ``STORE_UNAVAILABLE`` when it cannot be acquired because the store is down.
         """
         if slot.id in self.leases:
@@ -218,7 +219,15 @@ class Persistence:
         except StoreUnavailableError as exc:
             raise self._unavailable(exc) from exc
         if token is None:
-            raise ApiError("SLOT_BUSY", f"slot {slot.id!r} is owned by another node", slot_id=slot.id, owner=owner)
+            # A live owner renews its lease every third of its TTL; a dead one's lease lapses within
+            # one TTL, so that is when asking again can succeed (at the latest).
+            raise ApiError(
+                "SLOT_BUSY",
+                f"slot {slot.id!r} is owned by node {owner!r}",
+                slot_id=slot.id,
+                owner=owner,
+                retry_after=max(1, -(-self.lease_ms // 1000)),
+            )
         self.leases[slot.id] = token
 
     async def release(self, slot: Slot) -> None:
