@@ -36,6 +36,14 @@ def faulty_python(tmp_path: Path) -> str:
     return str(wrapper)
 
 
+def faulty(tmp_path: Path, fault: str, **options: object) -> WorkerOptions:
+    """Worker options of a small engine whose worker has ``fault`` (tests/orchestrator/worker_faults.py)."""
+    return WorkerOptions(
+        parallel=1, spare=1, ctx_size=512, threads=2, python=faulty_python(tmp_path),
+        extra_env={"SLOTSERVE_TEST_FAULT": fault}, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 def check(options: WorkerOptions) -> tuple[int, str]:
     out = io.StringIO()
     code = asyncio.run(run_check(options, Console(file=out, width=200, color_system=None)))
@@ -59,10 +67,7 @@ def test_check_passes_in_every_configuration(repack: bool, eval_filter: bool) ->
 
 
 def test_crash_during_start_up_is_retried_without_repacking(tmp_path: Path) -> None:
-    options = WorkerOptions(
-        parallel=1, spare=1, ctx_size=512, threads=2, python=faulty_python(tmp_path),
-        extra_env={"SLOTSERVE_TEST_FAULT": "segv-unless-no-repack"},
-    )  # fmt: skip
+    options = faulty(tmp_path, "segv-unless-no-repack")
 
     async def run() -> None:
         client = EngineClient(options, restart=False)
@@ -80,10 +85,7 @@ def test_crash_during_start_up_is_retried_without_repacking(tmp_path: Path) -> N
 
 
 def test_crash_is_reported_with_stage_and_signal(tmp_path: Path) -> None:
-    options = WorkerOptions(
-        parallel=1, spare=1, ctx_size=512, threads=2, python=faulty_python(tmp_path),
-        extra_env={"SLOTSERVE_TEST_FAULT": "segv-always"},
-    )  # fmt: skip
+    options = faulty(tmp_path, "segv-always")
 
     async def run() -> EngineStartError:
         client = EngineClient(options, restart=False)
@@ -99,10 +101,7 @@ def test_crash_is_reported_with_stage_and_signal(tmp_path: Path) -> None:
 
 
 def test_explicit_repack_is_not_second_guessed(tmp_path: Path) -> None:
-    options = WorkerOptions(
-        parallel=1, spare=1, ctx_size=512, threads=2, repack=True, python=faulty_python(tmp_path),
-        extra_env={"SLOTSERVE_TEST_FAULT": "segv-unless-no-repack"},
-    )  # fmt: skip
+    options = faulty(tmp_path, "segv-unless-no-repack", repack=True)
 
     async def run() -> None:
         with pytest.raises(EngineStartError) as info:
@@ -113,10 +112,7 @@ def test_explicit_repack_is_not_second_guessed(tmp_path: Path) -> None:
 
 
 def test_check_command_fails_when_the_engine_crashes(tmp_path: Path) -> None:
-    options = WorkerOptions(
-        parallel=1, spare=1, ctx_size=512, threads=2, repack=False, python=faulty_python(tmp_path),
-        extra_env={"SLOTSERVE_TEST_FAULT": "segv-always"},
-    )  # fmt: skip
+    options = faulty(tmp_path, "segv-always", repack=False)
     code, out = check(options)
     assert code == 1
     assert "FAIL start-up" in out and "SIGSEGV" in out and "verdict: FAIL" in out
