@@ -66,6 +66,7 @@ from common import (
     stop_servers,
     ws_token_frames,
 )
+from progress import progress_bar
 
 # ----------------------------------------------------------------------------- one run of N streams
 
@@ -321,10 +322,14 @@ def main() -> int:
         if 1 in counts and max(counts) > 1:
             loads.append(("1+", 1, False))
         texts: dict[tuple[str, str, int], str] = {}
+        bar = progress_bar()
+        bar.start()
+        runs_task = bar.add_task("runs", total=(args.reps + 1) * len(paths) * len(loads))
         for r in range(args.reps + 1):
             warm = r == 0
             for path in paths:
                 for label, n, alone in loads:
+                    bar.update(runs_task, advance=1, description=f"rep {r}/{args.reps} {path.name} x{label}")
                     if alone:
                         for i in range(1, args.parallel):
                             e = sync.post(f"{path.server.base}/slots/{i}", params={"action": "erase"})
@@ -353,6 +358,7 @@ def main() -> int:
                     if not warm:
                         path.runs.setdefault(label, []).append(run)
                         path.cpu.setdefault(label, []).append(cpu)
+        bar.stop()
 
         # ------------------------------------------------------------------ report
         print()

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import common  # puts the checkout on sys.path, for the engine imports below
+import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 import numpy as np
 from common import (
     CpuMeter,

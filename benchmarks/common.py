@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from progress import progress_bar  # noqa: E402 - benchmarks/, beside this file
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
@@ -389,20 +391,27 @@ class ServerProc:
         self.worker_pid: int | None = None
 
     def wait_ready(self, httpx_mod, timeout: float = 300) -> float:
-        """Seconds until ``/health`` answered 200."""
+        """Seconds until ``/health`` answered 200; a progress bar follows the model load meanwhile
+        (``/health``'s ``progress`` fraction and ``stage`` where the server reports them)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx_mod.get(self.base + "/health", timeout=2).status_code == 200:
-                    kids = children(self.proc.pid)
-                    self.worker_pid = kids[0] if kids else None
-                    return time.perf_counter() - t0
-            except httpx_mod.HTTPError:
-                pass
-            time.sleep(0.3)
+        with progress_bar() as bar:
+            task = bar.add_task(f"{self.name}: starting", total=100)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    r = httpx_mod.get(self.base + "/health", timeout=2)
+                    if r.status_code == 200:
+                        kids = children(self.proc.pid)
+                        self.worker_pid = kids[0] if kids else None
+                        return time.perf_counter() - t0
+                    body = r.json()
+                    stage = body.get("stage") or body.get("error", {}).get("message", "starting")
+                    bar.update(task, description=f"{self.name}: {stage}", completed=100 * body.get("progress", 0.0))
+                except (httpx_mod.HTTPError, ValueError):
+                    pass
+                time.sleep(0.3)
         raise RuntimeError(f"{self.name} not healthy after {timeout}s; see {self.log_path}")
 
     def pids(self) -> dict[str, int]:

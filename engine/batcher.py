@@ -18,10 +18,11 @@ import msgspec
 import numpy as np
 
 from engine.engine import BatchEntry, Engine, EngineError
-from engine.protocol import CaptureOptions, Done, Error, Generate, Token
+from engine.protocol import CaptureOptions, Done, Error, Generate, Progress, Token
 from engine.sampling import SamplerChain, logits_row, logprobs
 
 Emit = Callable[[msgspec.Struct, Sequence[object]], None]
+PROGRESS_EVERY = 256  # prompt tokens between two Progress events of a job that asks for them
 
 
 @dataclass
@@ -87,6 +88,8 @@ class Batcher:
             self.emit(Error(req.req, exc.code, exc.message), ())
             return
         self.jobs[req.req] = job
+        if req.progress and job.pending:
+            self._progress(job)
         if not job.pending and req.params.max_new_tokens == 0:
             self._finish(job, "length")
 
@@ -134,6 +137,13 @@ class Batcher:
             if base:
                 eng.fork(req.seq, seq)
             common, history = len(base), [*base, *pending]
+            if not pending and p.max_new_tokens > 0:
+                # Nothing appended: the fork decodes the slot's last token again for its
+                # logits (llama-server does the same when the whole prompt is cached).
+                # seq_rm on the fork alone drops its reference; the slot keeps the cell.
+                common -= 1
+                eng.truncate(seq, common)
+                pending = [base[-1]]
         else:
             raise EngineError("INVALID_REQUEST", f"unknown mode {req.mode!r}")
         chain = SamplerChain(p, eng.model.n_vocab, history)
@@ -162,8 +172,11 @@ class Batcher:
             job.cancelled = True
 
     def has_work(self) -> bool:
-        """Anything to decode (jobs or commits)."""
-        return bool(self.jobs or self.commits)
+        """Anything for :meth:`step` to do: commits, or a job to decode or to end.
+
+        The worker blocks on its inbox while this is false, so it never spins.
+        """
+        return bool(self.commits) or any(j.cancelled or j.last >= 0 or j.pending for j in self.jobs.values())
 
     def flush(self, seq: int | None = None) -> None:
         """Write pending commits (of ``seq``, or all) to the KV cache now."""
@@ -200,7 +213,7 @@ class Batcher:
                 budget -= 1
         for job in self.jobs.values():
             if job.last < 0 and job.pending and budget > 0:
-                chunk = job.pending[:budget]
+                chunk = job.pending[: min(budget, PROGRESS_EVERY) if job.req.progress else budget]
                 last = len(chunk) == len(job.pending)
                 entries.append(self._entry(job, chunk, last and job.req.params.max_new_tokens > 0))
                 owners.append(job)
@@ -223,11 +236,18 @@ class Batcher:
             if job.last < 0:
                 del job.pending[: len(e.tokens)]
                 job.n_prefilled += len(e.tokens)
+                if job.req.progress:
+                    self._progress(job)
                 if not job.pending and job.req.params.max_new_tokens == 0:
                     self._finish(job, "length")
                     continue
             if e.logits:
                 self._sample(job, e)
+
+    def _progress(self, job: Job) -> None:
+        """Emit ``Progress``: prompt tokens in the KV cache (cached + prefilled) of ``n_prompt``."""
+        t_ms = (time.perf_counter() - job.t0) * 1000
+        self.emit(Progress(job.req.req, job.n_prompt, job.n_cached, job.n_cached + job.n_prefilled, t_ms), ())
 
     def _entry(self, job: Job, tokens: list[int], logits: bool) -> BatchEntry:
         pos0 = self.engine.seq_len(job.seq)

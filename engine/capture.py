@@ -1,6 +1,6 @@
 """Attention capture: an eval callback that copies post-softmax rows during ``llama_decode``.
 
-Verified facts this relies on (DESIGN.md section 3, llama.cpp ``src/llama-graph.cpp``):
+Facts this relies on (llama.cpp ``src/llama-graph.cpp``, ``ggml/src/ggml-backend.cpp``; docs/architecture.md):
 
 * the post-softmax attention of layer ``il`` is the graph node ``kq_soft_max-{il}``,
   ``ne = [n_kv, n_tokens_in_ubatch, n_head, 1]`` (unified KV, flash attention off),

@@ -1,6 +1,6 @@
 """Mirror of the unified KV cache's cells, kept per sequence as position -> cell.
 
-KV cells are not positions (DESIGN.md section 3, "the trap"): after a ``seq_rm`` or a
+KV cells are not positions (docs/architecture.md, "The KV cell trap"): after a ``seq_rm`` or a
 discarded fork new tokens land in holes, and a state restore places cells with a
 non-contiguous search.  Attention rows from ``kq_soft_max`` are indexed by cell, the
 client wants them by input position, so every operation the engine issues on the

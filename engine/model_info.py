@@ -2,14 +2,52 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import llama_cpp as llama
 
+from engine import backend
 from engine.engine import Engine
-from engine.protocol import ModelInfo
+from engine.ggml_ffi import libggml
+from engine.protocol import EngineRuntime, ModelInfo
+
+libggml.ggml_type_name.argtypes = [ctypes.c_int]
+libggml.ggml_type_name.restype = ctypes.c_char_p
+
+
+def runtime_info(engine: Engine) -> EngineRuntime:
+    """The configuration the engine runs in: devices, offloaded layers, repacking, KV types, threads.
+
+    Layers offloaded follow llama.cpp's rule (``src/llama-model.cpp``): the last
+    ``n_gpu_layers`` repeating layers, plus the output layer when ``n_gpu_layers``
+    exceeds the layer count; none without a GPU device.
+    """
+    m, c = engine.model, engine.config
+    devs = backend.devices()
+    gpus = [d for d in devs if d.type in ("GPU", "IGPU")]
+    offloaded = min(c.n_gpu_layers, m.n_layer + 1) if gpus and c.n_gpu_layers > 0 else 0
+    return EngineRuntime(
+        backend=gpus[0].name if offloaded else "CPU",
+        devices=[f"{d.name} ({d.description})" for d in devs],
+        n_gpu_layers=c.n_gpu_layers,
+        n_layers_offloaded=offloaded,
+        extra_bufts=backend.cpu_extra_bufts(),
+        use_extra_bufts=m.repack.use_extra_bufts,
+        repack_reason=m.repack.reason,
+        flash_attn=False,
+        type_k=libggml.ggml_type_name(engine.type_k).decode(),
+        type_v=libggml.ggml_type_name(engine.type_v).decode(),
+        kv_unified=True,
+        n_threads=c.n_threads,
+        n_seq_max=c.n_seq_max,
+        eval_filter="off" if not c.capture else ("c" if engine.capture.c is not None else "python"),
+        self_check_ms=round(engine.self_check_ms, 1),
+        system_info=llama.llama_print_system_info().decode("utf-8", "replace").strip(),
+    )
 
 
 def model_info(engine: Engine) -> ModelInfo:
-    """Model facts for ``GET /api/v1/model`` (seeds 000/001 fields), sent in the worker's ``Ready``."""
+    """Model facts for ``GET /api/v1/model`` (the fields docs/api.md lists), sent in the worker's ``Ready``."""
     m = engine.model
     name = m.meta("general.name") or m.path.stem
     special = {
@@ -49,4 +87,5 @@ def model_info(engine: Engine) -> ModelInfo:
         n_params=int(llama.llama_model_n_params(m.ptr)),
         size_bytes=int(llama.llama_model_size(m.ptr)),
         llama_cpp_version=llama.__version__,
+        runtime=runtime_info(engine),
     )

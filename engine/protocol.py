@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Sequence
+from typing import Literal
 
 import msgspec
 
@@ -97,6 +98,7 @@ class Generate(msgspec.Struct, tag="generate", array_like=True, omit_defaults=Tr
     params: SamplingParams
     capture: CaptureOptions
     append: list[int] = []
+    progress: bool = False  # send ``Progress`` while prefilling (llama-server's ``return_progress``)
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -142,14 +144,28 @@ class SeqOp(msgspec.Struct, tag="seq_op", array_like=True, omit_defaults=True):
 class RestoreState(msgspec.Struct, tag="restore", array_like=True):
     """Restore sequence ``seq`` from ``tokens`` + a llama.cpp sequence state (buffer 0).
 
-    The state is parsed and checked against this model first, then restored into a
-    scratch sequence; only when that succeeds does it replace ``seq``.  A refused
+    The state is parsed and checked against this model first (layout, and K/V values
+    all finite), then restored into a scratch sequence; only when that succeeds does it
+    replace ``seq``.  A refused
     state leaves ``seq`` exactly as it was (reply ``Error`` with ``BAD_STATE``).
     """
 
     req: int
     seq: int
     tokens: list[int]
+
+
+class Classify(msgspec.Struct, tag="classify", array_like=True):
+    """Classify each text with the worker's classifier model (reply ``Classified``)."""
+
+    req: int
+    texts: list[str]
+
+
+class Status(msgspec.Struct, tag="status", array_like=True):
+    """Where the sequences' KV cells are (reply ``EngineState``)."""
+
+    req: int
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -161,8 +177,37 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 # ----------------------------------------------------------------------------- worker -> orchestrator
 
 
+class EngineRuntime(msgspec.Struct, kw_only=True):
+    """The engine configuration in force (``/health``, ``GET /api/v1/model``'s ``engine``).
+
+    ``devices``: ggml backend devices as ``NAME (description)``; ``backend``: the device
+    type layers run on (``CPU``, ``GPU``); ``extra_bufts``: the CPU backend's extra buffer
+    types on this host and ``use_extra_bufts`` whether the model uses them (llama-server's
+    ``--no-repack`` is False), with ``repack_reason``; ``eval_filter``: how attention rows
+    are read (``c``, ``python``, or ``off`` without capture); ``system_info``: llama.cpp's
+    ``llama_print_system_info`` line.
+    """
+
+    backend: str
+    devices: list[str]
+    n_gpu_layers: int
+    n_layers_offloaded: int
+    extra_bufts: list[str]
+    use_extra_bufts: bool
+    repack_reason: str
+    flash_attn: bool
+    type_k: str
+    type_v: str
+    kv_unified: bool
+    n_threads: int
+    n_seq_max: int
+    eval_filter: str
+    self_check_ms: float
+    system_info: str
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
-    """Model and engine facts; fields follow seeds 000/001 and llama.cpp's names."""
+    """Model and engine facts; fields as docs/api.md lists them for ``GET /api/v1/model``, llama.cpp's names."""
 
     model_name: str
     model_path: str
@@ -189,6 +234,20 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     n_params: int
     size_bytes: int
     llama_cpp_version: str
+    runtime: EngineRuntime
+    classifier_labels: list[str] = []  # a classifier's output labels, in logit order
+
+
+StartStage = Literal["loading_model", "creating_context", "self_check"]
+
+
+class Starting(msgspec.Struct, tag="starting", array_like=True):
+    """Start-up progress, sent before ``Ready``: the stage the worker entered and, while
+    loading the model, the fraction loaded (llama.cpp's progress callback, 0..1)."""
+
+    req: int
+    stage: StartStage
+    fraction: float = 0.0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -219,6 +278,20 @@ class Token(msgspec.Struct, tag="token", array_like=True, omit_defaults=True):
     has_hidden: bool = False
 
 
+class Progress(msgspec.Struct, tag="progress", array_like=True):
+    """Prefill progress of a generation: ``n_done`` of ``n_total`` prompt tokens processed.
+
+    ``n_cached`` of them came from the KV cache (llama-server's ``prompt_progress``:
+    ``total``, ``cache``, ``processed``, ``time_ms``).
+    """
+
+    req: int
+    n_total: int
+    n_cached: int
+    n_done: int
+    t_ms: float
+
+
 class Done(msgspec.Struct, tag="done", array_like=True, omit_defaults=True):
     """End of a generation. ``finish_reason``: length, stop_token, stop_string, cancelled."""
 
@@ -235,7 +308,7 @@ class Done(msgspec.Struct, tag="done", array_like=True, omit_defaults=True):
 
 
 class Error(msgspec.Struct, tag="error", array_like=True):
-    """A request failed; ``code`` is one of DESIGN.md section 5's error codes."""
+    """A request failed; ``code`` is one of the API error codes (docs/api.md, "Errors")."""
 
     req: int
     code: str
@@ -265,6 +338,23 @@ class SeqInfo(msgspec.Struct, tag="seq_info", array_like=True):
     tokens: list[int]
 
 
+class Classified(msgspec.Struct, tag="classified", array_like=True):
+    """Raw logits of each text (buffer 0: ``float32[len(n_tokens), n_out]``) and its token count."""
+
+    req: int
+    n_tokens: list[int]
+    n_out: int
+
+
+class EngineState(msgspec.Struct, tag="engine_state", array_like=True):
+    """``offloaded``: sequences whose cells were moved to host memory (``--cache-idle-slots``);
+    ``generating``: sequences with an active generation."""
+
+    req: int
+    offloaded: list[int]
+    generating: list[int]
+
+
 class StateBlob(msgspec.Struct, tag="state", array_like=True):
     """A sequence's tokens and its llama.cpp sequence state (buffer 0)."""
 
@@ -274,14 +364,38 @@ class StateBlob(msgspec.Struct, tag="state", array_like=True):
     t_ms: float
 
 
-Request = Generate | Cancel | Tokenize | Detokenize | SeqOp | RestoreState | Shutdown
-Reply = Ready | Token | Done | Error | TokenizeResult | DetokenizeResult | SeqInfo | StateBlob
+Request = Generate | Cancel | Tokenize | Detokenize | SeqOp | RestoreState | Classify | Status | Shutdown
+Reply = (
+    Starting
+    | Ready
+    | Token
+    | Progress
+    | Done
+    | Error
+    | TokenizeResult
+    | DetokenizeResult
+    | SeqInfo
+    | StateBlob
+    | Classified
+    | EngineState
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 Buffer = bytes | bytearray | memoryview
+
+
+def parse_address(addr: str) -> tuple[int, object]:
+    """``unix:/path`` or ``tcp:host:port`` (a worker's address) to ``(family, sockaddr)``; ValueError otherwise."""
+    kind, _, rest = addr.partition(":")
+    if kind == "unix":
+        return socket.AF_UNIX, rest
+    if kind == "tcp":
+        host, _, port = rest.rpartition(":")
+        return socket.AF_INET, (host or "127.0.0.1", int(port))
+    raise ValueError(f"bad address {addr!r}: use unix:/path or tcp:host:port")
 
 
 def encode_frame(msg: msgspec.Struct, buffers: Sequence[Buffer] = ()) -> list[Buffer]:

@@ -17,7 +17,8 @@ A blob from another model, another KV type or another build differs in these
 fields; a truncated or padded blob differs in length.  :func:`parse` checks all of
 them against the :class:`StateLayout` learned from this engine's own state, so a
 refused blob never reaches ``llama_state_seq_set_data`` (whose failures can abort
-the process).
+the process).  :func:`check_finite` refuses K/V data holding NaN or infinity (a
+damaged blob that llama.cpp would take and then decode into garbage).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 IO_MAGIC = 0xAF143CD8
+
+# ggml_type ids (ggml/include/ggml.h) of the float K/V types -> (little-endian word, exponent mask).
+# A value is NaN or infinite exactly when all its exponent bits are set.
+_FLOAT_WORDS = {0: ("<u4", 0x7F800000), 1: ("<u2", 0x7C00), 30: ("<u2", 0x7F80)}  # F32, F16, BF16
 
 
 class BadStateError(ValueError):
@@ -66,6 +71,7 @@ class ParsedState:
 
     positions: np.ndarray  # int32[cell_count]
     layout: StateLayout
+    data: tuple[tuple[int, int, int], ...] = ()  # (ggml_type, byte offset, byte length) of each K/V record
 
 
 class _Reader:
@@ -87,8 +93,11 @@ class _Reader:
         self.off += n
 
 
-def _read_stream(r: _Reader, cell_count: int) -> tuple[np.ndarray, int, tuple[LayerLayout, ...]]:
-    """One stream's record after its ``cell_count``: ``(positions, v_trans, layers)``."""
+def _read_stream(
+    r: _Reader, cell_count: int
+) -> tuple[np.ndarray, int, tuple[LayerLayout, ...], tuple[tuple[int, int, int], ...]]:
+    """One stream's record after its ``cell_count``: ``(positions, v_trans, layers, data)``,
+    ``data`` as :attr:`ParsedState.data`."""
     if cell_count == 0 or cell_count > (len(r.data) - r.off) // 12:
         raise BadStateError(f"implausible cell count {cell_count}")
     cells = np.frombuffer(r.data, dtype="<i4", count=3 * cell_count, offset=r.off).reshape(cell_count, 3)
@@ -99,21 +108,25 @@ def _read_stream(r: _Reader, cell_count: int) -> tuple[np.ndarray, int, tuple[La
     if n_layer == 0 or n_layer > 4096:
         raise BadStateError(f"implausible layer count {n_layer}")
     k_heads: list[tuple[int, int]] = []
+    data: list[tuple[int, int, int]] = []
     for _ in range(n_layer):
         k_type, k_row = r.take("<iQ")
+        data.append((k_type, r.off, cell_count * k_row))
         r.skip(cell_count * k_row)
         k_heads.append((k_type, k_row))
     layers = []
     for k_type, k_row in k_heads:
         if v_trans:
             v_type, v_el, n_embd_v = r.take("<iII")
-            r.skip(v_el * n_embd_v * cell_count)
+            size = v_el * n_embd_v * cell_count
         else:
             v_type, v_el = r.take("<iQ")
             n_embd_v = 0
-            r.skip(cell_count * v_el)
+            size = cell_count * v_el
+        data.append((v_type, r.off, size))
+        r.skip(size)
         layers.append(LayerLayout(k_type, k_row, v_type, v_el, n_embd_v))
-    return cells[:, 0].astype(np.int32), v_trans, tuple(layers)
+    return cells[:, 0].astype(np.int32), v_trans, tuple(layers), tuple(data)
 
 
 def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> ParsedState:
@@ -133,13 +146,13 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> Parsed
     if r.off == len(r.data):
         return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
     (cell_count,) = r.take("<I")
-    positions, v_trans, layers = _read_stream(r, cell_count)
+    positions, v_trans, layers, data = _read_stream(r, cell_count)
     if r.off != len(r.data):
         raise BadStateError(f"{len(r.data) - r.off} unexpected bytes after the state")
     layout = StateLayout(n_stream, v_trans, layers)
     if expect is not None and layout != expect:
         raise BadStateError("state was written by another model, KV type or llama.cpp build")
-    return ParsedState(positions, layout)
+    return ParsedState(positions, layout, data)
 
 
 def single_stream(blob: bytes | memoryview) -> bytes:
@@ -170,3 +183,29 @@ def single_stream(blob: bytes | memoryview) -> bytes:
         raise BadStateError(f"the state's cells are spread over {len(records)} KV streams")
     body = bytes(records[0]) if records else struct.pack("<I", 0)
     return struct.pack("<IiI", magic, src_seq, 1) + body
+
+
+def check_finite(blob: bytes | bytearray | memoryview, parsed: ParsedState) -> None:
+    """Refuse a state whose float K/V values include NaN or +-infinity.
+
+    ``parsed`` is :func:`parse`'s result for ``blob``.  Every F32, F16 and BF16 record
+    (ggml types 0, 1, 30) is viewed in place as little-endian words and its exponent
+    bits are tested in one vectorised pass per record (no float conversion); records
+    of quantized types (their block scales included) are not checked.  Cost: see
+    ``benchmarks/bench_integrity.py`` (docs/benchmarks.md has the figures).
+
+    Raises:
+        BadStateError: naming the first record (``K``/``V`` of a layer) that holds a
+            non-finite value.
+    """
+    view = memoryview(blob).cast("B")
+    n_layer = len(parsed.data) // 2
+    for i, (ggml_type, off, size) in enumerate(parsed.data):
+        word = _FLOAT_WORDS.get(ggml_type)
+        if word is None or size == 0:
+            continue
+        dtype, mask = word
+        values = np.frombuffer(view, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=off)
+        if int(np.bitwise_and(values, mask).max()) == mask:
+            what = "K" if i < n_layer else "V"
+            raise BadStateError(f"the state's {what} cache of layer {i % n_layer} holds NaN or infinite values")

@@ -17,12 +17,13 @@ from litestar.di import Provide
 from litestar.logging.config import StructLoggingConfig
 from litestar.middleware.logging import LoggingMiddlewareConfig
 from litestar.openapi import OpenAPIConfig
-from litestar.plugins.prometheus import PrometheusConfig, PrometheusController
+from litestar.plugins.prometheus import PrometheusConfig
 from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from orchestrator import metrics
+from orchestrator.admission import AdmissionQueue
 from orchestrator.api.generate import GenerateController
-from orchestrator.api.health import health
+from orchestrator.api.health import MetricsController, health
 from orchestrator.api.model import ModelController
 from orchestrator.api.ws import binary_stream, event_stream
 from orchestrator.auth import api_key_middleware
@@ -30,6 +31,7 @@ from orchestrator.config import Settings
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import exception_handler
 from orchestrator.generation import GenerationService
+from orchestrator.origins import websocket_origin_middleware
 from orchestrator.services import Services, provide_services
 from orchestrator.slots import SlotRegistry
 
@@ -44,11 +46,13 @@ def build_services(settings: Settings) -> Services:
         from orchestrator.persistence import Persistence
 
         persistence = Persistence.from_settings(settings, engine)
-    registry = SlotRegistry(engine, settings.worker.parallel, persistence)
+    queue = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
+    registry = SlotRegistry(engine, settings.worker.parallel, persistence, queue)
     registry.wait_s = settings.slot_wait_s
     if persistence is not None:
         persistence.registry = registry
-    return Services(settings, engine, registry, GenerationService(engine, registry), persistence)
+    classifier = EngineClient(settings.classifier) if settings.classifier is not None else None
+    return Services(settings, engine, registry, GenerationService(engine, registry), persistence, classifier)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:
@@ -67,28 +71,36 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
 
         svc.engine.on_restart = on_restart
 
-        async def start_engine() -> None:
+        async def start_engine(client: EngineClient) -> None:
             # The port is open while the model loads: /health says 503 "Loading model" meanwhile,
             # like llama-server.  A model that cannot be loaded stops the server.
             try:
-                await svc.engine.start()
+                await client.start()
             except Exception as exc:
                 log.error("engine failed to start; shutting down", error=str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        starting = asyncio.create_task(start_engine(), name="engine-start")
+        starting = [asyncio.create_task(start_engine(svc.engine), name="engine-start")]
+        if svc.classifier is not None:
+            starting.append(asyncio.create_task(start_engine(svc.classifier), name="classifier-start"))
         try:
             yield
         finally:
-            starting.cancel()
+            for task in starting:
+                task.cancel()
             if svc.persistence is not None:
                 await svc.persistence.shutdown()
+            if svc.classifier is not None:
+                await svc.classifier.close()
             await svc.engine.close()
 
     async def before_request(_: Request[Any, Any, Any]) -> None:
         structlog.contextvars.clear_contextvars()
 
-    middleware = [api_key_middleware(settings.api_key)] if settings.api_key else []
+    cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
+    middleware = [websocket_origin_middleware(cors)]
+    if settings.api_key:
+        middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
     prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)
     route_handlers: list[Any] = [
         ModelController,
@@ -96,20 +108,30 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         binary_stream,
         event_stream,
         health,
-        PrometheusController,
+        MetricsController,
     ]
+    from orchestrator.api.admin import AdminController
+    from orchestrator.api.classify import classify
     from orchestrator.api.kobold import KoboldController
     from orchestrator.api.llama_server import LlamaServerController
     from orchestrator.api.openai import OpenAIController
     from orchestrator.api.preview import PreviewController
     from orchestrator.api.slots import SlotController
 
-    route_handlers += [SlotController, PreviewController, OpenAIController, LlamaServerController, KoboldController]
+    route_handlers += [
+        SlotController,
+        PreviewController,
+        classify,
+        AdminController,
+        OpenAIController,
+        LlamaServerController,
+        KoboldController,
+    ]
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],
         dependencies={"services": Provide(provide_services, sync_to_thread=False)},
-        cors_config=CORSConfig(allow_origins=list(settings.cors_origins), allow_headers=["*"], expose_headers=["*"]),
+        cors_config=cors,
         exception_handlers={Exception: exception_handler},
         middleware=[*middleware, prometheus.middleware],
         plugins=[

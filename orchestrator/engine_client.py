@@ -16,10 +16,12 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
+import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -34,6 +36,20 @@ class EngineDeadError(RuntimeError):
     """The worker is gone (crashed or not started); ``code`` NO_MODEL."""
 
     code = "NO_MODEL"
+
+
+class EngineStartError(EngineDeadError):
+    """The worker died or failed before ``Ready``: ``stage`` reached, ``returncode`` (``-N``: signal N)."""
+
+    def __init__(self, message: str, stage: str, returncode: int | None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.returncode = returncode
+
+    @property
+    def crashed(self) -> bool:
+        """True when a signal (a crash in native code: SIGSEGV, SIGABRT, SIGILL, SIGBUS) ended the worker."""
+        return self.returncode is not None and self.returncode < 0 and -self.returncode != signal.SIGTERM
 
 
 class EngineRequestError(RuntimeError):
@@ -59,12 +75,17 @@ class WorkerOptions:
     n_gpu_layers: int = 0
     verify_cells: bool = False
     cache_idle_slots: bool = True
+    repack: bool | None = None  # CPU weight repacking (extra buffer types); None: the worker decides
+    eval_filter: bool = True  # the C eval-callback filter for attention rows, when built
+    classifier: bool = False  # serve ``model`` as a sequence classifier (``Classify`` requests only)
     connect: str | None = None  # tcp:host:port of a standalone worker instead of spawning one
     extra_env: dict[str, str] = field(default_factory=dict)
+    # the interpreter that runs the worker (e.g. another venv's, with a GPU build of llama.cpp)
+    python: str = field(default_factory=lambda: os.environ.get("SLOTSERVE_WORKER_PYTHON", sys.executable))
 
     def argv(self, address: str) -> list[str]:
         """Command line for a spawned worker that connects back to ``address``."""
-        args = [sys.executable, "-m", "engine.worker", "--connect", address]
+        args = [self.python, "-m", "engine.worker", "--connect", address]
         if self.model is not None:
             args += ["--model", str(self.model)]
         args += ["--ctx-size", str(self.ctx_size), "--parallel", str(self.parallel), "--spare", str(self.spare)]
@@ -74,10 +95,26 @@ class WorkerOptions:
             args.append("--verify-cells")
         if not self.cache_idle_slots:
             args.append("--no-cache-idle-slots")
+        if self.repack is not None:
+            args.append("--repack" if self.repack else "--no-repack")
+        if not self.eval_filter:
+            args.append("--no-eval-filter")
+        if self.classifier:
+            args.append("--classifier")
         return args
 
 
 Event = tuple[msgspec.Struct, list[bytes]]
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"exit status {code}"
 
 
 class EngineClient:
@@ -98,6 +135,8 @@ class EngineClient:
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
         self._closing = False
         self._ready = asyncio.Event()
+        self.stage = "not started"  # start-up stage reached (engine.protocol.Starting), "ready" once up
+        self.load_fraction = 0.0  # model load progress while stage == "loading_model"
         self._write_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -113,29 +152,94 @@ class EngineClient:
         return self._proc.pid if self._proc else None
 
     async def start(self, timeout: float = 300.0) -> proto.ModelInfo:
-        """Start (or connect to) the worker and wait for its ``Ready``."""
-        if self.options.connect:
-            from engine.worker import parse_address
+        """Start (or connect to) the worker and wait for its ``Ready``.
 
-            family, addr = parse_address(self.options.connect)
-            if family == __import__("socket").AF_UNIX:
+        ``timeout`` (s) bounds each wait: the connection, and every start-up stage
+        (:class:`engine.protocol.Starting`).  When a spawned worker crashes (dies by a
+        signal) during start-up with CPU weight repacking left to auto, it is started
+        once more with repacking off, and a warning says so.  Raises
+        :class:`EngineStartError` (stage reached, exit status) when the worker fails.
+        """
+        try:
+            return await self._start_once(timeout)
+        except EngineStartError as exc:
+            if not (exc.crashed and self.options.connect is None and self.options.repack is None):
+                raise
+            log.warning(
+                "engine worker crashed during start-up; retrying once without CPU weight repacking",
+                stage=exc.stage,
+                signal=signal.Signals(-exc.returncode).name if exc.returncode else None,
+                gives_up="llama.cpp's extra buffer types (repacked CPU weights: faster prefill on some CPUs)",
+            )
+            self.options = replace(self.options, repack=False)
+            return await self._start_once(timeout)
+
+    async def _start_once(self, timeout: float) -> proto.ModelInfo:
+        self.stage = "connecting"
+        self.load_fraction = 0.0
+        if self.options.connect:
+            family, addr = proto.parse_address(self.options.connect)
+            if family == socket.AF_UNIX:
                 reader, writer = await asyncio.open_unix_connection(addr)  # type: ignore[arg-type]
             else:
                 host, port = addr  # type: ignore[misc]
                 reader, writer = await asyncio.open_connection(host, port)
         else:
             reader, writer = await self._spawn(timeout)
-        reply, _ = await asyncio.wait_for(proto.read_reply(reader), timeout)
-        if not isinstance(reply, proto.Ready):
-            raise EngineDeadError(f"worker sent {type(reply).__name__} before Ready")
+        try:
+            reply = await self._await_ready(reader, timeout)
+        except BaseException:
+            writer.close()
+            await self._teardown()
+            raise
+        self.stage = "ready"
         self.info = reply.info
         self.pieces = reply.pieces
         self._writer = writer
         self.generation += 1
         self._reader_task = asyncio.create_task(self._read_loop(reader), name="engine-reader")
         self._ready.set()
-        log.info("engine ready", model=reply.info.model_name, pid=self.pid, generation=self.generation)
+        rt = reply.info.runtime
+        log.info(
+            "engine ready",
+            model=reply.info.model_name,
+            pid=self.pid,
+            generation=self.generation,
+            backend=rt.backend,
+            layers_offloaded=rt.n_layers_offloaded,
+            repack=rt.use_extra_bufts,
+            repack_reason=rt.repack_reason,
+            eval_filter=rt.eval_filter,
+            threads=rt.n_threads,
+        )
         return reply.info
+
+    async def _await_ready(self, reader: asyncio.StreamReader, timeout: float) -> proto.Ready:
+        """Follow the worker's :class:`engine.protocol.Starting` reports until ``Ready``."""
+        while True:
+            try:
+                reply, _ = await asyncio.wait_for(proto.read_reply(reader), timeout)
+            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, proto.ProtocolError) as exc:
+                code = await self._exit_status()
+                what = f"died with {_describe_exit(code)}" if code is not None else f"stopped answering ({exc!r})"
+                log.error("engine worker failed during start-up", stage=self.stage, exit=_describe_exit(code))
+                raise EngineStartError(f"worker {what} during stage {self.stage!r}", self.stage, code) from exc
+            if isinstance(reply, proto.Ready):
+                return reply
+            if isinstance(reply, proto.Starting):
+                if reply.stage != self.stage:
+                    log.info("engine starting", stage=reply.stage)
+                self.stage, self.load_fraction = reply.stage, reply.fraction
+                continue
+            raise EngineStartError(f"worker sent {type(reply).__name__} before Ready", self.stage, None)
+
+    async def _exit_status(self) -> int | None:
+        """The spawned worker's exit status once it has exited (waits up to 5 s), else None."""
+        if self._proc is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(self._proc.wait(), 5)
+        return None
 
     async def _spawn(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         self._tmpdir = tempfile.TemporaryDirectory(prefix="slotserve-")
@@ -154,6 +258,7 @@ class EngineClient:
         env = {**os.environ, **self.options.extra_env}
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.stage = "spawning"
         self._proc = await asyncio.create_subprocess_exec(*self.options.argv(f"unix:{path}"), env=env)
         try:
             done, _ = await asyncio.wait(
@@ -162,7 +267,9 @@ class EngineClient:
                 return_when=asyncio.FIRST_COMPLETED,
             )
             if accepted not in done:
-                raise EngineDeadError(f"worker exited with {self._proc.returncode} before connecting")
+                code = self._proc.returncode
+                await self._teardown()
+                raise EngineStartError(f"worker exited with {_describe_exit(code)} before connecting", "spawning", code)
             return accepted.result()
         finally:
             server.close()
@@ -331,6 +438,18 @@ class EngineClient:
     async def seq_op(self, op: str, seq: int, arg0: int = 0, arg1: int = 0) -> Event:
         """Run a :class:`engine.protocol.SeqOp` and return its reply."""
         return await self.request(proto.SeqOp(self.new_id(), op, seq, arg0, arg1))
+
+    async def classify(self, texts: list[str]) -> tuple[proto.Classified, bytes]:
+        """Raw logits of each text from a classifier worker: the reply and ``float32[n, n_out]`` bytes."""
+        reply, bufs = await self.request(proto.Classify(self.new_id(), texts))
+        assert isinstance(reply, proto.Classified)
+        return reply, bufs[0]
+
+    async def status(self) -> proto.EngineState:
+        """Which sequences are offloaded to host memory and which are generating."""
+        reply, _ = await self.request(proto.Status(self.new_id()))
+        assert isinstance(reply, proto.EngineState)
+        return reply
 
     async def restore(self, seq: int, tokens: list[int], state: proto.Buffer) -> proto.StateBlob:
         """Restore ``seq`` from tokens + llama.cpp state bytes."""

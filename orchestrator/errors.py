@@ -1,12 +1,12 @@
 """API errors: every failure a client sees is JSON with an ``error_code``.
 
-Codes (DESIGN.md section 5): INVALID_REQUEST, INVALID_TOKEN, CONTEXT_OVERFLOW,
+Codes (docs/api.md, "Errors"): INVALID_REQUEST, INVALID_TOKEN, CONTEXT_OVERFLOW,
 NO_MODEL, OOM, SLOT_BUSY, SLOT_NOT_FOUND, NO_CACHED_CONTEXT, BAD_STATE, UNAUTHORIZED,
-RATE_LIMITED, PAYLOAD_TOO_LARGE, STORE_UNAVAILABLE, INTERNAL.  Body shape::
+RATE_LIMITED, PAYLOAD_TOO_LARGE, STORE_UNAVAILABLE, NOT_SUPPORTED, CLIENT_GONE, INTERNAL.  Body shape::
 
     {"error": "<message>", "error_code": "<CODE>", ...extra}
 
-(the ``error`` key is what seed 000's error event uses).  Caller mistakes are 4xx;
+(the ``error`` key is what the JSON WebSocket's ``error`` event uses, docs/api.md).  Caller mistakes are 4xx;
 a 500 only ever means a bug of ours.
 """
 
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import structlog
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
 
 from orchestrator.engine_client import EngineDeadError, EngineRequestError
 
@@ -33,11 +35,48 @@ STATUS_OF_CODE = {
     "SLOT_BUSY": 409,
     "PAYLOAD_TOO_LARGE": 413,
     "RATE_LIMITED": 429,
+    "CLIENT_GONE": 499,  # nginx's "client closed request": the client left while its request waited
     "INTERNAL": 500,
+    "NOT_SUPPORTED": 501,
     "NO_MODEL": 503,
     "OOM": 503,
     "STORE_UNAVAILABLE": 503,
 }
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """The JSON body of every error response (documents it in the OpenAPI schema).
+
+    ``error`` is the message and ``error_code`` one of the codes above; the other fields
+    come with some codes (docs/api.md, "Errors").
+    """
+
+    error: str
+    error_code: str
+    token_id: int | None = None
+    n_ctx: int | None = None
+    context_length: int | None = None
+    n_tokens: int | None = None
+    slot_id: str | None = None
+    owner: str | None = None
+    extra: list[dict[str, Any]] | dict[str, Any] | None = None
+
+
+ERROR_RESPONSES = {
+    status: ResponseSpec(ErrorBody, description=f"error ({', '.join(codes)})", generate_examples=False)
+    for status, codes in {
+        400: ["INVALID_REQUEST", "INVALID_TOKEN", "CONTEXT_OVERFLOW", "NO_CACHED_CONTEXT", "BAD_STATE"],
+        401: ["UNAUTHORIZED"],
+        404: ["SLOT_NOT_FOUND", "NOT_FOUND"],
+        405: ["METHOD_NOT_ALLOWED"],
+        409: ["SLOT_BUSY"],
+        413: ["PAYLOAD_TOO_LARGE"],
+        429: ["RATE_LIMITED"],
+        500: ["INTERNAL"],
+        503: ["NO_MODEL", "OOM", "STORE_UNAVAILABLE"],
+    }.items()
+}
+"""``responses=`` of every route: the error statuses with :class:`ErrorBody`."""
 
 
 class ApiError(Exception):
@@ -77,4 +116,6 @@ def from_exception(exc: BaseException) -> ApiError:
 def exception_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
     """Litestar exception handler: every error as ``{"error", "error_code"}`` JSON."""
     err = from_exception(exc)
-    return Response(err.body(), status_code=err.status, media_type=MediaType.JSON)
+    retry = err.extra.get("retry_after")
+    headers = {"Retry-After": str(retry)} if retry is not None else None
+    return Response(err.body(), status_code=err.status, media_type=MediaType.JSON, headers=headers)

@@ -8,15 +8,16 @@ one way: handler -> slot registry -> engine client -> worker -> events back.
 from __future__ import annotations
 
 import codecs
-import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from engine import protocol as proto
 from orchestrator import metrics
+from orchestrator.admin_feed import AttentionFeed
+from orchestrator.admission import WaitHooks
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import ApiError
 from orchestrator.schemas import CanonicalRequest
@@ -73,18 +74,14 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
             )
 
 
-def sampling_params(req: CanonicalRequest, vocab_size: int) -> proto.SamplingParams:
-    """Validated :class:`engine.protocol.SamplingParams` from a canonical request."""
-    if req.max_new_tokens < 0:
-        raise ApiError("INVALID_REQUEST", "max_new_tokens must be >= 0")
-    for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
-        v = getattr(req, name)
-        if not math.isfinite(v) or v < 0:
-            raise ApiError("INVALID_REQUEST", f"{name} must be a finite number >= 0")
-    if req.top_p > 1 or req.min_p > 1:
-        raise ApiError("INVALID_REQUEST", "top_p and min_p must be <= 1")
-    if req.n_probs < 0 or req.n_probs > 100:
-        raise ApiError("INVALID_REQUEST", "n_probs/top_logprobs must be in 0..100")
+def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.SamplingParams:
+    """Validated :class:`engine.protocol.SamplingParams` from a canonical request.
+
+    Value ranges are checked when the body is decoded (``orchestrator/schemas.py``); this
+    checks token ids against the vocabulary and resolves llama-server's special values
+    (``repeat_last_n`` -1: the context size; ``top_k`` <= 0 and ``repeat_penalty`` 0: off).
+    """
+    vocab_size = info.vocab_size
     check_tokens(req.stop_tokens, vocab_size, "stop_tokens")
     check_tokens(req.banned_tokens, vocab_size, "banned_tokens")
     return proto.SamplingParams(
@@ -94,7 +91,7 @@ def sampling_params(req: CanonicalRequest, vocab_size: int) -> proto.SamplingPar
         top_p=req.top_p,
         min_p=req.min_p,
         repeat_penalty=req.repeat_penalty if req.repeat_penalty > 0 else 1.0,
-        repeat_last_n=req.repeat_last_n,
+        repeat_last_n=info.n_ctx if req.repeat_last_n == -1 else req.repeat_last_n,
         seed=req.seed,
         banned_tokens=req.banned_tokens,
         stop_tokens=req.stop_tokens,
@@ -151,12 +148,18 @@ class TokenStream:
 
 
 class RunControl:
-    """Lets a handler cancel the generation a :meth:`GenerationService.run` started."""
+    """Lets a handler cancel the generation a :meth:`GenerationService.run` started.
 
-    def __init__(self) -> None:
+    ``on_queued(position)`` is awaited while the request waits for a free engine
+    sequence (1 = next; see :mod:`orchestrator.admission`); cancelling a queued request
+    ends its wait (``CLIENT_GONE``) and frees its place.
+    """
+
+    def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.engine: EngineClient | None = None
         self.req: int | None = None
         self.pending = False
+        self.hooks = WaitHooks(on_queued)
 
     async def bind(self, engine: EngineClient, req: int) -> None:
         """Called by ``run`` at the first event (the worker knows the request by then)."""
@@ -168,6 +171,7 @@ class RunControl:
         """Ask the worker to stop the generation (it ends with ``finish_reason="cancelled"``)."""
         if self.engine is None or self.req is None:
             self.pending = True
+            self.hooks.gone.set()
             return
         self.pending = False
         await self.engine.cancel(self.req)
@@ -179,6 +183,7 @@ class GenerationService:
     def __init__(self, engine: EngineClient, registry: SlotRegistry) -> None:
         self.engine = engine
         self.registry = registry
+        self.feed = AttentionFeed()  # the admin page's live view of generated tokens
 
     @property
     def info(self) -> proto.ModelInfo:
@@ -214,8 +219,12 @@ class GenerationService:
 
     async def run(
         self, req: CanonicalRequest, control: RunControl | None = None
-    ) -> AsyncIterator[Started | TokenOut | DoneOut]:
+    ) -> AsyncIterator[Started | TokenOut | proto.Progress | DoneOut]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
+
+        With ``req.progress``, ``engine.protocol.Progress`` events come before the first
+        token: one when the prefill starts, then one per at most 256 prompt tokens, the
+        last with ``n_done == n_total``.
 
         Raises :class:`ApiError` before the first yield for a bad request, and
         ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
@@ -223,12 +232,15 @@ class GenerationService:
         """
         info = self.info
         ids = await self.input_ids(req)
-        params = sampling_params(req, info.vocab_size)
+        params = sampling_params(req, info)
         capture = capture_options(req, info.num_layers)
-        async with self.registry.use(req.slot, wait=req.wait) as slot:
+        hooks = control.hooks if control is not None else None
+        async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
-            msg = proto.Generate(self.engine.new_id(), slot.seq, "generate", ids, params, capture)
+            msg = proto.Generate(
+                self.engine.new_id(), slot.seq, "generate", ids, params, capture, progress=req.progress
+            )
             slot.id_task, slot.params, slot.n_decoded = msg.req, params, 0
             converter = TokenStream(
                 set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
@@ -248,7 +260,11 @@ class GenerationService:
                         if not out.is_stop:
                             texts.append(out.text)
                         n_out += 1
+                        slot.n_tokens = len(ids) + n_out  # live count; the worker's at Done
+                        self.feed.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
                         yield out
+                    elif isinstance(event, proto.Progress):
+                        yield event
                     elif isinstance(event, proto.Done):
                         finished = True
                         log.info(

@@ -14,6 +14,12 @@ GENERATION_SECONDS = Histogram("slotserve_generation_seconds", "Wall time of a g
 SAVES = Counter("slotserve_slot_saves_total", "Slot states written to the store (parking and write-behind)")
 RESTORES = Counter("slotserve_slot_restores_total", "Slots restored from the store")
 ENGINE_RESTARTS = Counter("slotserve_engine_restarts_total", "Engine worker restarts")
+QUEUE_WAIT_SECONDS = Histogram(
+    "slotserve_queue_wait_seconds",
+    "Time requests waited in the admission queue for an engine sequence (granted ones)",
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+QUEUE_REFUSED = Counter("slotserve_queue_refused_total", "Requests refused by the admission queue", ["reason"])
 
 
 def record_generation(done: Done) -> None:

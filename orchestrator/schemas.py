@@ -10,12 +10,27 @@ Aliases are merged by :meth:`GenerateRequest.canonical`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 AttentionFormat = Literal["per_layer", "aggregated"]
 AttentionDtype = Literal["float32", "float16"]
+
+# Value ranges, checked when a body is decoded (HTTP and WebSocket alike) and published in
+# the OpenAPI schema.  Sampler values reach llama.cpp as C ``float`` / ``int32_t`` /
+# ``uint32_t`` (include/llama.h ``llama_sampler_init_*``): larger values would wrap.
+FLT_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+Float32 = Annotated[float, msgspec.Meta(ge=-FLT_MAX, le=FLT_MAX)]
+NonNegFloat32 = Annotated[float, msgspec.Meta(ge=0, le=FLT_MAX)]
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+TopK = Annotated[int, msgspec.Meta(ge=-(2**31), le=INT32_MAX, description="<= 0: off")]
+RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="0: off, -1: the context size")]
+Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**32 - 1, description="-1: random (llama.cpp's uint32_t seed)")]
+NProbs = Annotated[int, msgspec.Meta(ge=0, le=100)]
+PreviewTokens = Annotated[int, msgspec.Meta(ge=1, le=256)]
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -25,21 +40,21 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     input_ids: list[int] | None = None
     prompt: str | None = None
-    max_new_tokens: int | None = None
-    max_length: int | None = None
-    max_tokens: int | None = None
-    n_predict: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    rep_pen: float | None = None
-    repeat_penalty: float | None = None
-    rep_pen_range: int | None = None
-    repeat_last_n: int | None = None
-    seed: int | None = None
-    sampler_seed: int | None = None
+    max_new_tokens: TokenCount | None = None
+    max_length: TokenCount | None = None
+    max_tokens: TokenCount | None = None
+    n_predict: TokenCount | None = None
+    temperature: Float32 | None = None
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: NonNegFloat32 | None = None
+    rep_pen: NonNegFloat32 | None = None
+    repeat_penalty: NonNegFloat32 | None = None
+    rep_pen_range: RepeatLastN | None = None
+    repeat_last_n: RepeatLastN | None = None
+    seed: Seed | None = None
+    sampler_seed: Seed | None = None
     stop_tokens: list[int] | None = None
     banned_tokens: list[int | str] | None = None  # ids, or KoboldCpp's strings (resolved by the handler)
     stop_sequence: list[str] | None = None
@@ -52,8 +67,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     attention_layers: list[int] | None = None
     output_hidden_states: bool = False
     logprobs: bool | None = None
-    n_probs: int | None = None
-    top_logprobs: int | None = None
+    n_probs: NProbs | None = None
+    top_logprobs: NProbs | None = None
     conversation_id: str | int | None = None
     id_slot: str | int | None = None
     wait: bool = False
@@ -66,6 +81,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     grammar: str | None = None
     mirostat: int | None = None
     n: int | None = None
+    return_progress: bool = False  # llama-server's: stream prompt-processing progress events
 
     def canonical(self) -> CanonicalRequest:
         """Merge aliases (first given wins, seed 000 names first) into one canonical request."""
@@ -106,6 +122,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
             n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),  # type: ignore[call-overload]
             slot="0" if slot is None else str(slot),
             wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
+            progress=self.return_progress,
         )
 
 
@@ -135,6 +152,7 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     n_probs: int
     slot: str
     wait: bool
+    progress: bool = False
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -166,11 +184,11 @@ class PreviewRequest(msgspec.Struct, kw_only=True):
     """``POST /api/v1/generate/preview`` (seed 003)."""
 
     append_tokens: list[AppendToken | int] = []
-    max_tokens: int = 50
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 40
-    seed: int = -1
+    max_tokens: PreviewTokens = 50
+    temperature: Float32 = 0.7
+    top_p: Probability = 0.9
+    top_k: TopK = 40
+    seed: Seed = -1
     stop_tokens: list[int] = []
     use_cached_context: bool = True
     input_ids: list[int] | None = None
@@ -201,6 +219,11 @@ class ForkRequest(msgspec.Struct, kw_only=True):
 
 
 class RestoreStateRequest(msgspec.Struct, kw_only=True):
-    """``POST /slots/{id}?action=restore-state`` with JSON: base64 SES1 blob."""
+    """``POST /slots/{id}?action=restore-state`` with JSON: base64 SES1 blob.
+
+    ``digest`` (optional): the decoded blob's RFC 9530 digest, e.g. ``"sha-256=:<base64>:"``
+    as ``save-state`` returned it; a state that does not match is refused (``BAD_STATE``).
+    """
 
     state: str
+    digest: str | None = None

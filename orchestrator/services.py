@@ -15,13 +15,14 @@ from orchestrator.slots import SlotRegistry
 
 @dataclass
 class Services:
-    """Engine client, slot registry, generation service, persistence and settings."""
+    """Engine client, slot registry, generation service, persistence, classifier client and settings."""
 
     settings: Settings
     engine: EngineClient
     registry: SlotRegistry
     generation: GenerationService
     persistence: Persistence | None = None
+    classifier: EngineClient | None = None  # the classifier worker (--classifier-model)
 
 
 def provide_services(state: State) -> Services:

@@ -9,6 +9,7 @@ it was: SES1 blobs are checked here (magic, lengths, vocabulary) and by the work
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,13 @@ def confined_path(root: Path | None, filename: str) -> Path:
         or "\\" in filename
     ):
         raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: a plain file name inside --slot-save-path")
-    return root / name
+    # save writes ".NAME.tmp" first: that name too must fit the file system's limit (NAME_MAX).
+    if len(os.fsencode(f".{filename}.tmp")) > os.pathconf(root, "PC_NAME_MAX"):
+        raise ApiError("INVALID_REQUEST", f"filename of {len(filename)} characters is too long")
+    path = root / name
+    if path.is_dir():
+        raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: it names a directory")
+    return path
 
 
 class SlotOps:
@@ -178,8 +185,10 @@ class SlotOps:
         made in the store instead: ``dst`` starts parked with ``src``'s state.
         """
         try:
-            src_seq = await self.registry.ensure_resident(src)
-            dst_seq = await self.registry.ensure_resident(dst, load=False)  # never evicts src: its lock is held
+            # Holding two slots, a fork never queues for a sequence: the one it would wait for may
+            # be the other slot's.  dst never evicts src: src's lock is held.
+            src_seq = await self.registry.ensure_resident(src, queue=False)
+            dst_seq = await self.registry.ensure_resident(dst, load=False, queue=False)
         except ApiError as exc:
             pers = self.registry.persistence
             if exc.code != "RATE_LIMITED" or pers is None or self.registry.is_resident(dst):
@@ -209,21 +218,30 @@ class SlotOps:
         ses1 = unpack_ses1(saved.blob)
         data = pack_seq_file(ses1.tokens, ses1.state)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        try:
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        except IsADirectoryError as exc:  # made a directory meanwhile
+            raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: it names a directory") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
         return saved, len(data)
 
-    async def restore_file(self, slot: Slot, filename: str, created: bool) -> tuple[int, int, float]:
-        """Restore the slot from a ``ggsq`` file in ``--slot-save-path`` (llama-server's or ours):
-        ``(n_tokens, n_bytes, ms)``.  ``BAD_STATE`` for a file this engine cannot take."""
+    def read_file(self, filename: str) -> tuple[bytes, int]:
+        """The ``ggsq`` file ``--slot-save-path/filename`` (llama-server's or ours) as a SES1 blob,
+        and the file's size in bytes.
+
+        Read and checked before the restore takes its slot, so a missing file (``INVALID_REQUEST``)
+        or one this engine cannot take (``BAD_STATE``) changes nothing.
+        """
         path = confined_path(self.save_path, filename)
-        if not path.is_file():
-            raise ApiError("INVALID_REQUEST", f"no saved slot file {filename!r}")
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ApiError("INVALID_REQUEST", f"no saved slot file {filename!r}") from exc
         try:
             parsed = unpack_seq_file(data)
             state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
         except (BadStateError, seq_state.BadStateError) as exc:
             raise ApiError("BAD_STATE", f"Unable to restore slot: {exc}") from exc
-        t_ms = await self.restore_state(slot, pack_ses1(parsed.tokens, state), created)
-        return slot.n_tokens, len(data), t_ms
+        return pack_ses1(parsed.tokens, state), len(data)

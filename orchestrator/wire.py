@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from engine.protocol import Progress
 from orchestrator.generation import DoneOut, TokenOut
 
 KOBOLD_FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "abort"}
@@ -99,6 +100,20 @@ def done_event(d: DoneOut, request_id: str | None) -> dict[str, Any]:
     if d.done.stop_string:
         ev["stop_string"] = d.done.stop_string
     return ev
+
+
+def progress_event(p: Progress, request_id: str | None) -> dict[str, Any]:
+    """Prompt-processing progress, llama-server's ``prompt_progress`` (``return_progress``).
+
+    ``{"type": "progress", "request_id", "prompt_progress": {"total", "cache", "processed",
+    "time_ms"}}``: ``processed / total`` prompt tokens are in the KV cache, ``cache`` of
+    them were reused (llama-server's tools/server/README.md, ``return_progress``).
+    """
+    return {
+        "type": "progress",
+        "request_id": request_id,
+        "prompt_progress": {"total": p.n_total, "cache": p.n_cached, "processed": p.n_done, "time_ms": p.t_ms},
+    }
 
 
 def kobold_token_event(text: str) -> dict[str, Any]:

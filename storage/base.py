@@ -51,6 +51,9 @@ class SlotMeta(msgspec.Struct):
         updated_at: unix seconds of the latest put; set by the store.
         n_chunks: number of pieces the stored blob is split into (1 for the directory store).
         generation: write counter, set by the store: 1 on the first put, +1 on every later put.
+        digest: checksum of the SES1 blob before compression, ``"xxh3-128:<32 hex digits>"``
+            (:func:`storage.slot_codec.state_digest`), checked on every load; ``""`` in metadata
+            written before slotserve recorded it (such a blob is loaded unchecked).
     """
 
     slot_id: str
@@ -65,6 +68,7 @@ class SlotMeta(msgspec.Struct):
     updated_at: float
     n_chunks: int = 1
     generation: int = 0
+    digest: str = ""
 
 
 _meta_encoder = msgspec.msgpack.Encoder()

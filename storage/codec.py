@@ -9,7 +9,7 @@ Codec names (recorded in ``SlotMeta.codec``):
   The high bytes (sign + exponent) of smooth fp16 data repeat a lot, which plain zstd misses when
   they are interleaved with near-random mantissa bytes.
 
-DESIGN.md section 6, measured on SmolLM2-135M KV state: zstd-1 gives 1.08x (430 MB/s), byte planes +
+Measured on SmolLM2-135M KV state (docs/benchmarks.md): zstd-1 gives 1.08x (430 MB/s), byte planes +
 zstd give 1.17x.
 
 Every zstd frame carries the content size and a content checksum, so corruption of the compressed

@@ -1,4 +1,4 @@
-"""The SES1 slot-state blob format (seed 004, llama-server ``save-state``/``restore-state``).
+"""The SES1 slot-state blob format of ``save-state``/``restore-state`` (docs/api.md, "Slots").
 
 Layout, all integers little-endian::
 

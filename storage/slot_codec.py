@@ -1,9 +1,10 @@
 """Save and load SES1 slot states through a store, compressing and checking them.
 
-``save_slot`` compresses a SES1 blob (in a worker thread) and stores it with its metadata;
-``load_slot`` fetches, refuses a foreign model fingerprint, decompresses and checks the result before
-handing it back, so what it returns is safe to pass to ``llama_state_seq_set_data``-style restore code
-(modulo corruption of a ``"none"``-codec blob's state bytes, which nothing can detect).
+``save_slot`` compresses a SES1 blob (in a worker thread) and stores it with its metadata, which
+records the blob's checksum (:func:`state_digest`, XXH3-128 from the ``xxhash`` package); ``load_slot``
+fetches, refuses a foreign model fingerprint, decompresses and checks the result (size, tokens and that
+checksum, whatever the codec: ``"none"`` has no checksum of its own, and zstd's frame checksum covers the
+compressed planes rather than the SES1 blob) before handing it back.
 """
 
 from __future__ import annotations
@@ -11,20 +12,35 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import xxhash
+
 from storage import codec as codecs
 from storage.base import SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError
 from storage.ses1 import ses1_tokens
 
-__all__ = ["load_slot", "save_slot"]
+__all__ = ["DIGEST_ALGORITHM", "load_slot", "save_slot", "state_digest"]
+
+DIGEST_ALGORITHM = "xxh3-128"
 
 
-def _encode(blob: bytes | memoryview, codec: str, level: int) -> tuple[str, bytes]:
+def state_digest(blob: bytes | bytearray | memoryview) -> str:
+    """``"xxh3-128:<32 lowercase hex digits>"``: XXH3's 128-bit hash (https://xxhash.com) of ``blob``.
+
+    Not a cryptographic hash: it detects damage (bit flips, truncation), not forgery.  About
+    10 GB/s here, so it costs well under 1% of a zstd compression of the same bytes.
+    """
+    return f"{DIGEST_ALGORITHM}:{xxhash.xxh3_128_hexdigest(blob)}"
+
+
+def _encode(blob: bytes | memoryview, codec: str, level: int) -> tuple[str, bytes, str]:
     if codec == "auto":
-        return codecs.encode_auto(blob, level)
-    if codec == "best":
-        return codecs.encode_best(blob, level)
-    return codec, codecs.encode(blob, codec, level)
+        used, data = codecs.encode_auto(blob, level)
+    elif codec == "best":
+        used, data = codecs.encode_best(blob, level)
+    else:
+        used, data = codec, codecs.encode(blob, codec, level)
+    return used, data, state_digest(blob)
 
 
 async def save_slot(
@@ -60,7 +76,7 @@ async def save_slot(
         raise BadStateError("the SES1 blob's tokens differ from the slot's tokens")
     if codec not in (*codecs.CODECS, "auto", "best"):
         raise ValueError(f"unknown codec {codec!r}")
-    used, data = await asyncio.to_thread(_encode, ses1_blob, codec, level)
+    used, data, digest = await asyncio.to_thread(_encode, ses1_blob, codec, level)
     meta = SlotMeta(
         slot_id=slot_id,
         model_fingerprint=fingerprint,
@@ -72,6 +88,7 @@ async def save_slot(
         stored_size=len(data),
         created_at=0.0,
         updated_at=0.0,
+        digest=digest,
     )
     return await store.put(meta, data)
 
@@ -80,6 +97,8 @@ def _decode_checked(meta: SlotMeta, data: bytes) -> bytes:
     raw = codecs.decode(data, meta.codec)
     if len(raw) != meta.raw_size:
         raise BadStateError(f"slot {meta.slot_id!r}: decoded {len(raw)} bytes, meta says {meta.raw_size}")
+    if meta.digest and state_digest(raw) != meta.digest:
+        raise BadStateError(f"slot {meta.slot_id!r}: the state's checksum differs from the metadata's (damaged)")
     tokens = ses1_tokens(raw)
     if tokens != meta.tokens or len(tokens) != meta.n_tokens:
         raise BadStateError(f"slot {meta.slot_id!r}: the state's tokens differ from the metadata's")
@@ -95,8 +114,9 @@ async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[S
     Raises:
         FingerprintMismatchError: the slot was saved for another model fingerprint (nothing is decoded
             or returned).
-        BadStateError: damaged blob: corrupt compressed data, size mismatch, invalid SES1 header, or
-            tokens that differ from the metadata.
+        BadStateError: damaged blob: corrupt compressed data, size mismatch, a checksum that differs
+            from the metadata's :attr:`~storage.base.SlotMeta.digest`, invalid SES1 header, or tokens that
+            differ from the metadata.
         StoreUnavailableError: the store is unreachable.
     """
     got = await store.get(slot_id)

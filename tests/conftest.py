@@ -47,11 +47,16 @@ class ServerProc:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 120.0) -> ServerProc:
-        """Start and wait until ``/health`` answers 200."""
+    def start_process(self) -> None:
+        """Start ``slotserve serve`` without waiting for it."""
         cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(self.port), *self.args]
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def start(self, timeout: float = 120.0) -> ServerProc:
+        """Start and wait until ``/health`` answers 200."""
+        self.start_process()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

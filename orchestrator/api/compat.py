@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +16,7 @@ import msgspec
 from litestar import MediaType, Request, Response
 from litestar.response import Stream
 
-from orchestrator.api.generate import _cancel_on_disconnect
+from orchestrator.api.generate import cancelled_on_disconnect
 from orchestrator.errors import ApiError, from_exception
 from orchestrator.generation import DoneOut, RunControl, TokenOut
 from orchestrator.schemas import CanonicalRequest
@@ -97,17 +96,13 @@ async def collect(
     services: Services, req: CanonicalRequest, request: Request[Any, Any, Any], control: RunControl | None = None
 ) -> Collected:
     """Run ``req`` to the end; the generation is cancelled if the client disconnects first."""
-    control = control or RunControl()
     out = Collected()
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
-    try:
-        async for ev in services.generation.run(req, control):
+    async with cancelled_on_disconnect(request, control) as run_control:
+        async for ev in services.generation.run(req, run_control):
             if isinstance(ev, TokenOut):
                 out.tokens.append(ev)
             elif isinstance(ev, DoneOut):
                 out.done = ev
-    finally:
-        watcher.cancel()
     return out
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -12,8 +14,10 @@ from litestar import Controller, Request, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
+from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.api import kobold
+from orchestrator.api.body import json_route
 from orchestrator.errors import from_exception
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import GenerateRequest
@@ -52,8 +56,28 @@ async def _raw_body(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
+class QueuedComment(ServerSentEventMessage):
+    """``: queued position N``: an SSE comment line (ignored by EventSource clients) sent while
+    the request waits for a free engine sequence (1 = next; :mod:`orchestrator.admission`)."""
+
+    def encode(self) -> bytes:
+        return f": {self.comment}\n\n".encode()
+
+
+async def _queued_comments(first: asyncio.Future[Any], positions: asyncio.Queue[int]) -> AsyncIterator[QueuedComment]:
+    """One :class:`QueuedComment` per queue position until ``first`` (the run's start) is done;
+    then re-raises what the start raised (a queue timeout, a store failure...)."""
+    while not first.done():
+        getter = asyncio.ensure_future(positions.get())
+        await asyncio.wait({first, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            yield QueuedComment(comment=f"queued position {getter.result()}")
+        else:
+            getter.cancel()
+    first.result()
+
+
 async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
-    """Cancel the generation when the client of a non-streaming request goes away."""
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
@@ -61,10 +85,29 @@ async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunCon
             return
 
 
+@asynccontextmanager
+async def cancelled_on_disconnect(
+    request: Request[Any, Any, Any], control: RunControl | None = None
+) -> AsyncIterator[RunControl]:
+    """``control`` (or a new :class:`RunControl`), cancelled when the client of a non-streaming
+    request goes away (also before the generation starts, e.g. while it waits for its slot)."""
+    control = control or RunControl()
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
+    try:
+        yield control
+    finally:
+        watcher.cancel()
+
+
 class GenerateController(Controller):
     """Non-streaming and SSE generation."""
 
-    @post("/api/v1/generate", status_code=200, summary="Generate (non-streaming) with base64 attention")
+    @post(
+        "/api/v1/generate",
+        status_code=200,
+        summary="Generate (non-streaming) with base64 attention",
+        **json_route(GenerateRequest),
+    )
     async def generate(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> dict[str, Any]:
@@ -74,10 +117,8 @@ class GenerateController(Controller):
         attention: list[dict[str, Any]] = []
         done: DoneOut | None = None
         pieces = await services.generation.pieces()
-        control = RunControl()
         jobs = kobold.jobs_of(request.app.state)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
-        try:
+        async with cancelled_on_disconnect(request) as control:
             with jobs.track(data.genkey, control) as job:
                 async for ev in services.generation.run(req, control):
                     if isinstance(ev, TokenOut):
@@ -91,8 +132,6 @@ class GenerateController(Controller):
                     elif isinstance(ev, DoneOut):
                         done = ev
                         jobs.finished(ev.done, req.seed)
-        finally:
-            watcher.cancel()
         assert done is not None
         body = wire.done_event(done, req.request_id)
         kobold_text = trim_stop(done.text, done.done.stop_string) if data.trim_stop else done.text
@@ -115,24 +154,39 @@ class GenerateController(Controller):
             tok["hidden_state"] = hidden
         return tok
 
-    @post("/api/extra/generate/stream", status_code=200, summary="SSE stream (Kobold events, or attention events)")
+    @post(
+        "/api/extra/generate/stream",
+        status_code=200,
+        summary="SSE stream (Kobold events, or attention events)",
+        **json_route(GenerateRequest),
+    )
     async def stream(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> ServerSentEvent:
         req = await kobold.prepare(services, data, await _raw_body(request))
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        control = RunControl()
+        positions: asyncio.Queue[int] = asyncio.Queue()
+        control = RunControl(positions.put)
         jobs = kobold.jobs_of(request.app.state)
         run = services.generation.run(req, control)
-        # Validate and take the slot before the response starts, so bad input is a 4xx.
-        first = await anext(run)
-        assert isinstance(first, Started)
+        # Validate and take the slot before the response starts, so bad input is a 4xx; a
+        # request queued for an engine sequence starts the stream with its position instead.
+        first = asyncio.ensure_future(anext(run))
+        getter = asyncio.ensure_future(positions.get())
+        await asyncio.wait({first, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            positions.put_nowait(getter.result())
+        getter.cancel()
+        if first.done():
+            assert isinstance(first.result(), Started)
         # trim_stop: text that may become a stop string is held back, the stop string never sent
         filt = StopTextFilter(req.stop_strings if data.trim_stop else [])
 
-        async def events() -> AsyncIterator[JsonEvent]:
+        async def events() -> AsyncIterator[ServerSentEventMessage]:
             with jobs.track(data.genkey, control) as job:
                 try:
+                    async for comment in _queued_comments(first, positions):
+                        yield comment
                     async for ev in run:
                         if isinstance(ev, DoneOut):
                             jobs.finished(ev.done, req.seed)
@@ -144,6 +198,9 @@ class GenerateController(Controller):
                                 yield _sse(wire.kobold_token_event(rest))
                             yield _sse(wire.kobold_done_event(ev))
                             return
+                        if isinstance(ev, Progress):
+                            yield _sse(wire.progress_event(ev, req.request_id))
+                            continue
                         if not isinstance(ev, TokenOut):
                             continue
                         if not ev.is_stop:
@@ -160,6 +217,10 @@ class GenerateController(Controller):
                     err = from_exception(exc)
                     yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
                 finally:
+                    if not first.done():
+                        first.cancel()  # the client left while queued: give up its place
+                        with contextlib.suppress(BaseException):
+                            await first
                     await run.aclose()
 
         return ServerSentEvent(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,15 +1,22 @@
-"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status."""
+"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status; ``GET /metrics``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from litestar import Response, get
+import msgspec
+from litestar import MediaType, Response, get
+from litestar.openapi import ResponseSpec
+from litestar.plugins.prometheus import PrometheusController
 
 from orchestrator.services import Services
 
 
-@get(["/health", "/v1/health"], summary="Liveness: ok, degraded (store down) or 503 (no engine)")
+@get(
+    ["/health", "/v1/health"],
+    summary="Liveness: ok, degraded (store down), 503 loading (start-up stage and load fraction) or down",
+    responses={503: ResponseSpec(dict[str, Any], description="no engine: the health body with error and error_code")},
+)
 async def health(services: Services) -> Response[dict[str, Any]]:
     engine_ok = services.engine.alive
     store_ok = True
@@ -24,7 +31,25 @@ async def health(services: Services) -> Response[dict[str, Any]]:
         "slots_idle": sum(1 for s in slots if not s.busy),
         "slots_processing": sum(1 for s in slots if s.busy),
     }
+    engine = services.engine
+    if engine_ok and engine.info is not None:
+        body["engine_config"] = msgspec.to_builtins(engine.info.runtime)
+    if services.classifier is not None:
+        body["classifier"] = "ready" if services.classifier.alive else "loading"
     if not engine_ok:
-        body["error"] = {"code": 503, "message": "Loading model" if services.engine.generation == 0 else "Engine down"}
+        loading = engine.generation == 0
+        body["error"] = {"code": 503, "message": "Loading model" if loading else "Engine down"}
         body["error_code"] = "NO_MODEL"
+        body["engine"] = body["status"] = "loading" if loading else "down"
+        body["stage"] = engine.stage
+        if engine.stage == "loading_model":
+            body["progress"] = round(engine.load_fraction, 3)
     return Response(body, status_code=200 if engine_ok else 503)
+
+
+class MetricsController(PrometheusController):
+    """``GET /metrics``: Litestar's Prometheus exposition, documented as the text it is."""
+
+    @get(media_type=MediaType.TEXT, summary="Prometheus metrics (text exposition format)")
+    async def get(self) -> Response[bytes]:
+        return await PrometheusController.get.fn(self)  # type: ignore[no-any-return]

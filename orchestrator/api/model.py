@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from litestar import Controller, get, post
 
+from orchestrator.api.body import json_route
 from orchestrator.api.compat import COMPAT_ERRORS
-from orchestrator.errors import ApiError
+from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.schemas import DetokenizeRequest, TokenizeRequest
 from orchestrator.services import Services
@@ -49,6 +51,7 @@ def model_payload(s: Services) -> dict[str, Any]:
         "n_slots": i.n_slots,
         "n_kv_cells": i.n_kv_cells,
         "llama_cpp_python": i.llama_cpp_version,
+        "engine": msgspec.to_builtins(i.runtime),
     }
 
 
@@ -62,11 +65,20 @@ def _piece_fields(piece: bytes) -> dict[str, Any]:
 class ModelController(Controller):
     """``/api/v1/model``, tokenize and detokenize (seeds 000/001; llama-server's ``/tokenize``)."""
 
-    @get(["/api/v1/model", "/api/v1/model/info"], summary="Model architecture and special tokens")
+    @get(
+        ["/api/v1/model", "/api/v1/model/info"],
+        summary="Model architecture and special tokens",
+        responses=ERROR_RESPONSES,
+    )
     async def model(self, services: Services) -> dict[str, Any]:
         return model_payload(services)
 
-    @post("/api/v1/tokenize", status_code=200, summary="Text to tokens with their text (seeds 000/001)")
+    @post(
+        "/api/v1/tokenize",
+        status_code=200,
+        summary="Text to tokens with their text (seeds 000/001)",
+        **json_route(TokenizeRequest),
+    )
     async def tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.text if data.text is not None else data.content
         if text is None:
@@ -78,7 +90,12 @@ class ModelController(Controller):
             body["tokens"] = [{"token_id": t, **_piece_fields(p)} for t, p in zip(res.ids, res.pieces, strict=True)]
         return body
 
-    @post("/api/v1/detokenize", status_code=200, summary="Token ids to text")
+    @post(
+        "/api/v1/detokenize",
+        status_code=200,
+        summary="Token ids to text",
+        **json_route(DetokenizeRequest),
+    )
     async def detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.token_ids if data.token_ids is not None else data.tokens
         if ids is None:
@@ -91,6 +108,7 @@ class ModelController(Controller):
         status_code=200,
         exception_handlers=COMPAT_ERRORS,
         summary="llama-server tokenize (content, add_special, with_pieces)",
+        **json_route(TokenizeRequest),
     )
     async def ls_tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.content if data.content is not None else data.text
@@ -106,7 +124,13 @@ class ModelController(Controller):
             pieces.append({"id": t, "piece": f["text"] if "bytes" not in f else f["bytes"]})
         return {"tokens": pieces}
 
-    @post("/detokenize", status_code=200, exception_handlers=COMPAT_ERRORS, summary="llama-server detokenize (tokens)")
+    @post(
+        "/detokenize",
+        status_code=200,
+        exception_handlers=COMPAT_ERRORS,
+        summary="llama-server detokenize (tokens)",
+        **json_route(DetokenizeRequest),
+    )
     async def ls_detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.tokens if data.tokens is not None else data.token_ids
         if ids is None:

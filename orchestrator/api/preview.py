@@ -14,31 +14,30 @@ import time
 from typing import Any
 
 import structlog
-from litestar import Controller, post
+from litestar import Controller, Request, post
 
 from engine import protocol as proto
 from orchestrator import wire
+from orchestrator.api.body import json_route
+from orchestrator.api.generate import cancelled_on_disconnect
 from orchestrator.errors import ApiError
-from orchestrator.generation import TokenStream, check_tokens
+from orchestrator.generation import RunControl, TokenStream, check_tokens
 from orchestrator.schemas import AppendToken, PreviewRequest
 from orchestrator.services import Services
+from orchestrator.slots import check_slot_id
 
 log = structlog.get_logger("slotserve.preview")
-MAX_PREVIEW_TOKENS = 256
 STOPPED = {"length": "max_tokens", "stop_token": "stop_token", "stop_string": "stop_string", "cancelled": "cancelled"}
 
 
 def _params(data: PreviewRequest, vocab: int) -> proto.SamplingParams:
-    if not 1 <= data.max_tokens <= MAX_PREVIEW_TOKENS:
-        raise ApiError("INVALID_REQUEST", f"max_tokens must be in 1..{MAX_PREVIEW_TOKENS}")
-    if not (data.temperature >= 0 and 0 <= data.top_p <= 1 and data.top_k >= 0):
-        raise ApiError("INVALID_REQUEST", "need temperature >= 0, 0 <= top_p <= 1, top_k >= 0")
+    """Sampler settings (value ranges are checked when the body is decoded: ``schemas.py``)."""
     check_tokens(data.stop_tokens, vocab, "stop_tokens")
     return proto.SamplingParams(
         max_new_tokens=data.max_tokens,
         temperature=data.temperature,
         top_p=data.top_p,
-        top_k=data.top_k,
+        top_k=max(0, data.top_k),
         min_p=0.0,
         seed=data.seed,
         stop_tokens=data.stop_tokens,
@@ -48,8 +47,19 @@ def _params(data: PreviewRequest, vocab: int) -> proto.SamplingParams:
 class PreviewController(Controller):
     """Seed 003's preview endpoint."""
 
-    @post("/api/v1/generate/preview", status_code=200, summary="Preview continuation on a forked KV cache")
-    async def preview(self, services: Services, data: PreviewRequest) -> dict[str, Any]:
+    @post(
+        "/api/v1/generate/preview",
+        status_code=200,
+        summary="Preview continuation on a forked KV cache",
+        **json_route(PreviewRequest),
+    )
+    async def preview(
+        self, request: Request[Any, Any, Any], services: Services, data: PreviewRequest
+    ) -> dict[str, Any]:
+        async with cancelled_on_disconnect(request) as control:
+            return await self._preview(services, data, control)
+
+    async def _preview(self, services: Services, data: PreviewRequest, control: RunControl) -> dict[str, Any]:
         info = services.generation.info
         engine = services.engine
         append = [t.token_id if isinstance(t, AppendToken) else t for t in data.append_tokens]
@@ -60,12 +70,14 @@ class PreviewController(Controller):
         capture = proto.CaptureOptions(
             attention=data.output_attentions, format=data.attention_format, dtype=data.attention_dtype
         )
-        slot_id = str(
-            data.conversation_id
-            if data.conversation_id is not None
-            else data.id_slot
-            if data.id_slot is not None
-            else "0"
+        slot_id = check_slot_id(
+            str(
+                data.conversation_id
+                if data.conversation_id is not None
+                else data.id_slot
+                if data.id_slot is not None
+                else "0"
+            )
         )
         explicit = data.conversation_id is not None or data.id_slot is not None
         t0 = time.perf_counter()
@@ -88,6 +100,7 @@ class PreviewController(Controller):
                 raise ApiError("NO_CACHED_CONTEXT", "No cached context available")
             msg = proto.Generate(engine.new_id(), -1, "preview", data.input_ids, params, capture, append)
             events = await engine.open_stream(msg)
+        await control.bind(engine, msg.req)
         stream = TokenStream(set(params.stop_tokens) | set(info.eog_token_ids))
         tokens: list[dict[str, Any]] = []
         attention: list[dict[str, Any]] = []
@@ -110,6 +123,7 @@ class PreviewController(Controller):
         finally:
             await events.aclose()  # type: ignore[attr-defined]
         assert done is not None
+        log.info("preview done", stopped_reason=done.finish_reason, n_generated=done.n_generated, cache_hit=cache_hit)
         texts.append(stream.decoder.decode(b"", final=True))
         body: dict[str, Any] = {
             "text": "".join(texts),

@@ -7,29 +7,24 @@ import binascii
 import time
 from typing import Any
 
-import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import Parameter
 
+from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server import check_slot_number, slot_task_fields
-from orchestrator.errors import ApiError
+from orchestrator.auth import require_admin
+from orchestrator.digest import check_repr_digest, repr_digest
+from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
 from orchestrator.slot_ops import SlotOps, message_boundaries
+from orchestrator.slots import check_slot_id
 from orchestrator.wire import slot_id_out
 
 OCTET = "application/octet-stream"
+READ_ONLY_ACTIONS = ("save-state", "tokens")  # every other action changes a slot or writes a file: admin key
 MAX_STATE_BYTES = 4 << 30
-
-
-def _json_body(raw: bytes, kind: type[Any]) -> Any:
-    try:
-        return msgspec.json.decode(raw or b"{}", type=kind)
-    except msgspec.ValidationError as exc:
-        raise ApiError("INVALID_REQUEST", f"invalid request: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise ApiError("INVALID_REQUEST", f"malformed JSON: {exc}") from exc
 
 
 def _ops(services: Services) -> SlotOps:
@@ -44,8 +39,10 @@ class SlotController(Controller):
 
     exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
-    @get("/slots", summary="All slots: resident and parked, with sizes")
+    @get("/slots", summary="All slots: resident and parked, with sizes", responses=ERROR_RESPONSES)
     async def list_slots(self, services: Services) -> list[dict[str, Any]]:
+        if not services.settings.slots_endpoint:
+            raise ApiError("NOT_SUPPORTED", "This server does not support slots endpoint (--no-slots)", 501)
         reg = services.registry
         n_ctx = services.generation.info.n_ctx
         seen: dict[str, dict[str, Any]] = {}
@@ -78,7 +75,11 @@ class SlotController(Controller):
             entry.setdefault("state_bytes", slot.raw_bytes)
         return list(seen.values())
 
-    @get("/v1/slots/{slot_id:str}/info", summary="Tokens and message boundaries at the end-of-turn token")
+    @get(
+        "/v1/slots/{slot_id:str}/info",
+        summary="Tokens and message boundaries at the end-of-turn token",
+        responses=ERROR_RESPONSES,
+    )
     async def info(self, services: Services, slot_id: str) -> dict[str, Any]:
         eot = services.generation.info.eot_token_id
         async with services.registry.use(slot_id, create=False, resident=False) as slot:
@@ -97,6 +98,7 @@ class SlotController(Controller):
         status_code=200,
         request_max_body_size=MAX_STATE_BYTES,
         summary="Slot actions (seed 004)",
+        responses=ERROR_RESPONSES,
     )
     async def action(
         self,
@@ -107,31 +109,41 @@ class SlotController(Controller):
         wait: bool = Parameter(query="wait", default=False),
     ) -> Any:
         check_slot_number(slot_id)
+        if action not in READ_ONLY_ACTIONS:
+            require_admin(request.scope, services.settings.admin_key)
         ops = _ops(services)
         reg = services.registry
-        out_id = slot_id_out(slot_id)
+        out_id = slot_id_out(check_slot_id(slot_id))
         if action == "save-state":
             async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
                 saved = await ops.save_state(slot)
+            digest = repr_digest(saved.blob)
             if OCTET in request.headers.get("accept", ""):
-                return Response(saved.blob, media_type=OCTET, headers={"X-Slot-Tokens": str(len(saved.tokens))})
+                headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
+                return Response(saved.blob, media_type=OCTET, headers=headers)
             return {
                 "id_slot": out_id,
                 "n_tokens": len(saved.tokens),
                 "n_bytes": len(saved.blob),
                 "t_ms": round(saved.t_ms, 3),
                 "state": base64.b64encode(saved.blob).decode("ascii"),
+                "digest": digest,
             }
         if action == "restore-state":
             raw = await request.body()
+            header = request.headers.get("repr-digest")
+            if header is not None:
+                check_repr_digest(header, raw, "the request body")
             if request.headers.get("content-type", "").startswith(OCTET):
                 blob = raw
             else:
-                body = _json_body(raw, RestoreStateRequest)
+                body = decode_json_body(raw, RestoreStateRequest)
                 try:
                     blob = base64.b64decode(body.state, validate=True)
                 except (binascii.Error, ValueError) as exc:
                     raise ApiError("BAD_STATE", f"state is not valid base64: {exc}") from exc
+                if body.digest is not None:
+                    check_repr_digest(body.digest, blob, "the state")
             created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
             async with reg.use(slot_id, create=True, resident=False, wait=wait) as slot:
                 t_ms = await ops.restore_state(slot, blob, created)
@@ -147,7 +159,7 @@ class SlotController(Controller):
                 "n_prompt_tokens_processed": processed,
             }
         if action == "context-shift":
-            body = _json_body(await request.body(), ContextShiftRequest)
+            body = decode_json_body(await request.body(), ContextShiftRequest)
             async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
                 n = await ops.context_shift(slot, body.n_keep, body.n_discard)
             return {"id_slot": out_id, "success": True, "new_n_tokens": n}
@@ -157,7 +169,7 @@ class SlotController(Controller):
                 await reg.forget(slot)
             return {"id_slot": out_id, "n_erased": n}
         if action == "save":
-            body = _json_body(await request.body(), SlotFileRequest)
+            body = decode_json_body(await request.body(), SlotFileRequest)
             async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
                 saved, n_written = await ops.save_file(slot, body.filename)
             return {
@@ -168,19 +180,20 @@ class SlotController(Controller):
                 "timings": {"save_ms": round(saved.t_ms, 3)},
             }
         if action == "restore":
-            body = _json_body(await request.body(), SlotFileRequest)
+            body = decode_json_body(await request.body(), SlotFileRequest)
+            blob, n_read = ops.read_file(body.filename)
             created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
             async with reg.use(slot_id, create=True, resident=False, wait=wait) as slot:
-                n, n_read, t_ms = await ops.restore_file(slot, body.filename, created)
+                t_ms = await ops.restore_state(slot, blob, created)
             return {
                 "id_slot": out_id,
                 "filename": body.filename,
-                "n_restored": n,
+                "n_restored": slot.n_tokens,
                 "n_read": n_read,
                 "timings": {"restore_ms": round(t_ms, 3)},
             }
         if action == "fork":
-            body = _json_body(await request.body(), ForkRequest)
+            body = decode_json_body(await request.body(), ForkRequest)
             target = str(body.target)
             if target == slot_id:
                 raise ApiError("INVALID_REQUEST", "fork target must differ from the source slot")

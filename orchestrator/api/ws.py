@@ -27,7 +27,9 @@ import structlog
 from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
+from engine.protocol import Progress
 from orchestrator import wire
+from orchestrator.api.body import decode_json_body
 from orchestrator.errors import ApiError, from_exception
 from orchestrator.generation import DoneOut, RunControl, TokenOut
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
@@ -103,18 +105,13 @@ class Inbox:
 def _is_cancel(data: str | bytes) -> bool:
     try:
         msg = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return False
     return isinstance(msg, dict) and msg.get("type") == "cancel"
 
 
 def _parse(data: str | bytes) -> GenerateRequest:
-    try:
-        return msgspec.json.decode(data, type=GenerateRequest)
-    except msgspec.ValidationError as exc:
-        raise ApiError("INVALID_REQUEST", f"invalid request: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise ApiError("INVALID_REQUEST", f"malformed JSON: {exc}") from exc
+    return decode_json_body(data, GenerateRequest)
 
 
 async def _send_json(socket: WebSocket[Any, Any, Any], obj: dict[str, Any]) -> None:
@@ -134,10 +131,20 @@ async def run_controlled(
 ) -> None:
     """Run one generation while watching the client for ``cancel`` or a disconnect.
 
+    Progress events (``return_progress``) go to the client as JSON text frames, the same
+    on both WebSockets.
+
+    While the request waits for a free engine sequence, the client gets
+    ``{"type": "queued", "position": N, "request_id"}`` frames (1 = next).
+
     Raises :class:`_Closed` if the client went away (the generation is cancelled), and
     ``PAYLOAD_TOO_LARGE`` if it sent an oversized message meanwhile (after stopping).
     """
-    control = RunControl()
+
+    async def on_queued(position: int) -> None:
+        await _send_json(inbox.socket, {"type": "queued", "position": position, "request_id": req.request_id})
+
+    control = RunControl(on_queued)
 
     async def pump() -> None:
         run = services.generation.run(req, control)
@@ -147,6 +154,8 @@ async def run_controlled(
                     await on_token(ev)
                 elif isinstance(ev, DoneOut):
                     await on_done(ev)
+                elif isinstance(ev, Progress):
+                    await _send_json(inbox.socket, wire.progress_event(ev, req.request_id))
         finally:
             await run.aclose()
 

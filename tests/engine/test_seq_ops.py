@@ -189,3 +189,26 @@ def test_preview_fork_leaves_the_sequence_untouched(runner: Runner, engine, mode
     np.testing.assert_array_equal(engine.cellmap.cells(0), cells)
     assert engine.save_state(0)[1] == state
     assert len(engine.spare_free) == engine.config.n_spare
+
+
+def test_preview_with_nothing_to_append_decodes_the_last_token_again(runner: Runner, engine, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    engine.erase(0)
+    runner.generate(0, prompt, max_new_tokens=4, ignore_eos=True)
+    runner.batcher.flush()
+    tokens, state = list(engine.tokens[0]), engine.save_state(0)[1]
+    req = runner.submit(0, [], mode="preview", append=[], max_new_tokens=5, ignore_eos=True)
+    for _ in range(50):  # bounded: a job that is never scheduled must fail here, not hang
+        if not runner.batcher.has_work():
+            break
+        runner.batcher.step()
+    res = runner.results[req]
+    assert res.done is not None and res.done.n_generated == 5, res
+    assert res.done.n_prefilled == 1 and res.done.n_cached == len(tokens) - 1
+    assert not runner.batcher.has_work()  # the worker would block now
+    assert engine.tokens[0] == tokens and engine.save_state(0)[1] == state
+    assert len(engine.spare_free) == engine.config.n_spare
+    # the same tokens and attention as a generation from the slot's tokens on another sequence
+    engine.erase(1)
+    ref = runner.generate(1, tokens, max_new_tokens=5, ignore_eos=True)
+    assert res.tokens == ref.tokens
+    assert_attention_close(res.attention[0], ref.attention[0], "first preview token")

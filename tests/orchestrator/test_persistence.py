@@ -220,3 +220,35 @@ def test_two_nodes_one_redis(start_server, redis_server) -> None:  # type: ignor
     follow = p + toks(t1) + tokenize(b.url, "\nThanks")
     r = gen(b, "shared", follow, n=4)
     assert r["cached_tokens"] == len(p) + 8, "node b resumed node a's conversation from Redis"
+
+
+def test_crashed_node_conversation_moves_to_another_node(start_server, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """kill -9 a node; a node on another port (another node id) serves its conversation within seconds."""
+    common = ("--parallel", "2", "--ctx-size", "1024", "--redis-url", redis_server.url, "--key-prefix", "crash:")
+    a = start_server(*common)
+    p = tokenize(a.url, CHAT.format("Name a planet."))
+    t1 = gen(a, "moving", p)
+    follow = p + toks(t1) + tokenize(a.url, "\nAnd another one?")
+    gen(a, "moving-control", p)
+    control2 = gen(a, "moving-control", follow)
+    wait_saved(a, "moving")
+    a.stop(signal.SIGKILL)  # its leases stay in Redis until they lapse
+    b = start_server(*common)
+    assert b.port != a.port
+    body = {"input_ids": follow, "max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "id_slot": "moving",
+            "n_probs": 5}  # fmt: skip
+    t0 = time.monotonic()
+    refusals = []
+    while True:
+        r = httpx.post(b.url + "/api/v1/generate", json=body, timeout=180)
+        if r.status_code != 409:
+            break
+        assert r.json()["error_code"] == "SLOT_BUSY" and r.json()["owner"].endswith(f":{a.port}")
+        assert int(r.headers["Retry-After"]) >= 1
+        refusals.append(r)
+        assert time.monotonic() - t0 < 20, "the dead node's lease did not lapse"
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    t2 = r.json()
+    assert t2["cached_tokens"] == len(p) + 8, "resumed from Redis, not re-prefilled"
+    assert_same_greedy(control2, t2)

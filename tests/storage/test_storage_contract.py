@@ -401,3 +401,46 @@ async def test_leases(harness: StoreHarness) -> None:
     assert await node_a.acquire_lease("s", "node#A", 5000) is not None
     with pytest.raises(ValueError):
         await node_a.acquire_lease("s", "node#A", 0)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "zstd", "zstd-planes"])
+@pytest.mark.parametrize("n_flips", [1, 100])
+async def test_bit_flips_in_the_stored_state_are_bad_state(
+    harness: StoreHarness, codec_name: str, n_flips: int
+) -> None:
+    """Flipped bits anywhere in the stored blob are refused, for every codec ("none" has no checksum of its
+    own: the metadata's digest catches it); the refusal changes nothing stored."""
+    store = harness.make(chunk_size=2000)
+    tokens, ses1 = ses1_state()
+    meta = await save_slot(store, "s", "fp-A", tokens, ses1, codec=codec_name)
+    assert meta.digest.startswith("xxh3-128:") and len(meta.digest) == len("xxh3-128:") + 32
+    rng = np.random.default_rng(n_flips)
+    # "none": only the KV part (after the SES1 header and the tokens), where nothing else checks.
+    first = 8 + 4 * len(tokens) if codec_name == "none" else 0
+    positions = rng.choice(np.arange(first, meta.stored_size), size=n_flips, replace=False)
+    bits = rng.integers(0, 8, n_flips)
+
+    def flip(blob: bytes) -> bytes:
+        damaged = bytearray(blob)
+        for pos, bit in zip(positions, bits, strict=True):
+            damaged[int(pos)] ^= 1 << int(bit)
+        return bytes(damaged)
+
+    before = await store.get("s")
+    await harness.mutate_blob(store, "s", flip)
+    with pytest.raises(BadStateError):
+        await load_slot(store, "s", "fp-A")
+    after = await store.get("s")
+    assert before is not None and after is not None and after[0] == before[0]  # meta untouched
+
+
+async def test_meta_without_digest_still_loads(harness: StoreHarness) -> None:
+    """States stored before the digest existed (``digest`` empty) load unchecked."""
+    store = harness.make()
+    tokens, ses1 = ses1_state()
+    meta = meta_for("s", ses1)
+    meta.tokens, meta.n_tokens = tokens, len(tokens)
+    assert meta.digest == ""
+    await store.put(meta, ses1)
+    loaded = await load_slot(store, "s", "fp-A")
+    assert loaded is not None and loaded[1] == ses1

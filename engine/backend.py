@@ -1,0 +1,128 @@
+"""What llama.cpp runs on here: backend devices, CPU extra buffer types, and the safe choice.
+
+llama.cpp's CPU backend can keep weights in *extra buffer types* (``CPU_REPACK``:
+weights repacked for wider SIMD; ``AMX``: Intel AMX tiles), chosen per model load by
+``llama_model_params.use_extra_bufts`` (``include/llama.h``; llama-server's
+``--no-repack`` turns it off).  Which extra buffer types exist depends on the CPU and
+on how ggml was built; ``ggml_backend_dev_get_extra_bufts`` (``ggml/src/ggml-cpu/ggml-cpu.cpp``)
+lists them.  The functions here read that list and the devices through the ggml
+library llama.cpp itself uses (:data:`engine.ggml_ffi.libggml`), without loading
+a model, and decide whether the engine keeps repacking on (see docs/hardware.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from engine.ggml_ffi import libggml
+
+# enum ggml_backend_dev_type (ggml/include/ggml-backend.h)
+DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
+
+# Extra buffer types whose use crashed llama.cpp 0.3.36's CPU backend on real hosts
+# (docs/hardware.md): the AMX buffer type, offered on CPUs with amx_int8.  "auto" keeps
+# the other extra buffer types (CPU_REPACK) on, since they are safe and fast elsewhere.
+UNSAFE_EXTRA_BUFTS = frozenset({"AMX"})
+
+_sig = {
+    "ggml_backend_dev_count": ([], ctypes.c_size_t),
+    "ggml_backend_dev_get": ([ctypes.c_size_t], ctypes.c_void_p),
+    "ggml_backend_dev_name": ([ctypes.c_void_p], ctypes.c_char_p),
+    "ggml_backend_dev_description": ([ctypes.c_void_p], ctypes.c_char_p),
+    "ggml_backend_dev_type": ([ctypes.c_void_p], ctypes.c_int),
+    "ggml_backend_dev_backend_reg": ([ctypes.c_void_p], ctypes.c_void_p),
+    "ggml_backend_dev_by_type": ([ctypes.c_int], ctypes.c_void_p),
+    "ggml_backend_reg_get_proc_address": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p),
+    "ggml_backend_buft_name": ([ctypes.c_void_p], ctypes.c_char_p),
+}
+for _name, (_args, _res) in _sig.items():
+    _fn = getattr(libggml, _name)
+    _fn.argtypes, _fn.restype = _args, _res
+
+_EXTRA_BUFTS_FN = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One ggml backend device: ``name`` (``CPU``, ``CUDA0``), ``description``, ``type`` (``CPU``/``GPU``/...)."""
+
+    name: str
+    description: str
+    type: str
+
+
+def devices() -> list[Device]:
+    """The backend devices llama.cpp registered (``ggml_backend_dev_get``), in registry order.
+
+    Call after ``llama_backend_init`` (:func:`engine.model.init_backend`).
+    """
+    out = []
+    for i in range(libggml.ggml_backend_dev_count()):
+        dev = libggml.ggml_backend_dev_get(i)
+        out.append(
+            Device(
+                name=(libggml.ggml_backend_dev_name(dev) or b"").decode(),
+                description=(libggml.ggml_backend_dev_description(dev) or b"").decode(),
+                type=DEVICE_TYPES.get(libggml.ggml_backend_dev_type(dev), "?"),
+            )
+        )
+    return out
+
+
+def cpu_extra_bufts() -> list[str]:
+    """Names of the CPU backend's extra buffer types on this host (e.g. ``["AMX", "CPU_REPACK"]``).
+
+    The same list llama.cpp's ``make_cpu_buft_list`` (``src/llama-model.cpp``) walks when
+    ``use_extra_bufts`` is true; empty when the CPU backend offers none.
+    """
+    cpu = libggml.ggml_backend_dev_by_type(0)
+    if not cpu:
+        return []
+    reg = libggml.ggml_backend_dev_backend_reg(cpu)
+    addr = libggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not addr:
+        return []
+    bufts = _EXTRA_BUFTS_FN(addr)(cpu)
+    names = []
+    i = 0
+    while bufts and bufts[i]:
+        names.append((libggml.ggml_backend_buft_name(bufts[i]) or b"").decode())
+        i += 1
+    return names
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it does not exist)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class RepackChoice:
+    """Whether to load weights into the CPU's extra buffer types, and why."""
+
+    use_extra_bufts: bool
+    reason: str
+
+
+def choose_repack(requested: bool | None, extra_bufts: list[str]) -> RepackChoice:
+    """Decide ``use_extra_bufts``: ``requested`` True/False wins; ``None`` (auto) avoids unsafe ones.
+
+    Auto turns extra buffer types off only where llama.cpp offers one known to crash
+    (:data:`UNSAFE_EXTRA_BUFTS`), keeping ``CPU_REPACK``'s faster kernels elsewhere.
+    """
+    if requested is not None:
+        return RepackChoice(requested, "requested (--repack)" if requested else "requested (--no-repack)")
+    unsafe = sorted(UNSAFE_EXTRA_BUFTS.intersection(extra_bufts))
+    if unsafe:
+        return RepackChoice(False, f"auto: off, this CPU offers {', '.join(unsafe)} (crashes in llama.cpp 0.3.36)")
+    if not extra_bufts:
+        return RepackChoice(False, "auto: the CPU backend offers no extra buffer types")
+    return RepackChoice(True, f"auto: on ({', '.join(extra_bufts)})")

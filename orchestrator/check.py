@@ -1,0 +1,172 @@
+"""``slotserve check``: does the engine work on this machine, in the configuration ``serve`` would use?
+
+Starts the engine worker exactly as ``serve`` does (same options, same start-up retry),
+then checks, one printed line each:
+
+1. start-up: the worker reached ``Ready`` (its own self-check decodes and verifies the
+   attention capture); the configuration in force (devices, offloaded layers, CPU weight
+   repacking, eval filter);
+2. a short greedy generation with full per-layer attention: every row is finite and
+   sums to 1 over the context;
+3. recomputation: each generated token's attention is computed again by a fresh
+   prefill of the prompt plus the tokens before it (a new sequence, nothing cached) and
+   compared per head with the streamed rows, and the fresh prefill must choose the same
+   token (or a near-tie: see :data:`NEAR_TIE_NATS`).
+
+Exit status 0 when every check passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+
+from engine import protocol as proto
+from orchestrator.engine_client import EngineClient, EngineRequestError, WorkerOptions
+
+PROMPT = "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n"
+N_TOKENS = 8
+# Tolerances of the recomputation (same engine, other KV cells and batch shapes: llama.cpp
+# quantizes activations per batch, so deep layers drift a little; see docs/hardware.md).
+MIN_HEAD_CORRELATION = 0.98
+MAX_MEAN_ABS_DIFF = 0.01
+NEAR_TIE_NATS = 0.6  # a fresh prefill may pick another top token this close to the first one's logprob
+
+
+@dataclass
+class Generated:
+    """One generated token: id, its logprob, the top-5 ``(id, logprob)``, attention ``float32[L, H, n_ctx]``."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    attention: np.ndarray
+
+
+async def generate(engine: EngineClient, seq: int, ids: list[int], n: int) -> list[Generated]:
+    """Greedy ``n`` tokens on engine sequence ``seq`` from ``ids`` (erased first), with full attention."""
+    await engine.seq_op("erase", seq)
+    params = proto.SamplingParams(max_new_tokens=n, temperature=0.0, n_probs=5, logprobs=True, ignore_eos=True)
+    capture = proto.CaptureOptions(attention=True, format="per_layer", dtype="float32")
+    out: list[Generated] = []
+    events = await engine.open_stream(proto.Generate(engine.new_id(), seq, "generate", ids, params, capture))
+    async for msg, bufs in events:
+        if isinstance(msg, proto.Token):
+            att = np.frombuffer(bufs[0], dtype=np.float32).reshape(msg.attention_shape)
+            out.append(Generated(msg.token_id, msg.logprob or 0.0, list(msg.top), att))
+    return out
+
+
+def _head_stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """``(min per-head correlation, mean abs diff)`` of two ``[L, H, n]`` attention tensors."""
+    x = a.reshape(-1, a.shape[-1]).astype(np.float64)
+    y = b.reshape(-1, b.shape[-1]).astype(np.float64)
+    xc, yc = x - x.mean(axis=1, keepdims=True), y - y.mean(axis=1, keepdims=True)
+    denom = np.sqrt((xc * xc).sum(axis=1) * (yc * yc).sum(axis=1))
+    corr = np.where(denom > 0, (xc * yc).sum(axis=1) / np.where(denom > 0, denom, 1), 1.0)
+    return float(corr.min()), float(np.abs(x - y).mean())
+
+
+class Report:
+    """Prints one line per check and remembers whether any failed."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.failed = 0
+
+    def line(self, ok: bool, name: str, detail: str) -> None:
+        self.failed += not ok
+        mark = "[green]ok  [/]" if ok else "[red]FAIL[/]"
+        self.console.print(f"{mark} {name:<22} {detail}", highlight=False, soft_wrap=True)
+
+
+async def _start(engine: EngineClient, console: Console) -> proto.ModelInfo:
+    """Start the worker with a progress bar over the model load."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  console=console, transient=True) as bar:  # fmt: skip
+        task = bar.add_task("starting engine", total=1.0)
+        start = asyncio.create_task(engine.start())
+        while not start.done():
+            bar.update(task, completed=engine.load_fraction, description=f"engine: {engine.stage}")
+            await asyncio.wait([start], timeout=0.1)
+        return start.result()
+
+
+async def run_check(options: WorkerOptions, console: Console) -> int:
+    """Run the checks (module docstring) and print a verdict; returns the exit status."""
+    report = Report(console)
+    engine = EngineClient(options, restart=False)
+    t0 = time.perf_counter()
+    try:
+        info = await _start(engine, console)
+    except Exception as exc:
+        report.line(False, "start-up", f"{type(exc).__name__}: {exc} (stage {engine.stage})")
+        console.print("[red]verdict: FAIL[/] (the engine does not start on this machine)")
+        return 1
+    try:
+        rt = info.runtime
+        report.line(
+            True, "start-up", f"{info.model_name}, {time.perf_counter() - t0:.1f} s, self-check {rt.self_check_ms} ms"
+        )
+        report.line(True, "devices", "; ".join(rt.devices))
+        report.line(
+            True,
+            "configuration",
+            f"backend {rt.backend}, {rt.n_layers_offloaded}/{info.num_layers} layers offloaded, "
+            f"repack {'on' if rt.use_extra_bufts else 'off'} ({rt.repack_reason}), extra bufts {rt.extra_bufts}, "
+            f"eval filter {rt.eval_filter}, KV {rt.type_k}/{rt.type_v}, {rt.n_threads} threads",
+        )
+        await _check_attention(engine, report, fresh_seq=min(1, info.n_slots - 1))
+    except (EngineRequestError, OSError, RuntimeError) as exc:
+        report.line(False, "engine", f"{type(exc).__name__}: {exc}")
+    finally:
+        await engine.close()
+    verdict = "[green]verdict: PASS[/]" if not report.failed else f"[red]verdict: FAIL[/] ({report.failed} checks)"
+    console.print(verdict)
+    return 0 if not report.failed else 1
+
+
+async def _check_attention(engine: EngineClient, report: Report, fresh_seq: int) -> None:
+    prompt = (await engine.tokenize(PROMPT, True, True)).ids
+    t0 = time.perf_counter()
+    gen = await generate(engine, 0, prompt, N_TOKENS)
+    ms = (time.perf_counter() - t0) * 1000
+    sums = [g.attention.sum(axis=-1) for g in gen]
+    finite = all(np.isfinite(g.attention).all() for g in gen)
+    sums_ok = all(np.allclose(s, 1.0, atol=1e-3) for s in sums)
+    text = "".join(engine.pieces[g.token].decode("utf-8", "replace") for g in gen)
+    report.line(
+        len(gen) == N_TOKENS and finite and sums_ok,
+        "greedy generation",
+        f"{len(gen)} tokens in {ms:.0f} ms {text!r}; rows finite {finite}, sum to 1 {sums_ok}",
+    )
+    worst_corr, worst_mad, tokens_ok = 1.0, 0.0, True
+    for k, g in enumerate(gen):
+        fresh = (await generate(engine, fresh_seq, prompt + [x.token for x in gen[:k]], 1))[0]
+        corr, mad = _head_stats(g.attention, fresh.attention)
+        worst_corr, worst_mad = min(worst_corr, corr), max(worst_mad, mad)
+        if fresh.token != g.token:
+            near = dict(g.top).get(fresh.token)
+            tokens_ok &= near is not None and g.logprob - near <= NEAR_TIE_NATS
+            break  # the continuations part here: later tokens have other contexts
+    await engine.seq_op("erase", fresh_seq)
+    await engine.seq_op("erase", 0)
+    report.line(tokens_ok, "recomputed tokens", "fresh prefills choose the generated tokens" if tokens_ok else
+                "a fresh prefill chose another token, not a near-tie")  # fmt: skip
+    report.line(
+        worst_corr >= MIN_HEAD_CORRELATION and worst_mad <= MAX_MEAN_ABS_DIFF,
+        "recomputed attention",
+        f"min per-head correlation {worst_corr:.4f} (>= {MIN_HEAD_CORRELATION}), "
+        f"worst mean abs diff {worst_mad:.5f} (<= {MAX_MEAN_ABS_DIFF})",
+    )
+
+
+def main(options: WorkerOptions) -> int:
+    """Entry of ``slotserve check``."""
+    return asyncio.run(run_check(options, Console(file=sys.stdout)))

@@ -1,0 +1,136 @@
+"""A standing fuzz test: schemathesis over the OpenAPI schema of a real running server.
+
+Every HTTP operation of ``/schema/openapi.json`` gets cases generated from its schema, both
+valid ones and ones that break it, sent to a real ``slotserve serve`` (real model, small
+context so a generation is cheap).  Each answer must be no 5xx, a documented status, the
+documented content type and a body that conforms to the schema (errors included:
+``{"error", "error_code"}``); a case that breaks the schema must be refused with a 4xx.
+
+Bounded for CI: ``SLOTSERVE_FUZZ_EXAMPLES`` cases per operation and mode (default 50), no
+shrinking, valid cases generate at most a few tokens (:func:`cheap`), derandomized so a run
+is reproducible (``SLOTSERVE_FUZZ_SEED`` picks other cases).
+The case count and the time are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.conftest import ServerProc  # noqa: E402
+
+EXAMPLES = int(os.environ.get("SLOTSERVE_FUZZ_EXAMPLES", "50"))
+SEED = os.environ.get("SLOTSERVE_FUZZ_SEED")
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    work = tmp_path_factory.mktemp("fuzz")
+    args = ["--threads", "2", "--parallel", "2", "--spare", "2", "--ctx-size", "256",
+            "--state-dir", str(work / "state"), "--slot-save-path", str(work / "slots")]  # fmt: skip
+    srv = ServerProc(args, work).start()
+    yield srv
+    srv.stop()
+
+
+LENGTHS = ("max_new_tokens", "max_length", "max_tokens", "n_predict")
+CHEAP = 4
+
+
+def cheap(case: schemathesis.Case) -> None:
+    """Bound the cost of a valid case: at most ``CHEAP`` tokens to generate.
+
+    Long generations test the engine, not input handling, and take seconds each on a
+    loaded CPU; values beyond the context still get their ``CONTEXT_OVERFLOW``.
+    """
+    body = case.body
+    if not isinstance(body, dict) or case.operation.path not in ("/api/v1/generate", "/api/extra/generate/stream",
+                                                                 "/api/v1/generate/preview"):  # fmt: skip
+        return
+    lengths = [k for k in LENGTHS if isinstance(body.get(k), int)]
+    for k in lengths:
+        body[k] = min(body[k], CHEAP) if body[k] <= 4096 else body[k]
+    if not lengths:
+        body["max_tokens" if case.operation.path.endswith("preview") else "max_new_tokens"] = CHEAP
+
+
+def fuzz_operation(op: schemathesis.APIOperation, mode: GenerationMode, base_url: str, failures: list[str]) -> int:
+    """Run ``EXAMPLES`` cases of ``op`` in ``mode``; append what fails to ``failures``; return the count."""
+    checks = [*CHECKS, negative_data_rejection] if mode == GenerationMode.NEGATIVE else CHECKS
+    label = f"{op.label} [{mode.value}]"
+    n = 0
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=SEED is None,
+        phases=[Phase.explicit, Phase.generate],  # no shrinking: bounded time
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+    @given(case=op.as_strategy(generation_mode=mode))
+    def run(case: schemathesis.Case) -> None:
+        nonlocal n
+        n += 1
+        if mode == GenerationMode.POSITIVE:
+            cheap(case)
+        try:
+            case.call_and_validate(base_url=base_url, checks=checks, timeout=60)
+        except (AssertionError, BaseExceptionGroup, OSError) as exc:  # a check failed, or no answer
+            failures.append(f"{label}: {str(exc)[:1500]}")
+
+    try:
+        (seed(int(SEED))(run) if SEED is not None else run)()
+    except Unsatisfiable:  # nothing in the operation can break its schema (no parameters, no body)
+        assert mode == GenerationMode.NEGATIVE, label
+    return n
+
+
+def test_schema_fuzz(fuzz_server: ServerProc) -> None:
+    schema = schemathesis.openapi.from_url(fuzz_server.url + "/schema/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 10, [op.label for op in operations]
+    failures: list[str] = []
+    t0 = time.monotonic()
+    n_cases = sum(
+        fuzz_operation(op, mode, fuzz_server.url, failures)
+        for op in operations
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    )
+    elapsed = time.monotonic() - t0
+    print(f"\nschema fuzz: {n_cases} cases over {len(operations)} operations in {elapsed:.1f} s")
+    assert fuzz_server.proc is not None and fuzz_server.proc.poll() is None, "the server died"
+    assert not failures, f"{len(failures)} failing cases:\n\n" + "\n\n".join(failures[:8])
+
+
+def test_schema_documents_the_real_error_body(server: ServerProc) -> None:
+    """Every route's error statuses are ``{"error", "error_code"}`` in the schema, as sent."""
+    schema = httpx.get(server.url + "/schema/openapi.json", timeout=30).json()
+    body = schema["components"]["schemas"]["ErrorBody"]
+    assert set(body["required"]) == {"error", "error_code"}
+    for path, item in schema["paths"].items():
+        for method, op in item.items():
+            if path in ("/health", "/v1/health", "/metrics"):
+                continue
+            for status in ("400", "404", "409", "429", "503"):
+                ref = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+                assert ref.endswith("/ErrorBody"), (method, path, status)
+    r = httpx.post(server.url + "/api/v1/tokenize", json={"text": 5}, timeout=30)
+    assert r.status_code == 400 and {"error", "error_code"} <= set(r.json())

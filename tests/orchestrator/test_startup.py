@@ -1,0 +1,190 @@
+"""Start-up in every configuration the engine can choose, with the worker a subprocess as ``serve`` starts it.
+
+Configurations: CPU weight repacking (llama.cpp's extra buffer types) on and off, the
+C eval filter present and absent; a worker that crashes during start-up (retried once
+without repacking, or reported with its stage and signal); ``slotserve check``; the
+engine configuration reported by ``/health`` and ``GET /api/v1/model``; ``/health``
+while the model loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from rich.console import Console
+
+from orchestrator.check import run_check
+from orchestrator.engine_client import EngineClient, EngineStartError, WorkerOptions
+from tests.conftest import ROOT
+
+FAULTS = ROOT / "tests" / "orchestrator" / "worker_faults.py"
+
+
+def faulty_python(tmp_path: Path) -> str:
+    """An interpreter stand-in that runs tests/orchestrator/worker_faults.py instead of ``-m engine.worker``."""
+    wrapper = tmp_path / "python-with-faults"
+    wrapper.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{FAULTS}" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def faulty(tmp_path: Path, fault: str, **options: object) -> WorkerOptions:
+    """Worker options of a small engine whose worker has ``fault`` (tests/orchestrator/worker_faults.py)."""
+    return WorkerOptions(
+        parallel=1, spare=1, ctx_size=512, threads=2, python=faulty_python(tmp_path),
+        extra_env={"SLOTSERVE_TEST_FAULT": fault}, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def check(options: WorkerOptions) -> tuple[int, str]:
+    out = io.StringIO()
+    code = asyncio.run(run_check(options, Console(file=out, width=200, color_system=None)))
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize("repack", [True, False], ids=["repack", "no-repack"])
+@pytest.mark.parametrize("eval_filter", [True, False], ids=["c-filter", "python-filter"])
+def test_check_passes_in_every_configuration(repack: bool, eval_filter: bool) -> None:
+    from engine import evalfilter
+
+    code, out = check(
+        WorkerOptions(parallel=2, spare=1, ctx_size=512, threads=2, repack=repack, eval_filter=eval_filter)
+    )
+    assert code == 0, out
+    assert "verdict: PASS" in out
+    assert f"repack {'on' if repack else 'off'} (requested" in out
+    expect_filter = "c" if eval_filter and evalfilter.available() else "python"
+    assert f"eval filter {expect_filter}," in out
+    assert out.count("ok  ") >= 6, out
+
+
+def test_crash_during_start_up_is_retried_without_repacking(tmp_path: Path) -> None:
+    options = faulty(tmp_path, "segv-unless-no-repack")
+
+    async def run() -> None:
+        client = EngineClient(options, restart=False)
+        info = await client.start()
+        try:
+            assert client.options.repack is False
+            assert info.runtime.use_extra_bufts is False
+            assert info.runtime.repack_reason == "requested (--no-repack)"
+            reply = await client.tokenize("hello", False, False)
+            assert reply.ids
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_crash_is_reported_with_stage_and_signal(tmp_path: Path) -> None:
+    options = faulty(tmp_path, "segv-always")
+
+    async def run() -> EngineStartError:
+        client = EngineClient(options, restart=False)
+        with pytest.raises(EngineStartError) as info:
+            await client.start()
+        assert client.pid is not None
+        return info.value
+
+    err = asyncio.run(run())
+    assert err.crashed and err.returncode == -11
+    assert err.stage == "self_check"
+    assert "SIGSEGV" in str(err) and "self_check" in str(err)
+
+
+def test_explicit_repack_is_not_second_guessed(tmp_path: Path) -> None:
+    options = faulty(tmp_path, "segv-unless-no-repack", repack=True)
+
+    async def run() -> None:
+        with pytest.raises(EngineStartError) as info:
+            await EngineClient(options, restart=False).start()
+        assert info.value.stage == "self_check"
+
+    asyncio.run(run())
+
+
+def test_check_command_fails_when_the_engine_crashes(tmp_path: Path) -> None:
+    options = faulty(tmp_path, "segv-always", repack=False)
+    code, out = check(options)
+    assert code == 1
+    assert "FAIL start-up" in out and "SIGSEGV" in out and "verdict: FAIL" in out
+
+
+def test_check_cli_exit_status() -> None:
+    """``slotserve check`` as a user runs it (default configuration)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "check", "--ctx-size", "512", "--parallel", "2", "--threads", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "verdict: PASS" in out.stdout
+
+
+def test_serve_reports_engine_configuration(server) -> None:  # type: ignore[no-untyped-def]
+    from engine import backend
+
+    health = httpx.get(server.url + "/health").json()
+    cfg = health["engine_config"]
+    assert cfg["backend"] == "CPU" and cfg["n_layers_offloaded"] == 0
+    assert cfg["flash_attn"] is False and cfg["type_k"] == "f16" and cfg["type_v"] == "f16"
+    assert cfg["n_threads"] == 2 and cfg["kv_unified"] is True
+    assert cfg["repack_reason"].startswith("auto:")
+    assert cfg["extra_bufts"] == backend_extra_bufts_here()
+    expect = backend.choose_repack(None, cfg["extra_bufts"]).use_extra_bufts
+    assert cfg["use_extra_bufts"] is expect
+    assert any(d.startswith("CPU") for d in cfg["devices"])
+    model = httpx.get(server.url + "/api/v1/model").json()
+    assert model["engine"] == cfg
+
+
+def backend_extra_bufts_here() -> list[str]:
+    """The CPU extra buffer types, asked of a fresh interpreter (llama.cpp loaded the same way)."""
+    code = "from engine.model import init_backend; init_backend(); from engine import backend; print(backend.cpu_extra_bufts())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return eval(out.stdout.strip().splitlines()[-1])  # a printed list of names
+
+
+def test_health_says_loading_with_progress(start_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from tests.conftest import ServerProc
+
+    srv = ServerProc(
+        ["--threads", "2", "--ctx-size", "512", "--parallel", "1", "--no-persist"], tmp_path,
+        {"SLOTSERVE_TEST_FAULT": "slow-load", "SLOTSERVE_WORKER_PYTHON": faulty_python(tmp_path)},
+    )  # fmt: skip
+    seen: list[dict] = []
+    try:
+        srv.start_process()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(srv.url + "/health", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            seen.append({"status_code": r.status_code, **r.json()})
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+    finally:
+        srv.stop()
+    loading = [s for s in seen if s["status_code"] == 503]
+    assert loading and all(s["status"] == "loading" and s["error_code"] == "NO_MODEL" for s in loading)
+    fractions = [s["progress"] for s in loading if s.get("stage") == "loading_model" and "progress" in s]
+    assert fractions and fractions == sorted(fractions) and any(0 < f < 1 for f in fractions)
+    assert seen[-1]["status_code"] == 200 and seen[-1]["status"] == "ok"
+
+
+def test_small_context_starts() -> None:
+    """A window smaller than llama.cpp's 256-cell padding: the capture is sized by the cells llama.cpp made."""
+    code, out = check(WorkerOptions(parallel=1, spare=1, ctx_size=64, threads=2))
+    assert code == 0, out
+    assert "verdict: PASS" in out
