@@ -62,21 +62,55 @@ class ErrorBody(msgspec.Struct, kw_only=True):
     extra: list[dict[str, Any]] | dict[str, Any] | None = None
 
 
-ERROR_RESPONSES = {
-    status: ResponseSpec(ErrorBody, description=f"error ({', '.join(codes)})", generate_examples=False)
-    for status, codes in {
-        400: ["INVALID_REQUEST", "INVALID_TOKEN", "CONTEXT_OVERFLOW", "NO_CACHED_CONTEXT", "BAD_STATE"],
-        401: ["UNAUTHORIZED"],
-        404: ["SLOT_NOT_FOUND", "NOT_FOUND"],
-        405: ["METHOD_NOT_ALLOWED"],
-        409: ["SLOT_BUSY"],
-        413: ["PAYLOAD_TOO_LARGE"],
-        429: ["RATE_LIMITED"],
-        500: ["INTERNAL"],
-        503: ["NO_MODEL", "OOM", "STORE_UNAVAILABLE"],
-    }.items()
+class CompatError(msgspec.Struct, kw_only=True):
+    """The inner ``error`` of llama-server's and OpenAI's error body: ``code`` (the HTTP status),
+    ``message``, ``type`` (``invalid_request_error``, ``not_found_error``, ``exceed_context_size_error``...)."""
+
+    code: int
+    message: str
+    type: str
+    n_prompt_tokens: int | None = None
+    n_ctx: int | None = None
+
+
+class CompatErrorBody(msgspec.Struct, kw_only=True):
+    """The error body on llama-server's and OpenAI's paths (``orchestrator/api/compat.py``):
+    ``{"error": {"code", "message", "type"}, "error_code", ...}`` (llama.cpp ``tools/server/README.md``,
+    OpenAI's API reference, "Error codes"), with :class:`ErrorBody`'s other fields."""
+
+    error: CompatError
+    error_code: str
+    token_id: int | None = None
+    n_ctx: int | None = None
+    context_length: int | None = None
+    n_tokens: int | None = None
+    slot_id: str | None = None
+    owner: str | None = None
+    extra: list[dict[str, Any]] | dict[str, Any] | None = None
+
+
+def _responses(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
+    return {
+        status: ResponseSpec(body, description=f"error ({', '.join(codes)})", generate_examples=False)
+        for status, codes in _ERROR_STATUSES.items()
+    }
+
+
+_ERROR_STATUSES = {
+    400: ["INVALID_REQUEST", "INVALID_TOKEN", "CONTEXT_OVERFLOW", "NO_CACHED_CONTEXT", "BAD_STATE"],
+    401: ["UNAUTHORIZED"],
+    404: ["SLOT_NOT_FOUND", "NOT_FOUND"],
+    405: ["METHOD_NOT_ALLOWED"],
+    409: ["SLOT_BUSY"],
+    413: ["PAYLOAD_TOO_LARGE"],
+    429: ["RATE_LIMITED"],
+    500: ["INTERNAL"],
+    503: ["NO_MODEL", "OOM", "STORE_UNAVAILABLE"],
 }
+ERROR_RESPONSES = _responses(ErrorBody)
 """``responses=`` of every route: the error statuses with :class:`ErrorBody`."""
+COMPAT_ERROR_RESPONSES = _responses(CompatErrorBody)
+"""``responses=`` of the llama-server and OpenAI routes: the error statuses with :class:`CompatErrorBody`."""
 
 
 class ApiError(Exception):

@@ -35,7 +35,7 @@ from orchestrator.admin_feed import AttentionRow
 from orchestrator.admin_view import AdminView, SlotView
 from orchestrator.api.generate import JsonEvent
 from orchestrator.auth import require_admin
-from orchestrator.errors import ApiError, from_exception
+from orchestrator.errors import ERROR_RESPONSES, ApiError, from_exception
 from orchestrator.services import Services
 
 LISTING_EVERY_S = 1.0  # the slot listing is looked at once a second, pushed only when it changed
@@ -67,7 +67,7 @@ class AdminController(Controller):
 
     path = "/admin"
 
-    @get("/", summary="The admin page (HTML)")
+    @get("/", summary="The admin page (HTML)", responses=ERROR_RESPONSES)
     async def page(self, request: Request[Any, Any, Any], services: Services) -> Response[bytes]:
         require_admin(request.scope, services.settings.admin_key)
         return Response(_static("admin.html"), media_type="text/html; charset=utf-8")
@@ -76,17 +76,25 @@ class AdminController(Controller):
     async def script(self) -> Response[bytes]:
         return Response(_static("admin.js"), media_type="text/javascript; charset=utf-8")
 
-    @get("/api/slots", summary="Every slot: place, tokens, bytes, messages, last use, owner node")
+    @get(
+        "/api/slots",
+        summary="Every slot: place, tokens, bytes, messages, last use, owner node",
+        responses=ERROR_RESPONSES,
+    )
     async def slots(self, request: Request[Any, Any, Any], services: Services) -> list[SlotView]:
         require_admin(request.scope, services.settings.admin_key)
         return await AdminView(services).slots()
 
-    @get("/api/slots/{slot_id:str}/messages", summary="A slot's messages as text with token ranges")
+    @get(
+        "/api/slots/{slot_id:str}/messages",
+        summary="A slot's messages as text with token ranges",
+        responses=ERROR_RESPONSES,
+    )
     async def messages(self, request: Request[Any, Any, Any], services: Services, slot_id: str) -> dict[str, Any]:
         require_admin(request.scope, services.settings.admin_key)
         return await AdminView(services).messages_of(slot_id)
 
-    @get("/events", summary="Live slot listing and attention rows (server-sent events)")
+    @get("/events", summary="Live slot listing and attention rows (server-sent events)", responses=ERROR_RESPONSES)
     async def events(
         self,
         request: Request[Any, Any, Any],

@@ -53,6 +53,8 @@ class StrictJson(MsgspecDTO[T]):  # type: ignore[type-var]
         return schema_creator.for_field_definition(FieldDefinition.from_annotation(cls.model_type))
 
 
-def json_route(model: type[Any]) -> dict[str, Any]:
-    """Options of a route whose ``data`` is a ``model`` body: :class:`StrictJson`, documented errors."""
-    return {"dto": StrictJson[model], "return_dto": None, "responses": ERROR_RESPONSES}
+def json_route(model: type[Any], responses: dict[int, Any] = ERROR_RESPONSES) -> dict[str, Any]:
+    """Options of a route whose ``data`` is a ``model`` body: :class:`StrictJson`, documented errors
+    (``responses``: :data:`orchestrator.errors.ERROR_RESPONSES`, or ``COMPAT_ERROR_RESPONSES`` on
+    llama-server's and OpenAI's paths)."""
+    return {"dto": StrictJson[model], "return_dto": None, "responses": responses}

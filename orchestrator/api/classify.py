@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 from litestar import post
 
+from orchestrator.api.body import json_route
 from orchestrator.errors import ApiError
 from orchestrator.services import Services
 
@@ -67,6 +68,7 @@ def ranked(labels: list[str], logits: np.ndarray) -> list[Prediction]:
     ["/classify", "/v1/classify"],
     status_code=200,
     summary="Classify text (TEI input; raw logits per label, best first)",
+    **json_route(ClassifyRequest),
 )
 async def classify(data: ClassifyRequest, services: Services) -> ClassifyResponse:
     engine = services.classifier

@@ -31,7 +31,7 @@ from litestar import Controller, Request, get, post
 from litestar.datastructures import State
 
 from engine import protocol as proto
-from orchestrator.errors import ApiError
+from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.generation import RunControl
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
 from orchestrator.services import Services
@@ -183,35 +183,45 @@ async def prepare(services: Services, data: GenerateRequest, raw: dict[str, Any]
 class KoboldController(Controller):
     """KoboldCpp's version, config and ``extra`` endpoints (KoboldCpp's field names)."""
 
-    @get("/api/extra/version", summary="KoboldCpp: server name and version")
+    @get("/api/extra/version", summary="KoboldCpp: server name and version", responses=ERROR_RESPONSES)
     async def version(self) -> dict[str, Any]:
         return {"result": "KoboldCpp", "version": KOBOLDCPP_VERSION, "protected": False, "txt2img": False,
                 "vision": False, "transcribe": False, "multiplayer": False, "websearch": False, "tts": False,
                 "embeddings": False, "server": "slotserve"}  # fmt: skip
 
-    @get("/api/v1/info/version", summary="KoboldAI API version")
+    @get("/api/v1/info/version", summary="KoboldAI API version", responses=ERROR_RESPONSES)
     async def api_version(self) -> dict[str, str]:
         return {"result": KOBOLD_API_VERSION}
 
-    @get("/api/v1/config/max_context_length", summary="KoboldCpp: context window, tokens")
+    @get("/api/v1/config/max_context_length", summary="KoboldCpp: context window, tokens", responses=ERROR_RESPONSES)
     async def max_context_length(self, services: Services) -> dict[str, int]:
         return {"value": services.generation.info.n_ctx}
 
-    @get("/api/extra/true_max_context_length", summary="KoboldCpp: context window, tokens")
+    @get("/api/extra/true_max_context_length", summary="KoboldCpp: context window, tokens", responses=ERROR_RESPONSES)
     async def true_max_context_length(self, services: Services) -> dict[str, int]:
         return {"value": services.generation.info.n_ctx}
 
-    @get("/api/v1/config/max_length", summary="KoboldCpp: default generation length, tokens")
+    @get("/api/v1/config/max_length", summary="KoboldCpp: default generation length, tokens", responses=ERROR_RESPONSES)
     async def max_length(self) -> dict[str, int]:
         return {"value": int(GenerateRequest().canonical().max_new_tokens)}
 
-    @post("/api/extra/tokencount", status_code=200, summary="KoboldCpp: count a prompt's tokens")
+    @post(
+        "/api/extra/tokencount",
+        status_code=200,
+        summary="KoboldCpp: count a prompt's tokens",
+        responses=ERROR_RESPONSES,
+    )
     async def tokencount(self, request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
         body = _decode(await request.body(), TokenCountBody)
         ids = (await services.engine.tokenize(body.prompt, body.special, True)).ids
         return {"value": len(ids), "ids": ids}
 
-    @post("/api/extra/abort", status_code=200, summary="KoboldCpp: stop the generation of a genkey")
+    @post(
+        "/api/extra/abort",
+        status_code=200,
+        summary="KoboldCpp: stop the generation of a genkey",
+        responses=ERROR_RESPONSES,
+    )
     async def abort(self, request: Request[Any, Any, Any]) -> dict[str, str]:
         body = _decode(await request.body(), GenkeyBody)
         running = jobs_of(request.app.state).running.get(body.genkey, [])
@@ -221,11 +231,16 @@ class KoboldController(Controller):
             await job.control.cancel()
         return {"success": "true", "done": "true"}
 
-    @get("/api/extra/generate/check", summary="KoboldCpp: text generated so far")
+    @get("/api/extra/generate/check", summary="KoboldCpp: text generated so far", responses=ERROR_RESPONSES)
     async def check_get(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
         return self._pending(request, "")
 
-    @post("/api/extra/generate/check", status_code=200, summary="KoboldCpp: text generated so far for a genkey")
+    @post(
+        "/api/extra/generate/check",
+        status_code=200,
+        summary="KoboldCpp: text generated so far for a genkey",
+        responses=ERROR_RESPONSES,
+    )
     async def check_post(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
         return self._pending(request, _decode(await request.body(), GenkeyBody).genkey)
 
@@ -234,7 +249,7 @@ class KoboldController(Controller):
         running = jobs_of(request.app.state).running.get(genkey)
         return {"results": [{"text": "".join(running[0].text) if running else ""}]}
 
-    @get("/api/extra/perf", summary="KoboldCpp: last generation's figures and server status")
+    @get("/api/extra/perf", summary="KoboldCpp: last generation's figures and server status", responses=ERROR_RESPONSES)
     async def perf(self, request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
         jobs = jobs_of(request.app.state)
         last = jobs.last

@@ -32,7 +32,7 @@ from orchestrator.api.compat import (
     remaining,
     sse_data,
 )
-from orchestrator.errors import ApiError, from_exception
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, from_exception
 from orchestrator.generation import DoneOut, Started, TokenOut, sampling_params
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
 from orchestrator.services import Services
@@ -247,7 +247,11 @@ class LlamaServerController(Controller):
 
     exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
-    @get("/props", summary="llama-server: server properties and default generation settings")
+    @get(
+        "/props",
+        summary="llama-server: server properties and default generation settings",
+        responses=COMPAT_ERROR_RESPONSES,
+    )
     async def props(self, services: Services) -> dict[str, Any]:
         info = services.generation.info
         special = info.special_tokens
@@ -267,7 +271,12 @@ class LlamaServerController(Controller):
             "is_sleeping": False,
         }
 
-    @post(["/completion", "/completions"], status_code=200, summary="llama-server: native completion")
+    @post(
+        ["/completion", "/completions"],
+        status_code=200,
+        summary="llama-server: native completion",
+        responses=COMPAT_ERROR_RESPONSES,
+    )
     async def completion(
         self, request: Request[Any, Any, Any], services: Services, data: CompletionBody
     ) -> EventStream | dict[str, Any]:

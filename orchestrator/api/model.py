@@ -9,7 +9,7 @@ from litestar import Controller, get, post
 
 from orchestrator.api.body import json_route
 from orchestrator.api.compat import COMPAT_ERRORS
-from orchestrator.errors import ERROR_RESPONSES, ApiError
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ERROR_RESPONSES, ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.schemas import DetokenizeRequest, TokenizeRequest
 from orchestrator.services import Services
@@ -108,7 +108,7 @@ class ModelController(Controller):
         status_code=200,
         exception_handlers=COMPAT_ERRORS,
         summary="llama-server tokenize (content, add_special, with_pieces)",
-        **json_route(TokenizeRequest),
+        **json_route(TokenizeRequest, COMPAT_ERROR_RESPONSES),
     )
     async def ls_tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.content if data.content is not None else data.text
@@ -129,7 +129,7 @@ class ModelController(Controller):
         status_code=200,
         exception_handlers=COMPAT_ERRORS,
         summary="llama-server detokenize (tokens)",
-        **json_route(DetokenizeRequest),
+        **json_route(DetokenizeRequest, COMPAT_ERROR_RESPONSES),
     )
     async def ls_detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.tokens if data.tokens is not None else data.token_ids

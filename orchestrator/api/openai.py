@@ -40,7 +40,7 @@ from orchestrator.api.compat import (
     sse_data,
 )
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.errors import ApiError, from_exception
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, from_exception
 from orchestrator.generation import DoneOut, Started, TokenOut
 from orchestrator.schemas import AttentionDtype, AttentionFormat, CanonicalRequest, GenerateRequest
 from orchestrator.services import Services
@@ -313,7 +313,7 @@ class OpenAIController(Controller):
 
     exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
-    @get(["/v1/models", "/models"], summary="OpenAI: the loaded model")
+    @get(["/v1/models", "/models"], summary="OpenAI: the loaded model", responses=COMPAT_ERROR_RESPONSES)
     async def models(self, services: Services) -> dict[str, Any]:
         info = services.generation.info
         return {
@@ -335,7 +335,12 @@ class OpenAIController(Controller):
             ],
         }
 
-    @post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="OpenAI chat completion")
+    @post(
+        ["/v1/chat/completions", "/chat/completions"],
+        status_code=200,
+        summary="OpenAI chat completion",
+        responses=COMPAT_ERROR_RESPONSES,
+    )
     async def chat(
         self, request: Request[Any, Any, Any], services: Services, data: ChatCompletionRequest
     ) -> EventStream | dict[str, Any]:
@@ -352,7 +357,7 @@ class OpenAIController(Controller):
         shape = Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces())
         return await respond(services, request, data, shape)
 
-    @post("/v1/completions", status_code=200, summary="OpenAI text completion")
+    @post("/v1/completions", status_code=200, summary="OpenAI text completion", responses=COMPAT_ERROR_RESPONSES)
     async def completions(
         self, request: Request[Any, Any, Any], services: Services, data: CompletionRequest
     ) -> EventStream | dict[str, Any]:

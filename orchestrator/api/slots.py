@@ -15,7 +15,7 @@ from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server import check_slot_number, slot_task_fields
 from orchestrator.auth import require_admin
 from orchestrator.digest import check_repr_digest, repr_digest
-from orchestrator.errors import ERROR_RESPONSES, ApiError
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
 from orchestrator.slot_ops import SlotOps, message_boundaries
@@ -39,7 +39,7 @@ class SlotController(Controller):
 
     exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
-    @get("/slots", summary="All slots: resident and parked, with sizes", responses=ERROR_RESPONSES)
+    @get("/slots", summary="All slots: resident and parked, with sizes", responses=COMPAT_ERROR_RESPONSES)
     async def list_slots(self, services: Services) -> list[dict[str, Any]]:
         if not services.settings.slots_endpoint:
             raise ApiError("NOT_SUPPORTED", "This server does not support slots endpoint (--no-slots)", 501)
@@ -78,7 +78,7 @@ class SlotController(Controller):
     @get(
         "/v1/slots/{slot_id:str}/info",
         summary="Tokens and message boundaries at the end-of-turn token",
-        responses=ERROR_RESPONSES,
+        responses=COMPAT_ERROR_RESPONSES,
     )
     async def info(self, services: Services, slot_id: str) -> dict[str, Any]:
         eot = services.generation.info.eot_token_id
@@ -98,7 +98,7 @@ class SlotController(Controller):
         status_code=200,
         request_max_body_size=MAX_STATE_BYTES,
         summary="Slot actions (seed 004)",
-        responses=ERROR_RESPONSES,
+        responses=COMPAT_ERROR_RESPONSES,
     )
     async def action(
         self,
