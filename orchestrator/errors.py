@@ -110,6 +110,14 @@ _ERROR_STATUSES = {
 ERROR_RESPONSES = _responses(ErrorBody)
 """``responses=`` of every route: the error statuses with :class:`ErrorBody`."""
 COMPAT_ERROR_RESPONSES = _responses(CompatErrorBody)
+STREAMABLE_COMPAT_RESPONSES = {
+    **COMPAT_ERROR_RESPONSES,
+    200: ResponseSpec(
+        dict[str, Any],
+        description="the completion; with ``stream: true`` server-sent events (text/event-stream) instead",
+        generate_examples=False,
+    ),
+}
 """``responses=`` of the llama-server and OpenAI routes: the error statuses with :class:`CompatErrorBody`."""
 
 

@@ -27,7 +27,7 @@ from importlib import resources
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, get
+from litestar import Controller, MediaType, Request, Response, get
 from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 
@@ -67,7 +67,7 @@ class AdminController(Controller):
 
     path = "/admin"
 
-    @get("/", summary="The admin page (HTML)", responses=ERROR_RESPONSES)
+    @get("/", summary="The admin page (HTML)", media_type=MediaType.HTML, responses=ERROR_RESPONSES)
     async def page(self, request: Request[Any, Any, Any], services: Services) -> Response[bytes]:
         require_admin(request.scope, services.settings.admin_key)
         return Response(_static("admin.html"), media_type="text/html; charset=utf-8")

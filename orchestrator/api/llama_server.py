@@ -14,7 +14,7 @@ llama-server would pick another idle slot.  ``cache_prompt: false`` empties the 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import structlog
@@ -32,9 +32,20 @@ from orchestrator.api.compat import (
     remaining,
     sse_data,
 )
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, from_exception
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, from_exception
 from orchestrator.generation import DoneOut, Started, TokenOut, sampling_params
-from orchestrator.schemas import CanonicalRequest, GenerateRequest
+from orchestrator.schemas import (
+    INT32_MAX,
+    CanonicalRequest,
+    Float32,
+    GenerateRequest,
+    NonNegFloat32,
+    NProbs,
+    Probability,
+    RepeatLastN,
+    Seed,
+    TopK,
+)
 from orchestrator.services import Services
 from orchestrator.slot_ops import SlotOps
 from orchestrator.slots import Slot
@@ -47,22 +58,25 @@ STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "can
 DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 
+NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
+
+
 class CompletionBody(msgspec.Struct, kw_only=True):
     """``POST /completion`` (llama-server README, "POST /completion": options)."""
 
     prompt: str | list[int | str]
-    n_predict: int | None = None  # None: the server's --n-predict
+    n_predict: NPredict | None = None  # None: the server's --n-predict
     stream: bool = False
     cache_prompt: bool = True
     id_slot: int | str = -1
-    n_probs: int = 0
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    seed: int | None = None
+    n_probs: NProbs = 0
+    temperature: Float32 | None = None
+    top_k: TopK | None = None
+    top_p: Probability | None = None
+    min_p: Probability | None = None
+    repeat_penalty: NonNegFloat32 | None = None
+    repeat_last_n: RepeatLastN | None = None
+    seed: Seed | None = None
     stop: list[str] | None = None
     ignore_eos: bool = False
     return_tokens: bool = False
@@ -159,8 +173,9 @@ def _probs(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
 class Completion:
     """One ``/completion`` request: its canonical form and the response shapes."""
 
-    def __init__(self, body: CompletionBody, req: CanonicalRequest, model: str, pieces: list[bytes], n_ctx: int):
-        self.body, self.req, self.model, self.pieces, self.n_ctx = body, req, model, pieces, n_ctx
+    def __init__(self, body: CompletionBody, req: CanonicalRequest, info: proto.ModelInfo, pieces: list[bytes]):
+        self.body, self.req, self.info, self.pieces = body, req, info, pieces
+        self.model, self.n_ctx = info.model_name, info.n_ctx
         self.slot_out = slot_id_out(req.slot)
 
     def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
@@ -190,7 +205,7 @@ class Completion:
             "model": self.model,
             "tokens_predicted": d.n_generated,
             "tokens_evaluated": d.n_prompt,
-            "generation_settings": params_json(sampling_params(self.req, len(self.pieces)), self.n_ctx),
+            "generation_settings": params_json(sampling_params(self.req, self.info), self.n_ctx),
             "prompt": prompt,
             "has_new_line": "\n" in text,
             "truncated": False,
@@ -239,7 +254,7 @@ async def _prepare(services: Services, body: CompletionBody) -> Completion:
         async with services.registry.use(req.slot, wait=True, create=True, resident=False) as s:
             await SlotOps(services.registry, None).erase(s)
     info = services.generation.info
-    return Completion(body, req, info.model_name, await services.generation.pieces(), info.n_ctx)
+    return Completion(body, req, info, await services.generation.pieces())
 
 
 class LlamaServerController(Controller):
@@ -275,7 +290,7 @@ class LlamaServerController(Controller):
         ["/completion", "/completions"],
         status_code=200,
         summary="llama-server: native completion",
-        responses=COMPAT_ERROR_RESPONSES,
+        responses=STREAMABLE_COMPAT_RESPONSES,
     )
     async def completion(
         self, request: Request[Any, Any, Any], services: Services, data: CompletionBody

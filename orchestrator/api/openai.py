@@ -40,9 +40,20 @@ from orchestrator.api.compat import (
     sse_data,
 )
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, from_exception
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, from_exception
 from orchestrator.generation import DoneOut, Started, TokenOut
-from orchestrator.schemas import AttentionDtype, AttentionFormat, CanonicalRequest, GenerateRequest
+from orchestrator.schemas import (
+    AttentionDtype,
+    AttentionFormat,
+    CanonicalRequest,
+    Float32,
+    GenerateRequest,
+    NonNegFloat32,
+    Probability,
+    Seed,
+    TokenCount,
+    TopK,
+)
 from orchestrator.services import Services
 from orchestrator.stop_text import StopTextFilter
 
@@ -68,23 +79,23 @@ class OpenAIRequest(msgspec.Struct, kw_only=True):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (plus llama-server's extras)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Float32 | None = None
+    top_p: Probability | None = None
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: Seed | None = None
+    presence_penalty: Float32 | None = None
+    frequency_penalty: Float32 | None = None
     user: str | None = None
     slot_id: str | int | None = None
     attention: AttentionOption | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repeat_penalty: NonNegFloat32 | None = None
     ignore_eos: bool = False
 
 
@@ -339,7 +350,7 @@ class OpenAIController(Controller):
         ["/v1/chat/completions", "/chat/completions"],
         status_code=200,
         summary="OpenAI chat completion",
-        responses=COMPAT_ERROR_RESPONSES,
+        responses=STREAMABLE_COMPAT_RESPONSES,
     )
     async def chat(
         self, request: Request[Any, Any, Any], services: Services, data: ChatCompletionRequest
@@ -357,7 +368,12 @@ class OpenAIController(Controller):
         shape = Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces())
         return await respond(services, request, data, shape)
 
-    @post("/v1/completions", status_code=200, summary="OpenAI text completion", responses=COMPAT_ERROR_RESPONSES)
+    @post(
+        "/v1/completions",
+        status_code=200,
+        summary="OpenAI text completion",
+        responses=STREAMABLE_COMPAT_RESPONSES,
+    )
     async def completions(
         self, request: Request[Any, Any, Any], services: Services, data: CompletionRequest
     ) -> EventStream | dict[str, Any]:
