@@ -1,10 +1,11 @@
 """Request bodies of the HTTP/WebSocket API (msgspec Structs: validated and documented in OpenAPI).
 
-Field names follow the seeds and the servers their clients know: seed 000
+Field names follow docs/api.md and the servers their clients know: slotserve's own
 (``max_new_tokens``, ``repetition_penalty``, ``stop_tokens``, ``banned_tokens``,
-``return_attention``), KoboldCpp / seed 001 (``max_length``, ``rep_pen``,
-``sampler_seed``, ``stop_sequence``, ``output_attentions``), llama-server
-(``n_predict``, ``repeat_penalty``, ``seed``, ``stop``, ``id_slot``, ``n_probs``).
+``return_attention``), KoboldCpp's (``max_length``, ``rep_pen``, ``sampler_seed``,
+``stop_sequence``, ``output_attentions``; KoboldCpp's ``koboldcpp.py``), llama-server's
+(``n_predict``, ``repeat_penalty``, ``seed``, ``stop``, ``id_slot``, ``n_probs``;
+llama.cpp ``tools/server/README.md``).
 Aliases are merged by :meth:`GenerateRequest.canonical`.
 """
 
@@ -84,7 +85,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_progress: bool = False  # llama-server's: stream prompt-processing progress events
 
     def canonical(self) -> CanonicalRequest:
-        """Merge aliases (first given wins, seed 000 names first) into one canonical request."""
+        """Merge aliases (first given wins, slotserve's own names first) into one canonical request."""
 
         def first(*vals: object, default: object) -> object:
             return next((v for v in vals if v is not None), default)
@@ -156,7 +157,7 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """``POST /api/v1/tokenize`` (seeds 000/001) and llama-server's ``/tokenize`` (``content``)."""
+    """``POST /api/v1/tokenize`` and llama-server's ``/tokenize`` (``content``)."""
 
     text: str | None = None
     content: str | None = None
@@ -174,14 +175,14 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class AppendToken(msgspec.Struct):
-    """One appended token of a preview (seed 003)."""
+    """One appended token of a preview (docs/api.md)."""
 
     token_id: int
     text: str = ""
 
 
 class PreviewRequest(msgspec.Struct, kw_only=True):
-    """``POST /api/v1/generate/preview`` (seed 003)."""
+    """``POST /api/v1/generate/preview`` (docs/api.md)."""
 
     append_tokens: list[AppendToken | int] = []
     max_tokens: PreviewTokens = 50
@@ -200,7 +201,7 @@ class PreviewRequest(msgspec.Struct, kw_only=True):
 
 
 class ContextShiftRequest(msgspec.Struct, kw_only=True):
-    """``POST /slots/{id}?action=context-shift`` (seed 004)."""
+    """``POST /slots/{id}?action=context-shift`` (llama-server's ``n_keep``/``n_discard``)."""
 
     n_keep: int
     n_discard: int

@@ -1,4 +1,4 @@
-"""llama-server's slot actions (seed 004) on our slots, resident or parked.
+"""llama-server's slot actions (docs/api.md, "Slots") on our slots, resident or parked.
 
 Every action holds the slot exclusively (``SLOT_BUSY`` otherwise).  Read-only
 actions on a parked slot are served from the store without restoring it; actions

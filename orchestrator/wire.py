@@ -1,10 +1,10 @@
 """Wire encoders: one function per event shape the clients read.
 
-Shapes come from the seeds: seed 000 (WS ``token``/``done``/``error`` events with
-base64 attention, ``logprob``, ``top_logprobs``), seed 001 (Kobold SSE ``{"token",
-"finish_reason"}``, and the attention SSE events ``{"type":"token","token":{...},
-"attention":{...}}``), seed 002 (binary WS: a JSON text frame per token, then the raw
-float32 attention frame).  Attention bytes are the worker's bytes, untouched.
+Shapes are docs/api.md's: the JSON WebSocket's ``token``/``done``/``error`` events
+(base64 attention, ``logprob``, ``top_logprobs``), the SSE stream (KoboldCpp's
+``{"token", "finish_reason"}`` events, and the attention events ``{"type":"token",
+"token":{...}, "attention":{...}}``), the binary WebSocket (a JSON text frame per token,
+then the raw float32 attention frame).  Attention bytes are the worker's bytes, untouched.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def progress_event(p: Progress, request_id: str | None) -> dict[str, Any]:
 
 
 def kobold_token_event(text: str) -> dict[str, Any]:
-    """KoboldCpp SSE text event (seed 001, no attention); a stop token contributes no text."""
+    """KoboldCpp SSE text event (no attention); a stop token contributes no text."""
     return {"token": text, "finish_reason": None}
 
 

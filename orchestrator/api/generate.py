@@ -1,4 +1,4 @@
-"""HTTP generation: ``POST /api/v1/generate`` (seed 000) and the SSE stream (seed 001)."""
+"""HTTP generation: ``POST /api/v1/generate`` and the SSE stream (docs/api.md)."""
 
 from __future__ import annotations
 

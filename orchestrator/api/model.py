@@ -1,4 +1,4 @@
-"""Model facts and tokenization: seeds 000/001 (``/api/v1/...``) and llama-server's names."""
+"""Model facts and tokenization: ``/api/v1/...`` (docs/api.md, "Model") and llama-server's names."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from orchestrator.services import Services
 
 
 def model_payload(s: Services) -> dict[str, Any]:
-    """The union of seed 000's ``/api/v1/model/info`` and seed 001's ``/api/v1/model`` fields."""
+    """The fields of ``GET /api/v1/model`` and ``/api/v1/model/info`` (docs/api.md, "Model")."""
     i = s.generation.info
     name = i.model_name
     return {
@@ -63,7 +63,7 @@ def _piece_fields(piece: bytes) -> dict[str, Any]:
 
 
 class ModelController(Controller):
-    """``/api/v1/model``, tokenize and detokenize (seeds 000/001; llama-server's ``/tokenize``)."""
+    """``/api/v1/model``, tokenize and detokenize (docs/api.md; llama-server's ``/tokenize``)."""
 
     @get(
         ["/api/v1/model", "/api/v1/model/info"],
@@ -76,7 +76,7 @@ class ModelController(Controller):
     @post(
         "/api/v1/tokenize",
         status_code=200,
-        summary="Text to tokens with their text (seeds 000/001)",
+        summary="Text to tokens with their text",
         **json_route(TokenizeRequest),
     )
     async def tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``POST /api/v1/generate/preview`` (seed 003): generate on a copy-on-write fork of a slot.
+"""``POST /api/v1/generate/preview`` (docs/api.md): generate on a copy-on-write fork of a slot.
 
 The slot's sequence is forked (``llama_memory_seq_cp``: cells shared) into a spare
 sequence, ``append_tokens`` are prefilled on the fork only, up to ``max_tokens`` are

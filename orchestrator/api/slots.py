@@ -1,4 +1,4 @@
-"""Slot API with seed 004's paths, query actions, field names and content negotiation."""
+"""llama-server's slot API: paths, query actions, field names and content negotiation (docs/api.md, "Slots")."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class SlotController(Controller):
         "/slots/{slot_id:str}",
         status_code=200,
         request_max_body_size=MAX_STATE_BYTES,
-        summary="Slot actions (seed 004)",
+        summary="Slot actions (llama-server's, plus fork)",
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def action(

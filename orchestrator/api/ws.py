@@ -1,11 +1,11 @@
-"""WebSocket generation: seed 002's binary stream and seed 000's JSON event stream.
+"""WebSocket generation: the binary stream and the JSON event stream (docs/api.md).
 
-``/api/extra/generate/stream/ws`` (seeds 001/002): the first client frame is the
+``/api/extra/generate/stream/ws``: the first client frame is the
 generation config; per token a JSON text frame then (with attention) one binary
 frame of raw ``float32`` (or ``float16``) ``[n_layers, n_heads, context_length]``;
 then ``{"type":"done"}`` and a clean close (code 1000).
 
-``/api/v1/generate/stream`` (seed 000): ``{"type":"generate", ...}`` messages, each
+``/api/v1/generate/stream``: ``{"type":"generate", ...}`` messages, each
 answered by ``token`` events (base64 attention, ``logprob``, ``top_logprobs``) and a
 ``done`` event with ``generation_time_ms``; failures are ``error`` events.  The socket
 stays open for the next request.
