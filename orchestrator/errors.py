@@ -44,14 +44,10 @@ STATUS_OF_CODE = {
 }
 
 
-class ErrorBody(msgspec.Struct, kw_only=True):
-    """The JSON body of every error response (documents it in the OpenAPI schema).
+class ErrorFields(msgspec.Struct, kw_only=True):
+    """What every error body carries besides ``error``: ``error_code`` (one of the codes above)
+    and the fields some codes add (docs/api.md, "Errors")."""
 
-    ``error`` is the message and ``error_code`` one of the codes above; the other fields
-    come with some codes (docs/api.md, "Errors").
-    """
-
-    error: str
     error_code: str
     token_id: int | None = None
     n_ctx: int | None = None
@@ -59,7 +55,15 @@ class ErrorBody(msgspec.Struct, kw_only=True):
     n_tokens: int | None = None
     slot_id: str | None = None
     owner: str | None = None
+    retry_after: int | None = None
     extra: list[dict[str, Any]] | dict[str, Any] | None = None
+
+
+class ErrorBody(ErrorFields, kw_only=True):
+    """The JSON body of every error response (documents it in the OpenAPI schema): ``error`` is
+    the message, with :class:`ErrorFields`."""
+
+    error: str
 
 
 class CompatError(msgspec.Struct, kw_only=True):
@@ -73,20 +77,12 @@ class CompatError(msgspec.Struct, kw_only=True):
     n_ctx: int | None = None
 
 
-class CompatErrorBody(msgspec.Struct, kw_only=True):
+class CompatErrorBody(ErrorFields, kw_only=True):
     """The error body on llama-server's and OpenAI's paths (``orchestrator/api/compat.py``):
     ``{"error": {"code", "message", "type"}, "error_code", ...}`` (llama.cpp ``tools/server/README.md``,
-    OpenAI's API reference, "Error codes"), with :class:`ErrorBody`'s other fields."""
+    OpenAI's API reference, "Error codes"), with :class:`ErrorFields`."""
 
     error: CompatError
-    error_code: str
-    token_id: int | None = None
-    n_ctx: int | None = None
-    context_length: int | None = None
-    n_tokens: int | None = None
-    slot_id: str | None = None
-    owner: str | None = None
-    extra: list[dict[str, Any]] | dict[str, Any] | None = None
 
 
 def _responses(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
