@@ -26,19 +26,18 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
 from orchestrator import metrics
 from orchestrator.errors import ApiError
 
-if TYPE_CHECKING:
-    from orchestrator.slots import Slot
+S = TypeVar("S")  # what waits: the registry's Slot (the queue never looks inside it)
 
 
-class Ticket:
+class Ticket(Generic[S]):
     """One waiting request's place in an :class:`AdmissionQueue`."""
 
-    def __init__(self, queue: AdmissionQueue, slot: Slot) -> None:
+    def __init__(self, queue: AdmissionQueue[S], slot: S) -> None:
         self.queue = queue
         self.slot = slot
         self.outcome: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -77,7 +76,7 @@ class Ticket:
         return self.outcome.result() if self.outcome.done() else None
 
 
-class AdmissionQueue:
+class AdmissionQueue(Generic[S]):
     """Bounded FIFO of :class:`Ticket` s (see module docstring).
 
     ``max_waiting``: tickets that may wait at once (0: none, every request that finds no
@@ -89,7 +88,7 @@ class AdmissionQueue:
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
-        self.waiting_tickets: deque[Ticket] = deque()
+        self.waiting_tickets: deque[Ticket[S]] = deque()
 
     def __len__(self) -> int:
         return len(self.waiting_tickets)
@@ -98,7 +97,7 @@ class AdmissionQueue:
         """``RATE_LIMITED`` with ``retry_after`` (seconds; HTTP answers carry it as ``Retry-After``)."""
         return ApiError("RATE_LIMITED", message, retry_after=self.retry_after_s)
 
-    def enter(self, slot: Slot) -> Ticket:
+    def enter(self, slot: S) -> Ticket[S]:
         """Join the back of the queue; ``RATE_LIMITED`` when it is full."""
         if len(self.waiting_tickets) >= self.max_waiting:
             metrics.QUEUE_REFUSED.labels("full").inc()
@@ -109,7 +108,7 @@ class AdmissionQueue:
         self.waiting_tickets.append(ticket)
         return ticket
 
-    def pop(self) -> Ticket | None:
+    def pop(self) -> Ticket[S] | None:
         """Remove and return the head ticket (None if nobody waits); the others move up."""
         if not self.waiting_tickets:
             return None
@@ -117,7 +116,7 @@ class AdmissionQueue:
         self._moved()
         return ticket
 
-    def leave(self, ticket: Ticket) -> None:
+    def leave(self, ticket: Ticket[S]) -> None:
         """Drop ``ticket`` wherever it is (no-op if it already left); the ones behind move up."""
         with contextlib.suppress(ValueError):
             self.waiting_tickets.remove(ticket)

@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from engine import protocol as proto
-from orchestrator.engine_client import EngineClient, EngineRequestError, WorkerOptions
+from orchestrator.engine_client import EngineClient, EngineRequestError
+from orchestrator.worker_options import WorkerOptions
 
 PROMPT = "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n"
 N_TOKENS = 8

@@ -10,8 +10,8 @@ from pathlib import Path
 import uvicorn
 
 from orchestrator.config import Settings
-from orchestrator.engine_client import WorkerOptions
 from orchestrator.logfilter import uvicorn_log_config
+from orchestrator.worker_options import WorkerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:

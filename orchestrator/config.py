@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.engine_client import WorkerOptions
+from orchestrator.worker_options import WorkerOptions
 
 
 @dataclass(frozen=True)

@@ -104,12 +104,12 @@ class SlotRegistry:
         engine: EngineClient,
         n_seqs: int,
         persistence: Persistence | None = None,
-        queue: AdmissionQueue | None = None,
+        queue: AdmissionQueue[Slot] | None = None,
     ) -> None:
         self.engine = engine
         self.n_seqs = n_seqs
         self.persistence = persistence
-        self.queue = queue if queue is not None else AdmissionQueue()
+        self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue()
         self.slots: dict[str, Slot] = {}
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
@@ -249,7 +249,7 @@ class SlotRegistry:
     def _idle_residents(self) -> list[Slot]:
         return [s for s in self.owner if s is not None and not s.busy]
 
-    async def _wait_turn(self, ticket: Ticket, hooks: WaitHooks | None) -> int:
+    async def _wait_turn(self, ticket: Ticket[Slot], hooks: WaitHooks | None) -> int:
         """Wait in the queue until granted a sequence (then ``ticket.slot`` owns it)."""
         slot = ticket.slot
         t0 = time.monotonic()

@@ -22,7 +22,8 @@ import pytest
 from rich.console import Console
 
 from orchestrator.check import run_check
-from orchestrator.engine_client import EngineClient, EngineStartError, WorkerOptions
+from orchestrator.engine_client import EngineClient, EngineStartError
+from orchestrator.worker_options import WorkerOptions
 from tests.conftest import ROOT
 
 FAULTS = ROOT / "tests" / "orchestrator" / "worker_faults.py"
