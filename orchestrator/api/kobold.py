@@ -31,6 +31,7 @@ from litestar import Controller, Request, get, post
 from litestar.datastructures import State
 
 from engine import protocol as proto
+from orchestrator.api.body import decode_json_body
 from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.generation import RunControl
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
@@ -106,13 +107,6 @@ class TokenCountBody(msgspec.Struct, kw_only=True):
 
     prompt: str = ""
     special: bool = True
-
-
-def _decode(raw: bytes, kind: type[Any]) -> Any:
-    try:
-        return msgspec.json.decode(raw or b"{}", type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ApiError("INVALID_REQUEST", f"invalid request: {exc}") from exc
 
 
 def _warn_unsupported(data: GenerateRequest, raw: dict[str, Any]) -> None:
@@ -212,7 +206,7 @@ class KoboldController(Controller):
         responses=ERROR_RESPONSES,
     )
     async def tokencount(self, request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
-        body = _decode(await request.body(), TokenCountBody)
+        body = decode_json_body(await request.body(), TokenCountBody)
         ids = (await services.engine.tokenize(body.prompt, body.special, True)).ids
         return {"value": len(ids), "ids": ids}
 
@@ -223,7 +217,7 @@ class KoboldController(Controller):
         responses=ERROR_RESPONSES,
     )
     async def abort(self, request: Request[Any, Any, Any]) -> dict[str, str]:
-        body = _decode(await request.body(), GenkeyBody)
+        body = decode_json_body(await request.body(), GenkeyBody)
         running = jobs_of(request.app.state).running.get(body.genkey, [])
         if not running:
             return {"success": "false", "done": "false"}
@@ -242,7 +236,7 @@ class KoboldController(Controller):
         responses=ERROR_RESPONSES,
     )
     async def check_post(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
-        return self._pending(request, _decode(await request.body(), GenkeyBody).genkey)
+        return self._pending(request, decode_json_body(await request.body(), GenkeyBody).genkey)
 
     @staticmethod
     def _pending(request: Request[Any, Any, Any], genkey: str) -> dict[str, Any]:
