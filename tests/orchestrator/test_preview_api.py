@@ -13,9 +13,9 @@ from tests.conftest import CHAT, ServerProc
 from tests.orchestrator.client import assert_same_greedy, decode_attention, tokenize
 
 
-def gen(server: ServerProc, slot: str, ids: list[int], n: int = 8) -> dict:  # type: ignore[type-arg]
+def gen(server: ServerProc, slot: str, ids: list[int], n: int = 8, wait: bool = False) -> dict:  # type: ignore[type-arg]
     body = {"input_ids": ids, "max_new_tokens": n, "temperature": 0, "ignore_eos": True, "id_slot": slot,
-            "return_attention": True, "n_probs": 5}  # fmt: skip
+            "return_attention": True, "n_probs": 5, "wait": wait}  # fmt: skip
     r = httpx.post(server.url + "/api/v1/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -131,7 +131,8 @@ def test_generation_beside_a_preview(server: ServerProc, turn) -> None:  # type:
         )
     )
     tp.start()
-    res["g"] = gen(server, "pv4", follow, n=12)
+    # the preview holds the slot while it forks it: the generation waits for that step, not the preview
+    res["g"] = gen(server, "pv4", follow, n=12, wait=True)
     tp.join()
     assert_same_greedy(control, res["g"])
     # a cell of the other sequence in either mask would take attention mass that the
