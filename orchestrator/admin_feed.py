@@ -13,14 +13,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from orchestrator.generation import TokenOut
-
 QUEUE_ROWS = 64  # rows a slow admin page may fall behind before the oldest are dropped
+
+
+class TokenOut(Protocol):
+    """What the feed reads of a generated token (:class:`orchestrator.generation.TokenOut`, which
+    imports this module: the feed names the fields instead of importing it back)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def attention(self) -> bytes | None: ...
+    @property
+    def attention_shape(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)

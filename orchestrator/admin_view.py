@@ -52,8 +52,8 @@ class AdminView:
 
     def node_id(self) -> str:
         """This node's name in slot leases ('' without a store)."""
-        p = self.services.persistence
-        return p.node_id if p is not None else ""
+        leases = self.services.registry.leases
+        return leases.node_id if leases is not None else ""
 
     async def slots(self) -> list[SlotView]:
         """Every slot this node knows or the store holds, sorted by id."""
@@ -64,11 +64,11 @@ class AdminView:
         offloaded = set(state.offloaded)
         node = self.node_id()
         out: dict[str, SlotView] = {}
-        if s.persistence is not None:
-            for meta in await s.persistence.list_stored():
+        if s.archive is not None:
+            for meta in await s.archive.list_stored():
                 owner = None
-                if meta.slot_id not in s.persistence.leases:
-                    owner = await s.persistence.store.lease_owner(meta.slot_id)
+                if reg.leases is not None and not reg.leases.holds(meta.slot_id):
+                    owner = await reg.leases.owner(meta.slot_id)
                 out[meta.slot_id] = SlotView(
                     id=meta.slot_id,
                     place="leased" if owner and owner != node else "store",
@@ -88,8 +88,7 @@ class AdminView:
             n_tokens = slot.n_tokens
             n_messages = self._known_messages(slot.id, n_tokens)
             if resident and not slot.busy:
-                reply, _ = await s.engine.seq_op("tokens", slot.seq)  # type: ignore[arg-type]
-                tokens = reply.tokens  # type: ignore[attr-defined]
+                tokens = await reg.tokens(slot)
                 n_tokens, n_messages = len(tokens), len(message_boundaries(tokens, eot))
                 self.messages[slot.id] = (n_tokens, n_messages)
             place = ("host" if slot.seq in offloaded else "kv_cache") if resident else slot.place

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,17 +21,20 @@ from litestar.openapi import OpenAPIConfig
 from litestar.plugins.prometheus import PrometheusConfig
 from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
+from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue
 from orchestrator.api.generate import GenerateController
 from orchestrator.api.health import MetricsController, health
 from orchestrator.api.model import ModelController
 from orchestrator.api.ws import binary_stream, event_stream
+from orchestrator.archive import SlotArchive
 from orchestrator.auth import api_key_middleware
 from orchestrator.config import Settings
 from orchestrator.engine_client import EngineClient
-from orchestrator.errors import exception_handler
+from orchestrator.errors import ApiError, exception_handler
 from orchestrator.generation import GenerationService
+from orchestrator.lease_keeper import LeaseKeeper
 from orchestrator.origins import websocket_origin_middleware
 from orchestrator.services import Services, provide_services
 from orchestrator.slots import SlotRegistry
@@ -41,18 +45,25 @@ log = structlog.get_logger("slotserve")
 def build_services(settings: Settings) -> Services:
     """Create (not start) the long-lived objects."""
     engine = EngineClient(settings.worker)
-    persistence = None
+    archive = leases = None
     if settings.persist:
-        from orchestrator.persistence import Persistence
 
-        persistence = Persistence.from_settings(settings, engine)
+        def fingerprint() -> str:
+            if engine.info is None:
+                raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
+            return engine.info.fingerprint
+
+        archive = SlotArchive.from_settings(settings, fingerprint)
+        # Stable across restarts of the same node, so a restarted node takes its leases back.
+        node_id = settings.node_id or f"{socket.gethostname()}:{settings.port}"
+        leases = LeaseKeeper(archive, node_id, settings.lease_ms)
     queue = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
-    registry = SlotRegistry(engine, settings.worker.parallel, persistence, queue)
+    registry = SlotRegistry(
+        engine, settings.worker.parallel, archive, leases, queue, park_idle_s=settings.park_idle_s or None
+    )
     registry.wait_s = settings.slot_wait_s
-    if persistence is not None:
-        persistence.registry = registry
     classifier = EngineClient(settings.classifier) if settings.classifier is not None else None
-    return Services(settings, engine, registry, GenerationService(engine, registry), persistence, classifier)
+    return Services(settings, engine, registry, GenerationService(engine, registry), archive, classifier)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:
@@ -62,8 +73,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.services = svc
-        if svc.persistence is not None:
-            await svc.persistence.start()
+        await svc.registry.start()
 
         async def on_restart() -> None:
             metrics.ENGINE_RESTARTS.inc()
@@ -88,8 +98,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         finally:
             for task in starting:
                 task.cancel()
-            if svc.persistence is not None:
-                await svc.persistence.shutdown()
+            await svc.registry.shutdown()
             if svc.classifier is not None:
                 await svc.classifier.close()
             await svc.engine.close()

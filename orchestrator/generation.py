@@ -241,14 +241,13 @@ class GenerationService:
             msg = proto.Generate(
                 self.engine.new_id(), slot.seq, "generate", ids, params, capture, progress=req.progress
             )
-            slot.id_task, slot.params, slot.n_decoded = msg.req, params, 0
+            self.registry.generation_started(slot, msg.req, params)
             converter = TokenStream(
                 set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
             )
             texts: list[str] = []
             n_out = 0
             finished = False
-            slot.dirty = True
             events = await self.engine.open_stream(msg)
             try:
                 if control is not None:
@@ -260,7 +259,7 @@ class GenerationService:
                         if not out.is_stop:
                             texts.append(out.text)
                         n_out += 1
-                        slot.n_tokens = len(ids) + n_out  # live count; the worker's at Done
+                        self.registry.generated(slot, len(ids) + n_out)  # live count; the worker's at Done
                         self.feed.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
                         yield out
                     elif isinstance(event, proto.Progress):
@@ -278,9 +277,7 @@ class GenerationService:
                             t_generate_ms=round(event.t_generate_ms, 1),
                         )
                         metrics.record_generation(event)
-                        slot.n_tokens = event.seq_tokens
-                        slot.n_prompt_tokens_processed = event.n_prefilled
-                        slot.n_prompt_tokens_cache, slot.n_decoded = event.n_cached, event.n_generated
+                        self.registry.generation_done(slot, event)
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
@@ -289,6 +286,5 @@ class GenerationService:
                 if not finished:  # the client left or the worker failed: the engine stopped it
                     log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
                     metrics.record_abandoned(n_out)
-                    slot.n_tokens = len(ids) + n_out  # refreshed from the worker by the tokens action
-                if self.registry.persistence is not None:
-                    self.registry.persistence.schedule(slot)
+                    self.registry.generated(slot, len(ids) + n_out)  # refreshed by the tokens action
+                self.registry.generation_ended(slot)

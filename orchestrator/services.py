@@ -6,22 +6,22 @@ from dataclasses import dataclass
 
 from litestar.datastructures import State
 
+from orchestrator.archive import SlotArchive
 from orchestrator.config import Settings
 from orchestrator.engine_client import EngineClient
 from orchestrator.generation import GenerationService
-from orchestrator.persistence import Persistence
 from orchestrator.slots import SlotRegistry
 
 
 @dataclass
 class Services:
-    """Engine client, slot registry, generation service, persistence, classifier client and settings."""
+    """Engine client, slot registry, generation service, slot archive (the store), classifier client and settings."""
 
     settings: Settings
     engine: EngineClient
     registry: SlotRegistry
     generation: GenerationService
-    persistence: Persistence | None = None
+    archive: SlotArchive | None = None  # the state store (None: --no-persist)
     classifier: EngineClient | None = None  # the classifier worker (--classifier-model)
 
 

@@ -14,15 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import protocol as proto
 from engine import seq_state
+from engine.errors import ErrorCode
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry
-from storage.errors import BadStateError, FingerprintMismatchError, StoreUnavailableError
+from storage.errors import BadStateError
 from storage.ggsq import pack_seq_file, unpack_seq_file
 from storage.ses1 import pack_ses1, unpack_ses1
-from storage.slot_codec import load_slot
 
 
 @dataclass
@@ -50,7 +49,7 @@ def message_boundaries(tokens: list[int], eot: int) -> list[dict[str, int]]:
 def confined_path(root: Path | None, filename: str) -> Path:
     """``root/filename`` for llama-server's file actions; refuses any path escape."""
     if root is None:
-        raise ApiError("INVALID_REQUEST", "file actions need the server started with --slot-save-path")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "file actions need the server started with --slot-save-path")
     name = Path(filename)
     if (
         not filename
@@ -60,63 +59,45 @@ def confined_path(root: Path | None, filename: str) -> Path:
         or "\x00" in filename
         or "\\" in filename
     ):
-        raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: a plain file name inside --slot-save-path")
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: a plain file name inside --slot-save-path"
+        )
     # save writes ".NAME.tmp" first: that name too must fit the file system's limit (NAME_MAX).
     if len(os.fsencode(f".{filename}.tmp")) > os.pathconf(root, "PC_NAME_MAX"):
-        raise ApiError("INVALID_REQUEST", f"filename of {len(filename)} characters is too long")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"filename of {len(filename)} characters is too long")
     path = root / name
     if path.is_dir():
-        raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: it names a directory")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory")
     return path
 
 
 class SlotOps:
-    """The slot actions; HTTP glue is in :mod:`orchestrator.api.slots`."""
+    """The slot actions: checks, timings and file formats; the registry changes the slots.
+    HTTP glue is in :mod:`orchestrator.api.slots`."""
 
     def __init__(self, registry: SlotRegistry, save_path: Path | None) -> None:
         self.registry = registry
-        self.engine = registry.engine
         self.save_path = save_path
 
     def _vocab(self) -> int:
-        if self.engine.info is None:
-            raise ApiError("NO_MODEL", "No model loaded")
-        return self.engine.info.vocab_size
+        info = self.registry.engine.info
+        if info is None:
+            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
+        return info.vocab_size
 
     # ------------------------------------------------------------------ reads
 
     async def tokens(self, slot: Slot) -> list[int]:
         """The slot's tokens (from the worker if resident, else from the store)."""
-        if self.registry.is_resident(slot):
-            reply, _ = await self.engine.seq_op("tokens", slot.seq)  # type: ignore[arg-type]
-            assert isinstance(reply, proto.SeqInfo)
-            slot.n_tokens = len(reply.tokens)
-            return reply.tokens
-        if slot.stored and self.registry.persistence is not None:
-            meta = await self.registry.persistence.lookup(slot.id)
-            return list(meta.tokens) if meta is not None else []
-        return []
+        return await self.registry.tokens(slot)
 
     async def save_state(self, slot: Slot) -> SavedState:
         """The slot's SES1 blob (from the worker, or decompressed from the store if parked)."""
         t0 = time.perf_counter()
-        if self.registry.is_resident(slot):
-            reply, bufs = await self.engine.seq_op("save_state", slot.seq)  # type: ignore[arg-type]
-            assert isinstance(reply, proto.StateBlob)
-            blob = pack_ses1(reply.tokens, bufs[0])
-            return SavedState(reply.tokens, blob, (time.perf_counter() - t0) * 1000)
-        pers = self.registry.persistence
-        if slot.stored and pers is not None:
-            try:
-                got = await load_slot(pers.store, slot.id, pers.fingerprint)
-            except StoreUnavailableError as exc:
-                raise ApiError("STORE_UNAVAILABLE", str(exc)) from exc
-            except (FingerprintMismatchError, BadStateError) as exc:
-                raise ApiError("BAD_STATE", str(exc)) from exc
-            if got is not None:
-                meta, raw = got
-                return SavedState(list(meta.tokens), raw, (time.perf_counter() - t0) * 1000)
-        raise ApiError("NO_CACHED_CONTEXT", f"slot {slot.id!r} holds no state")
+        got = await self.registry.state(slot)
+        if got is None:
+            raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {slot.id!r} holds no state")
+        return SavedState(got[0], got[1], (time.perf_counter() - t0) * 1000)
 
     # ------------------------------------------------------------------ writes
 
@@ -129,84 +110,43 @@ class SlotOps:
         this engine refuses.
         """
         t0 = time.perf_counter()
-        was_resident = self.registry.is_resident(slot)
         try:
             try:
                 ses1 = unpack_ses1(blob)
             except BadStateError as exc:
-                raise ApiError("BAD_STATE", str(exc)) from exc
+                raise ApiError(ErrorCode.BAD_STATE, str(exc)) from exc
             try:
                 check_tokens(ses1.tokens, self._vocab(), "the state's tokens")
             except ApiError as exc:
-                raise ApiError("BAD_STATE", exc.message) from exc
-            seq = await self.registry.ensure_resident(slot, load=False)
-            await self.engine.restore(seq, ses1.tokens, ses1.state)
+                raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
         except BaseException:
             if created:
                 await self.registry.forget(slot)
-            elif not was_resident:
-                self.registry.unload(slot)  # back to parked (or empty) as before
             raise
-        slot.n_tokens = len(ses1.tokens)
-        slot.n_prompt_tokens_processed = 0
-        self._persist(slot)
+        await self.registry.restore(slot, ses1.tokens, ses1.state, created)
         return (time.perf_counter() - t0) * 1000
 
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
         """Seed 004's context shift; returns the new token count."""
-        n = slot.n_tokens if not self.registry.is_resident(slot) else len(await self.tokens(slot))
+        n = slot.n_tokens if not self.registry.is_resident(slot) else len(await self.registry.tokens(slot))
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
             raise ApiError(
-                "INVALID_REQUEST",
+                ErrorCode.INVALID_REQUEST,
                 f"need n_keep >= 0, n_discard > 0 and n_keep + n_discard <= n_tokens ({n})",
                 n_tokens=n,
             )
-        seq = await self.registry.ensure_resident(slot)
-        reply, _ = await self.engine.seq_op("context_shift", seq, n_keep, n_discard)
-        assert isinstance(reply, proto.SeqInfo)
-        slot.n_tokens = len(reply.tokens)
-        self._persist(slot)
-        return slot.n_tokens
+        return await self.registry.context_shift(slot, n_keep, n_discard)
 
     async def erase(self, slot: Slot) -> int:
         """Drop the slot's cells and stored state; returns how many tokens it held."""
-        n = len(await self.tokens(slot))
-        if self.registry.is_resident(slot):
-            await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
-        if slot.stored and self.registry.persistence is not None:
-            await self.registry.persistence.delete(slot.id)
-        slot.stored, slot.dirty, slot.n_tokens = False, False, 0
+        n = len(await self.registry.tokens(slot))
+        await self.registry.erase(slot)
         return n
 
     async def fork(self, src: Slot, dst: Slot) -> int:
-        """Make ``dst`` a copy-on-write copy of ``src`` (shared cells); returns its token count.
-
-        When no engine sequence is free for ``dst`` (every other slot busy), the copy is
-        made in the store instead: ``dst`` starts parked with ``src``'s state.
-        """
-        try:
-            # Holding two slots, a fork never queues for a sequence: the one it would wait for may
-            # be the other slot's.  dst never evicts src: src's lock is held.
-            src_seq = await self.registry.ensure_resident(src, queue=False)
-            dst_seq = await self.registry.ensure_resident(dst, load=False, queue=False)
-        except ApiError as exc:
-            pers = self.registry.persistence
-            if exc.code != "RATE_LIMITED" or pers is None or self.registry.is_resident(dst):
-                raise
-            saved = await self.save_state(src)
-            await pers.store_blob(dst, saved.tokens, saved.blob)
-            return dst.n_tokens
-        reply, _ = await self.engine.seq_op("fork", src_seq, dst_seq)
-        assert isinstance(reply, proto.SeqInfo)
-        dst.n_tokens = len(reply.tokens)
-        self._persist(dst)
-        return dst.n_tokens
-
-    def _persist(self, slot: Slot) -> None:
-        if self.registry.persistence is not None:
-            self.registry.persistence.schedule(slot)
-        else:
-            slot.dirty = True
+        """Make ``dst`` a copy-on-write copy of ``src``; returns its token count (see
+        :meth:`orchestrator.slots.SlotRegistry.fork`)."""
+        return await self.registry.fork(src, dst)
 
     # ------------------------------------------------------------------ files (llama-server)
 
@@ -222,7 +162,7 @@ class SlotOps:
             tmp.write_bytes(data)
             tmp.replace(path)
         except IsADirectoryError as exc:  # made a directory meanwhile
-            raise ApiError("INVALID_REQUEST", f"invalid filename {filename!r}: it names a directory") from exc
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory") from exc
         finally:
             tmp.unlink(missing_ok=True)
         return saved, len(data)
@@ -238,10 +178,10 @@ class SlotOps:
         try:
             data = path.read_bytes()
         except (FileNotFoundError, IsADirectoryError) as exc:
-            raise ApiError("INVALID_REQUEST", f"no saved slot file {filename!r}") from exc
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
         try:
             parsed = unpack_seq_file(data)
             state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
         except (BadStateError, seq_state.BadStateError) as exc:
-            raise ApiError("BAD_STATE", f"Unable to restore slot: {exc}") from exc
+            raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         return pack_ses1(parsed.tokens, state), len(data)

@@ -1,119 +1,119 @@
-"""The slot registry: conversations (slots) and the engine sequences they occupy.
+"""The slot registry: the one owner of slots, their engine sequences and their stored copies.
 
-A slot is a conversation's KV state, addressed by a string id (``"0"`` is the
-default slot, numeric ids work like llama-server's).  It is *resident* while it holds
-an engine sequence and *parked* when only the store has it.  The registry:
+A slot is a conversation's KV state, addressed by a string id (``"0"`` is the default slot,
+numeric ids work like llama-server's).  It is *resident* while it holds an engine sequence
+and *parked* when only the store has it.  :class:`SlotRegistry` is the only writer of
+:class:`orchestrator.slot.Slot` fields and the only caller of KV operations on the engine
+(erase, fork, context shift, save and restore state); generation and the slot actions
+report back through its methods (:meth:`SlotRegistry.generated`, :meth:`SlotRegistry.restore`,
+...).  It:
 
-* serializes use of a slot: one generation or admin operation at a time
-  (``SLOT_BUSY``, HTTP 409, unless the request asks to wait; a wait is bounded by
-  ``wait_s`` seconds, then ``SLOT_BUSY`` too);
-* gives a slot a sequence on demand, parking the least recently used idle slot when
-  all ``--parallel`` sequences are taken, and restoring a parked slot transparently;
-* when every sequence serves a request, queues the newcomer in a bounded FIFO
-  (:class:`orchestrator.admission.AdmissionQueue`): the next request to finish parks its
-  slot and hands its sequence to the head of the queue, so equal clients take turns;
+* serializes use of a slot: one generation or slot action at a time (``SLOT_BUSY``, HTTP 409,
+  unless the request asks to wait; a wait is bounded by ``wait_s`` seconds, then
+  ``SLOT_BUSY`` too), and holds the slot's lease while it is resident
+  (:class:`orchestrator.lease_keeper.LeaseKeeper`);
+* gives a slot a sequence on demand, parking the least recently used idle slot or queueing
+  the request (:class:`orchestrator.residency.Residency`, its base class);
+* persists slots through :class:`orchestrator.archive.SlotArchive`: after every completed
+  generation or change, a write-behind task saves it (coalesced: one save per burst,
+  :class:`orchestrator.background.WriteBehind`); the slot's lock is held only while its
+  state is read from the engine, so a slow store never blocks its next turn.  Idle slots
+  are parked after ``--park-idle`` seconds;
 * notices a restarted worker (sequences gone) and reloads slots from the store.
-
-Persistence itself (SES1 + codec + store, write-behind, leases) is
-:class:`orchestrator.persistence.Persistence`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.admission import AdmissionQueue, Ticket, WaitHooks
+from orchestrator.admission import AdmissionQueue, WaitHooks
+from orchestrator.archive import SlotArchive
+from orchestrator.background import WriteBehind, every, stop
 from orchestrator.engine_client import EngineClient
 from orchestrator.errors import ApiError
+from orchestrator.lease_keeper import LeaseKeeper
+from orchestrator.residency import Residency, uncancellable
+from orchestrator.slot import MAX_SLOT_ID, Slot, check_slot_id
+from storage.base import SlotMeta
+from storage.ses1 import pack_ses1, unpack_ses1
 
-if TYPE_CHECKING:
-    from orchestrator.persistence import Persistence
+__all__ = ["MAX_SLOT_ID", "Slot", "SlotRegistry", "check_slot_id"]
 
 log = structlog.get_logger("slotserve.slots")
 
-MAX_SLOT_ID = 256
 
+class SlotRegistry(Residency):
+    """Slots over one engine's ``n_seqs`` sequences (see module docstring).
 
-@dataclass(eq=False)
-class Slot:
-    """One conversation's state and bookkeeping."""
-
-    id: str
-    seq: int | None = None
-    n_tokens: int = 0
-    engine_generation: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    stored: bool = False
-    dirty: bool = False
-    stored_bytes: int = 0
-    raw_bytes: int = 0
-    n_prompt_tokens_processed: int = 0
-    # the last generation on this slot, for llama-server's GET /slots (id_task, params, next_token)
-    id_task: int = -1
-    params: proto.SamplingParams | None = None
-    n_decoded: int = 0
-    n_prompt_tokens_cache: int = 0
-    requests: int = 0  # client requests holding or waiting for the lock (not background saves)
-
-    @property
-    def busy(self) -> bool:
-        """True while a client request uses the slot (``is_processing``)."""
-        return self.requests > 0
-
-    @property
-    def place(self) -> str:
-        """``resident`` (holds an engine sequence), ``parked`` (store only) or ``empty``."""
-        if self.seq is not None:
-            return "resident"
-        return "parked" if self.stored else "empty"
-
-
-async def _uncancellable(step: Coroutine[Any, Any, None]) -> None:
-    """Run ``step`` to its end even if the caller is cancelled meanwhile (the cancellation is
-    re-raised after it), so a slot is never left half parked."""
-    task = asyncio.ensure_future(step)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await task
-        raise
-
-
-def check_slot_id(slot_id: str) -> str:
-    """Validate a slot id (1..256 printable characters); raise ``INVALID_REQUEST``."""
-    if not slot_id or len(slot_id) > MAX_SLOT_ID or not slot_id.isprintable():
-        raise ApiError("INVALID_REQUEST", f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters")
-    return slot_id
-
-
-class SlotRegistry:
-    """Slots and sequence assignment over one :class:`EngineClient` (see module docstring)."""
+    ``archive`` (None: nothing is stored, slots cannot be parked) and ``leases`` (None: one
+    node) are the store's two faces; ``write_delay_s``: how long the write-behind waits to
+    coalesce saves; ``park_idle_s``: park slots idle this long (None: never).
+    """
 
     def __init__(
         self,
         engine: EngineClient,
         n_seqs: int,
-        persistence: Persistence | None = None,
+        archive: SlotArchive | None = None,
+        leases: LeaseKeeper | None = None,
         queue: AdmissionQueue[Slot] | None = None,
+        *,
+        write_delay_s: float = 0.2,
+        park_idle_s: float | None = None,
     ) -> None:
-        self.engine = engine
-        self.n_seqs = n_seqs
-        self.persistence = persistence
-        self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue()
+        super().__init__(engine, n_seqs, queue, can_park=archive is not None)
+        self.archive = archive
+        self.leases = leases
         self.slots: dict[str, Slot] = {}
-        self.owner: list[Slot | None] = [None] * n_seqs
-        self._alloc = asyncio.Lock()
         self.wait_s = 300.0  # longest wait for a busy slot (``--slot-wait``)
+        self.park_idle_s = park_idle_s
+        self._dirty: set[str] = set()
+        self.saver = WriteBehind(self.flush, lambda: bool(self._dirty), write_delay_s)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_purge = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Check the store and start the write-behind, the lease heartbeat and the upkeep."""
+        if self.archive is None:
+            return
+        await self.archive.start()
+        if self.leases is not None:
+            self.leases.start()
+        self._tasks = [
+            asyncio.create_task(self.saver.run(), name="write-behind"),
+            asyncio.create_task(every(5.0, self.upkeep, "store maintenance"), name="store-maintenance"),
+        ]
+
+    async def shutdown(self) -> None:
+        """Stop the tasks, save every dirty slot, release the leases, close the store."""
+        await stop(self._tasks)
+        if self.archive is None:
+            return
+        try:
+            await self.flush(wait_for_locks=True)
+        except ApiError as exc:
+            log.warning("could not save every slot at shutdown", error=exc.message)
+        if self.leases is not None:
+            await self.leases.stop()
+        await self.archive.close()
+
+    async def upkeep(self) -> None:
+        """Park idle slots (``park_idle_s``) and, once a minute, purge expired stored states."""
+        if self.park_idle_s:
+            await self.park_idle(self.park_idle_s)
+        if self.archive is not None and time.monotonic() - self._last_purge > 60:
+            self._last_purge = time.monotonic()
+            await self.archive.purge_expired()
 
     # ------------------------------------------------------------------ lookup
 
@@ -125,19 +125,17 @@ class SlotRegistry:
         """The slot ``slot_id``; known to the store counts as existing.  ``SLOT_NOT_FOUND`` otherwise."""
         check_slot_id(slot_id)
         slot = self.slots.get(slot_id)
-        if slot is None and self.persistence is not None:
-            meta = await self.persistence.lookup(slot_id)
+        if slot is None and self.archive is not None:
+            meta = await self.archive.lookup(slot_id)
             if meta is not None:
                 slot = self.slots.setdefault(slot_id, Slot(slot_id))
                 slot.stored, slot.n_tokens = True, meta.n_tokens
                 slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
         if slot is None:
             if not create:
-                raise ApiError("SLOT_NOT_FOUND", f"slot {slot_id!r} does not exist")
+                raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             slot = self.slots[slot_id] = Slot(slot_id)
         return slot
-
-    # ------------------------------------------------------------------ use
 
     @asynccontextmanager
     async def use(
@@ -158,18 +156,18 @@ class SlotRegistry:
         """
         slot = await self.get(slot_id, create)
         if slot.busy and not wait:
-            raise ApiError("SLOT_BUSY", f"slot {slot_id!r} is processing another request", slot_id=slot_id)
+            raise ApiError(ErrorCode.SLOT_BUSY, f"slot {slot_id!r} is processing another request", slot_id=slot_id)
         slot.requests += 1  # a background save holding the lock is waited for, never reported as busy
         try:
             try:
                 await asyncio.wait_for(slot.lock.acquire(), self.wait_s)
             except TimeoutError:
                 raise ApiError(
-                    "SLOT_BUSY", f"slot {slot_id!r} stayed busy for {self.wait_s:g} s", slot_id=slot_id
+                    ErrorCode.SLOT_BUSY, f"slot {slot_id!r} stayed busy for {self.wait_s:g} s", slot_id=slot_id
                 ) from None
             try:
-                if self.persistence is not None:
-                    await self.persistence.claim(slot)
+                if self.leases is not None:
+                    await self.leases.claim(slot.id)
                 if resident:
                     await self.ensure_resident(slot, hooks=hooks)
                 try:
@@ -183,7 +181,7 @@ class SlotRegistry:
                         # then queues), it is not told SLOT_BUSY.
                         slot.requests -= 1
                         try:
-                            await _uncancellable(self._hand_over(slot))
+                            await uncancellable(self.hand_over(slot))
                         finally:
                             slot.requests += 1
             finally:
@@ -191,150 +189,41 @@ class SlotRegistry:
         finally:
             slot.requests -= 1
 
-    def is_resident(self, slot: Slot) -> bool:
-        """True if the slot's sequence belongs to the running worker."""
-        return slot.seq is not None and slot.engine_generation == self.engine.generation
+    # ------------------------------------------------------------------ residency (Residency's hooks)
 
-    async def ensure_resident(
-        self, slot: Slot, load: bool = True, hooks: WaitHooks | None = None, queue: bool = True
-    ) -> int:
-        """Give ``slot`` (whose lock the caller holds) an engine sequence; restore it if parked.
-
-        With ``load=False`` a parked slot gets an empty sequence (the caller replaces its
-        state; :meth:`unload` undoes this if that fails).  When every sequence serves a
-        request, waits its turn in :attr:`queue`; ``RATE_LIMITED`` (with ``retry_after``)
-        when the queue is full or the wait exceeds ``--queue-timeout``, ``CLIENT_GONE``
-        when ``hooks.gone`` is set meanwhile.  ``queue=False``: ``RATE_LIMITED`` at once
-        instead of waiting (for a caller that holds another slot's sequence: waiting could
-        wait for itself).
-        """
-        if self.is_resident(slot):
-            return slot.seq  # type: ignore[return-value]
-        if slot.seq is not None:  # the worker restarted: the old sequence is gone
-            self._release_seq(slot)
-        async with self._alloc:
-            seq = None
-            if not len(self.queue):  # nobody is ahead: take a free sequence or park an idle slot
-                seq = self._free_seq()
-                if seq is None and self._idle_residents():
-                    seq = await self._evict_if_idle()
-            if seq is not None:
-                self._assign(slot, seq)
-            elif self.persistence is None or not self.queue.max_waiting or not queue:
-                raise self.queue.refusal(
-                    f"all {self.n_seqs} engine sequences are busy"
-                    + ("" if self.persistence is not None else " (and there is no store to park slots in)")
-                )
-            else:
-                ticket = self.queue.enter(slot)
-        if seq is None:
-            seq = await self._wait_turn(ticket, hooks)
-        try:
-            if load and slot.stored and self.persistence is not None:
-                await self.persistence.load_into(slot, seq)
-            else:
-                await self.engine.seq_op("erase", seq)
-                if load:
-                    slot.n_tokens = 0
-        except BaseException:
-            self._release_seq(slot)
-            self._grant_free()
-            raise
-        return seq
-
-    def _assign(self, slot: Slot, seq: int) -> None:
-        self.owner[seq] = slot
-        slot.seq, slot.engine_generation = seq, self.engine.generation
-
-    def _idle_residents(self) -> list[Slot]:
-        return [s for s in self.owner if s is not None and not s.busy]
-
-    async def _wait_turn(self, ticket: Ticket[Slot], hooks: WaitHooks | None) -> int:
-        """Wait in the queue until granted a sequence (then ``ticket.slot`` owns it)."""
-        slot = ticket.slot
-        t0 = time.monotonic()
-        deadline = t0 + self.queue.max_wait_s
-        shown = 0
-        try:
-            while True:
-                if hooks is not None and hooks.gone.is_set():
-                    raise ApiError("CLIENT_GONE", "the client left while its request was queued")
-                pos = ticket.position
-                if hooks is not None and hooks.on_position is not None and pos and pos != shown:
-                    shown = pos
-                    await hooks.on_position(pos)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    metrics.QUEUE_REFUSED.labels("timeout").inc()
-                    raise self.queue.refusal(f"no engine sequence came free within {self.queue.max_wait_s:g} s")
-                seq = await ticket.wait(min(left, 0.5), hooks.gone if hooks is not None else None)
-                if seq is not None:
-                    metrics.QUEUE_WAIT_SECONDS.observe(time.monotonic() - t0)
-                    return seq
-                if ticket.position == 1 and self._idle_residents():
-                    await self._serve_head()  # an idle slot appeared without handing over (e.g. a failed park)
-        except BaseException:
-            if ticket.outcome.done() and not ticket.outcome.exception() and slot.seq is not None:
-                self._release_seq(slot)  # granted, but the waiter is gone: pass the sequence on
-                self._grant_free()
-            raise
-        finally:
-            self.queue.leave(ticket)
-
-    def _grant_free(self) -> None:
-        """Give free sequences to the queue's head tickets, in order."""
-        while len(self.queue) and (seq := self._free_seq()) is not None:
-            ticket = self.queue.pop()
-            assert ticket is not None
-            self._assign(ticket.slot, seq)
-            ticket.grant(seq)
-
-    async def _serve_head(self) -> None:
-        """Park the least recently used idle slot for the queue's head (under the allocation lock)."""
-        async with self._alloc:
-            if not len(self.queue):
+    async def _fill(self, slot: Slot, seq: int, load: bool) -> None:
+        if load and slot.stored and self.archive is not None:
+            got = await self.archive.load(slot.id)
+            if got is not None:
+                meta, raw = got
+                ses1 = unpack_ses1(raw)
+                await self.engine.restore(seq, ses1.tokens, ses1.state)
+                slot.n_tokens, slot.dirty = meta.n_tokens, False
+                slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+                metrics.RESTORES.inc()
                 return
-            try:
-                await self._evict_if_idle()
-            except ApiError as exc:  # the store is down: nobody gets a sequence until it is back
-                self.queue.fail_all(exc)
-                return
-            self._grant_free()
+            slot.stored = False  # expired or deleted meanwhile: an empty slot
+        await self.engine.seq_op("erase", seq)
+        if load:
+            slot.n_tokens = 0
 
-    async def _evict_if_idle(self) -> int | None:
-        """:meth:`_evict`, or None when every sequence serves a request (raises a store failure)."""
-        try:
-            return await self._evict()
-        except ApiError as exc:
-            if exc.code != "RATE_LIMITED" or self.persistence is None:
-                raise
-            return None
-
-    async def _hand_over(self, slot: Slot) -> None:
-        """Park ``slot`` (its last request just ended; lock held) for the requests queued for a sequence."""
-        try:
-            await self.park(slot)
-        except ApiError as exc:  # the store cannot take it: nobody gets a sequence until it can
-            log.warning("could not park a slot for a queued request", slot_id=slot.id, error=exc.message)
-            if exc.code == "STORE_UNAVAILABLE":
-                self.queue.fail_all(exc)
+    async def park(self, slot: Slot) -> None:
+        """Save ``slot`` (lock held) to the store, erase its cells, free its sequence and lease."""
+        if slot.seq is None:
             return
-        self._grant_free()
+        if self.archive is None:
+            raise ApiError(ErrorCode.RATE_LIMITED, "no store configured to park slots in")
+        await self.ensure_saved(slot)
+        await uncancellable(self._drop(slot))
+        log.info("slot parked", slot_id=slot.id, n_tokens=slot.n_tokens)
 
-    def _free_seq(self) -> int | None:
-        gen = self.engine.generation
-        for i, s in enumerate(self.owner):
-            if s is None or s.engine_generation != gen or s.seq != i:
-                if s is not None and s.seq == i:
-                    s.seq = None
-                self.owner[i] = None
-                return i
-        return None
-
-    def _release_seq(self, slot: Slot) -> None:
-        if slot.seq is not None and 0 <= slot.seq < self.n_seqs and self.owner[slot.seq] is slot:
-            self.owner[slot.seq] = None
-        slot.seq = None
+    async def _drop(self, slot: Slot) -> None:
+        """Erase a saved slot's cells and free its sequence and lease (all or nothing)."""
+        assert slot.seq is not None
+        await self.engine.seq_op("erase", slot.seq)
+        self._release_seq(slot)
+        if self.leases is not None:
+            await self.leases.release(slot.id)
 
     def unload(self, slot: Slot) -> None:
         """Free the slot's sequence without saving (its stored copy, if any, stays the truth)."""
@@ -342,74 +231,194 @@ class SlotRegistry:
         slot.dirty = False
         self._grant_free()
 
-    async def _evict(self) -> int:
-        """Park the least recently used idle resident slot and return its sequence.
-
-        Idle means no client request uses it; one that a background save holds right now
-        is waited for (unlocked ones first).  ``RATE_LIMITED`` when every sequence serves
-        a client request.
-        """
-        while True:
-            idle = [s for s in self.owner if s is not None and not s.busy]
-            if not idle:
-                raise ApiError("RATE_LIMITED", f"all {self.n_seqs} engine sequences are busy")
-            victim = min(idle, key=lambda s: (s.lock.locked(), s.last_used))
-            async with victim.lock:
-                seq = victim.seq
-                if victim.busy or seq is None or self.owner[seq] is not victim:
-                    free = self._free_seq()  # parked meanwhile, or taken by a request: look again
-                    if free is not None:
-                        return free
-                    continue
-                await self.park(victim)
-                return seq
-
-    async def park(self, slot: Slot) -> None:
-        """Save ``slot`` (lock held) to the store and free its sequence."""
-        if slot.seq is None:
-            return
-        if self.persistence is None:
-            raise ApiError("RATE_LIMITED", "no store configured to park slots in")
-        await self.persistence.ensure_saved(slot)
-        await _uncancellable(self._drop(slot))
-        log.info("slot parked", slot_id=slot.id, n_tokens=slot.n_tokens)
-
-    async def _drop(self, slot: Slot) -> None:
-        """Erase a saved slot's cells and free its sequence and lease (all or nothing)."""
-        assert slot.seq is not None and self.persistence is not None
-        await self.engine.seq_op("erase", slot.seq)
-        self._release_seq(slot)
-        await self.persistence.release(slot)
-
-    async def park_idle(self, idle_s: float) -> int:
-        """Park every resident slot idle for more than ``idle_s`` seconds (frees its sequence
-        and its lease, so another node may take the conversation).  Returns how many."""
-        now = time.monotonic()
-        parked = 0
-        for slot in [s for s in self.owner if s is not None]:
-            if slot.busy or slot.lock.locked() or now - slot.last_used < idle_s or not self.is_resident(slot):
-                continue
-            async with slot.lock:
-                if not slot.busy and self.is_resident(slot):
-                    await self.park(slot)
-                    parked += 1
-        self._grant_free()
-        return parked
-
     async def forget(self, slot: Slot) -> None:
         """Drop a slot entirely (lock held): engine cells and registry entry."""
         if self.is_resident(slot):
             await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
         self._release_seq(slot)
         self.slots.pop(slot.id, None)
+        self._dirty.discard(slot.id)
         self._grant_free()
 
-    def on_engine_restart(self) -> None:
-        """The worker restarted: every resident slot lost its cells (stored ones reload on use)."""
-        for i, s in enumerate(self.owner):
-            if s is not None:
-                s.seq = None
-                if not s.stored:
-                    s.n_tokens = 0
-            self.owner[i] = None
-        self._grant_free()
+    # ------------------------------------------------------------------ KV operations (lock held)
+
+    async def tokens(self, slot: Slot) -> list[int]:
+        """The slot's tokens: from the engine if resident (refreshing ``n_tokens``), else from the store."""
+        if self.is_resident(slot):
+            reply, _ = await self.engine.seq_op("tokens", slot.seq)  # type: ignore[arg-type]
+            assert isinstance(reply, proto.SeqInfo)
+            slot.n_tokens = len(reply.tokens)
+            return reply.tokens
+        if slot.stored and self.archive is not None:
+            meta = await self.archive.lookup(slot.id)
+            return list(meta.tokens) if meta is not None else []
+        return []
+
+    async def state(self, slot: Slot) -> tuple[list[int], bytes] | None:
+        """The slot's tokens and SES1 blob (:mod:`storage.ses1`): read from the engine if resident,
+        else decompressed from the store; None when it holds no state."""
+        if self.is_resident(slot):
+            return await self._read_state(slot)
+        if slot.stored and self.archive is not None:
+            got = await self.archive.load(slot.id)
+            if got is not None:
+                return list(got[0].tokens), got[1]
+        return None
+
+    async def _read_state(self, slot: Slot) -> tuple[list[int], bytes]:
+        reply, bufs = await self.engine.seq_op("save_state", slot.seq)  # type: ignore[arg-type]
+        assert isinstance(reply, proto.StateBlob)
+        return reply.tokens, pack_ses1(reply.tokens, bufs[0])
+
+    async def restore(self, slot: Slot, tokens: list[int], state: proto.Buffer, created: bool) -> None:
+        """Replace the slot's KV state with ``tokens`` and their llama.cpp sequence ``state``.
+
+        On any failure (the engine refuses the state: ``BAD_STATE``; no sequence:
+        ``RATE_LIMITED``) the slot is as it was: dropped again if ``created`` (it did not
+        exist before the request), back to parked (or empty) if it was not resident.
+        """
+        was_resident = self.is_resident(slot)
+        try:
+            seq = await self.ensure_resident(slot, load=False)
+            await self.engine.restore(seq, tokens, state)
+        except BaseException:
+            if created:
+                await self.forget(slot)
+            elif not was_resident:
+                self.unload(slot)
+            raise
+        slot.n_tokens = len(tokens)
+        slot.n_prompt_tokens_processed = 0
+        self.schedule(slot)
+
+    async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
+        """llama-server's context shift on the slot (restored first if parked); the new token count."""
+        seq = await self.ensure_resident(slot)
+        reply, _ = await self.engine.seq_op("context_shift", seq, n_keep, n_discard)
+        assert isinstance(reply, proto.SeqInfo)
+        slot.n_tokens = len(reply.tokens)
+        self.schedule(slot)
+        return slot.n_tokens
+
+    async def erase(self, slot: Slot) -> None:
+        """Drop the slot's cells and its stored state; it stays known, empty."""
+        if self.is_resident(slot):
+            await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
+        if slot.stored and self.archive is not None:
+            await self.archive.delete(slot.id)
+        self._dirty.discard(slot.id)
+        slot.stored, slot.dirty, slot.n_tokens = False, False, 0
+
+    async def fork(self, src: Slot, dst: Slot) -> int:
+        """Make ``dst`` a copy-on-write copy of ``src`` (shared cells); returns its token count.
+
+        When no engine sequence is free for ``dst`` (every other slot busy), the copy is
+        made in the store instead: ``dst`` starts parked with ``src``'s state.
+        """
+        try:
+            # Holding two slots, a fork never queues for a sequence: the one it would wait for may
+            # be the other slot's.  dst never evicts src: src's lock is held.
+            src_seq = await self.ensure_resident(src, queue=False)
+            dst_seq = await self.ensure_resident(dst, load=False, queue=False)
+        except ApiError as exc:
+            if exc.code != ErrorCode.RATE_LIMITED or self.archive is None or self.is_resident(dst):
+                raise
+            got = await self.state(src)
+            if got is None:
+                raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {src.id!r} holds no state") from exc
+            self.archive.check_up()
+            dst.dirty = False
+            await self._write(dst, got[0], got[1], self.archive.next_version())
+            return dst.n_tokens
+        reply, _ = await self.engine.seq_op("fork", src_seq, dst_seq)
+        assert isinstance(reply, proto.SeqInfo)
+        dst.n_tokens = len(reply.tokens)
+        self.schedule(dst)
+        return dst.n_tokens
+
+    # ------------------------------------------------------------------ generation reports
+
+    def generation_started(self, slot: Slot, req: int, params: proto.SamplingParams) -> None:
+        """A generation (engine request ``req``) starts on the slot: its cells are about to change."""
+        slot.id_task, slot.params, slot.n_decoded = req, params, 0
+        slot.dirty = True
+
+    def generated(self, slot: Slot, n_tokens: int) -> None:
+        """The slot now holds ``n_tokens`` tokens (a live count while it generates)."""
+        slot.n_tokens = n_tokens
+
+    def generation_done(self, slot: Slot, done: proto.Done) -> None:
+        """The engine finished the slot's generation: take its counts (llama-server's ``/slots``)."""
+        slot.n_tokens = done.seq_tokens
+        slot.n_prompt_tokens_processed = done.n_prefilled
+        slot.n_prompt_tokens_cache, slot.n_decoded = done.n_cached, done.n_generated
+
+    def generation_ended(self, slot: Slot) -> None:
+        """The slot's generation is over (done, cancelled or failed): save it (write-behind)."""
+        self.schedule(slot)
+
+    # ------------------------------------------------------------------ saving
+
+    def schedule(self, slot: Slot) -> None:
+        """Mark ``slot`` changed and queue a save (coalesced with others for it)."""
+        slot.dirty = True
+        if self.archive is not None:
+            self._dirty.add(slot.id)
+            self.saver.wake()
+
+    async def save(self, slot: Slot) -> SlotMeta | None:
+        """Persist a resident slot (lock held by the caller) now; ``STORE_UNAVAILABLE`` if it cannot."""
+        assert self.archive is not None
+        version = self.archive.next_version()
+        tokens, ses1 = await self._read_state(slot)
+        slot.dirty = False  # from here; _write marks it dirty again if the write fails
+        return await self._write(slot, tokens, ses1, version)
+
+    async def ensure_saved(self, slot: Slot) -> None:
+        """Before ``slot`` (lock held) leaves the engine: wait for a write in flight, then save
+        it if the store does not hold its current state (``STORE_UNAVAILABLE`` if it cannot)."""
+        assert self.archive is not None
+        await self.archive.settled(slot.id)  # a background write that fails marks the slot dirty again
+        if slot.dirty or (slot.n_tokens and not slot.stored):
+            await self.save(slot)
+
+    async def _write(self, slot: Slot, tokens: list[int], ses1: bytes, version: int) -> SlotMeta | None:
+        """Store a snapshot (unless a newer one is stored: None); on failure the slot is dirty
+        again and queued for the write-behind."""
+        assert self.archive is not None
+        try:
+            meta = await self.archive.write(slot.id, tokens, ses1, version)
+        except BaseException:
+            slot.dirty = True
+            self._dirty.add(slot.id)
+            raise
+        if meta is not None:
+            slot.stored = True
+            slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+            if not slot.dirty:
+                slot.n_tokens = meta.n_tokens
+        return meta
+
+    async def flush(self, wait_for_locks: bool = False) -> int:
+        """Save every dirty resident slot now (busy ones only with ``wait_for_locks``); how many were saved."""
+        if self.archive is None:
+            return 0
+        saved = 0
+        for slot_id in list(self._dirty):
+            slot = self.slots.get(slot_id)
+            if slot is None or not slot.dirty or not self.is_resident(slot):
+                self._dirty.discard(slot_id)
+                continue
+            if (slot.lock.locked() or slot.busy) and not wait_for_locks:
+                continue  # busy: its own end schedules it again
+            async with slot.lock:  # held only to read the state: the write happens after
+                if not (slot.dirty and self.is_resident(slot)):
+                    self._dirty.discard(slot_id)
+                    continue
+                version = self.archive.next_version()
+                tokens, ses1 = await self._read_state(slot)
+                slot.dirty = False
+                self._dirty.discard(slot_id)
+            if await self._write(slot, tokens, ses1, version) is not None:
+                saved += 1
+        return saved

@@ -20,8 +20,8 @@ from orchestrator.services import Services
 async def health(services: Services) -> Response[dict[str, Any]]:
     engine_ok = services.engine.alive
     store_ok = True
-    if services.persistence is not None:
-        store_ok = await services.persistence.check()
+    if services.archive is not None:
+        store_ok = await services.archive.check()
     status = "ok" if engine_ok and store_ok else ("degraded" if engine_ok else "error")
     slots = list(services.registry.slots.values())
     body: dict[str, Any] = {

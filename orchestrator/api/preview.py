@@ -85,7 +85,7 @@ class PreviewController(Controller):
         events = None
         if data.use_cached_context:
             known = services.registry.find(slot_id) is not None or (
-                services.persistence is not None and await services.persistence.lookup(slot_id) is not None
+                services.archive is not None and await services.archive.lookup(slot_id) is not None
             )
             if not known and explicit and data.input_ids is None:
                 raise ApiError("SLOT_NOT_FOUND", f"slot {slot_id!r} does not exist")

@@ -46,8 +46,8 @@ class SlotController(Controller):
         reg = services.registry
         n_ctx = services.generation.info.n_ctx
         seen: dict[str, dict[str, Any]] = {}
-        if services.persistence is not None:
-            for meta in await services.persistence.list_stored():
+        if services.archive is not None:
+            for meta in await services.archive.list_stored():
                 seen[meta.slot_id] = {
                     "id": slot_id_out(meta.slot_id),
                     "n_ctx": n_ctx,
@@ -210,6 +210,6 @@ class SlotController(Controller):
 
     @staticmethod
     async def _stored(services: Services, slot_id: str) -> bool:
-        if services.persistence is None:
+        if services.archive is None:
             return False
-        return await services.persistence.lookup(slot_id) is not None
+        return await services.archive.lookup(slot_id) is not None

@@ -1,0 +1,259 @@
+"""An in-memory engine for in-process tests of the orchestrator (no llama.cpp, no worker process).
+
+:class:`FakeEngine` answers what the orchestrator asks of
+:class:`orchestrator.engine_client.EngineClient` with a list of tokens per sequence:
+
+* ``generate`` reuses the longest common prefix of a sequence's tokens with the request's
+  ``input_ids`` (``n_cached``), then yields ``max_new_tokens`` deterministic tokens
+  (:func:`next_token`), one per ``step_s`` seconds; a ``Cancel`` (or leaving the stream)
+  ends it with ``finish_reason="cancelled"`` and the tokens generated so far stay in the sequence,
+  as in the worker;
+* ``fork`` copies a sequence's tokens; ``erase``, ``context_shift`` and ``tokens`` act on them;
+* ``save_state`` returns a blob that encodes the tokens (``b"FAKE"`` + u32 count + i32 ids,
+  little-endian) and ``restore`` refuses one whose tokens differ (``BAD_STATE``);
+* a KV operation on a sequence that is generating answers ``SLOT_BUSY``, as the worker does;
+* :meth:`FakeEngine.restart` empties every sequence and bumps ``generation`` (a worker restart).
+
+The typed methods (``tokens``, ``erase``, ``fork``, ``context_shift``, ``save_state``,
+``restore_state``, ``generate``) hold the logic; ``seq_op``, ``restore`` and ``open_stream``
+adapt them to the request shapes the orchestrator sends today (:mod:`engine.protocol`).
+:attr:`FakeEngine.calls` records every KV operation as ``(name, seq)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from engine import protocol as proto
+from orchestrator.engine_client import EngineRequestError
+
+VOCAB = 512
+EOG = VOCAB - 1
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The fake model's greedy choice after ``context``: a function of the last two tokens (never EOG)."""
+    a = context[-1] if context else 1
+    b = context[-2] if len(context) > 1 else 0
+    return (a * 31 + b * 7 + 3) % (VOCAB - 1)
+
+
+def state_blob(tokens: Sequence[int]) -> bytes:
+    """The fake "llama.cpp sequence state" of ``tokens``."""
+    return b"FAKE" + struct.pack(f"<I{len(tokens)}i", len(tokens), *tokens)
+
+
+def state_tokens(blob: bytes | memoryview) -> list[int] | None:
+    """The tokens a fake state encodes, or None for anything else."""
+    data = bytes(blob)
+    if len(data) < 8 or data[:4] != b"FAKE":
+        return None
+    (n,) = struct.unpack_from("<I", data, 4)
+    if len(data) != 8 + 4 * n:
+        return None
+    return list(struct.unpack_from(f"<{n}i", data, 8))
+
+
+def model_info(n_slots: int, n_ctx: int = 4096) -> proto.ModelInfo:
+    """A :class:`engine.protocol.ModelInfo` for the fake model."""
+    runtime = proto.EngineRuntime(
+        backend="fake",
+        devices=[],
+        n_gpu_layers=0,
+        n_layers_offloaded=0,
+        extra_bufts=[],
+        use_extra_bufts=False,
+        repack_reason="",
+        flash_attn=False,
+        type_k="f16",
+        type_v="f16",
+        kv_unified=True,
+        n_threads=1,
+        n_seq_max=n_slots + 2,
+        eval_filter="",
+        self_check_ms=0.0,
+        system_info="",
+    )
+    return proto.ModelInfo(
+        model_name="fake",
+        model_path="",
+        architecture="fake",
+        description="in-memory test engine",
+        fingerprint="fake-model-1",
+        vocab_size=VOCAB,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        hidden_size=8,
+        n_ctx=n_ctx,
+        n_ctx_train=n_ctx,
+        n_kv_cells=n_ctx,
+        n_slots=n_slots,
+        rope_freq_base=10000.0,
+        rope_freq_scale=1.0,
+        bos_token_id=0,
+        eos_token_id=EOG,
+        eot_token_id=EOG,
+        eog_token_ids=[EOG],
+        special_tokens={},
+        chat_template="",
+        n_params=0,
+        size_bytes=0,
+        llama_cpp_version="fake",
+        runtime=runtime,
+    )
+
+
+class FakeEngine:
+    """In-memory engine with ``n_slots`` sequences (see module docstring)."""
+
+    def __init__(self, n_slots: int, step_s: float = 0.002) -> None:
+        self.info: proto.ModelInfo | None = model_info(n_slots)
+        self.pieces = [f" t{i}".encode() for i in range(VOCAB)]
+        self.generation = 1
+        self.alive = True
+        self.step_s = step_s
+        self.seqs: dict[int, list[int]] = {}
+        self.generating: dict[int, int] = {}  # seq -> request id
+        self.cancelled: set[int] = set()
+        self.calls: list[tuple[str, int]] = []
+        self.on_restart: Callable[[], Awaitable[None]] | None = None
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> int:
+        """A fresh request id."""
+        return next(self._ids)
+
+    def count(self, name: str) -> int:
+        """How many ``name`` operations were made."""
+        return sum(1 for op, _ in self.calls if op == name)
+
+    def _idle(self, seq: int, name: str) -> list[int]:
+        self.calls.append((name, seq))
+        if seq in self.generating:
+            raise EngineRequestError("SLOT_BUSY", f"sequence {seq} is generating")
+        return self.seqs.setdefault(seq, [])
+
+    async def restart(self) -> None:
+        """The worker died and came back: every sequence is empty, ``generation`` moves on."""
+        self.seqs.clear()
+        self.generation += 1
+        if self.on_restart is not None:
+            await self.on_restart()
+
+    # ------------------------------------------------------------------ typed operations
+
+    async def tokens(self, seq: int) -> list[int]:
+        """The sequence's tokens."""
+        return list(self._idle(seq, "tokens"))
+
+    async def erase(self, seq: int) -> None:
+        """Empty the sequence."""
+        self._idle(seq, "erase").clear()
+
+    async def fork(self, seq: int, target: int) -> list[int]:
+        """``target`` becomes a copy of ``seq``; returns its tokens."""
+        src = self._idle(seq, "fork")
+        self.seqs[target] = list(src)
+        return list(src)
+
+    async def context_shift(self, seq: int, n_keep: int, n_discard: int) -> list[int]:
+        """Drop ``n_discard`` tokens after the first ``n_keep``."""
+        toks = self._idle(seq, "context_shift")
+        if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > len(toks):
+            raise EngineRequestError("INVALID_REQUEST", "bad context shift")
+        del toks[n_keep : n_keep + n_discard]
+        return list(toks)
+
+    async def save_state(self, seq: int) -> tuple[list[int], bytes]:
+        """The tokens and the fake state of ``seq``."""
+        toks = list(self._idle(seq, "save_state"))
+        return toks, state_blob(toks)
+
+    async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> None:
+        """Replace ``seq``; ``BAD_STATE`` (sequence unchanged) unless ``state`` encodes ``tokens``."""
+        self._idle(seq, "restore")
+        if state_tokens(memoryview(state).cast("B")) != list(tokens):
+            raise EngineRequestError("BAD_STATE", "the state does not match its tokens")
+        self.seqs[seq] = list(tokens)
+
+    async def generate(self, msg: proto.Generate) -> AsyncIterator[tuple[object, list[bytes]]]:
+        """Prefill (prefix reuse) and ``max_new_tokens`` deterministic tokens, then ``Done``."""
+        seq, req = msg.seq, msg.req
+        toks = self._idle(seq, "generate")
+        self.generating[seq] = req
+        n_cached = 0
+        for a, b in zip(toks, msg.input_ids, strict=False):
+            if a != b:
+                break
+            n_cached += 1
+        n_cached = min(n_cached, len(msg.input_ids) - 1)
+        del toks[n_cached:]
+        toks.extend(msg.input_ids[n_cached:])
+        reason, n = "length", 0
+        try:
+            while n < msg.params.max_new_tokens:
+                await asyncio.sleep(self.step_s)
+                if req in self.cancelled:
+                    reason = "cancelled"
+                    break
+                tok = next_token(toks)
+                toks.append(tok)
+                n += 1
+                yield proto.Token(req, n - 1, tok, self.pieces[tok]), []
+                if tok in msg.params.stop_tokens:
+                    reason = "stop_token"
+                    break
+            done = proto.Done(
+                req, reason, len(msg.input_ids), n_cached, len(msg.input_ids) - n_cached, n, 0.0, 0.0, "", len(toks)
+            )
+            yield done, []
+        finally:
+            self.generating.pop(seq, None)
+            self.cancelled.discard(req)
+
+    # ------------------------------------------------------------------ today's request shapes
+
+    async def seq_op(self, op: str, seq: int, arg0: int = 0, arg1: int = 0) -> tuple[object, list[bytes]]:
+        """:class:`engine.protocol.SeqOp` as the worker answers it."""
+        req = self.new_id()
+        if op == "save_state":
+            toks, blob = await self.save_state(seq)
+            return proto.StateBlob(req, seq, toks, 0.0), [blob]
+        if op == "erase":
+            await self.erase(seq)
+            return proto.SeqInfo(req, seq, []), []
+        if op == "tokens":
+            return proto.SeqInfo(req, seq, await self.tokens(seq)), []
+        if op == "fork":
+            return proto.SeqInfo(req, arg0, await self.fork(seq, arg0)), []
+        if op == "context_shift":
+            return proto.SeqInfo(req, seq, await self.context_shift(seq, arg0, arg1)), []
+        raise EngineRequestError("INVALID_REQUEST", f"unknown op {op!r}")
+
+    async def restore(self, seq: int, tokens: list[int], state: proto.Buffer) -> proto.StateBlob:
+        """:class:`engine.protocol.RestoreState` as the worker answers it."""
+        await self.restore_state(seq, tokens, state)
+        return proto.StateBlob(self.new_id(), seq, list(tokens), 0.0)
+
+    async def open_stream(self, msg: proto.Generate) -> AsyncIterator[tuple[object, list[bytes]]]:
+        """Start a generation; its events as the worker client yields them."""
+        if msg.mode != "generate":
+            raise EngineRequestError("NOT_SUPPORTED", "the fake engine only generates")
+        return self.generate(msg)
+
+    async def cancel(self, req: int) -> None:
+        """Stop generation ``req`` at its next step."""
+        self.cancelled.add(req)
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> proto.TokenizeResult:
+        """One token per character (code point modulo the vocabulary)."""
+        ids = [ord(c) % (VOCAB - 1) for c in text]
+        return proto.TokenizeResult(self.new_id(), ids, [self.pieces[i] for i in ids])
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The pieces joined."""
+        return b"".join(self.pieces[i] for i in ids).decode()

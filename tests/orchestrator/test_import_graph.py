@@ -1,0 +1,89 @@
+"""The ``orchestrator`` package's modules import each other without a cycle.
+
+The graph is read from the source (``ast``), so it counts every import: at module level,
+inside functions, and under ``if TYPE_CHECKING``.  A request's path through the code then
+goes one way (handler -> service -> registry -> archive/engine client), never back up.
+"""
+
+from __future__ import annotations
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "orchestrator"
+
+
+def module_name(path: Path) -> str:
+    """``orchestrator/api/slots.py`` -> ``orchestrator.api.slots`` (a package is its ``__init__``)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules that module ``name``'s source imports (``from x import y`` counts ``x.y``
+    when that is a module, else ``x``)."""
+    out: set[str] = set()
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = here[: len(here) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a.b.c where only a.b is a module of ours
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports."""
+    files = sorted((ROOT / PACKAGE).rglob("*.py"))
+    known = {module_name(f) for f in files}
+    return {
+        module_name(f): imported(ast.parse(f.read_text(), str(f)), module_name(f), f.name == "__init__.py", known)
+        for f in files
+    }
+
+
+def test_the_import_graph_is_read_from_every_module() -> None:
+    graph = import_graph()
+    assert "orchestrator.slots" in graph and "orchestrator.api.slots" in graph
+    assert "orchestrator.archive" in graph["orchestrator.slots"]
+    assert "orchestrator.slots" in graph["orchestrator.api.slots"]
+
+
+def test_the_orchestrator_has_no_import_cycle() -> None:
+    try:
+        order = list(TopologicalSorter(import_graph()).static_order())
+    except CycleError as exc:
+        raise AssertionError(f"import cycle among the orchestrator's modules: {' -> '.join(exc.args[1])}") from None
+    assert order.index("orchestrator.archive") < order.index("orchestrator.slots") < order.index("orchestrator.app")
+
+
+def test_a_cycle_would_be_found() -> None:
+    """The reader sees imports under ``if TYPE_CHECKING`` and inside functions."""
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from orchestrator.b import X\n"
+    source_b = "def f():\n    from orchestrator import a\n"
+    known = {"orchestrator", "orchestrator.a", "orchestrator.b"}
+    graph = {
+        "orchestrator.a": imported(ast.parse(source), "orchestrator.a", False, known),
+        "orchestrator.b": imported(ast.parse(source_b), "orchestrator.b", False, known),
+    }
+    assert graph == {"orchestrator.a": {"orchestrator.b"}, "orchestrator.b": {"orchestrator.a"}}
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError:
+        return
+    raise AssertionError("the cycle a -> b -> a was not found")

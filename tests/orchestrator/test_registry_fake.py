@@ -1,0 +1,384 @@
+"""The slot registry and generation service in-process, against the fake engine and a real directory store.
+
+Each test builds a :class:`World`: a :class:`tests.orchestrator.fake_engine.FakeEngine`, a
+:class:`storage.directory.DirectoryStore` in a temporary directory (counting its writes), the
+archive, a lease keeper, the registry and the generation service, wired as ``orchestrator/app.py``
+wires them.  No llama.cpp, no worker, no HTTP: the whole file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import protocol as proto
+from orchestrator.admission import AdmissionQueue
+from orchestrator.archive import SlotArchive
+from orchestrator.errors import ApiError
+from orchestrator.generation import DoneOut, GenerationService, RunControl, TokenOut
+from orchestrator.lease_keeper import LeaseKeeper
+from orchestrator.schemas import CanonicalRequest
+from orchestrator.slots import SlotRegistry
+from storage.base import SlotMeta
+from storage.directory import DirectoryStore
+from storage.ses1 import pack_ses1
+from tests.orchestrator.fake_engine import FakeEngine, next_token, state_blob
+
+PROMPT = [5, 17, 42, 8]
+
+
+class CountingStore(DirectoryStore):
+    """A directory store that counts ``put`` calls per slot id."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.puts: dict[str, int] = {}
+
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+        self.puts[meta.slot_id] = self.puts.get(meta.slot_id, 0) + 1
+        return await super().put(meta, blob)
+
+
+class World:
+    """One node: fake engine, store, archive, leases, registry, generation service."""
+
+    def __init__(
+        self,
+        root: Path,
+        n_seqs: int = 2,
+        *,
+        node: str = "node-a",
+        store: CountingStore | None = None,
+        write_delay_s: float = 0.05,
+        step_s: float = 0.001,
+        queue_size: int = 8,
+    ) -> None:
+        self.engine = FakeEngine(n_seqs, step_s)
+        self.store = store or CountingStore(root)
+        engine = self.engine
+        self.archive = SlotArchive(self.store, lambda: engine.info.fingerprint)  # type: ignore[union-attr]
+        self.leases = LeaseKeeper(self.archive, node, lease_ms=3000)
+        self.registry = SlotRegistry(
+            engine,  # type: ignore[arg-type]
+            n_seqs,
+            self.archive,
+            self.leases,
+            AdmissionQueue(queue_size, 5.0),
+            write_delay_s=write_delay_s,
+        )
+        self.registry.wait_s = 5.0
+        self.service = GenerationService(engine, self.registry)  # type: ignore[arg-type]
+
+    async def gen(
+        self, slot: str, ids: list[int], n: int = 4, *, wait: bool = False, control: RunControl | None = None
+    ) -> DoneOut:
+        """Run one generation to its end; its :class:`DoneOut`."""
+        done = None
+        async for ev in self.service.run(request(slot, ids, n, wait), control):
+            if isinstance(ev, DoneOut):
+                done = ev
+        assert done is not None
+        return done
+
+    def seq_tokens(self, slot_id: str) -> list[int]:
+        """The engine's tokens of a resident slot."""
+        slot = self.registry.slots[slot_id]
+        assert self.registry.is_resident(slot) and slot.seq is not None
+        return self.engine.seqs[slot.seq]
+
+
+def request(slot: str, ids: list[int], n: int, wait: bool = False) -> CanonicalRequest:
+    """A greedy generation request of ``n`` tokens."""
+    return CanonicalRequest(
+        request_id=None,
+        input_ids=list(ids),
+        prompt=None,
+        max_new_tokens=n,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repeat_penalty=1.0,
+        repeat_last_n=64,
+        seed=1,
+        stop_tokens=[],
+        banned_tokens=[],
+        stop_strings=[],
+        ignore_eos=True,
+        attention=False,
+        attention_format="per_layer",
+        attention_dtype="float32",
+        attention_layers=None,
+        hidden_state=False,
+        n_probs=0,
+        slot=slot,
+        wait=wait,
+    )
+
+
+def greedy(ids: list[int], n: int) -> list[int]:
+    """What the fake model generates after ``ids`` (``n`` tokens)."""
+    out = list(ids)
+    for _ in range(n):
+        out.append(next_token(out))
+    return out[len(ids) :]
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    w = World(tmp_path / "state")
+    await w.registry.start()
+    yield w
+    await w.registry.shutdown()
+
+
+async def wait_for(cond: Any, timeout: float = 3.0) -> None:
+    """Poll ``cond()`` until true (fails after ``timeout`` seconds)."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def saved(w: World, slot_id: str) -> None:
+    """Wait until the write-behind has stored the slot's current state (its write ended)."""
+    await wait_for(lambda: not w.registry.slots[slot_id].dirty)
+    await w.archive.settled(slot_id)  # the state was read: its write holds the write lock now
+
+
+# ---------------------------------------------------------------------------------------------- eviction
+
+
+async def test_eviction_parks_the_least_recently_used_idle_slot(world: World) -> None:
+    reg, eng = world.registry, world.engine
+    await world.gen("a", PROMPT)
+    await world.gen("b", [*PROMPT, 1])
+    a_tokens = list(world.seq_tokens("a"))
+    async with reg.use("b"):
+        pass  # b is now more recently used than a
+    eng.calls.clear()
+    await world.gen("c", [*PROMPT, 2])  # two sequences: a (least recently used) is parked for c
+    assert [reg.slots[s].place for s in "abc"] == ["parked", "resident", "resident"]
+    a = reg.slots["a"]
+    assert a.stored and not a.dirty and a.n_tokens == len(a_tokens)
+    assert reg.slots["c"].seq == 0, "c took a's sequence"
+    # a was saved (or already clean), then its cells erased before c's generation used the sequence
+    ops = [op for op, seq in eng.calls if seq == 0]
+    assert ops.index("erase") < ops.index("generate")
+    assert not world.leases.holds("a") and world.leases.holds("c"), "a parked slot's lease is released"
+    meta = await world.archive.lookup("a")
+    assert meta is not None and meta.tokens == a_tokens
+
+
+async def test_park_idle_parks_only_slots_idle_long_enough(world: World) -> None:
+    reg = world.registry
+    await world.gen("old", PROMPT)
+    await asyncio.sleep(0.3)
+    await world.gen("new", PROMPT)
+    assert await reg.park_idle(0.2) == 1
+    assert reg.slots["old"].place == "parked" and reg.slots["new"].place == "resident"
+    assert await reg.park_idle(0.0) == 1
+    assert reg.slots["new"].place == "parked"
+    assert world.leases.leases == {}
+
+
+async def test_a_parked_slot_is_restored_not_reprefilled(world: World) -> None:
+    reg = world.registry
+    t1 = await world.gen("p", PROMPT, n=5)
+    follow = [*world.seq_tokens("p"), 7, 9]
+    async with reg.use("p", resident=False) as slot:
+        await reg.park(slot)
+    assert slot.place == "parked" and slot.seq is None
+    world.engine.calls.clear()
+    t2 = await world.gen("p", follow, n=5)
+    assert world.engine.count("restore") == 1
+    assert t2.done.n_cached == len(follow) - 2, "the restored state is reused, only the new tokens prefilled"
+    assert world.seq_tokens("p") == follow + greedy(follow, 5)
+    assert t1.done.finish_reason == t2.done.finish_reason == "length"
+
+
+async def test_after_a_worker_restart_slots_come_back_from_the_store(world: World) -> None:
+    reg, eng = world.registry, world.engine
+    await world.gen("r", PROMPT)
+    expect = list(world.seq_tokens("r"))
+    await saved(world, "r")
+    eng.on_restart = lambda: asyncio.sleep(0, reg.on_engine_restart())  # type: ignore[func-returns-value]
+    await eng.restart()
+    assert not reg.is_resident(reg.slots["r"])
+    async with reg.use("r") as slot:
+        assert eng.seqs[slot.seq] == expect  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------------------------------- write-behind
+
+
+async def test_write_behind_coalesces_a_burst_into_one_save(tmp_path: Path) -> None:
+    w = World(tmp_path / "state", write_delay_s=0.3)
+    await w.registry.start()
+    try:
+        ids = list(PROMPT)
+        for _ in range(5):
+            await w.gen("burst", ids, n=2)
+            ids = [*w.seq_tokens("burst"), 3]
+        assert w.store.puts.get("burst", 0) == 0, "nothing written during the burst"
+        await wait_for(lambda: w.store.puts.get("burst", 0) >= 1)
+        await asyncio.sleep(0.4)  # a second save would come by now
+        assert w.store.puts["burst"] == 1
+        assert w.engine.count("save_state") == 1
+        meta = await w.archive.lookup("burst")
+        assert meta is not None and meta.tokens == w.seq_tokens("burst")
+        assert not w.registry.slots["burst"].dirty
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_shutdown_flushes_dirty_slots(tmp_path: Path) -> None:
+    w = World(tmp_path / "state", write_delay_s=60)
+    await w.registry.start()
+    await w.gen("s", PROMPT)
+    expect = list(w.seq_tokens("s"))
+    assert w.store.puts.get("s", 0) == 0
+    await w.registry.shutdown()
+    assert w.store.puts["s"] == 1
+    got = await w.archive.load("s")
+    assert got is not None and got[0].tokens == expect
+
+
+# ---------------------------------------------------------------------------------------------- busy slots
+
+
+async def test_a_busy_slot_refuses_a_second_request_and_a_waiter_gets_it_after(tmp_path: Path) -> None:
+    w = World(tmp_path / "state", step_s=0.02)
+    await w.registry.start()
+    try:
+        first = asyncio.create_task(w.gen("busy", PROMPT, n=10))
+        await wait_for(lambda: w.registry.slots.get("busy") is not None and w.registry.slots["busy"].busy)
+        with pytest.raises(ApiError) as refused:
+            await w.gen("busy", PROMPT)
+        assert refused.value.code == "SLOT_BUSY" and refused.value.status == 409
+        assert refused.value.extra["slot_id"] == "busy"
+        second = await w.gen("busy", PROMPT, n=2, wait=True)  # waits for the first
+        assert first.done()
+        assert (await first).done.n_generated == 10
+        assert second.done.n_cached == len(PROMPT) - 1
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_a_slot_leased_by_another_node_is_refused_with_owner_and_retry_after(tmp_path: Path) -> None:
+    a = World(tmp_path / "state", node="node-a")
+    b = World(tmp_path / "state", node="node-b", store=a.store)  # one store, as two nodes on one Redis
+    await a.registry.start()
+    await b.registry.start()
+    try:
+        await a.gen("shared", PROMPT)
+        with pytest.raises(ApiError) as refused:
+            await b.gen("shared", PROMPT)
+        err = refused.value
+        assert err.code == "SLOT_BUSY" and err.extra["owner"] == "node-a" and err.extra["retry_after"] >= 1
+        assert not b.registry.slots["shared"].busy, "the refused request left nothing held"
+        async with a.registry.use("shared", resident=False) as slot:
+            await a.registry.park(slot)  # parking hands the conversation on
+        done = await b.gen("shared", a_tokens := [*a.engine.seqs[0], 4], n=3)
+        assert done.done.n_cached == len(a_tokens) - 1, "node b restored node a's state"
+    finally:
+        await b.registry.shutdown()
+        await a.registry.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- cancel
+
+
+async def test_a_generation_cancelled_midway_leaves_the_slot_consistent(tmp_path: Path) -> None:
+    w = World(tmp_path / "state", step_s=0.01)
+    await w.registry.start()
+    try:
+        control = RunControl()
+        seen: list[TokenOut] = []
+        done = None
+        async for ev in w.service.run(request("c", PROMPT, 50), control):
+            if isinstance(ev, TokenOut):
+                seen.append(ev)
+                if len(seen) == 3:
+                    await control.cancel()
+            elif isinstance(ev, DoneOut):
+                done = ev
+        assert done is not None and done.done.finish_reason == "cancelled"
+        slot = w.registry.slots["c"]
+        assert not slot.busy and not slot.lock.locked()
+        assert slot.n_tokens == len(w.seq_tokens("c")) == done.done.seq_tokens
+        assert w.seq_tokens("c") == PROMPT + greedy(PROMPT, len(w.seq_tokens("c")) - len(PROMPT))
+        await saved(w, "c")
+        meta = await w.archive.lookup("c")
+        assert meta is not None and meta.tokens == w.seq_tokens("c")
+        nxt = await w.gen("c", [*w.seq_tokens("c"), 1], n=2)  # the slot serves the next turn
+        assert nxt.done.finish_reason == "length"
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_a_client_leaving_midway_leaves_the_slot_consistent(world: World) -> None:
+    world.engine.step_s = 0.01
+    stream = world.service.run(request("gone", PROMPT, 50))
+    n = 0
+    async for ev in stream:
+        if isinstance(ev, TokenOut):
+            n += 1
+            if n == 2:
+                break
+    await stream.aclose()  # type: ignore[attr-defined]
+    slot = world.registry.slots["gone"]
+    assert not slot.busy and not slot.lock.locked()
+    assert slot.n_tokens == len(PROMPT) + 2 == len(world.seq_tokens("gone"))
+    await saved(world, "gone")
+    meta = await world.archive.lookup("gone")
+    assert meta is not None and meta.tokens == world.seq_tokens("gone")
+
+
+# ---------------------------------------------------------------------------------------------- slot actions
+
+
+async def test_a_refused_restore_leaves_the_slot_as_it_was(world: World) -> None:
+    reg = world.registry
+    await world.gen("k", PROMPT)
+    before = list(world.seq_tokens("k"))
+    async with reg.use("k", resident=False) as slot:
+        with pytest.raises(Exception, match="state"):
+            await reg.restore(slot, [1, 2, 3], state_blob([1, 2]), created=False)
+    assert world.seq_tokens("k") == before and reg.slots["k"].n_tokens == len(before)
+    async with reg.use("new", resident=False) as fresh:
+        with pytest.raises(Exception, match="state"):
+            await reg.restore(fresh, [1, 2, 3], state_blob([9]), created=True)
+    assert "new" not in reg.slots and reg.owner.count(None) == 1, "the created slot and its sequence are gone"
+
+
+async def test_fork_copies_and_restore_state_replaces(world: World) -> None:
+    reg = world.registry
+    await world.gen("src", PROMPT)
+    src_tokens = list(world.seq_tokens("src"))
+    async with reg.use("src", resident=False) as src, reg.use("dst", resident=False) as dst:
+        assert await reg.fork(src, dst) == len(src_tokens)
+    assert world.seq_tokens("dst") == src_tokens
+    got = await reg.state(reg.slots["src"])
+    assert got is not None and got[1] == pack_ses1(src_tokens, state_blob(src_tokens))
+    async with reg.use("dst", resident=False) as dst:
+        await reg.restore(dst, [1, 2], state_blob([1, 2]), created=False)
+    assert world.seq_tokens("dst") == [1, 2] and reg.slots["dst"].n_tokens == 2
+    await saved(world, "dst")
+    meta = await world.archive.lookup("dst")
+    assert meta is not None and meta.tokens == [1, 2]
+
+
+def test_the_fake_generates_what_greedy_predicts() -> None:
+    async def run() -> list[int]:
+        eng = FakeEngine(1)
+        params = proto.SamplingParams(max_new_tokens=3)
+        msg = proto.Generate(1, 0, "generate", PROMPT, params, proto.CaptureOptions())
+        return [ev.token_id async for ev, _ in eng.generate(msg) if isinstance(ev, proto.Token)]
+
+    assert asyncio.run(run()) == greedy(PROMPT, 3)
