@@ -214,6 +214,29 @@ async def test_after_a_worker_restart_slots_come_back_from_the_store(world: Worl
         assert eng.seqs[slot.seq] == expect  # type: ignore[index]
 
 
+async def test_a_queued_request_gets_the_sequence_of_the_next_slot_to_finish(tmp_path: Path) -> None:
+    w = World(tmp_path / "state", n_seqs=1, step_s=0.01)
+    await w.registry.start()
+    try:
+        first = asyncio.create_task(w.gen("one", PROMPT, n=20))
+        await wait_for(lambda: bool(w.engine.generating))
+        positions: list[int] = []
+
+        async def on_queued(position: int) -> None:
+            positions.append(position)
+
+        second = await w.gen("two", PROMPT, n=2, control=RunControl(on_queued))
+        assert first.done() and (await first).done.n_generated == 20, "the first ran to its end"
+        assert positions == [1], "the second waited first in line"
+        one = w.registry.slots["one"]
+        assert one.place == "parked" and one.stored, "the finishing slot was parked for the queued one"
+        assert w.registry.slots["two"].place == "resident" and second.done.n_generated == 2
+        meta = await w.archive.lookup("one")
+        assert meta is not None and meta.tokens == PROMPT + greedy(PROMPT, 20)
+    finally:
+        await w.registry.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------- write-behind
 
 
