@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from typing import Any
 
@@ -41,7 +42,7 @@ async def uncancellable(step: Coroutine[Any, Any, None]) -> None:
         raise
 
 
-class Residency:
+class Residency(ABC):
     """Sequence assignment over ``n_seqs`` engine sequences (see module docstring).
 
     ``can_park``: whether slots can be parked (a store is configured); without it a
@@ -56,13 +57,13 @@ class Residency:
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
 
+    @abstractmethod
     async def park(self, slot: Slot) -> None:
         """Save ``slot`` (lock held) and free its sequence (the registry's)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _fill(self, slot: Slot, seq: int, load: bool) -> None:
         """Put ``slot``'s state (``load``) or nothing into the fresh sequence ``seq`` (the registry's)."""
-        raise NotImplementedError
 
     def is_resident(self, slot: Slot) -> bool:
         """True if the slot's sequence belongs to the running worker."""

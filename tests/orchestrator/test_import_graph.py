@@ -8,6 +8,7 @@ goes one way (handler -> service -> registry -> archive/engine client), never ba
 from __future__ import annotations
 
 import ast
+import functools
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def imported(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> set
     return out
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """Every module of the package -> the package's modules it imports."""
     files = sorted((ROOT / PACKAGE).rglob("*.py"))
