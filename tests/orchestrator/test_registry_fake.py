@@ -26,6 +26,7 @@ from orchestrator.schemas import CanonicalRequest
 from orchestrator.slots import SlotRegistry
 from storage.base import SlotMeta
 from storage.directory import DirectoryStore
+from storage.errors import StoreUnavailableError
 from storage.ses1 import pack_ses1
 from tests.orchestrator.fake_engine import FakeEngine, next_token, state_blob
 
@@ -42,6 +43,22 @@ class CountingStore(DirectoryStore):
     async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
         self.puts[meta.slot_id] = self.puts.get(meta.slot_id, 0) + 1
         return await super().put(meta, blob)
+
+
+class FlakyStore(CountingStore):
+    """A counting directory store that fails every call while :attr:`down` is set."""
+
+    down = False
+
+    def __getattribute__(self, name: str) -> Any:
+        attr = super().__getattribute__(name)
+        if name in ("put", "get", "get_meta", "list_meta", "delete", "acquire_lease", "ping") and self.down:
+
+            async def fail(*_: object) -> None:
+                raise StoreUnavailableError("the test took the store down")
+
+            return fail
+        return attr
 
 
 class World:
@@ -405,3 +422,32 @@ def test_the_fake_generates_what_greedy_predicts() -> None:
         return [ev.token_id async for ev, _ in eng.generate(msg) if isinstance(ev, proto.Token)]
 
     assert asyncio.run(run()) == greedy(PROMPT, 3)
+
+
+# ---------------------------------------------------------------------------------------------- store failures
+
+
+async def test_a_store_outage_is_one_clear_error_and_the_write_behind_catches_up(tmp_path: Path) -> None:
+    store = FlakyStore(tmp_path / "state")
+    w = World(tmp_path / "state", store=store)
+    await w.registry.start()
+    try:
+        await w.gen("up", PROMPT)
+        await saved(w, "up")
+        store.down = True
+        done = await w.gen("up", [*w.seq_tokens("up"), 6], n=3)  # resident, lease held: it still generates
+        assert done.done.n_generated == 3
+        with pytest.raises(ApiError) as refused:
+            await w.gen("elsewhere", PROMPT)  # needs the store (is it stored? its lease?)
+        assert refused.value.code == "STORE_UNAVAILABLE" and refused.value.status == 503
+        await asyncio.sleep(0.3)
+        assert w.registry.slots["up"].dirty and store.puts["up"] == 1, "the save waits for the store"
+        assert not w.archive.healthy
+        store.down = False
+        await wait_for(lambda: store.puts["up"] == 2, timeout=5)
+        await w.archive.settled("up")
+        meta = await w.archive.lookup("up")
+        assert meta is not None and meta.tokens == w.seq_tokens("up") and w.archive.healthy
+    finally:
+        store.down = False
+        await w.registry.shutdown()
