@@ -14,9 +14,11 @@
 * a KV operation on a sequence that is generating answers ``SLOT_BUSY``, as the worker does;
 * :meth:`FakeEngine.restart` empties every sequence and bumps ``generation`` (a worker restart).
 
-The typed methods (``tokens``, ``erase``, ``fork``, ``context_shift``, ``save_state``,
-``restore_state``, ``generate``) hold the logic; ``seq_op``, ``restore`` and ``open_stream``
-adapt them to the request shapes the orchestrator sends today (:mod:`engine.protocol`).
+The typed methods follow the ``EngineClient`` protocol of ``orchestrator/engine_api.py`` (its
+names, parameters and result shapes: ``tokens``, ``erase``, ``truncate``, ``fork``,
+``context_shift``, ``save_state``, ``restore_state``, ``generate``, ...); ``seq_op``, ``restore``
+and ``open_stream`` adapt them to the request shapes the orchestrator's registry sends today
+(:mod:`engine.protocol`'s ``SeqOp``, ``RestoreState``, ``Generate``).
 :attr:`FakeEngine.calls` records every KV operation as ``(name, seq)``.
 """
 
@@ -25,13 +27,67 @@ from __future__ import annotations
 import asyncio
 import itertools
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from engine import protocol as proto
 from orchestrator.engine_client import EngineRequestError
 
 VOCAB = 512
 EOG = VOCAB - 1
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """A sequence's tokens and state bytes (the shape of ``engine_api.SequenceState``)."""
+
+    tokens: list[int]
+    state: bytes
+    t_ms: float
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One generated token (the shape of ``engine_api.TokenOutput``; the fake captures no tensors)."""
+
+    token: proto.Token
+    attention: bytes | None = None
+    hidden: bytes | None = None
+
+
+class GenerationStream:
+    """The events of generation ``req`` (the shape of ``engine_api.GenerationStream``).
+
+    ``wrap`` turns each engine event into what the caller iterates; :meth:`aclose` (or the end
+    of the events) frees the sequence, whether or not the iteration started.
+    """
+
+    def __init__(
+        self,
+        req: int,
+        events: AsyncGenerator[proto.Token | proto.Done, None],
+        wrap: Callable[[proto.Token | proto.Done], object],
+        end: Callable[[], None],
+    ) -> None:
+        self.req = req
+        self._events = events
+        self._wrap = wrap
+        self._end = end
+
+    def __aiter__(self) -> AsyncIterator[object]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[object]:
+        try:
+            async for event in self._events:
+                yield self._wrap(event)
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop (the generation ends; tokens generated so far stay in the sequence)."""
+        await self._events.aclose()
+        self._end()
 
 
 def next_token(context: Sequence[int]) -> int:
@@ -115,6 +171,8 @@ class FakeEngine:
         self.pieces = [f" t{i}".encode() for i in range(VOCAB)]
         self.generation = 1
         self.alive = True
+        self.stage = "ready"
+        self.load_fraction = 1.0
         self.step_s = step_s
         self.seqs: dict[int, list[int]] = {}
         self.generating: dict[int, int] = {}  # seq -> request id
@@ -137,6 +195,19 @@ class FakeEngine:
             raise EngineRequestError("SLOT_BUSY", f"sequence {seq} is generating")
         return self.seqs.setdefault(seq, [])
 
+    async def start(self, timeout: float = 300.0) -> proto.ModelInfo:
+        """Already started: the model info."""
+        assert self.info is not None
+        return self.info
+
+    async def close(self) -> None:
+        """Stop answering."""
+        self.alive = False
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """True while alive."""
+        return self.alive
+
     async def restart(self) -> None:
         """The worker died and came back: every sequence is empty, ``generation`` moves on."""
         self.seqs.clear()
@@ -154,6 +225,12 @@ class FakeEngine:
         """Empty the sequence."""
         self._idle(seq, "erase").clear()
 
+    async def truncate(self, seq: int, n_keep: int) -> list[int]:
+        """Keep the first ``n_keep`` tokens."""
+        toks = self._idle(seq, "truncate")
+        del toks[n_keep:]
+        return list(toks)
+
     async def fork(self, seq: int, target: int) -> list[int]:
         """``target`` becomes a copy of ``seq``; returns its tokens."""
         src = self._idle(seq, "fork")
@@ -168,20 +245,45 @@ class FakeEngine:
         del toks[n_keep : n_keep + n_discard]
         return list(toks)
 
-    async def save_state(self, seq: int) -> tuple[list[int], bytes]:
+    async def save_state(self, seq: int) -> SequenceState:
         """The tokens and the fake state of ``seq``."""
         toks = list(self._idle(seq, "save_state"))
-        return toks, state_blob(toks)
+        return SequenceState(toks, state_blob(toks), 0.0)
 
-    async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> None:
+    async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
         """Replace ``seq``; ``BAD_STATE`` (sequence unchanged) unless ``state`` encodes ``tokens``."""
         self._idle(seq, "restore")
         if state_tokens(memoryview(state).cast("B")) != list(tokens):
             raise EngineRequestError("BAD_STATE", "the state does not match its tokens")
         self.seqs[seq] = list(tokens)
+        return 0.0
 
-    async def generate(self, msg: proto.Generate) -> AsyncIterator[tuple[object, list[bytes]]]:
-        """Prefill (prefix reuse) and ``max_new_tokens`` deterministic tokens, then ``Done``."""
+    async def generate(
+        self,
+        seq: int,
+        input_ids: Sequence[int],
+        params: proto.SamplingParams,
+        capture: proto.CaptureOptions,
+        progress: bool = False,
+    ) -> GenerationStream:
+        """Prefill (prefix reuse) and ``max_new_tokens`` deterministic tokens, then ``Done``
+        (:class:`TokenOutput` per token)."""
+        msg = proto.Generate(self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress)
+        return self._start(msg, lambda ev: TokenOutput(ev) if isinstance(ev, proto.Token) else ev)
+
+    async def preview(
+        self,
+        seq: int | None,
+        input_ids: Sequence[int],
+        append: Sequence[int],
+        params: proto.SamplingParams,
+        capture: proto.CaptureOptions,
+    ) -> GenerationStream:
+        """Not modelled: ``NOT_SUPPORTED``."""
+        raise EngineRequestError("NOT_SUPPORTED", "the fake engine has no preview")
+
+    def _start(self, msg: proto.Generate, wrap: Callable[[proto.Token | proto.Done], object]) -> GenerationStream:
+        """Take the sequence and prefill now (``SLOT_BUSY`` if it generates); the decode runs as it is iterated."""
         seq, req = msg.seq, msg.req
         toks = self._idle(seq, "generate")
         self.generating[seq] = req
@@ -190,30 +292,35 @@ class FakeEngine:
             if a != b:
                 break
             n_cached += 1
-        n_cached = min(n_cached, len(msg.input_ids) - 1)
+        n_cached = min(n_cached, len(msg.input_ids) - 1)  # the last input token is always decoded
         del toks[n_cached:]
         toks.extend(msg.input_ids[n_cached:])
-        reason, n = "length", 0
-        try:
-            while n < msg.params.max_new_tokens:
-                await asyncio.sleep(self.step_s)
-                if req in self.cancelled:
-                    reason = "cancelled"
-                    break
-                tok = next_token(toks)
-                toks.append(tok)
-                n += 1
-                yield proto.Token(req, n - 1, tok, self.pieces[tok]), []
-                if tok in msg.params.stop_tokens:
-                    reason = "stop_token"
-                    break
-            done = proto.Done(
-                req, reason, len(msg.input_ids), n_cached, len(msg.input_ids) - n_cached, n, 0.0, 0.0, "", len(toks)
-            )
-            yield done, []
-        finally:
-            self.generating.pop(seq, None)
+
+        def end() -> None:
+            if self.generating.get(seq) == req:
+                del self.generating[seq]
             self.cancelled.discard(req)
+
+        return GenerationStream(req, self._decode(msg, toks, n_cached), wrap, end)
+
+    async def _decode(
+        self, msg: proto.Generate, toks: list[int], n_cached: int
+    ) -> AsyncGenerator[proto.Token | proto.Done, None]:
+        req, reason, n = msg.req, "length", 0
+        while n < msg.params.max_new_tokens:
+            await asyncio.sleep(self.step_s)
+            if msg.req in self.cancelled:
+                reason = "cancelled"
+                break
+            tok = next_token(toks)
+            toks.append(tok)
+            n += 1
+            yield proto.Token(req, n - 1, tok, self.pieces[tok])
+            if tok in msg.params.stop_tokens:
+                reason = "stop_token"
+                break
+        n_prompt = len(msg.input_ids)
+        yield proto.Done(req, reason, n_prompt, n_cached, n_prompt - n_cached, n, 0.0, 0.0, "", len(toks))
 
     # ------------------------------------------------------------------ today's request shapes
 
@@ -221,8 +328,8 @@ class FakeEngine:
         """:class:`engine.protocol.SeqOp` as the worker answers it."""
         req = self.new_id()
         if op == "save_state":
-            toks, blob = await self.save_state(seq)
-            return proto.StateBlob(req, seq, toks, 0.0), [blob]
+            got = await self.save_state(seq)
+            return proto.StateBlob(req, seq, got.tokens, got.t_ms), [got.state]
         if op == "erase":
             await self.erase(seq)
             return proto.SeqInfo(req, seq, []), []
@@ -239,11 +346,11 @@ class FakeEngine:
         await self.restore_state(seq, tokens, state)
         return proto.StateBlob(self.new_id(), seq, list(tokens), 0.0)
 
-    async def open_stream(self, msg: proto.Generate) -> AsyncIterator[tuple[object, list[bytes]]]:
-        """Start a generation; its events as the worker client yields them."""
+    async def open_stream(self, msg: proto.Generate) -> GenerationStream:
+        """Start a generation; its events as ``(event, buffers)``, as the worker client yields them."""
         if msg.mode != "generate":
             raise EngineRequestError("NOT_SUPPORTED", "the fake engine only generates")
-        return self.generate(msg)
+        return self._start(msg, lambda ev: (ev, []))
 
     async def cancel(self, req: int) -> None:
         """Stop generation ``req`` at its next step."""
@@ -254,6 +361,16 @@ class FakeEngine:
         ids = [ord(c) % (VOCAB - 1) for c in text]
         return proto.TokenizeResult(self.new_id(), ids, [self.pieces[i] for i in ids])
 
-    async def detokenize(self, ids: list[int]) -> str:
+    async def detokenize(self, ids: Sequence[int]) -> str:
         """The pieces joined."""
         return b"".join(self.pieces[i] for i in ids).decode()
+
+    async def classify(self, texts: Sequence[str]) -> object:
+        """Not a classifier: ``INVALID_REQUEST``, as a generating worker answers."""
+        raise EngineRequestError("INVALID_REQUEST", "not a classifier")
+
+    async def engine_state(self) -> proto.EngineState:
+        """Nothing offloaded; the generating sequences."""
+        return proto.EngineState(self.new_id(), [], sorted(self.generating))
+
+    status = engine_state  # the name the orchestrator's client uses today

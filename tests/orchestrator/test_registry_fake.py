@@ -9,6 +9,7 @@ wires them.  No llama.cpp, no worker, no HTTP: the whole file runs in a few seco
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -414,14 +415,33 @@ async def test_fork_copies_and_restore_state_replaces(world: World) -> None:
     assert meta is not None and meta.tokens == [1, 2]
 
 
-def test_the_fake_generates_what_greedy_predicts() -> None:
-    async def run() -> list[int]:
-        eng = FakeEngine(1)
-        params = proto.SamplingParams(max_new_tokens=3)
-        msg = proto.Generate(1, 0, "generate", PROMPT, params, proto.CaptureOptions())
-        return [ev.token_id async for ev, _ in eng.generate(msg) if isinstance(ev, proto.Token)]
+async def test_the_fake_generates_what_greedy_predicts_and_refuses_a_busy_sequence() -> None:
+    eng = FakeEngine(1)
+    params = proto.SamplingParams(max_new_tokens=3)
+    stream = await eng.generate(0, PROMPT, params, proto.CaptureOptions())
+    with pytest.raises(Exception, match="generating"):
+        await eng.erase(0)
+    events = [ev async for ev in stream]
+    assert [ev.token.token_id for ev in events[:-1]] == greedy(PROMPT, 3)  # type: ignore[union-attr]
+    assert isinstance(events[-1], proto.Done) and events[-1].seq_tokens == len(PROMPT) + 3
+    await eng.erase(0)  # free again once the stream ended
+    assert eng.seqs[0] == []
 
-    assert asyncio.run(run()) == greedy(PROMPT, 3)
+
+def test_the_fake_has_every_method_of_the_engine_protocol() -> None:
+    """Once ``orchestrator/engine_api.py`` (the typed engine interface) is in the tree, the fake must
+    offer each of its members with the same parameters."""
+    engine_api = pytest.importorskip("orchestrator.engine_api")
+    proto_cls = engine_api.EngineClient
+    members = [m for m in dir(proto_cls) if not m.startswith("_")] + list(proto_cls.__annotations__)
+    assert {"generate", "save_state", "restore_state", "fork", "generation"} <= set(members)
+    fake = FakeEngine(1)
+    for name in members:
+        assert hasattr(fake, name), f"FakeEngine lacks {name}"
+        want = getattr(proto_cls, name, None)
+        if inspect.iscoroutinefunction(want):
+            got = list(inspect.signature(getattr(fake, name)).parameters)
+            assert got == list(inspect.signature(want).parameters)[1:], f"FakeEngine.{name} parameters differ"
 
 
 # ---------------------------------------------------------------------------------------------- store failures
