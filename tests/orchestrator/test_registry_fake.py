@@ -1,150 +1,25 @@
 """The slot registry and generation service in-process, against the fake engine and a real directory store.
 
-Each test builds a :class:`World`: a :class:`tests.orchestrator.fake_engine.FakeEngine`, a
-:class:`storage.directory.DirectoryStore` in a temporary directory (counting its writes), the
-archive, a lease keeper, the registry and the generation service, wired as ``orchestrator/app.py``
-wires them.  No llama.cpp, no worker, no HTTP: the whole file runs in a few seconds.
+Each test builds a :class:`tests.orchestrator.fake_world.World` (one node: fake engine, directory
+store in a temporary directory, archive, lease keeper, registry, generation service).  No
+llama.cpp, no worker, no HTTP: the whole file runs in seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from engine import protocol as proto
-from orchestrator.admission import AdmissionQueue
-from orchestrator.archive import SlotArchive
 from orchestrator.errors import ApiError
-from orchestrator.generation import DoneOut, GenerationService, RunControl, TokenOut
-from orchestrator.lease_keeper import LeaseKeeper
-from orchestrator.schemas import CanonicalRequest
-from orchestrator.slots import SlotRegistry
-from storage.base import SlotMeta
-from storage.directory import DirectoryStore
-from storage.errors import StoreUnavailableError
+from orchestrator.generation import DoneOut, RunControl, TokenOut
 from storage.ses1 import pack_ses1
-from tests.orchestrator.fake_engine import FakeEngine, next_token, state_blob
-
-PROMPT = [5, 17, 42, 8]
-
-
-class CountingStore(DirectoryStore):
-    """A directory store that counts ``put`` calls per slot id."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.puts: dict[str, int] = {}
-
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
-        self.puts[meta.slot_id] = self.puts.get(meta.slot_id, 0) + 1
-        return await super().put(meta, blob)
-
-
-class FlakyStore(CountingStore):
-    """A counting directory store that fails every call while :attr:`down` is set."""
-
-    down = False
-
-    def __getattribute__(self, name: str) -> Any:
-        attr = super().__getattribute__(name)
-        if name in ("put", "get", "get_meta", "list_meta", "delete", "acquire_lease", "ping") and self.down:
-
-            async def fail(*_: object) -> None:
-                raise StoreUnavailableError("the test took the store down")
-
-            return fail
-        return attr
-
-
-class World:
-    """One node: fake engine, store, archive, leases, registry, generation service."""
-
-    def __init__(
-        self,
-        root: Path,
-        n_seqs: int = 2,
-        *,
-        node: str = "node-a",
-        store: CountingStore | None = None,
-        write_delay_s: float = 0.05,
-        step_s: float = 0.001,
-        queue_size: int = 8,
-    ) -> None:
-        self.engine = FakeEngine(n_seqs, step_s)
-        self.store = store or CountingStore(root)
-        engine = self.engine
-        self.archive = SlotArchive(self.store, lambda: engine.info.fingerprint)  # type: ignore[union-attr]
-        self.leases = LeaseKeeper(self.archive, node, lease_ms=3000)
-        self.registry = SlotRegistry(
-            engine,  # type: ignore[arg-type]
-            n_seqs,
-            self.archive,
-            self.leases,
-            AdmissionQueue(queue_size, 5.0),
-            write_delay_s=write_delay_s,
-        )
-        self.registry.wait_s = 5.0
-        self.service = GenerationService(engine, self.registry)  # type: ignore[arg-type]
-
-    async def gen(
-        self, slot: str, ids: list[int], n: int = 4, *, wait: bool = False, control: RunControl | None = None
-    ) -> DoneOut:
-        """Run one generation to its end; its :class:`DoneOut`."""
-        done = None
-        async for ev in self.service.run(request(slot, ids, n, wait), control):
-            if isinstance(ev, DoneOut):
-                done = ev
-        assert done is not None
-        return done
-
-    def seq_tokens(self, slot_id: str) -> list[int]:
-        """The engine's tokens of a resident slot."""
-        slot = self.registry.slots[slot_id]
-        assert self.registry.is_resident(slot) and slot.seq is not None
-        return self.engine.seqs[slot.seq]
-
-
-def request(slot: str, ids: list[int], n: int, wait: bool = False) -> CanonicalRequest:
-    """A greedy generation request of ``n`` tokens."""
-    return CanonicalRequest(
-        request_id=None,
-        input_ids=list(ids),
-        prompt=None,
-        max_new_tokens=n,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repeat_penalty=1.0,
-        repeat_last_n=64,
-        seed=1,
-        stop_tokens=[],
-        banned_tokens=[],
-        stop_strings=[],
-        ignore_eos=True,
-        attention=False,
-        attention_format="per_layer",
-        attention_dtype="float32",
-        attention_layers=None,
-        hidden_state=False,
-        n_probs=0,
-        slot=slot,
-        wait=wait,
-    )
-
-
-def greedy(ids: list[int], n: int) -> list[int]:
-    """What the fake model generates after ``ids`` (``n`` tokens)."""
-    out = list(ids)
-    for _ in range(n):
-        out.append(next_token(out))
-    return out[len(ids) :]
+from tests.orchestrator.fake_engine import FakeEngine, state_blob
+from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, request, saved, wait_for
 
 
 @pytest.fixture
@@ -153,20 +28,6 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
     await w.registry.start()
     yield w
     await w.registry.shutdown()
-
-
-async def wait_for(cond: Any, timeout: float = 3.0) -> None:
-    """Poll ``cond()`` until true (fails after ``timeout`` seconds)."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
-async def saved(w: World, slot_id: str) -> None:
-    """Wait until the write-behind has stored the slot's current state (its write ended)."""
-    await wait_for(lambda: not w.registry.slots[slot_id].dirty)
-    await w.archive.settled(slot_id)  # the state was read: its write holds the write lock now
 
 
 # ---------------------------------------------------------------------------------------------- eviction
