@@ -55,7 +55,8 @@ class SlotRegistry(Residency):
 
     ``archive`` (None: nothing is stored, slots cannot be parked) and ``leases`` (None: one
     node) are the store's two faces; ``write_delay_s``: how long the write-behind waits to
-    coalesce saves; ``park_idle_s``: park slots idle this long (None: never).
+    coalesce saves; ``park_idle_s``: park slots idle this long (None: never), looked for every
+    ``upkeep_s`` seconds.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class SlotRegistry(Residency):
         *,
         write_delay_s: float = 0.2,
         park_idle_s: float | None = None,
+        upkeep_s: float = 5.0,
     ) -> None:
         super().__init__(engine, n_seqs, queue, can_park=archive is not None)
         self.archive = archive
@@ -75,6 +77,7 @@ class SlotRegistry(Residency):
         self.slots: dict[str, Slot] = {}
         self.wait_s = 300.0  # longest wait for a busy slot (``--slot-wait``)
         self.park_idle_s = park_idle_s
+        self.upkeep_s = upkeep_s
         self._dirty: set[str] = set()
         self.saver = WriteBehind(self.flush, lambda: bool(self._dirty), write_delay_s)
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,7 +94,7 @@ class SlotRegistry(Residency):
             self.leases.start()
         self._tasks = [
             asyncio.create_task(self.saver.run(), name="write-behind"),
-            asyncio.create_task(every(5.0, self.upkeep, "store maintenance"), name="store-maintenance"),
+            asyncio.create_task(every(self.upkeep_s, self.upkeep, "store maintenance"), name="store-maintenance"),
         ]
 
     async def shutdown(self) -> None:

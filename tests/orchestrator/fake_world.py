@@ -68,6 +68,7 @@ class World:
         write_delay_s: float = 0.05,
         step_s: float = 0.001,
         queue_size: int = 8,
+        park_idle_s: float | None = None,
     ) -> None:
         self.engine = FakeEngine(n_seqs, step_s)
         self.store = store or CountingStore(root)
@@ -81,6 +82,8 @@ class World:
             self.leases,
             AdmissionQueue(queue_size, 5.0),
             write_delay_s=write_delay_s,
+            park_idle_s=park_idle_s,
+            upkeep_s=0.05,
         )
         self.registry.wait_s = 5.0
         self.service = GenerationService(engine, self.registry)  # type: ignore[arg-type]

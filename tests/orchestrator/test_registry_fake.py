@@ -66,6 +66,20 @@ async def test_park_idle_parks_only_slots_idle_long_enough(world: World) -> None
     assert world.leases.leases == {}
 
 
+async def test_the_registry_parks_idle_slots_by_itself(tmp_path: Path) -> None:
+    w = World(tmp_path / "state", park_idle_s=0.3)
+    await w.registry.start()
+    try:
+        await w.gen("idle", PROMPT)
+        slot = w.registry.slots["idle"]
+        assert slot.place == "resident" and w.leases.holds("idle")
+        await wait_for(lambda: slot.place == "parked")
+        assert slot.stored and not w.leases.holds("idle"), "parked: stored, lease released for other nodes"
+        assert w.engine.seqs[0] == [], "its cells are erased"
+    finally:
+        await w.registry.shutdown()
+
+
 async def test_a_parked_slot_is_restored_not_reprefilled(world: World) -> None:
     reg = world.registry
     t1 = await world.gen("p", PROMPT, n=5)
