@@ -66,7 +66,7 @@ async def every(period_s: float, step: Callable[[], Awaitable[object]], what: st
         try:
             await step()
         except Exception as exc:
-            log.warning(f"{what} failed", error=str(exc))
+            log.warning("background step failed", step=what, error=str(exc))
 
 
 async def stop(tasks: list[asyncio.Task[None]]) -> None:
