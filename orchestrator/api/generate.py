@@ -18,7 +18,7 @@ from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.api import kobold
 from orchestrator.api.body import json_route
-from orchestrator.errors import from_exception
+from orchestrator.errors import report, route_of
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
@@ -214,7 +214,7 @@ class GenerateController(Controller):
                             if text or not data.trim_stop:
                                 yield _sse(wire.kobold_token_event(text))
                 except Exception as exc:  # the worker failed mid-stream: tell the client, then end
-                    err = from_exception(exc)
+                    err = report(exc, route_of(request))
                     yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
                 finally:
                     if not first.done():

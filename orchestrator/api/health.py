@@ -9,6 +9,7 @@ from litestar import MediaType, Response, get
 from litestar.openapi import ResponseSpec
 from litestar.plugins.prometheus import PrometheusController
 
+from engine.errors import ErrorCode
 from orchestrator.services import Services
 
 
@@ -39,7 +40,7 @@ async def health(services: Services) -> Response[dict[str, Any]]:
     if not engine_ok:
         loading = engine.generation == 0
         body["error"] = {"code": 503, "message": "Loading model" if loading else "Engine down"}
-        body["error_code"] = "NO_MODEL"
+        body["error_code"] = ErrorCode.NO_MODEL
         body["engine"] = body["status"] = "loading" if loading else "down"
         body["stage"] = engine.stage
         if engine.stage == "loading_model":

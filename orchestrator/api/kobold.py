@@ -31,6 +31,7 @@ from litestar import Controller, Request, get, post
 from litestar.datastructures import State
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator.api.body import decode_json_body
 from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.generation import RunControl
@@ -162,7 +163,7 @@ async def prepare(services: Services, data: GenerateRequest, raw: dict[str, Any]
             room = window - req.max_new_tokens - len(memory)
             if room < 1:
                 raise ApiError(
-                    "CONTEXT_OVERFLOW",
+                    ErrorCode.CONTEXT_OVERFLOW,
                     f"max_length {req.max_new_tokens} + memory {len(memory)} leave no room in a context of {window}",
                     n_ctx=window,
                     context_length=len(memory) + len(prompt),

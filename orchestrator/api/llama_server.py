@@ -21,6 +21,7 @@ import structlog
 from litestar import Controller, Request, get, post
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator.api.compat import (
     COMPAT_ERRORS,
     EventStream,
@@ -32,7 +33,7 @@ from orchestrator.api.compat import (
     remaining,
     sse_data,
 )
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, from_exception
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, report, route_of
 from orchestrator.generation import DoneOut, Started, TokenOut, sampling_params
 from orchestrator.schemas import (
     INT32_MAX,
@@ -135,7 +136,7 @@ def slot_task_fields(slot: Slot) -> dict[str, Any]:
 def check_slot_number(slot_id: str) -> None:
     """llama-server answers a negative slot number with 400 ``Invalid slot ID``."""
     if slot_id.startswith("-") and slot_id[1:].isdigit():
-        raise ApiError("INVALID_REQUEST", "Invalid slot ID")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
 
 
 def _timings(d: proto.Done) -> dict[str, Any]:
@@ -228,7 +229,7 @@ def _warn_ignored(body: CompletionBody) -> None:
 async def _prepare(services: Services, body: CompletionBody) -> Completion:
     ids = await prompt_ids(services, one_prompt(body.prompt))
     if not 0 <= body.n_probs <= 100:
-        raise ApiError("INVALID_REQUEST", "n_probs must be in 0..100")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
     _warn_ignored(body)
     slot = None if str(body.id_slot) == "-1" else body.id_slot
     n_predict = body.n_predict if body.n_predict is not None else services.settings.n_predict
@@ -327,7 +328,7 @@ class LlamaServerController(Controller):
                             yield sse_data(c.partial(rest, pending, n))
                         yield sse_data(c.final("", [], ev, ""))
             except Exception as exc:
-                yield sse_data(compat_error_body(from_exception(exc)))
+                yield sse_data(compat_error_body(report(exc, route_of(request))))
             finally:
                 await run.aclose()
 

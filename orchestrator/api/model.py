@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from litestar import Controller, get, post
 
+from engine.errors import ErrorCode
 from orchestrator.api.body import json_route
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ERROR_RESPONSES, ApiError
@@ -82,7 +83,7 @@ class ModelController(Controller):
     async def tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.text if data.text is not None else data.content
         if text is None:
-            raise ApiError("INVALID_REQUEST", "give text")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "give text")
         add = data.add_special if data.add_special is not None else data.add_special_tokens
         res = await services.engine.tokenize(text, add, data.parse_special)
         body: dict[str, Any] = {"token_ids": res.ids, "token_count": len(res.ids)}
@@ -99,7 +100,7 @@ class ModelController(Controller):
     async def detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.token_ids if data.token_ids is not None else data.tokens
         if ids is None:
-            raise ApiError("INVALID_REQUEST", "give token_ids")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "give token_ids")
         check_tokens(ids, services.generation.info.vocab_size, "token_ids")
         return {"text": await services.engine.detokenize(ids)}
 
@@ -113,7 +114,7 @@ class ModelController(Controller):
     async def ls_tokenize(self, services: Services, data: TokenizeRequest) -> dict[str, Any]:
         text = data.content if data.content is not None else data.text
         if text is None:
-            raise ApiError("INVALID_REQUEST", "give content")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "give content")
         add = data.add_special if data.add_special is not None else data.add_special_tokens
         res = await services.engine.tokenize(text, add, data.parse_special)
         if not data.with_pieces:
@@ -134,6 +135,6 @@ class ModelController(Controller):
     async def ls_detokenize(self, services: Services, data: DetokenizeRequest) -> dict[str, Any]:
         ids = data.tokens if data.tokens is not None else data.token_ids
         if ids is None:
-            raise ApiError("INVALID_REQUEST", "give tokens")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "give tokens")
         check_tokens(ids, services.generation.info.vocab_size, "tokens")
         return {"content": await services.engine.detokenize(ids)}

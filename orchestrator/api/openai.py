@@ -27,6 +27,7 @@ import msgspec
 import structlog
 from litestar import Controller, Request, get, post
 
+from engine.errors import ErrorCode
 from orchestrator import wire
 from orchestrator.api.compat import (
     COMPAT_ERRORS,
@@ -40,7 +41,7 @@ from orchestrator.api.compat import (
     sse_data,
 )
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, from_exception
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, report, route_of
 from orchestrator.generation import DoneOut, Started, TokenOut
 from orchestrator.schemas import (
     AttentionDtype,
@@ -140,7 +141,7 @@ def canonical(
 ) -> CanonicalRequest:
     """The generation request for an OpenAI body whose prompt is ``ids`` (bad values: ``INVALID_REQUEST``)."""
     if data.n is not None and data.n != 1:
-        raise ApiError("INVALID_REQUEST", f"n={data.n} is not supported: this server returns one choice (n=1)")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n} is not supported: this server returns one choice (n=1)")
     _warn_ignored(data)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     att = data.attention
@@ -303,7 +304,7 @@ async def respond(
                         usage["usage"] = _usage(ev)
                         yield sse_data(usage)
         except Exception as exc:  # the worker failed mid-stream: an error event, then the end
-            yield sse_data(compat_error_body(from_exception(exc)))
+            yield sse_data(compat_error_body(report(exc, route_of(request))))
         finally:
             await run.aclose()
         yield b"data: [DONE]\n\n"
@@ -313,9 +314,9 @@ async def respond(
 
 def _top_n(logprobs: bool | None, top: int | None) -> int:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ApiError("INVALID_REQUEST", f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
     if top and not logprobs:
-        raise ApiError("INVALID_REQUEST", "top_logprobs needs logprobs: true")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "top_logprobs needs logprobs: true")
     return top or 0
 
 
@@ -379,10 +380,10 @@ class OpenAIController(Controller):
     ) -> EventStream | dict[str, Any]:
         info = services.generation.info
         if data.echo or data.suffix:
-            raise ApiError("INVALID_REQUEST", "echo and suffix are not supported")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "echo and suffix are not supported")
         prompt = one_prompt(data.prompt)
         if data.logprobs is not None and not 0 <= data.logprobs <= 5:
-            raise ApiError("INVALID_REQUEST", "logprobs must be in 0..5")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "logprobs must be in 0..5")
         ids = await prompt_ids(services, prompt)
         req = canonical(data, request, ids, services, data.logprobs or 0)
         shape = Shape(False, info.model_name, req, data.logprobs is not None, await services.generation.pieces())

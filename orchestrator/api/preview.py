@@ -17,6 +17,7 @@ import structlog
 from litestar import Controller, Request, post
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator import wire
 from orchestrator.api.body import json_route
 from orchestrator.api.generate import cancelled_on_disconnect
@@ -88,7 +89,7 @@ class PreviewController(Controller):
                 services.persistence is not None and await services.persistence.lookup(slot_id) is not None
             )
             if not known and explicit and data.input_ids is None:
-                raise ApiError("SLOT_NOT_FOUND", f"slot {slot_id!r} does not exist")
+                raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             if known:
                 async with services.registry.use(slot_id, wait=True, create=False) as slot:
                     if slot.n_tokens:
@@ -97,7 +98,7 @@ class PreviewController(Controller):
                         cache_hit = True
         if events is None:
             if not data.input_ids:
-                raise ApiError("NO_CACHED_CONTEXT", "No cached context available")
+                raise ApiError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")
             msg = proto.Generate(engine.new_id(), -1, "preview", data.input_ids, params, capture, append)
             events = await engine.open_stream(msg)
         await control.bind(engine, msg.req)

@@ -10,6 +10,7 @@ from typing import Any
 from litestar import Controller, Request, Response, get, post
 from litestar.params import Parameter
 
+from engine.errors import ErrorCode
 from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server import check_slot_number, slot_task_fields
@@ -42,7 +43,7 @@ class SlotController(Controller):
     @get("/slots", summary="All slots: resident and parked, with sizes", responses=COMPAT_ERROR_RESPONSES)
     async def list_slots(self, services: Services) -> list[dict[str, Any]]:
         if not services.settings.slots_endpoint:
-            raise ApiError("NOT_SUPPORTED", "This server does not support slots endpoint (--no-slots)", 501)
+            raise ApiError(ErrorCode.NOT_SUPPORTED, "This server does not support slots endpoint (--no-slots)", 501)
         reg = services.registry
         n_ctx = services.generation.info.n_ctx
         seen: dict[str, dict[str, Any]] = {}
@@ -141,7 +142,7 @@ class SlotController(Controller):
                 try:
                     blob = base64.b64decode(body.state, validate=True)
                 except (binascii.Error, ValueError) as exc:
-                    raise ApiError("BAD_STATE", f"state is not valid base64: {exc}") from exc
+                    raise ApiError(ErrorCode.BAD_STATE, f"state is not valid base64: {exc}") from exc
                 if body.digest is not None:
                     check_repr_digest(body.digest, blob, "the state")
             created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
@@ -196,7 +197,7 @@ class SlotController(Controller):
             body = decode_json_body(await request.body(), ForkRequest)
             target = str(body.target)
             if target == slot_id:
-                raise ApiError("INVALID_REQUEST", "fork target must differ from the source slot")
+                raise ApiError(ErrorCode.INVALID_REQUEST, "fork target must differ from the source slot")
             async with (
                 reg.use(slot_id, create=False, resident=False, wait=wait) as src,
                 reg.use(target, create=True, resident=False, wait=wait) as dst,
@@ -204,7 +205,7 @@ class SlotController(Controller):
                 n = await ops.fork(src, dst)
             return {"id_slot": out_id, "target": slot_id_out(target), "n_tokens": n, "success": True}
         raise ApiError(
-            "INVALID_REQUEST",
+            ErrorCode.INVALID_REQUEST,
             f"unknown action {action!r}: save-state, restore-state, tokens, context-shift, save, restore, erase, fork",
         )
 
