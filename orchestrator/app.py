@@ -32,7 +32,7 @@ from orchestrator.engine_client import EngineClient
 from orchestrator.errors import EXCEPTION_HANDLERS
 from orchestrator.generation import GenerationService
 from orchestrator.origins import websocket_origin_middleware
-from orchestrator.services import Services, provide_services
+from orchestrator.services import Services, provide_services, provide_slot_ops
 from orchestrator.slots import SlotRegistry
 
 log = structlog.get_logger("slotserve")
@@ -130,7 +130,10 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],
-        dependencies={"services": Provide(provide_services, sync_to_thread=False)},
+        dependencies={
+            "services": Provide(provide_services, sync_to_thread=False),
+            "ops": Provide(provide_slot_ops, sync_to_thread=False),
+        },
         cors_config=cors,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[*middleware, prometheus.middleware],
