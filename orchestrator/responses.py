@@ -12,9 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from litestar.openapi import ResponseSpec
 from msgspec import UNSET, UnsetType
 
+from engine.errors import ErrorCode
 from orchestrator import wire
+from orchestrator.errors import ERROR_RESPONSES
 from orchestrator.generation import TokenOut
 
 
@@ -44,6 +47,13 @@ class TokenAttention(TokenText, kw_only=True):
     attention: Attention | None
 
 
+def event_stream(description: str) -> dict[int, ResponseSpec]:
+    """``responses=`` of a route that answers server-sent events (``text/event-stream``, each event
+    ``data:`` one JSON object, docs/api.md) or an error body before the stream starts."""
+    spec = ResponseSpec(str, description=description, media_type="text/event-stream", generate_examples=False)
+    return {**ERROR_RESPONSES, 200: spec}
+
+
 def token_text(t: TokenOut) -> TokenText:
     """:class:`TokenText` of a generated token."""
     return msgspec.convert(wire.token_text_fields(t), TokenText, from_attributes=False)
@@ -53,6 +63,187 @@ def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
     """:class:`TokenAttention` of a generated token (``fmt``/``dtype`` as requested)."""
     fields = wire.token_text_fields(t) | {"attention": wire.attention_json(t, fmt, dtype)}
     return msgspec.convert(fields, TokenAttention)
+
+
+# ---------------------------------------------------------------------------------- model, tokens
+
+
+class ModelResponse(msgspec.Struct, kw_only=True):
+    """``GET /api/v1/model`` and ``/api/v1/model/info`` (docs/api.md, "Model"): the GGUF's facts
+    under both seeds' names (``result``/``model_name``, ``max_context_length``/``context_length``...);
+    ``engine`` the worker's runtime settings (threads, batch sizes, KV cache type)."""
+
+    result: str
+    model_name: str
+    model_path: str
+    architecture: str
+    description: str
+    fingerprint: str
+    vocab_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    hidden_size: int
+    embedding_size: int
+    max_position_embeddings: int
+    max_trained_context: int
+    max_context_length: int
+    context_length: int
+    rope_theta: float
+    rope_freq_base: float
+    rope_freq_scale: float
+    bos_token_id: int
+    eos_token_id: int
+    eot_token_id: int
+    eog_token_ids: list[int]
+    special_tokens: dict[str, str | int]
+    chat_template: str
+    torch_dtype: str
+    n_params: int
+    size_bytes: int
+    n_slots: int
+    n_kv_cells: int
+    llama_cpp_python: str
+    engine: dict[str, Any]
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/tokenize``: ids, count and (unless ``with_pieces: false``) each token's text."""
+
+    token_ids: list[int]
+    token_count: int
+    tokens: list[TokenText] | UnsetType = UNSET
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/detokenize``."""
+
+    text: str
+
+
+class TokenPiece(msgspec.Struct, kw_only=True):
+    """llama-server's ``with_pieces`` entry: ``piece`` is the text, or its bytes when not valid UTF-8."""
+
+    id: int
+    piece: str | list[int]
+
+
+class LlamaTokenizeResponse(msgspec.Struct, kw_only=True):
+    """llama-server's ``POST /tokenize``: ids, or :class:`TokenPiece` entries with ``with_pieces``."""
+
+    tokens: list[int | TokenPiece]
+
+
+class LlamaDetokenizeResponse(msgspec.Struct, kw_only=True):
+    """llama-server's ``POST /detokenize``."""
+
+    content: str
+
+
+# ---------------------------------------------------------------------------------- health
+
+
+class HealthError(msgspec.Struct, kw_only=True):
+    """llama-server's 503 body of ``/health``: ``{"code": 503, "message": "Loading model"}``."""
+
+    code: int
+    message: str
+
+
+class HealthResponse(msgspec.Struct, kw_only=True):
+    """``GET /health`` (docs/api.md, "Health"): ``status`` ok, degraded (store down), loading or
+    down; with 503 also llama-server's ``error`` and the start-up ``stage`` (and ``progress``,
+    0..1, while the model loads)."""
+
+    status: str
+    engine: str
+    store: str
+    slots_idle: int
+    slots_processing: int
+    engine_config: dict[str, Any] | UnsetType = UNSET
+    classifier: str | UnsetType = UNSET
+    error: HealthError | UnsetType = UNSET
+    error_code: ErrorCode | UnsetType = UNSET
+    stage: str | UnsetType | None = UNSET
+    progress: float | UnsetType = UNSET
+
+
+# ---------------------------------------------------------------------------------- generate
+
+
+class Hidden(msgspec.Struct, kw_only=True):
+    """A generated token's hidden state: ``shape`` ``[n_embd]``, base64 float32 ``data``."""
+
+    shape: list[int]
+    encoding: str
+    dtype: str
+    data: str
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    """One of a token's most likely alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    text: str | UnsetType = UNSET
+
+
+class GeneratedToken(TokenText, kw_only=True):
+    """A generated token of ``POST /api/v1/generate``: its logprob, alternatives (``n_probs``)
+    and hidden state (``output_hidden_states``)."""
+
+    logprob: float | None
+    top_logprobs: list[TopLogprob] | UnsetType = UNSET
+    hidden_state: Hidden | UnsetType = UNSET
+
+
+class KoboldResult(msgspec.Struct, kw_only=True):
+    """KoboldCpp's ``results`` entry (``finish_reason`` length, stop or abort)."""
+
+    text: str
+    finish_reason: str | UnsetType | None = UNSET
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/generate`` (docs/api.md): the ``done`` event's fields, every generated token,
+    the text, KoboldCpp's ``results``, and ``attention_data`` when attention was asked for."""
+
+    type: str
+    request_id: str | None
+    finish_reason: str
+    total_tokens: int
+    generation_time_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    slot_id: int | str
+    stop_string: str | UnsetType = UNSET
+    generated_tokens: list[GeneratedToken]
+    generated_text: str
+    results: list[KoboldResult]
+    attention_data: list[TokenAttention] | UnsetType = UNSET
+
+
+class MessageSpan(msgspec.Struct, kw_only=True):
+    """A message's token range, ``start``..``end`` inclusive (``index`` from 0)."""
+
+    index: int
+    start: int
+    end: int
+
+
+class SlotMessage(MessageSpan, kw_only=True):
+    """A message of a slot with its text."""
+
+    text: str
+
+
+class SlotMessages(msgspec.Struct, kw_only=True):
+    """``GET /admin/api/slots/{id}/messages``: a slot's messages as text with token ranges."""
+
+    id_slot: int | str
+    n_tokens: int
+    boundary_eot: int
+    messages: list[SlotMessage]
 
 
 # ---------------------------------------------------------------------------------- preview
@@ -103,14 +294,6 @@ class SlotEntry(msgspec.Struct, kw_only=True):
     n_prompt_tokens_cache: int | UnsetType = UNSET
     params: dict[str, Any] | UnsetType = UNSET
     next_token: list[dict[str, Any]] | UnsetType = UNSET
-
-
-class MessageSpan(msgspec.Struct, kw_only=True):
-    """A message's token range, ``start``..``end`` inclusive (``index`` from 0)."""
-
-    index: int
-    start: int
-    end: int
 
 
 class SlotInfo(msgspec.Struct, kw_only=True):

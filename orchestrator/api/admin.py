@@ -37,6 +37,7 @@ from orchestrator.admin_view import AdminView, SlotView
 from orchestrator.api.generate import JsonEvent
 from orchestrator.auth import require_admin
 from orchestrator.errors import ERROR_RESPONSES, ApiError, report, route_of
+from orchestrator.responses import SlotMessages, event_stream
 from orchestrator.services import Services
 
 LISTING_EVERY_S = 1.0  # the slot listing is looked at once a second, pushed only when it changed
@@ -91,11 +92,15 @@ class AdminController(Controller):
         summary="A slot's messages as text with token ranges",
         responses=ERROR_RESPONSES,
     )
-    async def messages(self, request: Request[Any, Any, Any], services: Services, slot_id: str) -> dict[str, Any]:
+    async def messages(self, request: Request[Any, Any, Any], services: Services, slot_id: str) -> SlotMessages:
         require_admin(request.scope, services.settings.admin_key)
-        return await AdminView(services).messages_of(slot_id)
+        return msgspec.convert(await AdminView(services).messages_of(slot_id), SlotMessages)
 
-    @get("/events", summary="Live slot listing and attention rows (server-sent events)", responses=ERROR_RESPONSES)
+    @get(
+        "/events",
+        summary="Live slot listing and attention rows (server-sent events)",
+        responses=event_stream("slots listings and attention rows, until the client leaves"),
+    )
     async def events(
         self,
         request: Request[Any, Any, Any],
