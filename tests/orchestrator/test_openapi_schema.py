@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.api.slots import ACTIONS, SlotAction
 from orchestrator.app import build_services, create_app
 from orchestrator.config import Settings
 
@@ -91,5 +92,6 @@ def test_slot_actions_and_error_codes_are_enumerated(schema: dict[str, Any]) -> 
     (action,) = [p for p in op["parameters"] if p["name"] == "action"]
     values = _resolve(schema, action["schema"]).get("enum")
     assert set(values) == {"save-state", "restore-state", "tokens", "context-shift", "save", "restore", "erase", "fork"}
+    assert set(ACTIONS) == set(SlotAction) == set(values)  # one handler per action
     code = _resolve(schema, schema["components"]["schemas"]["ErrorBody"]["properties"]["error_code"])
     assert "SLOT_BUSY" in code["enum"] and "STORE_UNAVAILABLE" in code["enum"]
