@@ -32,11 +32,11 @@ from orchestrator.archive import SlotArchive
 from orchestrator.auth import api_key_middleware
 from orchestrator.config import Settings
 from orchestrator.engine_client import EngineClient
-from orchestrator.errors import ApiError, exception_handler
+from orchestrator.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.generation import GenerationService
 from orchestrator.lease_keeper import LeaseKeeper
 from orchestrator.origins import websocket_origin_middleware
-from orchestrator.services import Services, provide_services
+from orchestrator.services import Services, provide_services, provide_slot_ops
 from orchestrator.slots import SlotRegistry
 
 log = structlog.get_logger("slotserve")
@@ -139,14 +139,19 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],
-        dependencies={"services": Provide(provide_services, sync_to_thread=False)},
+        dependencies={
+            "services": Provide(provide_services, sync_to_thread=False),
+            "ops": Provide(provide_slot_ops, sync_to_thread=False),
+        },
         cors_config=cors,
-        exception_handlers={Exception: exception_handler},
+        exception_handlers=EXCEPTION_HANDLERS,
         middleware=[*middleware, prometheus.middleware],
         plugins=[
             StructlogPlugin(
                 StructlogConfig(
-                    structlog_logging_config=StructLoggingConfig(log_exceptions="always"),
+                    # Our handlers log every error once (orchestrator/errors.py, ``report``): a refusal
+                    # as one info line, a failure with its traceback.
+                    structlog_logging_config=StructLoggingConfig(log_exceptions="never"),
                     # Never log bodies (attention, SES1 states, conversations) or query strings (api_key).
                     middleware_logging_config=LoggingMiddlewareConfig(
                         request_log_fields=("path", "method", "content_type", "path_params"),

@@ -1,54 +1,73 @@
 """API errors: every failure a client sees is JSON with an ``error_code``.
 
-Codes (docs/api.md, "Errors"): INVALID_REQUEST, INVALID_TOKEN, CONTEXT_OVERFLOW,
-NO_MODEL, OOM, SLOT_BUSY, SLOT_NOT_FOUND, NO_CACHED_CONTEXT, BAD_STATE, UNAUTHORIZED,
-RATE_LIMITED, PAYLOAD_TOO_LARGE, STORE_UNAVAILABLE, NOT_SUPPORTED, CLIENT_GONE, INTERNAL.  Body shape::
+The codes are :class:`engine.errors.ErrorCode` (docs/api.md, "Errors"); each has one HTTP
+status, :data:`STATUS_OF_CODE`.  Body shape::
 
     {"error": "<message>", "error_code": "<CODE>", ...extra}
 
-(the ``error`` key is what the JSON WebSocket's ``error`` event uses, docs/api.md).  Caller mistakes are 4xx;
-a 500 only ever means a bug of ours.
+(the ``error`` key is what the JSON WebSocket's ``error`` event uses, docs/api.md).  Caller
+mistakes are 4xx; a 500 only ever means a bug of ours.
+
+Every exception that reaches a client becomes an :class:`ApiError` in one place,
+:func:`from_exception`, through :data:`TO_API_ERROR` (keyed by exception type, looked up
+along the exception's MRO as Litestar looks up its ``exception_handlers``).
+:func:`exception_handlers` builds Litestar's handler map from the same table; a handler
+logs the refusal (:func:`report`: one info line for a 4xx, a traceback for a 5xx).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import structlog
 from litestar import MediaType, Request, Response
+from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
+from engine.errors import ErrorCode
 from orchestrator.engine_client import EngineDeadError, EngineRequestError
 
 log = structlog.get_logger("slotserve.api")
 
-STATUS_OF_CODE = {
-    "INVALID_REQUEST": 400,
-    "INVALID_TOKEN": 400,
-    "CONTEXT_OVERFLOW": 400,
-    "NO_CACHED_CONTEXT": 400,
-    "BAD_STATE": 400,
-    "UNAUTHORIZED": 401,
-    "SLOT_NOT_FOUND": 404,
-    "SLOT_BUSY": 409,
-    "PAYLOAD_TOO_LARGE": 413,
-    "RATE_LIMITED": 429,
-    "CLIENT_GONE": 499,  # nginx's "client closed request": the client left while its request waited
-    "INTERNAL": 500,
-    "NOT_SUPPORTED": 501,
-    "NO_MODEL": 503,
-    "OOM": 503,
-    "STORE_UNAVAILABLE": 503,
+STATUS_OF_CODE: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_TOKEN: 400,
+    ErrorCode.CONTEXT_OVERFLOW: 400,
+    ErrorCode.NO_CACHED_CONTEXT: 400,
+    ErrorCode.BAD_STATE: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.SLOT_NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.SLOT_BUSY: 409,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.CLIENT_GONE: 499,  # nginx's "client closed request": the client left while its request waited
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.NOT_SUPPORTED: 501,
+    ErrorCode.NO_MODEL: 503,
+    ErrorCode.OOM: 503,
+    ErrorCode.STORE_UNAVAILABLE: 503,
 }
+"""The HTTP status of every :class:`ErrorCode` (a test checks that none is missing)."""
+
+_CODE_OF_HTTP_STATUS = {
+    401: ErrorCode.UNAUTHORIZED,
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+}
+"""Litestar's own refusals (``HTTPException`` by status) as codes; other 4xx are INVALID_REQUEST."""
 
 
 class ErrorFields(msgspec.Struct, kw_only=True):
     """What every error body carries besides ``error``: ``error_code`` (one of the codes above)
     and the fields some codes add (docs/api.md, "Errors")."""
 
-    error_code: str
+    error_code: ErrorCode
     token_id: int | None = None
     n_ctx: int | None = None
     context_length: int | None = None
@@ -85,27 +104,26 @@ class CompatErrorBody(ErrorFields, kw_only=True):
     error: CompatError
 
 
+def _documented_statuses() -> dict[int, list[str]]:
+    """Every error status a route may answer, with its codes (``CLIENT_GONE``: nobody reads it)."""
+    out: dict[int, list[str]] = {}
+    for code, status in STATUS_OF_CODE.items():
+        if code is not ErrorCode.CLIENT_GONE:
+            out.setdefault(status, []).append(code.value)
+    return dict(sorted(out.items()))
+
+
 def _responses(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
     return {
         status: ResponseSpec(body, description=f"error ({', '.join(codes)})", generate_examples=False)
-        for status, codes in _ERROR_STATUSES.items()
+        for status, codes in _documented_statuses().items()
     }
 
 
-_ERROR_STATUSES = {
-    400: ["INVALID_REQUEST", "INVALID_TOKEN", "CONTEXT_OVERFLOW", "NO_CACHED_CONTEXT", "BAD_STATE"],
-    401: ["UNAUTHORIZED"],
-    404: ["SLOT_NOT_FOUND", "NOT_FOUND"],
-    405: ["METHOD_NOT_ALLOWED"],
-    409: ["SLOT_BUSY"],
-    413: ["PAYLOAD_TOO_LARGE"],
-    429: ["RATE_LIMITED"],
-    500: ["INTERNAL"],
-    503: ["NO_MODEL", "OOM", "STORE_UNAVAILABLE"],
-}
 ERROR_RESPONSES = _responses(ErrorBody)
 """``responses=`` of every route: the error statuses with :class:`ErrorBody`."""
 COMPAT_ERROR_RESPONSES = _responses(CompatErrorBody)
+"""``responses=`` of the llama-server and OpenAI routes: the error statuses with :class:`CompatErrorBody`."""
 STREAMABLE_COMPAT_RESPONSES = {
     **COMPAT_ERROR_RESPONSES,
     200: ResponseSpec(
@@ -114,17 +132,21 @@ STREAMABLE_COMPAT_RESPONSES = {
         generate_examples=False,
     ),
 }
-"""``responses=`` of the llama-server and OpenAI routes: the error statuses with :class:`CompatErrorBody`."""
 
 
 class ApiError(Exception):
-    """A failure to report to the client: ``code`` (above), message, optional extra fields."""
+    """A failure to report to the client: ``code``, message, optional extra fields.
 
-    def __init__(self, code: str, message: str, status: int | None = None, **extra: Any) -> None:
+    ``status`` defaults to the code's (:data:`STATUS_OF_CODE`).  ``code`` must be an
+    :class:`ErrorCode` (or its exact name): anything else raises ``ValueError`` here,
+    never a silent 400.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, status: int | None = None, **extra: Any) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = ErrorCode(code)
         self.message = message
-        self.status = status or STATUS_OF_CODE.get(code, 400)
+        self.status = status or STATUS_OF_CODE[self.code]
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
@@ -132,28 +154,76 @@ class ApiError(Exception):
         return {"error": self.message, "error_code": self.code, **self.extra}
 
 
+def _engine_request_error(exc: EngineRequestError) -> ApiError:
+    try:
+        code = ErrorCode(exc.code)
+    except ValueError:  # a worker of another version: a bug to fix, not the client's mistake
+        return ApiError(ErrorCode.INTERNAL, f"engine error with unknown code {exc.code!r}: {exc.message}")
+    return ApiError(code, exc.message)
+
+
+def _http_exception(exc: HTTPException) -> ApiError:
+    code = _CODE_OF_HTTP_STATUS.get(exc.status_code)
+    if code is None:
+        code = ErrorCode.INVALID_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL
+    return ApiError(code, str(exc.detail), status=exc.status_code)
+
+
+def _internal(exc: BaseException) -> ApiError:
+    return ApiError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+TO_API_ERROR: dict[type[Exception], Callable[[Any], ApiError]] = {
+    ApiError: lambda exc: exc,
+    EngineRequestError: _engine_request_error,
+    EngineDeadError: lambda exc: ApiError(ErrorCode.NO_MODEL, str(exc)),
+    ValidationException: lambda exc: ApiError(ErrorCode.INVALID_REQUEST, str(exc.detail), extra=exc.extra),
+    HTTPException: _http_exception,
+    Exception: _internal,
+}
+"""How each exception type becomes an :class:`ApiError` (the most derived type in the MRO wins)."""
+
+
 def from_exception(exc: BaseException) -> ApiError:
-    """Map any exception raised while serving a request to an :class:`ApiError`."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, EngineRequestError):
-        return ApiError(exc.code, exc.message)
-    if isinstance(exc, EngineDeadError):
-        return ApiError("NO_MODEL", str(exc))
-    if isinstance(exc, ValidationException):
-        return ApiError("INVALID_REQUEST", str(exc.detail), extra=exc.extra)
-    if isinstance(exc, HTTPException):
-        code = {401: "UNAUTHORIZED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "PAYLOAD_TOO_LARGE"}.get(
-            exc.status_code, "INVALID_REQUEST" if exc.status_code < 500 else "INTERNAL"
-        )
-        return ApiError(code, str(exc.detail), status=exc.status_code)
-    log.exception("unhandled error", error=str(exc))
-    return ApiError("INTERNAL", f"{type(exc).__name__}: {exc}", status=500)
+    """The :class:`ApiError` for any exception raised while serving a request (:data:`TO_API_ERROR`)."""
+    for cls in type(exc).__mro__:
+        to_error = TO_API_ERROR.get(cls)
+        if to_error is not None:
+            return to_error(exc)
+    return _internal(exc)
 
 
-def exception_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    """Litestar exception handler: every error as ``{"error", "error_code"}`` JSON."""
+def report(exc: BaseException, route: str) -> ApiError:
+    """:func:`from_exception`, logged: a refusal (4xx) as one info line (code, route, message),
+    a failure (5xx) with its traceback.  ``route`` is ``"METHOD /path"`` (no query string: it
+    may hold an API key)."""
     err = from_exception(exc)
-    retry = err.extra.get("retry_after")
-    headers = {"Retry-After": str(retry)} if retry is not None else None
-    return Response(err.body(), status_code=err.status, media_type=MediaType.JSON, headers=headers)
+    fields = {"error_code": err.code.value, "status": err.status, "route": route, "message": err.message}
+    if err.status < 500:
+        log.info("request refused", **fields)
+    else:
+        log.error("request failed", **fields, exc_info=exc)
+    return err
+
+
+def route_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    """``"METHOD /path"`` of a request (``"WS /path"`` of a WebSocket), for logs."""
+    return f"{connection.scope.get('method', 'WS')} {connection.scope.get('path', '')}"
+
+
+def exception_handlers(render: Callable[[ApiError], Any]) -> dict[type[Exception], Any]:
+    """Litestar's ``exception_handlers`` for every type of :data:`TO_API_ERROR`: the error,
+    reported (:func:`report`), answered as ``render(err)`` JSON, with ``Retry-After`` when the
+    error carries ``retry_after``."""
+
+    def handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+        err = report(exc, route_of(request))
+        retry = err.extra.get("retry_after")
+        headers = {"Retry-After": str(retry)} if retry is not None else None
+        return Response(render(err), status_code=err.status, media_type=MediaType.JSON, headers=headers)
+
+    return dict.fromkeys(TO_API_ERROR, handler)
+
+
+EXCEPTION_HANDLERS = exception_handlers(ApiError.body)
+"""The app's handlers: every error as ``{"error", "error_code"}`` JSON."""

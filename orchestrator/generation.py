@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import structlog
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admin_feed import AttentionFeed
 from orchestrator.admission import WaitHooks
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_client import EngineClient, Event
 from orchestrator.errors import ApiError
-from orchestrator.schemas import CanonicalRequest
-from orchestrator.slots import SlotRegistry
+from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
+from orchestrator.slots import SlotRegistry, check_slot_id
 
 log = structlog.get_logger("slotserve.generate")
 
@@ -52,6 +53,15 @@ class TokenOut:
 class Started:
     """First item of every run: the request is valid, the slot is held, the worker has it."""
 
+    slot_id: str
+
+
+@dataclass
+class PreviewStarted:
+    """First item of a preview: ``cache_hit`` says it runs on a fork of ``slot_id``'s cached
+    context (else on a scratch sequence from the request's ``input_ids``)."""
+
+    cache_hit: bool
     slot_id: str
 
 
@@ -124,6 +134,15 @@ class TokenStream:
     def __init__(self, stop_ids: set[int]) -> None:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.stop_ids = stop_ids
+
+    async def events(self, stream: AsyncIterator[Event]) -> AsyncIterator[TokenOut | proto.Progress | proto.Done]:
+        """The worker's events of one request (``EngineClient.open_stream``): each ``Token`` as a
+        :class:`TokenOut` (:meth:`convert`), ``Progress`` and the final ``Done`` as they come."""
+        async for event, bufs in stream:
+            if isinstance(event, proto.Token):
+                yield self.convert(event, bufs)
+            elif isinstance(event, proto.Progress | proto.Done):
+                yield event
 
     def convert(self, msg: proto.Token, bufs: list[bytes]) -> TokenOut:
         """Attach text and split the buffers (attention first, then hidden state)."""
@@ -253,9 +272,9 @@ class GenerationService:
                 if control is not None:
                     await control.bind(self.engine, msg.req)
                 yield Started(slot.id)
-                async for event, bufs in events:
-                    if isinstance(event, proto.Token):
-                        out = converter.convert(event, bufs)
+                async for event in converter.events(events):
+                    if isinstance(event, TokenOut):
+                        out = event
                         if not out.is_stop:
                             texts.append(out.text)
                         n_out += 1
@@ -288,3 +307,78 @@ class GenerationService:
                     metrics.record_abandoned(n_out)
                     self.registry.generated(slot, len(ids) + n_out)  # refreshed by the tokens action
                 self.registry.generation_ended(slot)
+
+    async def preview(
+        self, req: PreviewRequest, control: RunControl | None = None
+    ) -> AsyncIterator[PreviewStarted | TokenOut | DoneOut]:
+        """A preview (docs/api.md, "POST /api/v1/generate/preview"): generate on a copy-on-write
+        fork of the slot's sequence (``llama_memory_seq_cp``), then discard the fork.
+
+        Yields one :class:`PreviewStarted`, the tokens, then one :class:`DoneOut`.  The slot is
+        held only while the fork is submitted (the worker applies requests in order), so its
+        tokens and KV cells stay as they were and previews of one slot run concurrently.
+        Raises :class:`ApiError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
+        (an explicitly named slot that does not exist, with no ``input_ids``),
+        ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``).
+        """
+        info = self.info
+        append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
+        check_tokens(append, info.vocab_size, "append_tokens")
+        check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
+        check_tokens(req.stop_tokens, info.vocab_size, "stop_tokens")
+        params = proto.SamplingParams(
+            max_new_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(0, req.top_k),
+            min_p=0.0,
+            seed=req.seed,
+            stop_tokens=req.stop_tokens,
+        )
+        capture = proto.CaptureOptions(
+            attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
+        )
+        named = req.conversation_id if req.conversation_id is not None else req.id_slot
+        slot_id = check_slot_id(str(named if named is not None else "0"))
+        t0 = time.perf_counter()
+        msg: proto.Generate | None = None
+        if req.use_cached_context:
+            archive = self.registry.archive
+            known = self.registry.find(slot_id) is not None or (
+                archive is not None and await archive.lookup(slot_id) is not None
+            )
+            if not known and named is not None and req.input_ids is None:
+                raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
+            if known:
+                async with self.registry.use(slot_id, wait=True, create=False) as slot:
+                    if slot.n_tokens:
+                        msg = proto.Generate(self.engine.new_id(), slot.seq, "preview", [], params, capture, append)
+                        events = await self.engine.open_stream(msg)  # the fork is taken before any later request
+        cache_hit = msg is not None
+        if msg is None:
+            if not req.input_ids:
+                raise ApiError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")
+            msg = proto.Generate(self.engine.new_id(), -1, "preview", req.input_ids, params, capture, append)
+            events = await self.engine.open_stream(msg)
+        converter = TokenStream(set(params.stop_tokens) | set(info.eog_token_ids))
+        texts: list[str] = []
+        try:
+            if control is not None:
+                await control.bind(self.engine, msg.req)
+            yield PreviewStarted(cache_hit, slot_id)
+            async for event in converter.events(events):
+                if isinstance(event, TokenOut):
+                    if not event.is_stop:
+                        texts.append(event.text)
+                    yield event
+                elif isinstance(event, proto.Done):
+                    log.info(
+                        "preview done",
+                        finish_reason=event.finish_reason,
+                        n_generated=event.n_generated,
+                        cache_hit=cache_hit,
+                    )
+                    text = "".join(texts) + converter.decoder.decode(b"", final=True)
+                    yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot_id)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ from orchestrator.archive import SlotArchive
 from orchestrator.config import Settings
 from orchestrator.engine_client import EngineClient
 from orchestrator.generation import GenerationService
+from orchestrator.slot_ops import SlotOps
 from orchestrator.slots import SlotRegistry
 
 
@@ -28,3 +29,8 @@ class Services:
 def provide_services(state: State) -> Services:
     """Litestar dependency: the app's :class:`Services`."""
     return state.services  # type: ignore[no-any-return]
+
+
+def provide_slot_ops(services: Services) -> SlotOps:
+    """Litestar dependency: the slot actions (:class:`SlotOps`) over the app's registry."""
+    return SlotOps(services.registry, services.settings.slot_save_path)

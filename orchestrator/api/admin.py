@@ -31,11 +31,13 @@ from litestar import Controller, MediaType, Request, Response, get
 from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 
+from engine.errors import ErrorCode
 from orchestrator.admin_feed import AttentionRow
 from orchestrator.admin_view import AdminView, SlotView
 from orchestrator.api.generate import JsonEvent
 from orchestrator.auth import require_admin
-from orchestrator.errors import ERROR_RESPONSES, ApiError, from_exception
+from orchestrator.errors import ERROR_RESPONSES, ApiError, report, route_of
+from orchestrator.responses import SlotMessages, event_stream
 from orchestrator.services import Services
 
 LISTING_EVERY_S = 1.0  # the slot listing is looked at once a second, pushed only when it changed
@@ -90,11 +92,15 @@ class AdminController(Controller):
         summary="A slot's messages as text with token ranges",
         responses=ERROR_RESPONSES,
     )
-    async def messages(self, request: Request[Any, Any, Any], services: Services, slot_id: str) -> dict[str, Any]:
+    async def messages(self, request: Request[Any, Any, Any], services: Services, slot_id: str) -> SlotMessages:
         require_admin(request.scope, services.settings.admin_key)
-        return await AdminView(services).messages_of(slot_id)
+        return msgspec.convert(await AdminView(services).messages_of(slot_id), SlotMessages)
 
-    @get("/events", summary="Live slot listing and attention rows (server-sent events)", responses=ERROR_RESPONSES)
+    @get(
+        "/events",
+        summary="Live slot listing and attention rows (server-sent events)",
+        responses=event_stream("slots listings and attention rows, until the client leaves"),
+    )
     async def events(
         self,
         request: Request[Any, Any, Any],
@@ -104,7 +110,7 @@ class AdminController(Controller):
         require_admin(request.scope, services.settings.admin_key)
         n_layers = services.generation.info.num_layers
         if layer is not None and not 0 <= layer < n_layers:
-            raise ApiError("INVALID_REQUEST", f"layer must be in 0..{n_layers - 1}")
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"layer must be in 0..{n_layers - 1}")
         view = AdminView(services)
         feed = services.generation.feed
 
@@ -120,7 +126,7 @@ class AdminController(Controller):
                         try:
                             slots = await view.slots()
                         except Exception as exc:  # engine restarting, store down: say so, keep the stream
-                            listing = _json.encode({"type": "error", **from_exception(exc).body()})
+                            listing = _json.encode({"type": "error", **report(exc, route_of(request)).body()})
                         else:
                             listing = _json.encode({"type": "slots", "node": view.node_id(), "slots": slots})
                         if listing != last:

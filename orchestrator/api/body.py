@@ -16,6 +16,7 @@ import msgspec
 from litestar.dto import MsgspecDTO
 from litestar.typing import FieldDefinition
 
+from engine.errors import ErrorCode
 from orchestrator.errors import ERROR_RESPONSES, ApiError
 
 if TYPE_CHECKING:
@@ -28,15 +29,15 @@ T = TypeVar("T")
 def decode_json_body(raw: bytes | str, kind: type[T]) -> T:
     """``raw`` JSON decoded into ``kind`` (an empty body is ``{}``).
 
-    Raises ``ApiError("INVALID_REQUEST")`` for malformed JSON, text that is not UTF-8,
+    Raises ``ApiError(ErrorCode.INVALID_REQUEST)`` for malformed JSON, text that is not UTF-8,
     a field of the wrong type or a value out of range.
     """
     try:
         return msgspec.json.decode(raw or b"{}", type=kind)
     except msgspec.ValidationError as exc:
-        raise ApiError("INVALID_REQUEST", f"invalid request: {exc}") from exc
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from exc
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        raise ApiError("INVALID_REQUEST", f"malformed JSON: {exc}") from exc
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"malformed JSON: {exc}") from exc
 
 
 class StrictJson(MsgspecDTO[T]):  # type: ignore[type-var]

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 from litestar import post
 
+from engine.errors import ErrorCode
 from orchestrator.api.body import json_route
 from orchestrator.errors import ApiError
 from orchestrator.services import Services
@@ -73,12 +74,14 @@ def ranked(labels: list[str], logits: np.ndarray) -> list[Prediction]:
 async def classify(data: ClassifyRequest, services: Services) -> ClassifyResponse:
     engine = services.classifier
     if engine is None:
-        raise ApiError("NO_MODEL", "no classifier model loaded: start the server with --classifier-model PATH", 400)
+        raise ApiError(
+            ErrorCode.NO_MODEL, "no classifier model loaded: start the server with --classifier-model PATH", 400
+        )
     texts = [data.inputs] if isinstance(data.inputs, str) else data.inputs
     if not texts:
-        raise ApiError("INVALID_REQUEST", "inputs must be a string or a non-empty list of strings")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "inputs must be a string or a non-empty list of strings")
     if len(texts) > MAX_INPUTS:
-        raise ApiError("INVALID_REQUEST", f"at most {MAX_INPUTS} inputs per request, got {len(texts)}")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"at most {MAX_INPUTS} inputs per request, got {len(texts)}")
     reply, buf = await engine.classify(texts)
     assert engine.info is not None
     logits = np.frombuffer(buf, dtype=np.float32).reshape(len(texts), reply.n_out)

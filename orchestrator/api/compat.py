@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from litestar import MediaType, Request, Response
+from litestar import Request
 from litestar.response import Stream
 
+from engine.errors import ErrorCode
 from orchestrator.api.generate import cancelled_on_disconnect
-from orchestrator.errors import ApiError, from_exception
+from orchestrator.errors import ApiError, exception_handlers
 from orchestrator.generation import DoneOut, RunControl, TokenOut
 from orchestrator.schemas import CanonicalRequest
 from orchestrator.services import Services
@@ -35,24 +36,19 @@ ERROR_TYPE_OF_STATUS = {
 
 def compat_error_body(err: ApiError) -> dict[str, Any]:
     """``{"error": {"code": <HTTP status>, "message", "type"}, "error_code", ...}`` (llama-server/OpenAI)."""
-    if err.code == "CONTEXT_OVERFLOW":
+    if err.code is ErrorCode.CONTEXT_OVERFLOW:
         kind = "exceed_context_size_error"
     else:
         kind = ERROR_TYPE_OF_STATUS.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
     inner: dict[str, Any] = {"code": err.status, "message": err.message, "type": kind}
-    if err.code == "CONTEXT_OVERFLOW":
+    if err.code is ErrorCode.CONTEXT_OVERFLOW:
         inner["n_prompt_tokens"] = err.extra.get("context_length")
         inner["n_ctx"] = err.extra.get("n_ctx")
     return {"error": inner, "error_code": err.code, **err.extra}
 
 
-def compat_exception_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    """Litestar exception handler for the OpenAI and llama-server paths."""
-    err = from_exception(exc)
-    return Response(compat_error_body(err), status_code=err.status, media_type=MediaType.JSON)
-
-
-COMPAT_ERRORS = {Exception: compat_exception_handler}
+COMPAT_ERRORS = exception_handlers(compat_error_body)
+"""Litestar exception handlers for the OpenAI and llama-server paths (errors in their shape)."""
 
 
 def sse_data(obj: Any) -> bytes:
@@ -119,7 +115,7 @@ def one_prompt(prompt: str | list[int | str]) -> str | list[int]:
         return prompt  # type: ignore[return-value]
     if len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
-    raise ApiError("INVALID_REQUEST", "prompt must be a text, a list of token ids, or a list of one text")
+    raise ApiError(ErrorCode.INVALID_REQUEST, "prompt must be a text, a list of token ids, or a list of one text")
 
 
 async def prompt_ids(services: Services, prompt: str | list[int]) -> list[int]:

@@ -18,8 +18,9 @@ from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.api import kobold
 from orchestrator.api.body import json_route
-from orchestrator.errors import from_exception
+from orchestrator.errors import report, route_of
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
+from orchestrator.responses import GenerateResponse, event_stream
 from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
 from orchestrator.stop_text import StopTextFilter, trim_stop
@@ -110,7 +111,7 @@ class GenerateController(Controller):
     )
     async def generate(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
-    ) -> dict[str, Any]:
+    ) -> GenerateResponse:
         req = await kobold.prepare(services, data, await _raw_body(request))
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         tokens: list[dict[str, Any]] = []
@@ -142,7 +143,7 @@ class GenerateController(Controller):
         )
         if req.attention:
             body["attention_data"] = attention
-        return body
+        return msgspec.convert(body, GenerateResponse)
 
     @staticmethod
     def _token(ev: TokenOut, n_probs: int, pieces: list[bytes]) -> dict[str, Any]:
@@ -158,7 +159,7 @@ class GenerateController(Controller):
         "/api/extra/generate/stream",
         status_code=200,
         summary="SSE stream (Kobold events, or attention events)",
-        **json_route(GenerateRequest),
+        **json_route(GenerateRequest, event_stream("Kobold token events, or attention events, then done")),
     )
     async def stream(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
@@ -214,7 +215,7 @@ class GenerateController(Controller):
                             if text or not data.trim_stop:
                                 yield _sse(wire.kobold_token_event(text))
                 except Exception as exc:  # the worker failed mid-stream: tell the client, then end
-                    err = from_exception(exc)
+                    err = report(exc, route_of(request))
                     yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
                 finally:
                     if not first.done():

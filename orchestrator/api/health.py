@@ -2,48 +2,48 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from litestar import MediaType, Response, get
 from litestar.openapi import ResponseSpec
 from litestar.plugins.prometheus import PrometheusController
 
+from engine.errors import ErrorCode
+from orchestrator.responses import HealthError, HealthResponse
 from orchestrator.services import Services
 
 
 @get(
     ["/health", "/v1/health"],
     summary="Liveness: ok, degraded (store down), 503 loading (start-up stage and load fraction) or down",
-    responses={503: ResponseSpec(dict[str, Any], description="no engine: the health body with error and error_code")},
+    responses={503: ResponseSpec(HealthResponse, description="no engine: the health body with error and error_code")},
 )
-async def health(services: Services) -> Response[dict[str, Any]]:
+async def health(services: Services) -> Response[HealthResponse]:
     engine_ok = services.engine.alive
     store_ok = True
     if services.archive is not None:
         store_ok = await services.archive.check()
     status = "ok" if engine_ok and store_ok else ("degraded" if engine_ok else "error")
     slots = list(services.registry.slots.values())
-    body: dict[str, Any] = {
-        "status": status,
-        "engine": "ready" if engine_ok else "down",
-        "store": "ok" if store_ok else "unavailable",
-        "slots_idle": sum(1 for s in slots if not s.busy),
-        "slots_processing": sum(1 for s in slots if s.busy),
-    }
+    body = HealthResponse(
+        status=status,
+        engine="ready" if engine_ok else "down",
+        store="ok" if store_ok else "unavailable",
+        slots_idle=sum(1 for s in slots if not s.busy),
+        slots_processing=sum(1 for s in slots if s.busy),
+    )
     engine = services.engine
     if engine_ok and engine.info is not None:
-        body["engine_config"] = msgspec.to_builtins(engine.info.runtime)
+        body.engine_config = msgspec.to_builtins(engine.info.runtime)
     if services.classifier is not None:
-        body["classifier"] = "ready" if services.classifier.alive else "loading"
+        body.classifier = "ready" if services.classifier.alive else "loading"
     if not engine_ok:
         loading = engine.generation == 0
-        body["error"] = {"code": 503, "message": "Loading model" if loading else "Engine down"}
-        body["error_code"] = "NO_MODEL"
-        body["engine"] = body["status"] = "loading" if loading else "down"
-        body["stage"] = engine.stage
+        body.error = HealthError(code=503, message="Loading model" if loading else "Engine down")
+        body.error_code = ErrorCode.NO_MODEL
+        body.engine = body.status = "loading" if loading else "down"
+        body.stage = engine.stage
         if engine.stage == "loading_model":
-            body["progress"] = round(engine.load_fraction, 3)
+            body.progress = round(engine.load_fraction, 3)
     return Response(body, status_code=200 if engine_ok else 503)
 
 

@@ -31,9 +31,20 @@ from litestar import Controller, Request, get, post
 from litestar.datastructures import State
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator.api.body import decode_json_body
+from orchestrator.compat_responses import (
+    KoboldAbort,
+    KoboldPending,
+    KoboldPerf,
+    KoboldResultValue,
+    KoboldTokenCount,
+    KoboldValue,
+    KoboldVersion,
+)
 from orchestrator.errors import ERROR_RESPONSES, ApiError
 from orchestrator.generation import RunControl
+from orchestrator.responses import KoboldResult
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
 from orchestrator.services import Services
 
@@ -162,7 +173,7 @@ async def prepare(services: Services, data: GenerateRequest, raw: dict[str, Any]
             room = window - req.max_new_tokens - len(memory)
             if room < 1:
                 raise ApiError(
-                    "CONTEXT_OVERFLOW",
+                    ErrorCode.CONTEXT_OVERFLOW,
                     f"max_length {req.max_new_tokens} + memory {len(memory)} leave no room in a context of {window}",
                     n_ctx=window,
                     context_length=len(memory) + len(prompt),
@@ -178,26 +189,26 @@ class KoboldController(Controller):
     """KoboldCpp's version, config and ``extra`` endpoints (KoboldCpp's field names)."""
 
     @get("/api/extra/version", summary="KoboldCpp: server name and version", responses=ERROR_RESPONSES)
-    async def version(self) -> dict[str, Any]:
-        return {"result": "KoboldCpp", "version": KOBOLDCPP_VERSION, "protected": False, "txt2img": False,
-                "vision": False, "transcribe": False, "multiplayer": False, "websearch": False, "tts": False,
-                "embeddings": False, "server": "slotserve"}  # fmt: skip
+    async def version(self) -> KoboldVersion:
+        return KoboldVersion(result="KoboldCpp", version=KOBOLDCPP_VERSION, protected=False, txt2img=False,
+                             vision=False, transcribe=False, multiplayer=False, websearch=False, tts=False,
+                             embeddings=False, server="slotserve")  # fmt: skip
 
     @get("/api/v1/info/version", summary="KoboldAI API version", responses=ERROR_RESPONSES)
-    async def api_version(self) -> dict[str, str]:
-        return {"result": KOBOLD_API_VERSION}
+    async def api_version(self) -> KoboldResultValue:
+        return KoboldResultValue(result=KOBOLD_API_VERSION)
 
     @get("/api/v1/config/max_context_length", summary="KoboldCpp: context window, tokens", responses=ERROR_RESPONSES)
-    async def max_context_length(self, services: Services) -> dict[str, int]:
-        return {"value": services.generation.info.n_ctx}
+    async def max_context_length(self, services: Services) -> KoboldValue:
+        return KoboldValue(value=services.generation.info.n_ctx)
 
     @get("/api/extra/true_max_context_length", summary="KoboldCpp: context window, tokens", responses=ERROR_RESPONSES)
-    async def true_max_context_length(self, services: Services) -> dict[str, int]:
-        return {"value": services.generation.info.n_ctx}
+    async def true_max_context_length(self, services: Services) -> KoboldValue:
+        return KoboldValue(value=services.generation.info.n_ctx)
 
     @get("/api/v1/config/max_length", summary="KoboldCpp: default generation length, tokens", responses=ERROR_RESPONSES)
-    async def max_length(self) -> dict[str, int]:
-        return {"value": int(GenerateRequest().canonical().max_new_tokens)}
+    async def max_length(self) -> KoboldValue:
+        return KoboldValue(value=int(GenerateRequest().canonical().max_new_tokens))
 
     @post(
         "/api/extra/tokencount",
@@ -205,10 +216,10 @@ class KoboldController(Controller):
         summary="KoboldCpp: count a prompt's tokens",
         responses=ERROR_RESPONSES,
     )
-    async def tokencount(self, request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    async def tokencount(self, request: Request[Any, Any, Any], services: Services) -> KoboldTokenCount:
         body = decode_json_body(await request.body(), TokenCountBody)
         ids = (await services.engine.tokenize(body.prompt, body.special, True)).ids
-        return {"value": len(ids), "ids": ids}
+        return KoboldTokenCount(value=len(ids), ids=ids)
 
     @post(
         "/api/extra/abort",
@@ -216,17 +227,17 @@ class KoboldController(Controller):
         summary="KoboldCpp: stop the generation of a genkey",
         responses=ERROR_RESPONSES,
     )
-    async def abort(self, request: Request[Any, Any, Any]) -> dict[str, str]:
+    async def abort(self, request: Request[Any, Any, Any]) -> KoboldAbort:
         body = decode_json_body(await request.body(), GenkeyBody)
         running = jobs_of(request.app.state).running.get(body.genkey, [])
         if not running:
-            return {"success": "false", "done": "false"}
+            return KoboldAbort(success="false", done="false")
         for job in list(running):  # without a genkey: every generation started without one
             await job.control.cancel()
-        return {"success": "true", "done": "true"}
+        return KoboldAbort(success="true", done="true")
 
     @get("/api/extra/generate/check", summary="KoboldCpp: text generated so far", responses=ERROR_RESPONSES)
-    async def check_get(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    async def check_get(self, request: Request[Any, Any, Any]) -> KoboldPending:
         return self._pending(request, "")
 
     @post(
@@ -235,32 +246,32 @@ class KoboldController(Controller):
         summary="KoboldCpp: text generated so far for a genkey",
         responses=ERROR_RESPONSES,
     )
-    async def check_post(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    async def check_post(self, request: Request[Any, Any, Any]) -> KoboldPending:
         return self._pending(request, decode_json_body(await request.body(), GenkeyBody).genkey)
 
     @staticmethod
-    def _pending(request: Request[Any, Any, Any], genkey: str) -> dict[str, Any]:
+    def _pending(request: Request[Any, Any, Any], genkey: str) -> KoboldPending:
         running = jobs_of(request.app.state).running.get(genkey)
-        return {"results": [{"text": "".join(running[0].text) if running else ""}]}
+        return KoboldPending(results=[KoboldResult(text="".join(running[0].text) if running else "")])
 
     @get("/api/extra/perf", summary="KoboldCpp: last generation's figures and server status", responses=ERROR_RESPONSES)
-    async def perf(self, request: Request[Any, Any, Any], services: Services) -> dict[str, Any]:
+    async def perf(self, request: Request[Any, Any, Any], services: Services) -> KoboldPerf:
         jobs = jobs_of(request.app.state)
         last = jobs.last
         now = time.time()
         busy = any(s.busy for s in services.registry.slots.values())
-        return {
-            "last_process": (last.t_prefill_ms / 1000) if last else 0,
-            "last_eval": (last.t_generate_ms / 1000) if last else 0,
-            "last_token_count": last.n_generated if last else 0,
-            "last_seed": jobs.last_seed,
-            "total_gens": jobs.total_gens,
-            "stop_reason": STOP_REASON.get(last.finish_reason, -1) if last else -1,
-            "total_img_gens": 0,
-            "queue": sum(max(0, s.requests - 1) for s in services.registry.slots.values()),
-            "idle": 0 if busy else 1,
-            "hordeexitcounter": -1,
-            "uptime": now - jobs.started,
-            "idletime": now - jobs.last_request,
-            "quiet": False,
-        }
+        return KoboldPerf(
+            last_process=(last.t_prefill_ms / 1000) if last else 0,
+            last_eval=(last.t_generate_ms / 1000) if last else 0,
+            last_token_count=last.n_generated if last else 0,
+            last_seed=jobs.last_seed,
+            total_gens=jobs.total_gens,
+            stop_reason=STOP_REASON.get(last.finish_reason, -1) if last else -1,
+            total_img_gens=0,
+            queue=sum(max(0, s.requests - 1) for s in services.registry.slots.values()),
+            idle=0 if busy else 1,
+            hordeexitcounter=-1,
+            uptime=now - jobs.started,
+            idletime=now - jobs.last_request,
+            quiet=False,
+        )

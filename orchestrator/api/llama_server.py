@@ -21,6 +21,7 @@ import structlog
 from litestar import Controller, Request, get, post
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator.api.compat import (
     COMPAT_ERRORS,
     EventStream,
@@ -32,7 +33,8 @@ from orchestrator.api.compat import (
     remaining,
     sse_data,
 )
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, from_exception
+from orchestrator.compat_responses import DefaultSettings, LlamaCompletion, Modalities, Props, streamable
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, report, route_of
 from orchestrator.generation import DoneOut, Started, TokenOut, sampling_params
 from orchestrator.schemas import (
     INT32_MAX,
@@ -135,7 +137,7 @@ def slot_task_fields(slot: Slot) -> dict[str, Any]:
 def check_slot_number(slot_id: str) -> None:
     """llama-server answers a negative slot number with 400 ``Invalid slot ID``."""
     if slot_id.startswith("-") and slot_id[1:].isdigit():
-        raise ApiError("INVALID_REQUEST", "Invalid slot ID")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
 
 
 def _timings(d: proto.Done) -> dict[str, Any]:
@@ -225,10 +227,10 @@ def _warn_ignored(body: CompletionBody) -> None:
         log.warning("llama-server fields not supported, ignored", fields=ignored)
 
 
-async def _prepare(services: Services, body: CompletionBody) -> Completion:
+async def _prepare(services: Services, ops: SlotOps, body: CompletionBody) -> Completion:
     ids = await prompt_ids(services, one_prompt(body.prompt))
     if not 0 <= body.n_probs <= 100:
-        raise ApiError("INVALID_REQUEST", "n_probs must be in 0..100")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
     _warn_ignored(body)
     slot = None if str(body.id_slot) == "-1" else body.id_slot
     n_predict = body.n_predict if body.n_predict is not None else services.settings.n_predict
@@ -252,7 +254,7 @@ async def _prepare(services: Services, body: CompletionBody) -> Completion:
     req.wait = True
     if not body.cache_prompt:
         async with services.registry.use(req.slot, wait=True, create=True, resident=False) as s:
-            await SlotOps(services.registry, None).erase(s)
+            await ops.erase(s)
     info = services.generation.info
     return Completion(body, req, info, await services.generation.pieces())
 
@@ -267,35 +269,37 @@ class LlamaServerController(Controller):
         summary="llama-server: server properties and default generation settings",
         responses=COMPAT_ERROR_RESPONSES,
     )
-    async def props(self, services: Services) -> dict[str, Any]:
+    async def props(self, services: Services) -> Props:
         info = services.generation.info
         special = info.special_tokens
-        return {
-            "default_generation_settings": {"params": params_json(None), "n_ctx": info.n_ctx},
-            "total_slots": services.settings.worker.parallel,
-            "model_alias": info.model_name,
-            "model_path": info.model_path,
-            "modalities": {"vision": False, "video": False, "audio": False},
-            "endpoint_slots": True,
-            "endpoint_props": False,
-            "endpoint_metrics": True,
-            "chat_template": info.chat_template,
-            "bos_token": special.get("bos_token", ""),
-            "eos_token": special.get("eos_token", ""),
-            "build_info": f"llama-cpp-python {info.llama_cpp_version} (slotserve)",
-            "is_sleeping": False,
-        }
+        return Props(
+            default_generation_settings=msgspec.convert(
+                {"params": params_json(None), "n_ctx": info.n_ctx}, DefaultSettings
+            ),
+            total_slots=services.settings.worker.parallel,
+            model_alias=info.model_name,
+            model_path=info.model_path,
+            modalities=Modalities(vision=False, video=False, audio=False),
+            endpoint_slots=True,
+            endpoint_props=False,
+            endpoint_metrics=True,
+            chat_template=info.chat_template,
+            bos_token=special.get("bos_token", ""),
+            eos_token=special.get("eos_token", ""),
+            build_info=f"llama-cpp-python {info.llama_cpp_version} (slotserve)",
+            is_sleeping=False,
+        )
 
     @post(
         ["/completion", "/completions"],
         status_code=200,
         summary="llama-server: native completion",
-        responses=STREAMABLE_COMPAT_RESPONSES,
+        responses=streamable(LlamaCompletion),
     )
     async def completion(
-        self, request: Request[Any, Any, Any], services: Services, data: CompletionBody
-    ) -> EventStream | dict[str, Any]:
-        c = await _prepare(services, data)
+        self, request: Request[Any, Any, Any], services: Services, ops: SlotOps, data: CompletionBody
+    ) -> EventStream | LlamaCompletion:
+        c = await _prepare(services, ops, data)
         ids = c.req.input_ids or []
         stops = c.req.stop_strings
         if not data.stream:
@@ -303,7 +307,8 @@ class LlamaServerController(Controller):
             kept = [t for t in got.tokens if not t.is_stop]
             filt = StopTextFilter(stops)
             text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
-            return c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
+            final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
+            return msgspec.convert(final, LlamaCompletion)
         run = services.generation.run(c.req)
         first = await anext(run)
         assert isinstance(first, Started)
@@ -327,7 +332,7 @@ class LlamaServerController(Controller):
                             yield sse_data(c.partial(rest, pending, n))
                         yield sse_data(c.final("", [], ev, ""))
             except Exception as exc:
-                yield sse_data(compat_error_body(from_exception(exc)))
+                yield sse_data(compat_error_body(report(exc, route_of(request))))
             finally:
                 await run.aclose()
 

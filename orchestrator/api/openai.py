@@ -21,12 +21,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
 from litestar import Controller, Request, get, post
 
+from engine.errors import ErrorCode
 from orchestrator import wire
 from orchestrator.api.compat import (
     COMPAT_ERRORS,
@@ -40,7 +41,8 @@ from orchestrator.api.compat import (
     sse_data,
 )
 from orchestrator.chat_template import ChatTemplate
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, STREAMABLE_COMPAT_RESPONSES, ApiError, from_exception
+from orchestrator.compat_responses import ChatCompletion, ModelCard, ModelList, ModelMeta, TextCompletion, streamable
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, report, route_of
 from orchestrator.generation import DoneOut, Started, TokenOut
 from orchestrator.schemas import (
     AttentionDtype,
@@ -58,6 +60,7 @@ from orchestrator.services import Services
 from orchestrator.stop_text import StopTextFilter
 
 log = structlog.get_logger("slotserve.openai")
+T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20
 
 
@@ -140,7 +143,7 @@ def canonical(
 ) -> CanonicalRequest:
     """The generation request for an OpenAI body whose prompt is ``ids`` (bad values: ``INVALID_REQUEST``)."""
     if data.n is not None and data.n != 1:
-        raise ApiError("INVALID_REQUEST", f"n={data.n} is not supported: this server returns one choice (n=1)")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n} is not supported: this server returns one choice (n=1)")
     _warn_ignored(data)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     att = data.attention
@@ -259,9 +262,10 @@ class Shape:
 
 
 async def respond(
-    services: Services, request: Request[Any, Any, Any], data: OpenAIRequest, shape: Shape
-) -> EventStream | dict[str, Any]:
-    """Run the request; a JSON body, or an SSE stream when ``data.stream``."""
+    services: Services, request: Request[Any, Any, Any], data: OpenAIRequest, shape: Shape, kind: type[T]
+) -> EventStream | T:
+    """Run the request; a JSON body (``kind``: :class:`ChatCompletion` or :class:`TextCompletion`),
+    or an SSE stream when ``data.stream``."""
     req = shape.req
     stops = list(req.stop_strings)
     if not data.stream:
@@ -269,7 +273,7 @@ async def respond(
         kept = [t for t in got.tokens if not t.is_stop]
         filt = StopTextFilter(stops)
         text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
-        return shape.final(text, kept, got.end)
+        return msgspec.convert(shape.final(text, kept, got.end), kind)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     run = services.generation.run(req)
     first = await anext(run)  # validated, slot held: errors before this point are plain 4xx
@@ -303,7 +307,7 @@ async def respond(
                         usage["usage"] = _usage(ev)
                         yield sse_data(usage)
         except Exception as exc:  # the worker failed mid-stream: an error event, then the end
-            yield sse_data(compat_error_body(from_exception(exc)))
+            yield sse_data(compat_error_body(report(exc, route_of(request))))
         finally:
             await run.aclose()
         yield b"data: [DONE]\n\n"
@@ -313,9 +317,9 @@ async def respond(
 
 def _top_n(logprobs: bool | None, top: int | None) -> int:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ApiError("INVALID_REQUEST", f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
     if top and not logprobs:
-        raise ApiError("INVALID_REQUEST", "top_logprobs needs logprobs: true")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "top_logprobs needs logprobs: true")
     return top or 0
 
 
@@ -325,36 +329,27 @@ class OpenAIController(Controller):
     exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
     @get(["/v1/models", "/models"], summary="OpenAI: the loaded model", responses=COMPAT_ERROR_RESPONSES)
-    async def models(self, services: Services) -> dict[str, Any]:
+    async def models(self, services: Services) -> ModelList:
         info = services.generation.info
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "slotserve",
-                    "meta": {
-                        "n_ctx_train": info.n_ctx_train,
-                        "n_ctx": info.n_ctx,
-                        "n_vocab": info.vocab_size,
-                        "n_params": info.n_params,
-                        "size": info.size_bytes,
-                    },
-                }
-            ],
-        }
+        meta = ModelMeta(
+            n_ctx_train=info.n_ctx_train,
+            n_ctx=info.n_ctx,
+            n_vocab=info.vocab_size,
+            n_params=info.n_params,
+            size=info.size_bytes,
+        )
+        card = ModelCard(id=info.model_name, object="model", created=int(time.time()), owned_by="slotserve", meta=meta)
+        return ModelList(object="list", data=[card])
 
     @post(
         ["/v1/chat/completions", "/chat/completions"],
         status_code=200,
         summary="OpenAI chat completion",
-        responses=STREAMABLE_COMPAT_RESPONSES,
+        responses=streamable(ChatCompletion),
     )
     async def chat(
         self, request: Request[Any, Any, Any], services: Services, data: ChatCompletionRequest
-    ) -> EventStream | dict[str, Any]:
+    ) -> EventStream | ChatCompletion:
         info = services.generation.info
         special = info.special_tokens
         template = ChatTemplate(
@@ -366,24 +361,24 @@ class OpenAIController(Controller):
         n_probs = _top_n(data.logprobs, data.top_logprobs)
         req = canonical(data, request, ids, services, n_probs)
         shape = Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces())
-        return await respond(services, request, data, shape)
+        return await respond(services, request, data, shape, ChatCompletion)
 
     @post(
         "/v1/completions",
         status_code=200,
         summary="OpenAI text completion",
-        responses=STREAMABLE_COMPAT_RESPONSES,
+        responses=streamable(TextCompletion),
     )
     async def completions(
         self, request: Request[Any, Any, Any], services: Services, data: CompletionRequest
-    ) -> EventStream | dict[str, Any]:
+    ) -> EventStream | TextCompletion:
         info = services.generation.info
         if data.echo or data.suffix:
-            raise ApiError("INVALID_REQUEST", "echo and suffix are not supported")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "echo and suffix are not supported")
         prompt = one_prompt(data.prompt)
         if data.logprobs is not None and not 0 <= data.logprobs <= 5:
-            raise ApiError("INVALID_REQUEST", "logprobs must be in 0..5")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "logprobs must be in 0..5")
         ids = await prompt_ids(services, prompt)
         req = canonical(data, request, ids, services, data.logprobs or 0)
         shape = Shape(False, info.model_name, req, data.logprobs is not None, await services.generation.pieces())
-        return await respond(services, request, data, shape)
+        return await respond(services, request, data, shape, TextCompletion)

@@ -1,21 +1,49 @@
-"""llama-server's slot API: paths, query actions, field names and content negotiation (docs/api.md, "Slots")."""
+"""llama-server's slot API: paths, query actions, field names and content negotiation (docs/api.md, "Slots").
+
+``POST /slots/{id}?action=...`` dispatches on a typed :class:`SlotAction` (the OpenAPI
+schema lists the values; any other is a 400 from Litestar's parameter validation) to one
+handler each, :data:`ACTIONS`.  The slot actions themselves are
+:class:`orchestrator.slot_ops.SlotOps`, provided by dependency injection (``ops``).
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
+import msgspec
 from litestar import Controller, Request, Response, get, post
+from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
+from engine.errors import ErrorCode
 from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server import check_slot_number, slot_task_fields
 from orchestrator.auth import require_admin
 from orchestrator.digest import check_repr_digest, repr_digest
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError
+from orchestrator.responses import (
+    ContextShiftResponse,
+    EraseResponse,
+    ForkResponse,
+    MessageSpan,
+    RestoreFileResponse,
+    RestoreStateResponse,
+    RestoreTimings,
+    SaveFileResponse,
+    SaveStateResponse,
+    SaveTimings,
+    SlotActionResponse,
+    SlotEntry,
+    SlotInfo,
+    TokensResponse,
+)
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
 from orchestrator.slot_ops import SlotOps, message_boundaries
@@ -23,12 +51,164 @@ from orchestrator.slots import check_slot_id
 from orchestrator.wire import slot_id_out
 
 OCTET = "application/octet-stream"
-READ_ONLY_ACTIONS = ("save-state", "tokens")  # every other action changes a slot or writes a file: admin key
 MAX_STATE_BYTES = 4 << 30
 
 
-def _ops(services: Services) -> SlotOps:
-    return SlotOps(services.registry, services.settings.slot_save_path)
+class SlotAction(StrEnum):
+    """The ``action`` of ``POST /slots/{id}`` (llama-server's, plus ``fork``)."""
+
+    SAVE_STATE = "save-state"
+    RESTORE_STATE = "restore-state"
+    TOKENS = "tokens"
+    CONTEXT_SHIFT = "context-shift"
+    SAVE = "save"
+    RESTORE = "restore"
+    ERASE = "erase"
+    FORK = "fork"
+
+
+READ_ONLY_ACTIONS = (SlotAction.SAVE_STATE, SlotAction.TOKENS)  # every other action changes a slot: admin key
+
+
+@dataclass
+class ActionCall:
+    """One ``POST /slots/{id}`` request as its action handler needs it."""
+
+    request: Request[Any, Any, Any]
+    services: Services
+    ops: SlotOps
+    slot_id: str
+    wait: bool
+
+    @property
+    def out_id(self) -> int | str:
+        """The slot id as llama-server reports it (numeric ids as integers)."""
+        return slot_id_out(self.slot_id)
+
+    def use(self, slot_id: str | None = None, *, create: bool = False) -> Any:
+        """Hold a slot (this request's by default) for the action; not restored until needed."""
+        return self.services.registry.use(slot_id or self.slot_id, create=create, resident=False, wait=self.wait)
+
+    async def body(self, kind: type[Any]) -> Any:
+        """The JSON body decoded strictly into ``kind`` (``INVALID_REQUEST`` otherwise)."""
+        return decode_json_body(await self.request.body(), kind)
+
+    async def is_new(self) -> bool:
+        """True when the slot exists neither here nor in the store (a restore creates it)."""
+        if self.services.registry.find(self.slot_id) is not None:
+            return False
+        archive = self.services.archive
+        return archive is None or await archive.lookup(self.slot_id) is None
+
+
+async def _save_state(call: ActionCall) -> SaveStateResponse | Response[bytes]:
+    async with call.use() as slot:
+        saved = await call.ops.save_state(slot)
+    digest = repr_digest(saved.blob)
+    if OCTET in call.request.headers.get("accept", ""):
+        headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
+        return Response(saved.blob, media_type=OCTET, headers=headers)
+    state = base64.b64encode(saved.blob).decode("ascii")
+    return SaveStateResponse(
+        id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=len(saved.blob), t_ms=round(saved.t_ms, 3),
+        state=state, digest=digest,
+    )  # fmt: skip
+
+
+async def _restore_state(call: ActionCall) -> RestoreStateResponse:
+    raw = await call.request.body()
+    header = call.request.headers.get("repr-digest")
+    if header is not None:
+        check_repr_digest(header, raw, "the request body")
+    if call.request.headers.get("content-type", "").startswith(OCTET):
+        blob = raw
+    else:
+        body = decode_json_body(raw, RestoreStateRequest)
+        try:
+            blob = base64.b64decode(body.state, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ApiError(ErrorCode.BAD_STATE, f"state is not valid base64: {exc}") from exc
+        if body.digest is not None:
+            check_repr_digest(body.digest, blob, "the state")
+    created = await call.is_new()
+    async with call.use(create=True) as slot:
+        t_ms = await call.ops.restore_state(slot, blob, created)
+    return RestoreStateResponse(id_slot=call.out_id, n_bytes_read=len(blob), success=True, t_ms=round(t_ms, 3))
+
+
+async def _tokens(call: ActionCall) -> TokensResponse:
+    async with call.use() as slot:
+        tokens = await call.ops.tokens(slot)
+        processed = slot.n_prompt_tokens_processed or len(tokens)
+    return TokensResponse(id_slot=call.out_id, n_tokens=len(tokens), tokens=tokens, n_prompt_tokens_processed=processed)
+
+
+async def _context_shift(call: ActionCall) -> ContextShiftResponse:
+    body: ContextShiftRequest = await call.body(ContextShiftRequest)
+    async with call.use() as slot:
+        n = await call.ops.context_shift(slot, body.n_keep, body.n_discard)
+    return ContextShiftResponse(id_slot=call.out_id, success=True, new_n_tokens=n)
+
+
+async def _erase(call: ActionCall) -> EraseResponse:
+    async with call.use() as slot:
+        n = await call.ops.erase(slot)
+        await call.services.registry.forget(slot)
+    return EraseResponse(id_slot=call.out_id, n_erased=n)
+
+
+async def _save(call: ActionCall) -> SaveFileResponse:
+    body: SlotFileRequest = await call.body(SlotFileRequest)
+    async with call.use() as slot:
+        saved, n_written = await call.ops.save_file(slot, body.filename)
+    return SaveFileResponse(
+        id_slot=call.out_id, filename=body.filename, n_saved=len(saved.tokens), n_written=n_written,
+        timings=SaveTimings(save_ms=round(saved.t_ms, 3)),
+    )  # fmt: skip
+
+
+async def _restore(call: ActionCall) -> RestoreFileResponse:
+    body: SlotFileRequest = await call.body(SlotFileRequest)
+    blob, n_read = call.ops.read_file(body.filename)
+    created = await call.is_new()
+    async with call.use(create=True) as slot:
+        t_ms = await call.ops.restore_state(slot, blob, created)
+    return RestoreFileResponse(
+        id_slot=call.out_id, filename=body.filename, n_restored=slot.n_tokens, n_read=n_read,
+        timings=RestoreTimings(restore_ms=round(t_ms, 3)),
+    )  # fmt: skip
+
+
+async def _fork(call: ActionCall) -> ForkResponse:
+    body: ForkRequest = await call.body(ForkRequest)
+    target = check_slot_id(str(body.target))
+    if target == call.slot_id:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "fork target must differ from the source slot")
+    async with call.use() as src, call.use(target, create=True) as dst:
+        n = await call.ops.fork(src, dst)
+    return ForkResponse(id_slot=call.out_id, target=slot_id_out(target), n_tokens=n, success=True)
+
+
+ACTIONS: dict[SlotAction, Callable[[ActionCall], Awaitable[SlotActionResponse | Response[bytes]]]] = {
+    SlotAction.SAVE_STATE: _save_state,
+    SlotAction.RESTORE_STATE: _restore_state,
+    SlotAction.TOKENS: _tokens,
+    SlotAction.CONTEXT_SHIFT: _context_shift,
+    SlotAction.SAVE: _save,
+    SlotAction.RESTORE: _restore,
+    SlotAction.ERASE: _erase,
+    SlotAction.FORK: _fork,
+}
+"""The handler of each slot action."""
+
+ACTION_RESPONSES = {
+    **COMPAT_ERROR_RESPONSES,
+    200: ResponseSpec(
+        SlotActionResponse,  # type: ignore[arg-type]
+        description="the action's result (save-state with Accept: application/octet-stream: the raw SES1 bytes)",
+        generate_examples=False,
+    ),
+}
 
 
 class SlotController(Controller):
@@ -40,9 +220,9 @@ class SlotController(Controller):
     exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
     @get("/slots", summary="All slots: resident and parked, with sizes", responses=COMPAT_ERROR_RESPONSES)
-    async def list_slots(self, services: Services) -> list[dict[str, Any]]:
+    async def list_slots(self, services: Services) -> list[SlotEntry]:
         if not services.settings.slots_endpoint:
-            raise ApiError("NOT_SUPPORTED", "This server does not support slots endpoint (--no-slots)", 501)
+            raise ApiError(ErrorCode.NOT_SUPPORTED, "This server does not support slots endpoint (--no-slots)", 501)
         reg = services.registry
         n_ctx = services.generation.info.n_ctx
         seen: dict[str, dict[str, Any]] = {}
@@ -73,143 +253,40 @@ class SlotController(Controller):
             )
             entry.setdefault("stored_bytes", slot.stored_bytes)
             entry.setdefault("state_bytes", slot.raw_bytes)
-        return list(seen.values())
+        return msgspec.convert(list(seen.values()), list[SlotEntry])
 
     @get(
         "/v1/slots/{slot_id:str}/info",
         summary="Tokens and message boundaries at the end-of-turn token",
         responses=COMPAT_ERROR_RESPONSES,
     )
-    async def info(self, services: Services, slot_id: str) -> dict[str, Any]:
+    async def info(self, services: Services, ops: SlotOps, slot_id: str) -> SlotInfo:
         eot = services.generation.info.eot_token_id
         async with services.registry.use(slot_id, create=False, resident=False) as slot:
-            tokens = await _ops(services).tokens(slot)
-        msgs = message_boundaries(tokens, eot)
-        return {
-            "id_slot": slot_id_out(slot_id),
-            "n_tokens": len(tokens),
-            "boundary_eot": eot,
-            "n_messages": len(msgs),
-            "messages": msgs,
-        }
+            tokens = await ops.tokens(slot)
+        msgs = [MessageSpan(**m) for m in message_boundaries(tokens, eot)]
+        return SlotInfo(
+            id_slot=slot_id_out(slot_id), n_tokens=len(tokens), boundary_eot=eot, n_messages=len(msgs), messages=msgs
+        )
 
     @post(
         "/slots/{slot_id:str}",
         status_code=200,
         request_max_body_size=MAX_STATE_BYTES,
         summary="Slot actions (llama-server's, plus fork)",
-        responses=COMPAT_ERROR_RESPONSES,
+        responses=ACTION_RESPONSES,
     )
     async def action(
         self,
         request: Request[Any, Any, Any],
         services: Services,
+        ops: SlotOps,
         slot_id: str,
-        action: str = Parameter(query="action"),
+        action: SlotAction = Parameter(query="action"),
         wait: bool = Parameter(query="wait", default=False),
-    ) -> Any:
+    ) -> SlotActionResponse | Response[bytes]:
         check_slot_number(slot_id)
         if action not in READ_ONLY_ACTIONS:
             require_admin(request.scope, services.settings.admin_key)
-        ops = _ops(services)
-        reg = services.registry
-        out_id = slot_id_out(check_slot_id(slot_id))
-        if action == "save-state":
-            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
-                saved = await ops.save_state(slot)
-            digest = repr_digest(saved.blob)
-            if OCTET in request.headers.get("accept", ""):
-                headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
-                return Response(saved.blob, media_type=OCTET, headers=headers)
-            return {
-                "id_slot": out_id,
-                "n_tokens": len(saved.tokens),
-                "n_bytes": len(saved.blob),
-                "t_ms": round(saved.t_ms, 3),
-                "state": base64.b64encode(saved.blob).decode("ascii"),
-                "digest": digest,
-            }
-        if action == "restore-state":
-            raw = await request.body()
-            header = request.headers.get("repr-digest")
-            if header is not None:
-                check_repr_digest(header, raw, "the request body")
-            if request.headers.get("content-type", "").startswith(OCTET):
-                blob = raw
-            else:
-                body = decode_json_body(raw, RestoreStateRequest)
-                try:
-                    blob = base64.b64decode(body.state, validate=True)
-                except (binascii.Error, ValueError) as exc:
-                    raise ApiError("BAD_STATE", f"state is not valid base64: {exc}") from exc
-                if body.digest is not None:
-                    check_repr_digest(body.digest, blob, "the state")
-            created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
-            async with reg.use(slot_id, create=True, resident=False, wait=wait) as slot:
-                t_ms = await ops.restore_state(slot, blob, created)
-            return {"id_slot": out_id, "n_bytes_read": len(blob), "success": True, "t_ms": round(t_ms, 3)}
-        if action == "tokens":
-            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
-                tokens = await ops.tokens(slot)
-                processed = slot.n_prompt_tokens_processed or len(tokens)
-            return {
-                "id_slot": out_id,
-                "n_tokens": len(tokens),
-                "tokens": tokens,
-                "n_prompt_tokens_processed": processed,
-            }
-        if action == "context-shift":
-            body = decode_json_body(await request.body(), ContextShiftRequest)
-            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
-                n = await ops.context_shift(slot, body.n_keep, body.n_discard)
-            return {"id_slot": out_id, "success": True, "new_n_tokens": n}
-        if action == "erase":
-            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
-                n = await ops.erase(slot)
-                await reg.forget(slot)
-            return {"id_slot": out_id, "n_erased": n}
-        if action == "save":
-            body = decode_json_body(await request.body(), SlotFileRequest)
-            async with reg.use(slot_id, create=False, resident=False, wait=wait) as slot:
-                saved, n_written = await ops.save_file(slot, body.filename)
-            return {
-                "id_slot": out_id,
-                "filename": body.filename,
-                "n_saved": len(saved.tokens),
-                "n_written": n_written,
-                "timings": {"save_ms": round(saved.t_ms, 3)},
-            }
-        if action == "restore":
-            body = decode_json_body(await request.body(), SlotFileRequest)
-            blob, n_read = ops.read_file(body.filename)
-            created = reg.find(slot_id) is None and not await self._stored(services, slot_id)
-            async with reg.use(slot_id, create=True, resident=False, wait=wait) as slot:
-                t_ms = await ops.restore_state(slot, blob, created)
-            return {
-                "id_slot": out_id,
-                "filename": body.filename,
-                "n_restored": slot.n_tokens,
-                "n_read": n_read,
-                "timings": {"restore_ms": round(t_ms, 3)},
-            }
-        if action == "fork":
-            body = decode_json_body(await request.body(), ForkRequest)
-            target = str(body.target)
-            if target == slot_id:
-                raise ApiError("INVALID_REQUEST", "fork target must differ from the source slot")
-            async with (
-                reg.use(slot_id, create=False, resident=False, wait=wait) as src,
-                reg.use(target, create=True, resident=False, wait=wait) as dst,
-            ):
-                n = await ops.fork(src, dst)
-            return {"id_slot": out_id, "target": slot_id_out(target), "n_tokens": n, "success": True}
-        raise ApiError(
-            "INVALID_REQUEST",
-            f"unknown action {action!r}: save-state, restore-state, tokens, context-shift, save, restore, erase, fork",
-        )
-
-    @staticmethod
-    async def _stored(services: Services, slot_id: str) -> bool:
-        if services.archive is None:
-            return False
-        return await services.archive.lookup(slot_id) is not None
+        call = ActionCall(request, services, ops, check_slot_id(slot_id), wait)
+        return await ACTIONS[action](call)

@@ -27,10 +27,11 @@ import structlog
 from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
+from engine.errors import ErrorCode
 from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.api.body import decode_json_body
-from orchestrator.errors import ApiError, from_exception
+from orchestrator.errors import ApiError, report, route_of
 from orchestrator.generation import DoneOut, RunControl, TokenOut
 from orchestrator.schemas import CanonicalRequest, GenerateRequest
 from orchestrator.services import Services
@@ -70,7 +71,7 @@ class Inbox:
                     data = msg.get("bytes") or b""
                 if len(data) > self.limit:
                     big = f"message of {len(data)} bytes exceeds the {self.limit} byte limit"
-                    await self.queue.put(ApiError("PAYLOAD_TOO_LARGE", big))
+                    await self.queue.put(ApiError(ErrorCode.PAYLOAD_TOO_LARGE, big))
                     continue
                 await self.queue.put(data)
         except (WebSocketDisconnect, RuntimeError, OSError):
@@ -119,7 +120,7 @@ async def _send_json(socket: WebSocket[Any, Any, Any], obj: dict[str, Any]) -> N
 
 
 async def _error(socket: WebSocket[Any, Any, Any], exc: BaseException, request_id: str | None) -> None:
-    await _send_json(socket, {"type": "error", "request_id": request_id, **from_exception(exc).body()})
+    await _send_json(socket, {"type": "error", "request_id": request_id, **report(exc, route_of(socket)).body()})
 
 
 async def run_controlled(
@@ -246,7 +247,7 @@ async def _serve_events(socket: WebSocket[Any, Any, Any], inbox: Inbox, services
             if body.type not in (None, "generate"):
                 if body.type == "cancel":
                     continue  # nothing is running
-                raise ApiError("INVALID_REQUEST", f"unknown message type {body.type!r}")
+                raise ApiError(ErrorCode.INVALID_REQUEST, f"unknown message type {body.type!r}")
             req = body.canonical()
             pieces = await services.generation.pieces()
 
@@ -264,7 +265,7 @@ async def _serve_events(socket: WebSocket[Any, Any, Any], inbox: Inbox, services
         except ApiError as exc:
             with contextlib.suppress(Exception):
                 await _error(socket, exc, request_id)
-            if exc.code == "PAYLOAD_TOO_LARGE":
+            if exc.code is ErrorCode.PAYLOAD_TOO_LARGE:
                 with contextlib.suppress(Exception):
                     await socket.close(code=1009)
                 return
