@@ -56,7 +56,7 @@ def event_stream(description: str) -> dict[int, ResponseSpec]:
 
 def token_text(t: TokenOut) -> TokenText:
     """:class:`TokenText` of a generated token."""
-    return msgspec.convert(wire.token_text_fields(t), TokenText, from_attributes=False)
+    return msgspec.convert(wire.token_text_fields(t), TokenText)
 
 
 def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
