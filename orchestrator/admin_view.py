@@ -60,7 +60,7 @@ class AdminView:
         s = self.services
         reg = s.registry
         eot = s.generation.info.eot_token_id
-        state = await s.engine.status()
+        state = await s.engine.engine_state()
         offloaded = set(state.offloaded)
         node = self.node_id()
         out: dict[str, SlotView] = {}
@@ -88,8 +88,7 @@ class AdminView:
             n_tokens = slot.n_tokens
             n_messages = self._known_messages(slot.id, n_tokens)
             if resident and not slot.busy:
-                reply, _ = await s.engine.seq_op("tokens", slot.seq)  # type: ignore[arg-type]
-                tokens = reply.tokens  # type: ignore[attr-defined]
+                tokens = await s.engine.tokens(slot.seq)  # type: ignore[arg-type]
                 n_tokens, n_messages = len(tokens), len(message_boundaries(tokens, eot))
                 self.messages[slot.id] = (n_tokens, n_messages)
             place = ("host" if slot.seq in offloaded else "kv_cache") if resident else slot.place

@@ -28,7 +28,8 @@ from orchestrator.api.model import ModelController
 from orchestrator.api.ws import binary_stream, event_stream
 from orchestrator.auth import api_key_middleware
 from orchestrator.config import Settings
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
+from orchestrator.engine_client import WorkerClient
 from orchestrator.errors import exception_handler
 from orchestrator.generation import GenerationService
 from orchestrator.origins import websocket_origin_middleware
@@ -40,18 +41,18 @@ log = structlog.get_logger("slotserve")
 
 def build_services(settings: Settings) -> Services:
     """Create (not start) the long-lived objects."""
-    engine = EngineClient(settings.worker)
+    engine = WorkerClient(settings.worker)
     persistence = None
     if settings.persist:
         from orchestrator.persistence import Persistence
 
         persistence = Persistence.from_settings(settings, engine)
     queue = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
-    registry = SlotRegistry(engine, settings.worker.parallel, persistence, queue)
+    registry = SlotRegistry(engine, settings.worker.engine.n_slots, persistence, queue)
     registry.wait_s = settings.slot_wait_s
     if persistence is not None:
         persistence.registry = registry
-    classifier = EngineClient(settings.classifier) if settings.classifier is not None else None
+    classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None
     return Services(settings, engine, registry, GenerationService(engine, registry), persistence, classifier)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
@@ -96,6 +96,7 @@ class Classification:
     logits: bytes
 
 
+@runtime_checkable
 class EngineClient(Protocol):
     """The engine as the orchestrator uses it (see module docstring)."""
 

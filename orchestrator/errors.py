@@ -20,7 +20,7 @@ from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
-from orchestrator.engine_client import EngineDeadError, EngineRequestError
+from orchestrator.engine_api import EngineDeadError, EngineRequestError
 
 log = structlog.get_logger("slotserve.api")
 

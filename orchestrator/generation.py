@@ -18,7 +18,7 @@ from engine import protocol as proto
 from orchestrator import metrics
 from orchestrator.admin_feed import AttentionFeed
 from orchestrator.admission import WaitHooks
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient, TokenOutput
 from orchestrator.errors import ApiError
 from orchestrator.schemas import CanonicalRequest
 from orchestrator.slots import SlotRegistry
@@ -125,14 +125,9 @@ class TokenStream:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.stop_ids = stop_ids
 
-    def convert(self, msg: proto.Token, bufs: list[bytes]) -> TokenOut:
-        """Attach text and split the buffers (attention first, then hidden state)."""
-        i = 0
-        attention = hidden = None
-        if msg.has_attention:
-            attention, i = bufs[0], 1
-        if msg.has_hidden:
-            hidden = bufs[i]
+    def convert(self, out: TokenOutput) -> TokenOut:
+        """Attach the token's text."""
+        msg = out.token
         return TokenOut(
             index=msg.index,
             token_id=msg.token_id,
@@ -140,9 +135,9 @@ class TokenStream:
             text=self.decoder.decode(msg.piece),
             logprob=msg.logprob,
             top=list(msg.top),
-            attention=attention,
-            attention_shape=list(msg.attention_shape),
-            hidden=hidden,
+            attention=out.attention,
+            attention_shape=list(msg.attention.shape) if msg.attention is not None else [],
+            hidden=out.hidden,
             is_stop=msg.token_id in self.stop_ids,
         )
 
@@ -238,10 +233,7 @@ class GenerationService:
         async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
-            msg = proto.Generate(
-                self.engine.new_id(), slot.seq, "generate", ids, params, capture, progress=req.progress
-            )
-            slot.id_task, slot.params, slot.n_decoded = msg.req, params, 0
+            assert slot.seq is not None
             converter = TokenStream(
                 set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
             )
@@ -249,14 +241,15 @@ class GenerationService:
             n_out = 0
             finished = False
             slot.dirty = True
-            events = await self.engine.open_stream(msg)
+            events = await self.engine.generate(slot.seq, ids, params, capture, progress=req.progress)
+            slot.id_task, slot.params, slot.n_decoded = events.req, params, 0
             try:
                 if control is not None:
-                    await control.bind(self.engine, msg.req)
+                    await control.bind(self.engine, events.req)
                 yield Started(slot.id)
-                async for event, bufs in events:
-                    if isinstance(event, proto.Token):
-                        out = converter.convert(event, bufs)
+                async for event in events:
+                    if isinstance(event, TokenOutput):
+                        out = converter.convert(event)
                         if not out.is_stop:
                             texts.append(out.text)
                         n_out += 1
@@ -285,7 +278,7 @@ class GenerationService:
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
             finally:
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()
                 if not finished:  # the client left or the worker failed: the engine stopped it
                     log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
                     metrics.record_abandoned(n_out)

@@ -36,9 +36,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from engine import protocol as proto
 from orchestrator import metrics
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
 from orchestrator.errors import ApiError
 from storage.base import SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError, StoreUnavailableError
@@ -267,11 +266,10 @@ class Persistence:
         write fails.  Returns ``(tokens, ses1, version)``.
         """
         assert slot.seq is not None
-        reply, bufs = await self.engine.seq_op("save_state", slot.seq)
-        assert isinstance(reply, proto.StateBlob)
+        saved = await self.engine.save_state(slot.seq)
         self._version += 1
         slot.dirty = False
-        return reply.tokens, pack_ses1(reply.tokens, bufs[0]), self._version
+        return saved.tokens, pack_ses1(saved.tokens, saved.state), self._version
 
     async def _write(self, slot: Slot, tokens: list[int], ses1: bytes, version: int) -> SlotMeta | None:
         """Compress and store a snapshot unless a newer one of the slot is already stored.
@@ -315,12 +313,12 @@ class Persistence:
             raise self._unavailable(exc) from exc
         self._up()
         if got is None:  # expired or deleted meanwhile: an empty slot
-            await self.engine.seq_op("erase", seq)
+            await self.engine.erase(seq)
             slot.stored, slot.n_tokens = False, 0
             return
         meta, raw = got
         ses1 = unpack_ses1(raw)
-        await self.engine.restore(seq, ses1.tokens, ses1.state)
+        await self.engine.restore_state(seq, ses1.tokens, ses1.state)
         slot.n_tokens, slot.dirty = meta.n_tokens, False
         slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
         metrics.RESTORES.inc()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from litestar.datastructures import State
 
 from orchestrator.config import Settings
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
 from orchestrator.generation import GenerationService
 from orchestrator.persistence import Persistence
 from orchestrator.slots import SlotRegistry

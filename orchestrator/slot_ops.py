@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import protocol as proto
 from engine import seq_state
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
@@ -88,10 +87,9 @@ class SlotOps:
     async def tokens(self, slot: Slot) -> list[int]:
         """The slot's tokens (from the worker if resident, else from the store)."""
         if self.registry.is_resident(slot):
-            reply, _ = await self.engine.seq_op("tokens", slot.seq)  # type: ignore[arg-type]
-            assert isinstance(reply, proto.SeqInfo)
-            slot.n_tokens = len(reply.tokens)
-            return reply.tokens
+            tokens = await self.engine.tokens(slot.seq)  # type: ignore[arg-type]
+            slot.n_tokens = len(tokens)
+            return tokens
         if slot.stored and self.registry.persistence is not None:
             meta = await self.registry.persistence.lookup(slot.id)
             return list(meta.tokens) if meta is not None else []
@@ -101,10 +99,9 @@ class SlotOps:
         """The slot's SES1 blob (from the worker, or decompressed from the store if parked)."""
         t0 = time.perf_counter()
         if self.registry.is_resident(slot):
-            reply, bufs = await self.engine.seq_op("save_state", slot.seq)  # type: ignore[arg-type]
-            assert isinstance(reply, proto.StateBlob)
-            blob = pack_ses1(reply.tokens, bufs[0])
-            return SavedState(reply.tokens, blob, (time.perf_counter() - t0) * 1000)
+            state = await self.engine.save_state(slot.seq)  # type: ignore[arg-type]
+            blob = pack_ses1(state.tokens, state.state)
+            return SavedState(state.tokens, blob, (time.perf_counter() - t0) * 1000)
         pers = self.registry.persistence
         if slot.stored and pers is not None:
             try:
@@ -140,7 +137,7 @@ class SlotOps:
             except ApiError as exc:
                 raise ApiError("BAD_STATE", exc.message) from exc
             seq = await self.registry.ensure_resident(slot, load=False)
-            await self.engine.restore(seq, ses1.tokens, ses1.state)
+            await self.engine.restore_state(seq, ses1.tokens, ses1.state)
         except BaseException:
             if created:
                 await self.registry.forget(slot)
@@ -162,9 +159,7 @@ class SlotOps:
                 n_tokens=n,
             )
         seq = await self.registry.ensure_resident(slot)
-        reply, _ = await self.engine.seq_op("context_shift", seq, n_keep, n_discard)
-        assert isinstance(reply, proto.SeqInfo)
-        slot.n_tokens = len(reply.tokens)
+        slot.n_tokens = len(await self.engine.context_shift(seq, n_keep, n_discard))
         self._persist(slot)
         return slot.n_tokens
 
@@ -172,7 +167,7 @@ class SlotOps:
         """Drop the slot's cells and stored state; returns how many tokens it held."""
         n = len(await self.tokens(slot))
         if self.registry.is_resident(slot):
-            await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
+            await self.engine.erase(slot.seq)  # type: ignore[arg-type]
         if slot.stored and self.registry.persistence is not None:
             await self.registry.persistence.delete(slot.id)
         slot.stored, slot.dirty, slot.n_tokens = False, False, 0
@@ -196,9 +191,7 @@ class SlotOps:
             saved = await self.save_state(src)
             await pers.store_blob(dst, saved.tokens, saved.blob)
             return dst.n_tokens
-        reply, _ = await self.engine.seq_op("fork", src_seq, dst_seq)
-        assert isinstance(reply, proto.SeqInfo)
-        dst.n_tokens = len(reply.tokens)
+        dst.n_tokens = len(await self.engine.fork(src_seq, dst_seq))
         self._persist(dst)
         return dst.n_tokens
 

@@ -32,7 +32,7 @@ import structlog
 from engine import protocol as proto
 from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue, Ticket, WaitHooks
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
 from orchestrator.errors import ApiError
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ class SlotRegistry:
             if load and slot.stored and self.persistence is not None:
                 await self.persistence.load_into(slot, seq)
             else:
-                await self.engine.seq_op("erase", seq)
+                await self.engine.erase(seq)
                 if load:
                     slot.n_tokens = 0
         except BaseException:
@@ -377,7 +377,7 @@ class SlotRegistry:
     async def _drop(self, slot: Slot) -> None:
         """Erase a saved slot's cells and free its sequence and lease (all or nothing)."""
         assert slot.seq is not None and self.persistence is not None
-        await self.engine.seq_op("erase", slot.seq)
+        await self.engine.erase(slot.seq)
         self._release_seq(slot)
         await self.persistence.release(slot)
 
@@ -399,7 +399,7 @@ class SlotRegistry:
     async def forget(self, slot: Slot) -> None:
         """Drop a slot entirely (lock held): engine cells and registry entry."""
         if self.is_resident(slot):
-            await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
+            await self.engine.erase(slot.seq)  # type: ignore[arg-type]
         self._release_seq(slot)
         self.slots.pop(slot.id, None)
         self._grant_free()

@@ -20,6 +20,7 @@ from engine import protocol as proto
 from orchestrator import wire
 from orchestrator.api.body import json_route
 from orchestrator.api.generate import cancelled_on_disconnect
+from orchestrator.engine_api import TokenOutput
 from orchestrator.errors import ApiError
 from orchestrator.generation import RunControl, TokenStream, check_tokens
 from orchestrator.schemas import AppendToken, PreviewRequest
@@ -92,24 +93,23 @@ class PreviewController(Controller):
             if known:
                 async with services.registry.use(slot_id, wait=True, create=False) as slot:
                     if slot.n_tokens:
-                        msg = proto.Generate(engine.new_id(), slot.seq, "preview", [], params, capture, append)
-                        events = await engine.open_stream(msg)  # the fork is taken before any later request
+                        # the fork is taken before any later request
+                        events = await engine.preview(slot.seq, [], append, params, capture)
                         cache_hit = True
         if events is None:
             if not data.input_ids:
                 raise ApiError("NO_CACHED_CONTEXT", "No cached context available")
-            msg = proto.Generate(engine.new_id(), -1, "preview", data.input_ids, params, capture, append)
-            events = await engine.open_stream(msg)
-        await control.bind(engine, msg.req)
+            events = await engine.preview(None, data.input_ids, append, params, capture)
+        await control.bind(engine, events.req)
         stream = TokenStream(set(params.stop_tokens) | set(info.eog_token_ids))
         tokens: list[dict[str, Any]] = []
         attention: list[dict[str, Any]] = []
         texts: list[str] = []
         done: proto.Done | None = None
         try:
-            async for event, bufs in events:
-                if isinstance(event, proto.Token):
-                    out = stream.convert(event, bufs)
+            async for event in events:
+                if isinstance(event, TokenOutput):
+                    out = stream.convert(event)
                     tokens.append(wire.token_text_fields(out))
                     if not out.is_stop:
                         texts.append(out.text)
@@ -121,7 +121,7 @@ class PreviewController(Controller):
                 elif isinstance(event, proto.Done):
                     done = event
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
         assert done is not None
         log.info("preview done", stopped_reason=done.finish_reason, n_generated=done.n_generated, cache_hit=cache_hit)
         texts.append(stream.decoder.decode(b"", final=True))
