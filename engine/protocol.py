@@ -74,14 +74,14 @@ class Tensor(msgspec.Struct, array_like=True, frozen=True):
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Sampler chain settings (llama.cpp samplers, llama-server names); the defaults are
-    every API's defaults (llama-server's ``/completion``).
+    """Sampler chain settings (llama.cpp samplers, llama-server names).  The defaults are the
+    API's (docs/api.md, "Generation parameters"; llama-server's ``/completion`` defaults), declared here only.
 
     ``temperature <= 0`` means greedy; ``seed == -1`` means random.  Token ids are
     already validated against the vocabulary by the orchestrator.
     """
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = 100
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95

@@ -55,7 +55,7 @@ from orchestrator.wire import slot_id_out
 log = structlog.get_logger("slotserve.llama_server")
 
 STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
-DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
 
 
 NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
