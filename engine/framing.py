@@ -6,15 +6,20 @@ buffers it describes (little-endian)::
     u32 meta_len | u16 n_bufs | u16 flags(0) | u64 buf_len[n_bufs] | meta (msgpack) | buf_0 ... buf_{n-1}
 
 Buffers are written with a gathered ``sendmsg`` (never copied, never base64, never
-pickled).  This module knows nothing of the messages; it moves bytes.
+pickled).  A message describes each of its buffers with a :class:`Tensor` (index,
+dtype, shape).  This module knows nothing of the messages themselves; it moves bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import struct
 from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
 
 _HEAD = struct.Struct("<IHH")
 _LEN = struct.Struct("<Q")
@@ -27,6 +32,50 @@ Buffer = bytes | bytearray | memoryview
 
 class ProtocolError(RuntimeError):
     """The peer sent a malformed frame or message, or closed the stream mid-frame."""
+
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+Dtype = Literal["float32", "float16", "uint8"]
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "uint8": 1}
+
+
+class Tensor(msgspec.Struct, array_like=True, frozen=True):
+    """A raw buffer of the frame: ``buf`` (its index among the frame's buffers), ``dtype``
+    and ``shape`` (C order, little-endian)."""
+
+    buf: NonNegInt
+    dtype: Dtype
+    shape: tuple[NonNegInt, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer must hold: ``prod(shape) * itemsize``."""
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+    @classmethod
+    def of(cls, array: object, buf: int) -> Tensor:
+        """The description of a C-contiguous numpy ``array`` sent as buffer ``buf`` (ValueError for another dtype)."""
+        dtype = str(array.dtype)  # type: ignore[attr-defined]
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"no {dtype} tensors in the protocol: {sorted(ITEMSIZE)}")
+        return cls(buf, dtype, tuple(array.shape))  # type: ignore[attr-defined, arg-type]
+
+    @classmethod
+    def raw(cls, data: Buffer, buf: int = 0) -> Tensor:
+        """The description of opaque bytes (``uint8[nbytes]``) sent as buffer ``buf``."""
+        return cls(buf, "uint8", (memoryview(data).nbytes,))
+
+    def take(self, bufs: Sequence[Buffer]) -> Buffer:
+        """This tensor's buffer out of a frame's ``bufs``; ProtocolError when it is missing or
+        its size is not ``nbytes``."""
+        if self.buf >= len(bufs):
+            raise ProtocolError(f"tensor names buffer {self.buf} of a frame with {len(bufs)}")
+        data = bufs[self.buf]
+        if memoryview(data).nbytes != self.nbytes:
+            raise ProtocolError(f"buffer {self.buf} holds {memoryview(data).nbytes} bytes, {self} needs {self.nbytes}")
+        return data
 
 
 def parse_address(addr: str) -> tuple[socket.AddressFamily, str | tuple[str, int]]:

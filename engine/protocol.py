@@ -17,58 +17,15 @@ shape, so a receiver needs nothing else to read it.
 from __future__ import annotations
 
 import asyncio
-import math
 import socket
 from collections.abc import Sequence
-from typing import Annotated, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
 from engine.errors import ErrorCode
-from engine.framing import Buffer, ProtocolError, frame_chunks, read_frame, recv_frame, send_chunks
+from engine.framing import Buffer, NonNegInt, ProtocolError, Tensor, frame_chunks, read_frame, recv_frame, send_chunks
 from engine.model_facts import ModelInfo
-
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-
-# ----------------------------------------------------------------------------- tensors
-
-Dtype = Literal["float32", "float16", "uint8"]
-ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "uint8": 1}
-
-
-class Tensor(msgspec.Struct, array_like=True, frozen=True):
-    """A raw buffer of the frame: ``buf`` (its index among the frame's buffers), ``dtype``
-    and ``shape`` (C order, little-endian)."""
-
-    buf: NonNeg
-    dtype: Dtype
-    shape: tuple[NonNeg, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the buffer must hold: ``prod(shape) * itemsize``."""
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
-
-    @classmethod
-    def of(cls, array: object, buf: int) -> Tensor:
-        """The description of a numpy ``array`` sent as buffer ``buf``."""
-        return cls(buf, str(array.dtype), tuple(array.shape))  # type: ignore[attr-defined, arg-type]
-
-    @classmethod
-    def raw(cls, data: Buffer, buf: int = 0) -> Tensor:
-        """The description of opaque bytes (``uint8[nbytes]``) sent as buffer ``buf``."""
-        return cls(buf, "uint8", (memoryview(data).nbytes,))
-
-    def take(self, bufs: Sequence[Buffer]) -> Buffer:
-        """This tensor's buffer out of a frame's ``bufs``; ProtocolError when it is missing or
-        its size is not ``nbytes``."""
-        if self.buf >= len(bufs):
-            raise ProtocolError(f"tensor names buffer {self.buf} of a frame with {len(bufs)}")
-        data = bufs[self.buf]
-        if memoryview(data).nbytes != self.nbytes:
-            raise ProtocolError(f"buffer {self.buf} holds {memoryview(data).nbytes} bytes, {self} needs {self.nbytes}")
-        return data
-
 
 # ----------------------------------------------------------------------------- shared structs
 
@@ -194,7 +151,7 @@ class Erase(SeqRequest):
 class Truncate(SeqRequest):
     """Keep the first ``n_keep`` tokens (``llama_memory_seq_rm(seq, n_keep, -1)``; reply ``SeqTokens``)."""
 
-    n_keep: NonNeg
+    n_keep: NonNegInt
 
 
 class Fork(SeqRequest):

@@ -5,8 +5,8 @@ Entry point: ``python -m engine.worker --connect unix:/path.sock --settings JSON
 or ``--listen tcp:HOST:PORT --model PATH ...`` to run it standalone.  A reader thread
 turns incoming frames into a queue; the main thread applies requests between decode
 steps (:class:`Worker` dispatches them by type) and steps the
-:class:`~engine.batcher.Batcher` while there is work.  The worker exits when its peer closes the stream or its
-parent dies (``PR_SET_PDEATHSIG``).
+:class:`~engine.batcher.Batcher` while there is work.  The worker exits when its peer
+closes the stream or its parent dies (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import llama_cpp  # noqa: F401 - first of the native libraries, before numpy's (docs/hardware.md)
 import msgspec
@@ -33,7 +32,7 @@ from engine.classifier import Classifier
 from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
 from engine.framing import parse_address
-from engine.handlers import EngineHandlers
+from engine.handlers import EngineHandlers, Handler
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
 from engine.settings import EngineSettings
@@ -61,17 +60,18 @@ class Worker:
         self.engine = engine
         self.sock = sock
         self.inbox: queue.Queue[tuple[proto.Request, list[bytearray]] | None] = queue.Queue()
-        self.batcher = Batcher(engine, self.send) if isinstance(engine, Engine) else None
         self.running = True
-        common: dict[type, Callable[[Any, list[bytearray]], None]] = {
+        self.batcher: Batcher | None = None
+        self.handlers: dict[type, Handler] = {
             proto.Tokenize: self._tokenize,
             proto.Detokenize: self._detokenize,
             proto.Shutdown: self._shutdown,
         }
-        if isinstance(engine, Classifier):
-            self.handlers = {**common, proto.Classify: self._classify}
+        if isinstance(engine, Engine):
+            self.batcher = Batcher(engine, self.send)
+            self.handlers |= EngineHandlers(engine, self.batcher, self.send).table()
         else:
-            self.handlers = {**common, **EngineHandlers(engine, self.batcher, self.send).table()}  # type: ignore[arg-type]
+            self.handlers[proto.Classify] = self._classify
 
     def send(self, msg: proto.Message, buffers: Sequence[proto.Buffer] = ()) -> None:
         """Write one reply frame (from the loop thread only)."""

@@ -138,6 +138,8 @@ def test_tensors_describe_their_buffers() -> None:
         proto.Tensor.of(ATTENTION, 0).take([half.tobytes()])
     with pytest.raises(proto.ProtocolError, match="buffer 2"):  # a buffer that is not there
         proto.Tensor(2, "uint8", (4,)).take(bufs)
+    with pytest.raises(ValueError, match="float64"):  # nothing else is sent
+        proto.Tensor.of(np.zeros(3), 0)
 
 
 def _raw_frame(meta: bytes) -> bytes:
