@@ -59,19 +59,35 @@ class GenerationStream:
     """The events of one generation (request id ``req``), in order, ending with its ``Done``.
 
     Iterate it once.  Leaving early (``aclose``, or the iterating task cancelled) cancels
-    the generation in the engine.  An engine failure mid-way raises
-    :class:`EngineRequestError` or :class:`EngineDeadError` from the iteration.
+    the generation in the engine; ``abandon`` is awaited when the stream is closed before
+    its first event was asked for (the events' own clean-up has not started then).  An
+    engine failure mid-way raises :class:`EngineRequestError` or :class:`EngineDeadError`
+    from the iteration.
     """
 
-    def __init__(self, req: int, events: AsyncGenerator[EngineEvent, None]) -> None:
+    def __init__(
+        self,
+        req: int,
+        events: AsyncGenerator[EngineEvent, None],
+        abandon: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.req = req
         self._events = events
+        self._abandon = abandon
+        self._started = False
 
-    def __aiter__(self) -> AsyncGenerator[EngineEvent, None]:
-        return self._events
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> EngineEvent:
+        self._started = True
+        return await self._events.__anext__()
 
     async def aclose(self) -> None:
         """Stop iterating (cancels the generation unless it is done)."""
+        if not self._started and self._abandon is not None:
+            self._started = True
+            await self._abandon()
         await self._events.aclose()
 
 

@@ -263,7 +263,7 @@ class WorkerClient:
         except BaseException:
             self._waiters.pop(msg.req, None)
             raise
-        return GenerationStream(msg.req, self._events(msg.req, q))
+        return GenerationStream(msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q))
 
     async def _events(self, req: int, q: asyncio.Queue[Event | None]) -> AsyncGenerator[EngineEvent, None]:
         finished = False
@@ -286,9 +286,15 @@ class WorkerClient:
                     yield reply
                     return
         finally:
-            if not finished and self.alive:
-                await asyncio.shield(self._cancel_and_drain(req, q))
+            if not finished:
+                await self._abandon(req, q)
             self._waiters.pop(req, None)
+
+    async def _abandon(self, req: int, q: asyncio.Queue[Event | None]) -> None:
+        """Cancel generation ``req`` and wait for its end (up to 30 s), even if the caller is cancelled."""
+        if self.alive:
+            await asyncio.shield(self._cancel_and_drain(req, q))
+        self._waiters.pop(req, None)
 
     async def _cancel_and_drain(self, req: int, q: asyncio.Queue[Event | None]) -> None:
         with contextlib.suppress(Exception):

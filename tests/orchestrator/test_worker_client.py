@@ -83,6 +83,11 @@ def test_every_method_over_a_real_worker() -> None:
         assert await c.tokens(1) == saved.tokens
         state = await c.engine_state()
         assert state.generating == []
+        # a stream closed before its first event (the client left at once) still cancels its generation
+        long = proto.SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = await c.generate(0, ids, long, proto.CaptureOptions())
+        await stream.aclose()
+        assert (await c.engine_state()).generating == [] and not c._waiters
 
     run(test)
 
