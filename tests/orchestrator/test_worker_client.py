@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -14,6 +16,8 @@ from engine.settings import EngineSettings
 from orchestrator.engine_api import EngineRequestError, GenerationStream, TokenOutput
 from orchestrator.engine_client import WorkerClient
 from orchestrator.worker_options import WorkerOptions
+from tests.conftest import ROOT
+from tests.redis_server import free_port
 
 GREEDY = proto.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 ATTENTION = proto.CaptureOptions(attention=True, format="per_layer", dtype="float16", hidden_state=True)
@@ -120,3 +124,34 @@ def test_refusals_carry_their_error_code() -> None:
         assert (await c.tokenize("still here", False, False)).ids
 
     run(test)
+
+
+def test_a_standalone_worker_takes_the_engine_flags() -> None:
+    """``python -m engine.worker --listen tcp:...`` with llama-server's flags, reached by ``WorkerOptions.connect``."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "engine.worker", "--listen", f"tcp:127.0.0.1:{port}"]
+    proc = subprocess.Popen([*cmd, "-c", "320", "-np", "1", "--spare", "1", "-t", "2"], cwd=ROOT)
+    try:
+
+        async def main() -> None:
+            client = WorkerClient(WorkerOptions(connect=f"tcp:127.0.0.1:{port}"), restart=False)
+            for _ in range(100):  # the worker opens its port before it loads the model
+                try:
+                    info = await client.start()
+                    break
+                except OSError:
+                    await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("the standalone worker did not listen")
+            try:
+                assert (info.n_ctx, info.n_slots, info.runtime.n_threads) == (320, 1, 2)
+                assert (await client.tokenize("hi", False, False)).ids
+            finally:
+                await client.close()
+
+        asyncio.run(main())
+        assert proc.wait(30) == 0  # Shutdown answered, then a clean exit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
