@@ -272,7 +272,7 @@ class LlamaServerController(Controller):
         special = info.special_tokens
         return {
             "default_generation_settings": {"params": params_json(None), "n_ctx": info.n_ctx},
-            "total_slots": services.settings.worker.parallel,
+            "total_slots": services.settings.worker.engine.n_slots,
             "model_alias": info.model_name,
             "model_path": info.model_path,
             "modalities": {"vision": False, "video": False, "audio": False},
