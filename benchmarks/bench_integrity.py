@@ -38,11 +38,12 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 
 def real_state(model_path: Path, n_tokens: int) -> bytes:
     """A sequence state of ``n_tokens`` prefilled tokens."""
-    from engine.engine import BatchEntry, Engine, EngineConfig
+    from engine.engine import BatchEntry, Engine
     from engine.model import Model
+    from engine.settings import EngineSettings
 
     model = Model(model_path)
-    eng = Engine(model, EngineConfig(n_ctx=n_tokens + 16, n_slots=1, n_spare=0, capture=False))
+    eng = Engine(model, EngineSettings(n_ctx=n_tokens + 16, n_slots=1, n_spare=0, capture=False))
     ids = build_prompt(model_tokenizer(model), n_tokens)
     for start in range(0, n_tokens, 512):
         chunk = ids[start : start + 512]

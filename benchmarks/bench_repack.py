@@ -30,8 +30,9 @@ from bench_stream import Phase, build_prompt, inproc_once, take_rep
 from common import Quiet, add_idle_args
 
 from engine import backend
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine
 from engine.model import Model, default_model_path, init_backend
+from engine.settings import EngineSettings
 
 
 def main() -> int:
@@ -64,7 +65,7 @@ def main() -> int:
     try:
         for on in (True, False):
             model = Model(path, repack=backend.RepackChoice(on, "benchmark"))
-            cfg = EngineConfig(n_ctx=args.n_ctx, n_slots=1, n_spare=1, n_threads=args.threads)
+            cfg = EngineSettings(n_ctx=args.n_ctx, n_slots=1, n_spare=1, n_threads=args.threads)
             configs.append((Phase(f"repack {'on ' if on else 'off'}"), model, Engine(model, cfg)))
         ids = build_prompt(configs[0][1], args.ctx)
         print(f"model {path.name}, prompt {len(ids)} tokens, {args.new} new, {args.threads} threads")

@@ -3,7 +3,7 @@
 Measures, in one run and on the same prompt (same ``input_ids``, greedy, ``ignore_eos``,
 the same number of new tokens), the decode speed of
 
-1. the in-process engine without attention capture (``EngineConfig(capture=False)``),
+1. the in-process engine without attention capture (``EngineSettings(capture=False)``),
 2. the in-process engine with capture and attention requested (no client),
 3. a WebSocket client of ``/api/extra/generate/stream/ws`` receiving every token's full
    per-layer attention as a binary ``float32[L, H, ctx]`` frame (``websockets``),
@@ -64,9 +64,10 @@ from common import (
 )
 
 from engine.batcher import Batcher
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine
 from engine.model import Model, default_model_path
 from engine.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
+from engine.settings import EngineSettings
 
 # ----------------------------------------------------------------------------- results
 
@@ -154,10 +155,9 @@ def inproc_once(eng: Engine, ids: list[int], args: argparse.Namespace, meter: Cp
         if isinstance(msg, Token) and msg.index in (0, args.new - 1):
             meter.mark("first" if msg.index == 0 else "last")
         if isinstance(msg, Token) and capture:
-            a = bufs[0]  # type: ignore[index]
             want = (*shape, len(ids) + msg.index)
-            if a.shape != want:
-                bad.append(f"token {msg.index}: attention shape {a.shape} != {want}")
+            if msg.attention is None or msg.attention.shape != want:
+                bad.append(f"token {msg.index}: attention {msg.attention} is not of shape {want}")
 
     b = Batcher(eng, emit)
     params = SamplingParams(max_new_tokens=args.new, temperature=0, ignore_eos=True)
@@ -186,7 +186,9 @@ def bench_inproc(model: Model, ids: list[int], args: argparse.Namespace) -> tupl
     quiet = Quiet(args)
     try:
         for capture, name in ((False, "raw engine (no capture)"), (True, "engine + capture (no client)")):
-            cfg = EngineConfig(n_ctx=args.n_ctx, n_slots=1, n_spare=args.spare, n_threads=args.threads, capture=capture)
+            cfg = EngineSettings(
+                n_ctx=args.n_ctx, n_slots=1, n_spare=args.spare, n_threads=args.threads, capture=capture
+            )
             paths.append((Phase(name), Engine(model, cfg)))
         for r in range(args.reps + 1):  # rep 0 is a warm-up
             for phase, eng in paths:

@@ -14,14 +14,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from engine.engine import BatchEntry, Engine, EngineError
-from engine.protocol import CaptureOptions, Done, Error, Generate, Progress, Token
+from engine.errors import ErrorCode
+from engine.protocol import (
+    Buffer,
+    CaptureOptions,
+    Done,
+    Error,
+    FinishReason,
+    Generate,
+    Message,
+    Progress,
+    Tensor,
+    Token,
+)
 from engine.sampling import SamplerChain, logits_row, logprobs
 
-Emit = Callable[[msgspec.Struct, Sequence[object]], None]
+Emit = Callable[[Message, Sequence[Buffer]], None]
 PROGRESS_EVERY = 256  # prompt tokens between two Progress events of a job that asks for them
 
 
@@ -98,18 +109,18 @@ class Batcher:
         n_ctx = eng.config.n_ctx
         p = req.params
         if req.capture.attention and not eng.config.capture:
-            raise EngineError("INVALID_REQUEST", "this engine runs without attention capture")
+            raise EngineError(ErrorCode.INVALID_REQUEST, "this engine runs without attention capture")
         if req.mode == "generate":
             if not 0 <= req.seq < eng.config.n_slots:
-                raise EngineError("INVALID_REQUEST", f"no engine sequence {req.seq}")
+                raise EngineError(ErrorCode.INVALID_REQUEST, f"no engine sequence {req.seq}")
             if self.busy(req.seq):
-                raise EngineError("SLOT_BUSY", f"sequence {req.seq} is generating")
+                raise EngineError(ErrorCode.SLOT_BUSY, f"sequence {req.seq} is generating")
             if len(req.input_ids) + p.max_new_tokens > n_ctx:
                 raise EngineError(
-                    "CONTEXT_OVERFLOW", f"{len(req.input_ids)} + {p.max_new_tokens} tokens > n_ctx {n_ctx}"
+                    ErrorCode.CONTEXT_OVERFLOW, f"{len(req.input_ids)} + {p.max_new_tokens} tokens > n_ctx {n_ctx}"
                 )
             if not req.input_ids:
-                raise EngineError("INVALID_REQUEST", "input_ids is empty")
+                raise EngineError(ErrorCode.INVALID_REQUEST, "input_ids is empty")
             self._offload_idle(keep=req.seq)
             self.flush(req.seq)
             eng.make_resident(req.seq)
@@ -118,21 +129,22 @@ class Batcher:
                 common -= 1  # the last token is decoded again for its logits
             eng.truncate(req.seq, common)
             seq, fork, pending, history = req.seq, False, list(req.input_ids[common:]), req.input_ids
-        elif req.mode == "preview":
+        else:  # preview
             base: list[int] = []
             self._offload_idle(keep=req.seq)
             if req.seq >= 0:
                 self.flush(req.seq)
                 base = eng.tokens.get(req.seq, [])
             if not base and not req.input_ids:
-                raise EngineError("NO_CACHED_CONTEXT", "No cached context available")
+                raise EngineError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")
             pending = list(req.append) if base else list(req.input_ids) + list(req.append)
             if len(base) + len(pending) + p.max_new_tokens > n_ctx:
                 raise EngineError(
-                    "CONTEXT_OVERFLOW", f"{len(base) + len(pending)} + {p.max_new_tokens} tokens > n_ctx {n_ctx}"
+                    ErrorCode.CONTEXT_OVERFLOW,
+                    f"{len(base) + len(pending)} + {p.max_new_tokens} tokens > n_ctx {n_ctx}",
                 )
             if not base and not pending:
-                raise EngineError("INVALID_REQUEST", "nothing to generate from")
+                raise EngineError(ErrorCode.INVALID_REQUEST, "nothing to generate from")
             seq, fork = eng.take_spare(), True
             if base:
                 eng.fork(req.seq, seq)
@@ -144,8 +156,6 @@ class Batcher:
                 common -= 1
                 eng.truncate(seq, common)
                 pending = [base[-1]]
-        else:
-            raise EngineError("INVALID_REQUEST", f"unknown mode {req.mode!r}")
         chain = SamplerChain(p, eng.model.n_vocab, history)
         return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
 
@@ -225,7 +235,7 @@ class Batcher:
             status = eng.decode(entries)
         except Exception as exc:  # capture or mirror failure: fail the jobs of this batch
             for o in {id(o): o for o in owners if o is not None}.values():
-                self._fail(o, "INTERNAL", f"decode failed: {exc}")
+                self._fail(o, ErrorCode.INTERNAL, f"decode failed: {exc}")
             return
         if status != 0:
             self._decode_failed(status, entries, owners)
@@ -266,40 +276,26 @@ class Batcher:
         if not job.t_first:
             job.t_first = time.perf_counter()
         lp, top = logprobs(logits, tok, p.n_probs) if logits is not None else (None, [])
-        buffers: list[object] = []
-        shape: list[int] = []
+        buffers: list[np.ndarray] = []
+        attention = hidden = None
         if e.target is not None and e.target.out is not None:
-            arr = shape_attention(e.target.out, job.req.capture)
-            shape = list(arr.shape)
-            buffers.append(arr)
+            buffers.append(shape_attention(e.target.out, job.req.capture))
+            attention = Tensor.of(buffers[-1], len(buffers) - 1)
         if job.req.capture.hidden_state:
             buffers.append(eng.hidden_state(idx))
+            hidden = Tensor.of(buffers[-1], len(buffers) - 1)
         piece = eng.model.pieces[tok]
         index = len(job.generated)
         job.generated.append(tok)
         job.text += piece
         n_ctx = e.pos0 + len(e.tokens)
-        msg = Token(
-            job.req.req,
-            index,
-            tok,
-            piece,
-            lp,
-            top,
-            n_ctx,
-            shape,
-            has_attention=bool(shape),
-            has_hidden=job.req.capture.hidden_state,
-        )
-        self.emit(msg, buffers)
+        self.emit(Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden), buffers)
         reason, stop = self._stop_reason(job, tok)
-        if reason:
-            job.last = tok
+        job.last = tok
+        if reason is not None:
             self._finish(job, reason, stop)
-        else:
-            job.last = tok
 
-    def _stop_reason(self, job: Job, tok: int) -> tuple[str, str]:
+    def _stop_reason(self, job: Job, tok: int) -> tuple[FinishReason | None, str]:
         p = job.req.params
         if tok in p.stop_tokens or (not p.ignore_eos and tok in self.engine.model.eog):
             return "stop_token", ""
@@ -309,9 +305,9 @@ class Batcher:
                 return "stop_string", s
         if len(job.generated) >= p.max_new_tokens:
             return "length", ""
-        return "", ""
+        return None, ""
 
-    def _finish(self, job: Job, reason: str, stop: str = "") -> None:
+    def _finish(self, job: Job, reason: FinishReason, stop: str = "") -> None:
         self.jobs.pop(job.req.req, None)
         job.chain.close()
         n_seq = self.engine.seq_len(job.seq)
@@ -338,7 +334,7 @@ class Batcher:
             (),
         )
 
-    def _fail(self, job: Job, code: str, message: str) -> None:
+    def _fail(self, job: Job, code: ErrorCode, message: str) -> None:
         self.jobs.pop(job.req.req, None)
         job.chain.close()
         if job.fork:
@@ -350,7 +346,9 @@ class Batcher:
         if status == 1 and any(o.last < 0 for o in jobs):
             # No room in the KV cache: drop the biggest prefill and let the rest retry.
             victim = max((o for o in jobs if o.last < 0), key=lambda o: len(o.pending))
-            self._fail(victim, "OOM", "the KV cache is full")
+            self._fail(victim, ErrorCode.OOM, "the KV cache is full")
             return
         for o in {id(o): o for o in jobs}.values():
-            self._fail(o, "OOM" if status == 1 else "INTERNAL", f"llama_decode failed with status {status}")
+            self._fail(
+                o, ErrorCode.OOM if status == 1 else ErrorCode.INTERNAL, f"llama_decode failed with status {status}"
+            )

@@ -22,8 +22,10 @@ from collections.abc import Sequence
 import llama_cpp as llama
 import numpy as np
 
-from engine.engine import EngineConfig, EngineError
+from engine.engine import EngineError
+from engine.errors import ErrorCode
 from engine.model import Model, ModelLoadError, file_fingerprint
+from engine.settings import EngineSettings
 
 
 class Classifier:
@@ -60,7 +62,7 @@ class Classifier:
         self.n_out = n_out
         self.n_seq = n_seq
         # what engine.model_info reads: a context of n_ctx tokens and no slots
-        self.config = EngineConfig(n_ctx=self.n_ctx, n_slots=0, n_spare=0, n_threads=n_threads, capture=False)
+        self.config = EngineSettings(n_ctx=self.n_ctx, n_slots=0, n_spare=0, n_threads=n_threads, capture=False)
         self.n_cells = self.n_ctx
         self.labels = [self._label(i) for i in range(n_out)]
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
@@ -85,11 +87,10 @@ class Classifier:
         """
         for i, ids in enumerate(inputs):
             if not ids:
-                raise EngineError("INVALID_REQUEST", f"input {i} has no tokens")
+                raise EngineError(ErrorCode.INVALID_REQUEST, f"input {i} has no tokens")
             if len(ids) > self.n_ctx:
-                raise EngineError(
-                    "CONTEXT_OVERFLOW", f"input {i} has {len(ids)} tokens; the classifier takes at most {self.n_ctx}"
-                )
+                what = f"input {i} has {len(ids)} tokens; the classifier takes at most {self.n_ctx}"
+                raise EngineError(ErrorCode.CONTEXT_OVERFLOW, what)
         out = np.empty((len(inputs), self.n_out), dtype=np.float32)
         start = 0
         while start < len(inputs):
@@ -117,12 +118,12 @@ class Classifier:
         if mem:
             llama.llama_memory_clear(mem, True)
         if llama.llama_decode(self.ctx, b) != 0:
-            raise EngineError("INTERNAL", "llama_decode failed on the classifier")
+            raise EngineError(ErrorCode.INTERNAL, "llama_decode failed on the classifier")
         rows = np.empty((len(group), self.n_out), dtype=np.float32)
         for seq in range(len(group)):
             ptr = llama.llama_get_embeddings_seq(self.ctx, seq)
             if not ptr:
-                raise EngineError("INTERNAL", f"no classifier output for sequence {seq}")
+                raise EngineError(ErrorCode.INTERNAL, f"no classifier output for sequence {seq}")
             rows[seq] = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_out,))
         return rows
 

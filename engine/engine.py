@@ -24,15 +24,17 @@ from engine import ggml_ffi as g
 from engine import seq_state
 from engine.capture import AttentionCapture, RowTarget, Run
 from engine.cellmap import CellMap
+from engine.errors import ErrorCode
 from engine.model import Model, file_fingerprint
+from engine.settings import EngineSettings
 
 PROBE_KEY = -2  # cell-mirror key of a probe token (never a llama.cpp sequence)
 
 
 class EngineError(RuntimeError):
-    """An operation failed; ``code`` is an API error code (docs/api.md, "Errors")."""
+    """An operation failed, for the reason ``code`` (docs/api.md, "Errors")."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -54,33 +56,6 @@ class BatchEntry:
     batch_start: int = 0
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings.  ``n_ctx`` is the context window per slot (tokens)."""
-
-    n_ctx: int = 4096
-    n_slots: int = 4
-    n_spare: int = 4
-    n_threads: int = 2
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_gpu_layers: int = 0
-    verify_cells: bool = False
-    capture: bool = True  # False: no eval callback at all (no attention; the raw-speed baseline)
-    eval_filter: bool = True  # front the eval callback with the C filter when it is built
-    cache_idle_slots: bool = True  # a new job moves idle slots' cells to host memory (llama-server's flag)
-
-    @property
-    def n_seq_max(self) -> int:
-        return self.n_slots + self.n_spare + 1
-
-    @property
-    def n_cells(self) -> int:
-        """KV cells of the unified cache: a window per slot plus one for forks and restores,
-        rounded up to 256 as ``llama_context`` rounds ``n_ctx`` (``src/llama-context.cpp``)."""
-        return -(-self.n_ctx * (self.n_slots + 1) // 256) * 256
-
-
 class Engine:
     """A llama.cpp context over ``model`` with attention capture on every layer.
 
@@ -89,7 +64,7 @@ class Engine:
     start-up self-check of the capture fails.
     """
 
-    def __init__(self, model: Model, config: EngineConfig, on_stage: Callable[[str], None] | None = None) -> None:
+    def __init__(self, model: Model, config: EngineSettings, on_stage: Callable[[str], None] | None = None) -> None:
         report = on_stage or (lambda _stage: None)
         self.model = model
         self.config = config
@@ -112,13 +87,13 @@ class Engine:
         report("creating_context")
         ctx = llama.llama_init_from_model(model.ptr, cp)
         if not ctx:
-            raise EngineError("NO_MODEL", "llama.cpp could not create a context")
+            raise EngineError(ErrorCode.NO_MODEL, "llama.cpp could not create a context")
         self.ctx = ctx
         self.mem = llama.llama_get_memory(ctx)
         self.n_cells = llama.llama_n_ctx(ctx)
         if self.n_cells != config.n_cells:
             llama.llama_free(ctx)
-            raise EngineError("NO_MODEL", f"llama.cpp made {self.n_cells} KV cells, expected {config.n_cells}")
+            raise EngineError(ErrorCode.NO_MODEL, f"llama.cpp made {self.n_cells} KV cells, expected {config.n_cells}")
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
         # seq -> a copy of its current state (llama_state_seq_get_data), dropped when the sequence
@@ -154,7 +129,7 @@ class Engine:
         targets: list[RowTarget] = []
         for e in entries:
             if e.seq in self.offloaded:
-                raise EngineError("INTERNAL", f"sequence {e.seq} is offloaded; make it resident first")
+                raise EngineError(ErrorCode.INTERNAL, f"sequence {e.seq} is offloaded; make it resident first")
             self.states.pop(e.seq, None)
             e.batch_start = i
             n = len(e.tokens)
@@ -210,7 +185,7 @@ class Engine:
         """``float32[n_embd]``: the final hidden state of ``batch_index`` of the last decode."""
         ptr = llama.llama_get_embeddings_ith(self.ctx, batch_index)
         if not ptr:
-            raise EngineError("INTERNAL", "no hidden state for this token")
+            raise EngineError(ErrorCode.INTERNAL, "no hidden state for this token")
         arr = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.model.n_embd,))
         return arr.copy()
 
@@ -251,9 +226,9 @@ class Engine:
             self.tokens[dst] = list(self.tokens[src])
 
     def take_spare(self) -> int:
-        """A free spare sequence for a fork; raises ``EngineError(BUSY)`` when none is left."""
+        """A free spare sequence for a fork; raises ``EngineError(RATE_LIMITED)`` when none is left."""
         if not self.spare_free:
-            raise EngineError("RATE_LIMITED", "all spare sequences are in use by previews")
+            raise EngineError(ErrorCode.RATE_LIMITED, "all spare sequences are in use by previews")
         return self.spare_free.pop()
 
     def give_spare(self, seq: int) -> None:
@@ -282,7 +257,7 @@ class Engine:
     def make_resident(self, seq: int) -> None:
         """Restore an offloaded ``seq`` into the KV cache (:meth:`restore_state`); no-op otherwise.
 
-        Raises ``EngineError("OOM")`` when the cache has no room; ``seq`` stays offloaded.
+        Raises ``EngineError(ErrorCode.OOM)`` when the cache has no room; ``seq`` stays offloaded.
         """
         if seq in self.offloaded:
             blob = self.states[seq]
@@ -297,9 +272,9 @@ class Engine:
         """
         n = self.seq_len(seq)
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
-            raise EngineError("INVALID_REQUEST", f"need n_keep >= 0, n_discard > 0, n_keep + n_discard <= {n}")
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"need n_keep >= 0, n_discard > 0, n_keep + n_discard <= {n}")
         if not llama.llama_memory_can_shift(self.mem):
-            raise EngineError("INVALID_REQUEST", "this model's KV cache cannot shift positions")
+            raise EngineError(ErrorCode.INVALID_REQUEST, "this model's KV cache cannot shift positions")
         self.make_resident(seq)
         if self.cellmap.sharers(seq):
             tokens, blob = self.save_state(seq)
@@ -324,7 +299,7 @@ class Engine:
             buf = bytearray(size)
             got = llama.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
             if got != size:
-                raise EngineError("INTERNAL", f"llama_state_seq_get_data wrote {got} of {size} bytes")
+                raise EngineError(ErrorCode.INTERNAL, f"llama_state_seq_get_data wrote {got} of {size} bytes")
             self.states[seq] = buf
         return list(self.tokens.get(seq, ())), buf
 
@@ -337,23 +312,23 @@ class Engine:
         parsed and checked against this engine's layout (with ``check_values``, its float
         K/V values must also be finite: :func:`engine.seq_state.check_finite`), restored
         into the scratch sequence, its cells learned (see :meth:`_learn_cells`), and only
-        then moved to ``seq``.  Raises ``EngineError("BAD_STATE")`` for a blob this engine
-        cannot take, and ``EngineError("CONTEXT_OVERFLOW")`` for more tokens than the context
+        then moved to ``seq``.  Raises ``EngineError(ErrorCode.BAD_STATE)`` for a blob this engine
+        cannot take, and ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` for more tokens than the context
         window (``n_ctx``).
         """
         n = len(tokens)
         if n > self.config.n_ctx:
-            raise EngineError("CONTEXT_OVERFLOW", f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
+            raise EngineError(ErrorCode.CONTEXT_OVERFLOW, f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
         try:
             parsed = seq_state.parse(blob, self.layout)
             if check_values:
                 seq_state.check_finite(blob, parsed)
         except seq_state.BadStateError as exc:
-            raise EngineError("BAD_STATE", str(exc)) from exc
+            raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
         if len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n)):
-            raise EngineError("BAD_STATE", f"state holds positions that are not 0..{n - 1} for {n} tokens")
+            raise EngineError(ErrorCode.BAD_STATE, f"state holds positions that are not 0..{n - 1} for {n} tokens")
         if any(t < 0 or t >= self.model.n_vocab for t in tokens):
-            raise EngineError("BAD_STATE", "state tokens outside the vocabulary")
+            raise EngineError(ErrorCode.BAD_STATE, "state tokens outside the vocabulary")
         s = self.scratch
         self.erase(s)
         if n:
@@ -362,7 +337,7 @@ class Engine:
             src = array.from_buffer_copy(view) if view.readonly else array.from_buffer(view)
             if llama.llama_state_seq_set_data(self.ctx, src, view.nbytes, s) != view.nbytes:
                 self.erase(s)
-                raise EngineError("BAD_STATE", "llama.cpp refused the sequence state")
+                raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
             del src
             try:
                 self._learn_cells(s, n)
@@ -394,11 +369,11 @@ class Engine:
         self.cellmap.remove(PROBE_KEY)
         llama.llama_memory_seq_rm(self.mem, seq, n, -1)
         if status != 0 or probe.mask is None:
-            raise EngineError("OOM", f"no room in the KV cache to place the restored state (status {status})")
+            raise EngineError(ErrorCode.OOM, f"no room in the KV cache to place the restored state (status {status})")
         visible = np.flatnonzero(np.isfinite(probe.mask))
         cells = visible[visible != probe_cell]
         if len(cells) != n:
-            raise EngineError("BAD_STATE", f"restored state occupies {len(cells)} cells, expected {n}")
+            raise EngineError(ErrorCode.BAD_STATE, f"restored state occupies {len(cells)} cells, expected {n}")
         pos2cell = np.empty(n, dtype=np.int32)
         pos2cell[positions] = cells
         self.cellmap.set(seq, pos2cell)

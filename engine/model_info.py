@@ -9,7 +9,7 @@ import llama_cpp as llama
 from engine import backend
 from engine.engine import Engine
 from engine.ggml_ffi import libggml
-from engine.protocol import EngineRuntime, ModelInfo
+from engine.model_facts import EngineRuntime, ModelInfo
 
 libggml.ggml_type_name.argtypes = [ctypes.c_int]
 libggml.ggml_type_name.restype = ctypes.c_char_p

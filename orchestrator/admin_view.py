@@ -60,7 +60,7 @@ class AdminView:
         s = self.services
         reg = s.registry
         eot = s.generation.info.eot_token_id
-        state = await s.engine.status()
+        state = await s.engine.engine_state()
         offloaded = set(state.offloaded)
         node = self.node_id()
         out: dict[str, SlotView] = {}

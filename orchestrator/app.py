@@ -31,7 +31,8 @@ from orchestrator.api.ws import binary_stream, event_stream
 from orchestrator.archive import SlotArchive
 from orchestrator.auth import api_key_middleware
 from orchestrator.config import Settings
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
+from orchestrator.engine_client import WorkerClient
 from orchestrator.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.generation import GenerationService
 from orchestrator.lease_keeper import LeaseKeeper
@@ -44,7 +45,7 @@ log = structlog.get_logger("slotserve")
 
 def build_services(settings: Settings) -> Services:
     """Create (not start) the long-lived objects."""
-    engine = EngineClient(settings.worker)
+    engine = WorkerClient(settings.worker)
     archive = leases = None
     if settings.persist:
 
@@ -59,10 +60,10 @@ def build_services(settings: Settings) -> Services:
         leases = LeaseKeeper(archive, node_id, settings.lease_ms)
     queue = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
     registry = SlotRegistry(
-        engine, settings.worker.parallel, archive, leases, queue, park_idle_s=settings.park_idle_s or None
+        engine, settings.worker.engine.n_slots, archive, leases, queue, park_idle_s=settings.park_idle_s or None
     )
     registry.wait_s = settings.slot_wait_s
-    classifier = EngineClient(settings.classifier) if settings.classifier is not None else None
+    classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None
     return Services(settings, engine, registry, GenerationService(engine, registry), archive, classifier)
 
 

@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from engine import protocol as proto
-from orchestrator.engine_client import EngineClient, EngineRequestError
+from orchestrator.engine_api import EngineClient, EngineRequestError, TokenOutput
+from orchestrator.engine_client import WorkerClient
 from orchestrator.worker_options import WorkerOptions
 
 PROMPT = "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n"
@@ -52,15 +53,15 @@ class Generated:
 
 async def generate(engine: EngineClient, seq: int, ids: list[int], n: int) -> list[Generated]:
     """Greedy ``n`` tokens on engine sequence ``seq`` from ``ids`` (erased first), with full attention."""
-    await engine.seq_op("erase", seq)
+    await engine.erase(seq)
     params = proto.SamplingParams(max_new_tokens=n, temperature=0.0, n_probs=5, logprobs=True, ignore_eos=True)
     capture = proto.CaptureOptions(attention=True, format="per_layer", dtype="float32")
     out: list[Generated] = []
-    events = await engine.open_stream(proto.Generate(engine.new_id(), seq, "generate", ids, params, capture))
-    async for msg, bufs in events:
-        if isinstance(msg, proto.Token):
-            att = np.frombuffer(bufs[0], dtype=np.float32).reshape(msg.attention_shape)
-            out.append(Generated(msg.token_id, msg.logprob or 0.0, list(msg.top), att))
+    async for ev in await engine.generate(seq, ids, params, capture):
+        if isinstance(ev, TokenOutput) and ev.token.attention is not None:
+            t = ev.token
+            att = np.frombuffer(ev.attention or b"", dtype=t.attention.dtype).reshape(t.attention.shape)
+            out.append(Generated(t.token_id, t.logprob or 0.0, list(t.top), att.astype(np.float32)))
     return out
 
 
@@ -87,7 +88,7 @@ class Report:
         self.console.print(f"{mark} {name:<22} {detail}", highlight=False, soft_wrap=True)
 
 
-async def _start(engine: EngineClient, console: Console) -> proto.ModelInfo:
+async def _start(engine: WorkerClient, console: Console) -> proto.ModelInfo:
     """Start the worker with a progress bar over the model load."""
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   console=console, transient=True) as bar:  # fmt: skip
@@ -102,7 +103,7 @@ async def _start(engine: EngineClient, console: Console) -> proto.ModelInfo:
 async def run_check(options: WorkerOptions, console: Console) -> int:
     """Run the checks (module docstring) and print a verdict; returns the exit status."""
     report = Report(console)
-    engine = EngineClient(options, restart=False)
+    engine = WorkerClient(options, restart=False)
     t0 = time.perf_counter()
     try:
         info = await _start(engine, console)
@@ -156,8 +157,8 @@ async def _check_attention(engine: EngineClient, report: Report, fresh_seq: int)
             near = dict(g.top).get(fresh.token)
             tokens_ok &= near is not None and g.logprob - near <= NEAR_TIE_NATS
             break  # the continuations part here: later tokens have other contexts
-    await engine.seq_op("erase", fresh_seq)
-    await engine.seq_op("erase", 0)
+    await engine.erase(fresh_seq)
+    await engine.erase(0)
     report.line(tokens_ok, "recomputed tokens", "fresh prefills choose the generated tokens" if tokens_ok else
                 "a fresh prefill chose another token, not a near-tie")  # fmt: skip
     report.line(

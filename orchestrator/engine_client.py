@@ -1,9 +1,10 @@
-"""The orchestrator's handle on an engine worker process.
+"""The orchestrator's handle on an engine worker process: :class:`WorkerClient`.
 
-:class:`EngineClient` spawns ``python -m engine.worker`` (or connects to a standalone
-one), speaks :mod:`engine.protocol` over a socket, and demultiplexes replies to the
-requests that are waiting for them.  HTTP handlers depend on this class only; they
-never see frames or sockets.
+:class:`WorkerClient` implements :class:`orchestrator.engine_api.EngineClient` over a worker
+process: it spawns ``python -m engine.worker`` (or connects to a standalone one), speaks
+:mod:`engine.protocol` over a socket, and demultiplexes replies to the requests that are
+waiting for them.  Nothing here loads llama.cpp: the API process imports only the
+protocol's messages.
 
 If the worker dies, every pending request fails with ``EngineDeadError`` (an error
 event for streams) and, when ``restart`` is on, a new worker is started; its
@@ -15,67 +16,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import signal
 import socket
-import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import structlog
 
 from engine import protocol as proto
-from orchestrator.worker_options import WorkerOptions
+from engine.errors import ErrorCode
+from engine.framing import parse_address
+from orchestrator.engine_api import (
+    Classification,
+    EngineDeadError,
+    EngineEvent,
+    EngineRequestError,
+    GenerationStream,
+    SequenceState,
+    TokenOutput,
+)
+from orchestrator.worker_options import EngineStartError, WorkerOptions, WorkerProcess, describe_exit
 
 log = structlog.get_logger("slotserve.engine")
+R = TypeVar("R", bound=proto.Message)
 
 
-class EngineDeadError(RuntimeError):
-    """The worker is gone (crashed or not started); ``code`` NO_MODEL."""
-
-    code = "NO_MODEL"
+Event = tuple[proto.Reply, list[bytes]]
 
 
-class EngineStartError(EngineDeadError):
-    """The worker died or failed before ``Ready``: ``stage`` reached, ``returncode`` (``-N``: signal N)."""
-
-    def __init__(self, message: str, stage: str, returncode: int | None) -> None:
-        super().__init__(message)
-        self.stage = stage
-        self.returncode = returncode
-
-    @property
-    def crashed(self) -> bool:
-        """True when a signal (a crash in native code: SIGSEGV, SIGABRT, SIGILL, SIGBUS) ended the worker."""
-        return self.returncode is not None and self.returncode < 0 and -self.returncode != signal.SIGTERM
-
-
-class EngineRequestError(RuntimeError):
-    """The worker answered a request with an ``Error`` (``code``, ``message``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-Event = tuple[msgspec.Struct, list[bytes]]
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "no exit status"
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"signal {signal.Signals(-code).name}"
-        return f"signal {-code}"
-    return f"exit status {code}"
-
-
-class EngineClient:
-    """Async client of one engine worker (see module docstring)."""
+class WorkerClient:
+    """Async client of one engine worker, an :class:`orchestrator.engine_api.EngineClient` (see module docstring)."""
 
     def __init__(self, options: WorkerOptions, restart: bool = True) -> None:
         self.options = options
@@ -88,8 +60,7 @@ class EngineClient:
         self._waiters: dict[int, asyncio.Queue[Event | None]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
-        self._proc: asyncio.subprocess.Process | None = None
-        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self._process: WorkerProcess | None = None
         self._closing = False
         self._ready = asyncio.Event()
         self.stage = "not started"  # start-up stage reached (engine.protocol.Starting), "ready" once up
@@ -106,7 +77,7 @@ class EngineClient:
     @property
     def pid(self) -> int | None:
         """The spawned worker's process id."""
-        return self._proc.pid if self._proc else None
+        return self._process.pid if self._process else None
 
     async def start(self, timeout: float = 300.0) -> proto.ModelInfo:
         """Start (or connect to) the worker and wait for its ``Ready``.
@@ -120,7 +91,7 @@ class EngineClient:
         try:
             return await self._start_once(timeout)
         except EngineStartError as exc:
-            if not (exc.crashed and self.options.connect is None and self.options.repack is None):
+            if not (exc.crashed and self.options.connect is None and self.options.engine.repack is None):
                 raise
             log.warning(
                 "engine worker crashed during start-up; retrying once without CPU weight repacking",
@@ -128,21 +99,23 @@ class EngineClient:
                 signal=signal.Signals(-exc.returncode).name if exc.returncode else None,
                 gives_up="llama.cpp's extra buffer types (repacked CPU weights: faster prefill on some CPUs)",
             )
-            self.options = replace(self.options, repack=False)
+            self.options = replace(self.options, engine=msgspec.structs.replace(self.options.engine, repack=False))
             return await self._start_once(timeout)
 
     async def _start_once(self, timeout: float) -> proto.ModelInfo:
         self.stage = "connecting"
         self.load_fraction = 0.0
         if self.options.connect:
-            family, addr = proto.parse_address(self.options.connect)
+            family, addr = parse_address(self.options.connect)
             if family == socket.AF_UNIX:
                 reader, writer = await asyncio.open_unix_connection(addr)  # type: ignore[arg-type]
             else:
                 host, port = addr  # type: ignore[misc]
                 reader, writer = await asyncio.open_connection(host, port)
         else:
-            reader, writer = await self._spawn(timeout)
+            self.stage = "spawning"
+            self._process = WorkerProcess(self.options)
+            reader, writer = await self._process.spawn(timeout)
         try:
             reply = await self._await_ready(reader, timeout)
         except BaseException:
@@ -177,9 +150,9 @@ class EngineClient:
             try:
                 reply, _ = await asyncio.wait_for(proto.read_reply(reader), timeout)
             except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, proto.ProtocolError) as exc:
-                code = await self._exit_status()
-                what = f"died with {_describe_exit(code)}" if code is not None else f"stopped answering ({exc!r})"
-                log.error("engine worker failed during start-up", stage=self.stage, exit=_describe_exit(code))
+                code = await self._process.exit_status() if self._process is not None else None
+                what = f"died with {describe_exit(code)}" if code is not None else f"stopped answering ({exc!r})"
+                log.error("engine worker failed during start-up", stage=self.stage, exit=describe_exit(code))
                 raise EngineStartError(f"worker {what} during stage {self.stage!r}", self.stage, code) from exc
             if isinstance(reply, proto.Ready):
                 return reply
@@ -190,53 +163,12 @@ class EngineClient:
                 continue
             raise EngineStartError(f"worker sent {type(reply).__name__} before Ready", self.stage, None)
 
-    async def _exit_status(self) -> int | None:
-        """The spawned worker's exit status once it has exited (waits up to 5 s), else None."""
-        if self._proc is None:
-            return None
-        with contextlib.suppress(TimeoutError):
-            return await asyncio.wait_for(self._proc.wait(), 5)
-        return None
-
-    async def _spawn(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        self._tmpdir = tempfile.TemporaryDirectory(prefix="slotserve-")
-        path = str(Path(self._tmpdir.name) / "worker.sock")
-        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
-            asyncio.get_running_loop().create_future()
-        )
-
-        def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            if not accepted.done():
-                accepted.set_result((r, w))
-            else:
-                w.close()
-
-        server = await asyncio.start_unix_server(on_connect, path=path, limit=1 << 20)
-        env = {**os.environ, **self.options.extra_env}
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.stage = "spawning"
-        self._proc = await asyncio.create_subprocess_exec(*self.options.argv(f"unix:{path}"), env=env)
-        try:
-            done, _ = await asyncio.wait(
-                [accepted, asyncio.ensure_future(self._proc.wait())],
-                timeout=timeout,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if accepted not in done:
-                code = self._proc.returncode
-                await self._teardown()
-                raise EngineStartError(f"worker exited with {_describe_exit(code)} before connecting", "spawning", code)
-            return accepted.result()
-        finally:
-            server.close()
-
     async def close(self) -> None:
         """Ask the worker to finish (flushing its commits) and stop it."""
         self._closing = True
         if self.alive:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.request(proto.Shutdown(0)), 10)
+                await asyncio.wait_for(self._request(proto.Shutdown(self.new_id()), proto.Stopped), 10)
         await self._teardown()
 
     async def _teardown(self) -> None:
@@ -244,25 +176,16 @@ class EngineClient:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.terminate()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._proc.wait(), 10)
-            if self._proc.returncode is None:
-                self._proc.kill()
-                await self._proc.wait()
+        if self._process is not None:
+            await self._process.stop()
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
             self._reader_task.cancel()
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
                 msg, bufs = await proto.read_reply(reader)
-                q = self._waiters.get(msg.req)  # type: ignore[attr-defined]
+                q = self._waiters.get(msg.req)
                 if q is not None:
                     q.put_nowait((msg, bufs))
         except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError) as exc:
@@ -300,7 +223,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def _send(self, msg: msgspec.Struct, buffers: Sequence[proto.Buffer] = ()) -> None:
+    async def _send(self, msg: proto.Message, buffers: Sequence[proto.Buffer] = ()) -> None:
         if not self.alive or self._writer is None:
             raise EngineDeadError("the engine worker is not running")
         async with self._write_lock:
@@ -311,30 +234,28 @@ class EngineClient:
         """A fresh request id."""
         return next(self._ids)
 
-    async def request(self, msg: msgspec.Struct, buffers: Sequence[proto.Buffer] = ()) -> Event:
-        """Send ``msg`` and return its single reply; raise :class:`EngineRequestError` on ``Error``."""
+    async def _request(
+        self, msg: proto.Message, answer: type[R], buffers: Sequence[proto.Buffer] = ()
+    ) -> tuple[R, list[bytes]]:
+        """Send ``msg`` and return its single reply, an ``answer``; raise :class:`EngineRequestError` on ``Error``."""
         q: asyncio.Queue[Event | None] = asyncio.Queue()
-        req = msg.req  # type: ignore[attr-defined]
-        self._waiters[req] = q
+        self._waiters[msg.req] = q
         try:
             await self._send(msg, buffers)
             item = await q.get()
         finally:
-            self._waiters.pop(req, None)
+            self._waiters.pop(msg.req, None)
         if item is None:
             raise EngineDeadError("the engine worker died during the request")
         reply, bufs = item
         if isinstance(reply, proto.Error):
             raise EngineRequestError(reply.code, reply.message)
+        if not isinstance(reply, answer):
+            raise EngineRequestError(ErrorCode.INTERNAL, f"the worker answered {type(msg).__name__} with {reply!r}")
         return reply, bufs
 
-    async def open_stream(self, msg: proto.Generate) -> AsyncIterator[Event]:
-        """Send a ``Generate`` now; return an iterator of its ``Token`` events, then its ``Done``.
-
-        An ``Error`` reply raises :class:`EngineRequestError`; a dead worker raises
-        :class:`EngineDeadError`.  Leaving the iteration early (client gone) sends a
-        ``Cancel`` and drains the stream until ``Done``.
-        """
+    async def _open_stream(self, msg: proto.Generate) -> GenerationStream:
+        """Send a ``Generate`` now; return the stream of its events (the worker has the request on return)."""
         q: asyncio.Queue[Event | None] = asyncio.Queue()
         self._waiters[msg.req] = q
         try:
@@ -342,9 +263,9 @@ class EngineClient:
         except BaseException:
             self._waiters.pop(msg.req, None)
             raise
-        return self._events(msg.req, q)
+        return GenerationStream(msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q))
 
-    async def _events(self, req: int, q: asyncio.Queue[Event | None]) -> AsyncIterator[Event]:
+    async def _events(self, req: int, q: asyncio.Queue[Event | None]) -> AsyncGenerator[EngineEvent, None]:
         finished = False
         try:
             while True:
@@ -352,23 +273,28 @@ class EngineClient:
                 if item is None:
                     finished = True
                     raise EngineDeadError("the engine worker died during generation")
-                reply = item[0]
+                reply, bufs = item
                 if isinstance(reply, proto.Error):
                     finished = True
                     raise EngineRequestError(reply.code, reply.message)
-                if isinstance(reply, proto.Done):
+                if isinstance(reply, proto.Token):
+                    yield token_output(reply, bufs)
+                elif isinstance(reply, proto.Progress):
+                    yield reply
+                elif isinstance(reply, proto.Done):
                     finished = True
-                    yield item
+                    yield reply
                     return
-                yield item
         finally:
-            if not finished and self.alive:
-                await asyncio.shield(self._cancel_and_drain(req, q))
+            if not finished:
+                await self._abandon(req, q)
             self._waiters.pop(req, None)
 
-    async def cancel(self, req: int) -> None:
-        """Ask the worker to cancel generation ``req`` (no reply; its stream ends with ``Done``)."""
-        await self._send(proto.Cancel(self.new_id(), req))
+    async def _abandon(self, req: int, q: asyncio.Queue[Event | None]) -> None:
+        """Cancel generation ``req`` and wait for its end (up to 30 s), even if the caller is cancelled."""
+        if self.alive:
+            await asyncio.shield(self._cancel_and_drain(req, q))
+        self._waiters.pop(req, None)
 
     async def _cancel_and_drain(self, req: int, q: asyncio.Queue[Event | None]) -> None:
         with contextlib.suppress(Exception):
@@ -378,38 +304,100 @@ class EngineClient:
                 if item is None or isinstance(item[0], proto.Done | proto.Error):
                     return
 
-    # ------------------------------------------------------------------ conveniences
+    # ------------------------------------------------------------------ the EngineClient protocol
+
+    async def generate(
+        self,
+        seq: int,
+        input_ids: Sequence[int],
+        params: proto.SamplingParams,
+        capture: proto.CaptureOptions,
+        progress: bool = False,
+    ) -> GenerationStream:
+        """See :meth:`orchestrator.engine_api.EngineClient.generate`."""
+        msg = proto.Generate(self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress)
+        return await self._open_stream(msg)
+
+    async def preview(
+        self,
+        seq: int | None,
+        input_ids: Sequence[int],
+        append: Sequence[int],
+        params: proto.SamplingParams,
+        capture: proto.CaptureOptions,
+    ) -> GenerationStream:
+        """See :meth:`orchestrator.engine_api.EngineClient.preview`."""
+        at = -1 if seq is None else seq
+        msg = proto.Generate(self.new_id(), at, "preview", list(input_ids), params, capture, list(append))
+        return await self._open_stream(msg)
+
+    async def cancel(self, req: int) -> None:
+        """Ask the worker to cancel generation ``req`` (no reply; its stream ends with ``Done``)."""
+        await self._send(proto.Cancel(self.new_id(), req))
+
+    async def _seq_tokens(self, msg: proto.SeqRequest) -> list[int]:
+        reply, _ = await self._request(msg, proto.SeqTokens)
+        return reply.tokens
+
+    async def tokens(self, seq: int) -> list[int]:
+        """The tokens whose KV is in ``seq``, in position order."""
+        return await self._seq_tokens(proto.Tokens(self.new_id(), seq))
+
+    async def erase(self, seq: int) -> None:
+        """Drop every cell of ``seq``."""
+        await self._seq_tokens(proto.Erase(self.new_id(), seq))
+
+    async def truncate(self, seq: int, n_keep: int) -> list[int]:
+        """Keep the first ``n_keep`` tokens of ``seq``."""
+        return await self._seq_tokens(proto.Truncate(self.new_id(), seq, n_keep))
+
+    async def fork(self, seq: int, target: int) -> list[int]:
+        """Copy-on-write copy of ``seq`` into ``target``; returns ``target``'s tokens."""
+        return await self._seq_tokens(proto.Fork(self.new_id(), seq, target))
+
+    async def context_shift(self, seq: int, n_keep: int, n_discard: int) -> list[int]:
+        """llama-server's context shift on ``seq``; returns its tokens."""
+        return await self._seq_tokens(proto.ContextShift(self.new_id(), seq, n_keep, n_discard))
+
+    async def save_state(self, seq: int) -> SequenceState:
+        """Tokens and llama.cpp sequence state of ``seq``."""
+        reply, bufs = await self._request(proto.SaveState(self.new_id(), seq), proto.StateBlob)
+        return SequenceState(reply.tokens, bytes(reply.state.take(bufs)), reply.t_ms)
+
+    async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
+        """Replace ``seq`` from tokens + llama.cpp state bytes; returns the worker's time in ms."""
+        msg = proto.RestoreState(self.new_id(), seq, list(tokens), proto.Tensor.raw(state))
+        reply, _ = await self._request(msg, proto.StateRestored, [state])
+        return reply.t_ms
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> proto.TokenizeResult:
         """Tokenize through the worker's vocabulary."""
-        reply, _ = await self.request(proto.Tokenize(self.new_id(), text, add_special, parse_special))
-        assert isinstance(reply, proto.TokenizeResult)
+        reply, _ = await self._request(
+            proto.Tokenize(self.new_id(), text, add_special, parse_special), proto.TokenizeResult
+        )
         return reply
 
-    async def detokenize(self, ids: list[int]) -> str:
+    async def detokenize(self, ids: Sequence[int]) -> str:
         """Detokenize (ids already validated)."""
-        reply, _ = await self.request(proto.Detokenize(self.new_id(), ids))
-        assert isinstance(reply, proto.DetokenizeResult)
+        reply, _ = await self._request(proto.Detokenize(self.new_id(), list(ids)), proto.DetokenizeResult)
         return reply.text
 
-    async def seq_op(self, op: str, seq: int, arg0: int = 0, arg1: int = 0) -> Event:
-        """Run a :class:`engine.protocol.SeqOp` and return its reply."""
-        return await self.request(proto.SeqOp(self.new_id(), op, seq, arg0, arg1))
+    async def classify(self, texts: Sequence[str]) -> Classification:
+        """Raw logits of each text from a classifier worker."""
+        reply, bufs = await self._request(proto.Classify(self.new_id(), list(texts)), proto.Classified)
+        logits = reply.logits
+        if logits.dtype != "float32" or len(logits.shape) != 2 or logits.shape[0] != len(texts):
+            raise EngineRequestError(ErrorCode.INTERNAL, f"classifier logits {logits} for {len(texts)} texts")
+        return Classification(reply.n_tokens, logits.shape[1], bytes(logits.take(bufs)))
 
-    async def classify(self, texts: list[str]) -> tuple[proto.Classified, bytes]:
-        """Raw logits of each text from a classifier worker: the reply and ``float32[n, n_out]`` bytes."""
-        reply, bufs = await self.request(proto.Classify(self.new_id(), texts))
-        assert isinstance(reply, proto.Classified)
-        return reply, bufs[0]
-
-    async def status(self) -> proto.EngineState:
+    async def engine_state(self) -> proto.EngineState:
         """Which sequences are offloaded to host memory and which are generating."""
-        reply, _ = await self.request(proto.Status(self.new_id()))
-        assert isinstance(reply, proto.EngineState)
+        reply, _ = await self._request(proto.Status(self.new_id()), proto.EngineState)
         return reply
 
-    async def restore(self, seq: int, tokens: list[int], state: proto.Buffer) -> proto.StateBlob:
-        """Restore ``seq`` from tokens + llama.cpp state bytes."""
-        reply, _ = await self.request(proto.RestoreState(self.new_id(), seq, tokens), [state])
-        assert isinstance(reply, proto.StateBlob)
-        return reply
+
+def token_output(msg: proto.Token, bufs: list[bytes]) -> TokenOutput:
+    """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
+    attention = msg.attention.take(bufs) if msg.attention is not None else None
+    hidden = msg.hidden.take(bufs) if msg.hidden is not None else None
+    return TokenOutput(msg, attention, hidden)  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
 from engine.errors import ErrorCode
-from orchestrator.engine_client import EngineDeadError, EngineRequestError
+from orchestrator.engine_api import EngineDeadError, EngineRequestError
 
 log = structlog.get_logger("slotserve.api")
 

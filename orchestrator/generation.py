@@ -19,7 +19,7 @@ from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admin_feed import AttentionFeed
 from orchestrator.admission import WaitHooks
-from orchestrator.engine_client import EngineClient, Event
+from orchestrator.engine_api import EngineClient, EngineEvent, GenerationStream, TokenOutput
 from orchestrator.errors import ApiError
 from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
 from orchestrator.slots import SlotRegistry, check_slot_id
@@ -135,23 +135,18 @@ class TokenStream:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.stop_ids = stop_ids
 
-    async def events(self, stream: AsyncIterator[Event]) -> AsyncIterator[TokenOut | proto.Progress | proto.Done]:
-        """The worker's events of one request (``EngineClient.open_stream``): each ``Token`` as a
-        :class:`TokenOut` (:meth:`convert`), ``Progress`` and the final ``Done`` as they come."""
-        async for event, bufs in stream:
-            if isinstance(event, proto.Token):
-                yield self.convert(event, bufs)
-            elif isinstance(event, proto.Progress | proto.Done):
+    async def events(self, stream: AsyncIterator[EngineEvent]) -> AsyncIterator[TokenOut | proto.Progress | proto.Done]:
+        """The engine's events of one request (a :class:`orchestrator.engine_api.GenerationStream`):
+        each token as a :class:`TokenOut` (:meth:`convert`), ``Progress`` and the final ``Done`` as they come."""
+        async for event in stream:
+            if isinstance(event, TokenOutput):
+                yield self.convert(event)
+            else:
                 yield event
 
-    def convert(self, msg: proto.Token, bufs: list[bytes]) -> TokenOut:
-        """Attach text and split the buffers (attention first, then hidden state)."""
-        i = 0
-        attention = hidden = None
-        if msg.has_attention:
-            attention, i = bufs[0], 1
-        if msg.has_hidden:
-            hidden = bufs[i]
+    def convert(self, out: TokenOutput) -> TokenOut:
+        """Attach the token's text."""
+        msg = out.token
         return TokenOut(
             index=msg.index,
             token_id=msg.token_id,
@@ -159,9 +154,9 @@ class TokenStream:
             text=self.decoder.decode(msg.piece),
             logprob=msg.logprob,
             top=list(msg.top),
-            attention=attention,
-            attention_shape=list(msg.attention_shape),
-            hidden=hidden,
+            attention=out.attention,
+            attention_shape=list(msg.attention.shape) if msg.attention is not None else [],
+            hidden=out.hidden,
             is_stop=msg.token_id in self.stop_ids,
         )
 
@@ -257,20 +252,18 @@ class GenerationService:
         async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
-            msg = proto.Generate(
-                self.engine.new_id(), slot.seq, "generate", ids, params, capture, progress=req.progress
-            )
-            self.registry.generation_started(slot, msg.req, params)
+            assert slot.seq is not None
             converter = TokenStream(
                 set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
             )
             texts: list[str] = []
             n_out = 0
             finished = False
-            events = await self.engine.open_stream(msg)
+            events = await self.engine.generate(slot.seq, ids, params, capture, progress=req.progress)
+            self.registry.generation_started(slot, events.req, params)
             try:
                 if control is not None:
-                    await control.bind(self.engine, msg.req)
+                    await control.bind(self.engine, events.req)
                 yield Started(slot.id)
                 async for event in converter.events(events):
                     if isinstance(event, TokenOut):
@@ -301,7 +294,7 @@ class GenerationService:
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
             finally:
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()
                 if not finished:  # the client left or the worker failed: the engine stopped it
                     log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
                     metrics.record_abandoned(n_out)
@@ -341,7 +334,7 @@ class GenerationService:
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
         slot_id = check_slot_id(str(named if named is not None else "0"))
         t0 = time.perf_counter()
-        msg: proto.Generate | None = None
+        events: GenerationStream | None = None
         if req.use_cached_context:
             archive = self.registry.archive
             known = self.registry.find(slot_id) is not None or (
@@ -352,19 +345,19 @@ class GenerationService:
             if known:
                 async with self.registry.use(slot_id, wait=True, create=False) as slot:
                     if slot.n_tokens:
-                        msg = proto.Generate(self.engine.new_id(), slot.seq, "preview", [], params, capture, append)
-                        events = await self.engine.open_stream(msg)  # the fork is taken before any later request
-        cache_hit = msg is not None
-        if msg is None:
+                        assert slot.seq is not None
+                        # the fork is taken before any later request
+                        events = await self.engine.preview(slot.seq, [], append, params, capture)
+        cache_hit = events is not None
+        if events is None:
             if not req.input_ids:
                 raise ApiError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")
-            msg = proto.Generate(self.engine.new_id(), -1, "preview", req.input_ids, params, capture, append)
-            events = await self.engine.open_stream(msg)
+            events = await self.engine.preview(None, req.input_ids, append, params, capture)
         converter = TokenStream(set(params.stop_tokens) | set(info.eog_token_ids))
         texts: list[str] = []
         try:
             if control is not None:
-                await control.bind(self.engine, msg.req)
+                await control.bind(self.engine, events.req)
             yield PreviewStarted(cache_hit, slot_id)
             async for event in converter.events(events):
                 if isinstance(event, TokenOut):

@@ -24,7 +24,7 @@ import structlog
 from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue, Ticket, WaitHooks
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
 from orchestrator.errors import ApiError
 from orchestrator.slot import Slot
 

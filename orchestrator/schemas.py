@@ -11,12 +11,13 @@ Aliases are merged by :meth:`GenerateRequest.canonical`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
-AttentionFormat = Literal["per_layer", "aggregated"]
-AttentionDtype = Literal["float32", "float16"]
+from engine.protocol import AttentionDtype, AttentionFormat, SamplingParams
+
+DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
 
 # Value ranges, checked when a body is decoded (HTTP and WebSocket alike) and published in
 # the OpenAPI schema.  Sampler values reach llama.cpp as C ``float`` / ``int32_t`` /
@@ -102,15 +103,23 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
             input_ids=self.input_ids,
             prompt=self.prompt,
             max_new_tokens=int(
-                first(self.max_new_tokens, self.max_length, self.max_tokens, self.n_predict, default=100)
+                first(
+                    self.max_new_tokens,
+                    self.max_length,
+                    self.max_tokens,
+                    self.n_predict,
+                    default=DEFAULT.max_new_tokens,
+                )
             ),  # type: ignore[call-overload]
-            temperature=float(first(self.temperature, default=0.8)),  # type: ignore[arg-type]
-            top_p=float(first(self.top_p, default=0.95)),  # type: ignore[arg-type]
-            top_k=int(first(self.top_k, default=40)),  # type: ignore[call-overload]
-            min_p=float(first(self.min_p, default=0.05)),  # type: ignore[arg-type]
-            repeat_penalty=float(first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=1.0)),  # type: ignore[arg-type]
-            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=64)),  # type: ignore[call-overload]
-            seed=int(first(self.seed, self.sampler_seed, default=-1)),  # type: ignore[call-overload]
+            temperature=float(first(self.temperature, default=DEFAULT.temperature)),  # type: ignore[arg-type]
+            top_p=float(first(self.top_p, default=DEFAULT.top_p)),  # type: ignore[arg-type]
+            top_k=int(first(self.top_k, default=DEFAULT.top_k)),  # type: ignore[call-overload]
+            min_p=float(first(self.min_p, default=DEFAULT.min_p)),  # type: ignore[arg-type]
+            repeat_penalty=float(
+                first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=DEFAULT.repeat_penalty)
+            ),  # type: ignore[arg-type]
+            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=DEFAULT.repeat_last_n)),  # type: ignore[call-overload]
+            seed=int(first(self.seed, self.sampler_seed, default=DEFAULT.seed)),  # type: ignore[call-overload]
             stop_tokens=list(self.stop_tokens or []),
             banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
             stop_strings=[s for s in stops if s],

@@ -8,7 +8,7 @@ from litestar.datastructures import State
 
 from orchestrator.archive import SlotArchive
 from orchestrator.config import Settings
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
 from orchestrator.generation import GenerationService
 from orchestrator.slot_ops import SlotOps
 from orchestrator.slots import SlotRegistry

@@ -37,7 +37,7 @@ from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue, WaitHooks
 from orchestrator.archive import SlotArchive
 from orchestrator.background import WriteBehind, every, stop
-from orchestrator.engine_client import EngineClient
+from orchestrator.engine_api import EngineClient
 from orchestrator.errors import ApiError
 from orchestrator.lease_keeper import LeaseKeeper
 from orchestrator.residency import Residency, uncancellable
@@ -200,13 +200,13 @@ class SlotRegistry(Residency):
             if got is not None:
                 meta, raw = got
                 ses1 = unpack_ses1(raw)
-                await self.engine.restore(seq, ses1.tokens, ses1.state)
+                await self.engine.restore_state(seq, ses1.tokens, ses1.state)
                 slot.n_tokens, slot.dirty = meta.n_tokens, False
                 slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
                 metrics.RESTORES.inc()
                 return
             slot.stored = False  # expired or deleted meanwhile: an empty slot
-        await self.engine.seq_op("erase", seq)
+        await self.engine.erase(seq)
         if load:
             slot.n_tokens = 0
 
@@ -223,7 +223,7 @@ class SlotRegistry(Residency):
     async def _drop(self, slot: Slot) -> None:
         """Erase a saved slot's cells and free its sequence and lease (all or nothing)."""
         assert slot.seq is not None
-        await self.engine.seq_op("erase", slot.seq)
+        await self.engine.erase(slot.seq)
         self._release_seq(slot)
         if self.leases is not None:
             await self.leases.release(slot.id)
@@ -237,7 +237,7 @@ class SlotRegistry(Residency):
     async def forget(self, slot: Slot) -> None:
         """Drop a slot entirely (lock held): engine cells and registry entry."""
         if self.is_resident(slot):
-            await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
+            await self.engine.erase(slot.seq)  # type: ignore[arg-type]
         self._release_seq(slot)
         self.slots.pop(slot.id, None)
         self._dirty.discard(slot.id)
@@ -248,10 +248,9 @@ class SlotRegistry(Residency):
     async def tokens(self, slot: Slot) -> list[int]:
         """The slot's tokens: from the engine if resident (refreshing ``n_tokens``), else from the store."""
         if self.is_resident(slot):
-            reply, _ = await self.engine.seq_op("tokens", slot.seq)  # type: ignore[arg-type]
-            assert isinstance(reply, proto.SeqInfo)
-            slot.n_tokens = len(reply.tokens)
-            return reply.tokens
+            tokens = await self.engine.tokens(slot.seq)  # type: ignore[arg-type]
+            slot.n_tokens = len(tokens)
+            return tokens
         if slot.stored and self.archive is not None:
             meta = await self.archive.lookup(slot.id)
             return list(meta.tokens) if meta is not None else []
@@ -269,9 +268,8 @@ class SlotRegistry(Residency):
         return None
 
     async def _read_state(self, slot: Slot) -> tuple[list[int], bytes]:
-        reply, bufs = await self.engine.seq_op("save_state", slot.seq)  # type: ignore[arg-type]
-        assert isinstance(reply, proto.StateBlob)
-        return reply.tokens, pack_ses1(reply.tokens, bufs[0])
+        saved = await self.engine.save_state(slot.seq)  # type: ignore[arg-type]
+        return saved.tokens, pack_ses1(saved.tokens, saved.state)
 
     async def restore(self, slot: Slot, tokens: list[int], state: proto.Buffer, created: bool) -> None:
         """Replace the slot's KV state with ``tokens`` and their llama.cpp sequence ``state``.
@@ -283,7 +281,7 @@ class SlotRegistry(Residency):
         was_resident = self.is_resident(slot)
         try:
             seq = await self.ensure_resident(slot, load=False)
-            await self.engine.restore(seq, tokens, state)
+            await self.engine.restore_state(seq, tokens, state)
         except BaseException:
             if created:
                 await self.forget(slot)
@@ -297,16 +295,14 @@ class SlotRegistry(Residency):
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
         """llama-server's context shift on the slot (restored first if parked); the new token count."""
         seq = await self.ensure_resident(slot)
-        reply, _ = await self.engine.seq_op("context_shift", seq, n_keep, n_discard)
-        assert isinstance(reply, proto.SeqInfo)
-        slot.n_tokens = len(reply.tokens)
+        slot.n_tokens = len(await self.engine.context_shift(seq, n_keep, n_discard))
         self.schedule(slot)
         return slot.n_tokens
 
     async def erase(self, slot: Slot) -> None:
         """Drop the slot's cells and its stored state; it stays known, empty."""
         if self.is_resident(slot):
-            await self.engine.seq_op("erase", slot.seq)  # type: ignore[arg-type]
+            await self.engine.erase(slot.seq)  # type: ignore[arg-type]
         if slot.stored and self.archive is not None:
             await self.archive.delete(slot.id)
         self._dirty.discard(slot.id)
@@ -333,9 +329,7 @@ class SlotRegistry(Residency):
             dst.dirty = False
             await self._write(dst, got[0], got[1], self.archive.next_version())
             return dst.n_tokens
-        reply, _ = await self.engine.seq_op("fork", src_seq, dst_seq)
-        assert isinstance(reply, proto.SeqInfo)
-        dst.n_tokens = len(reply.tokens)
+        dst.n_tokens = len(await self.engine.fork(src_seq, dst_seq))
         self.schedule(dst)
         return dst.n_tokens
 

@@ -1,51 +1,132 @@
-"""How the orchestrator starts its engine worker: the worker's command line and environment."""
+"""How the orchestrator starts its engine worker: the command line, the environment, the process."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine import settings
+from engine.settings import EngineSettings
+from orchestrator.engine_api import EngineDeadError
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """How to start the worker (mirrors ``engine.worker``'s command line)."""
+    """How to start (or reach) the worker: its :class:`engine.settings.EngineSettings`, handed to it whole.
 
-    model: Path | None = None
-    ctx_size: int = 4096
-    parallel: int = 4
-    spare: int = 4
-    threads: int = max(1, os.cpu_count() or 1)
-    batch_size: int = 512
-    ubatch_size: int = 512
-    n_gpu_layers: int = 0
-    verify_cells: bool = False
-    cache_idle_slots: bool = True
-    repack: bool | None = None  # CPU weight repacking (extra buffer types); None: the worker decides
-    eval_filter: bool = True  # the C eval-callback filter for attention rows, when built
-    classifier: bool = False  # serve ``model`` as a sequence classifier (``Classify`` requests only)
-    connect: str | None = None  # tcp:host:port of a standalone worker instead of spawning one
+    ``connect``: ``tcp:host:port`` of a standalone worker instead of spawning one (which
+    then runs with its own settings); ``extra_env``: added to a spawned worker's
+    environment; ``python``: the interpreter that runs it (e.g. another venv's, with a
+    GPU build of llama.cpp).
+    """
+
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    connect: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-    # the interpreter that runs the worker (e.g. another venv's, with a GPU build of llama.cpp)
     python: str = field(default_factory=lambda: os.environ.get("SLOTSERVE_WORKER_PYTHON", sys.executable))
 
     def argv(self, address: str) -> list[str]:
         """Command line for a spawned worker that connects back to ``address``."""
-        args = [self.python, "-m", "engine.worker", "--connect", address]
-        if self.model is not None:
-            args += ["--model", str(self.model)]
-        args += ["--ctx-size", str(self.ctx_size), "--parallel", str(self.parallel), "--spare", str(self.spare)]
-        args += ["--threads", str(self.threads), "--batch-size", str(self.batch_size)]
-        args += ["--ubatch-size", str(self.ubatch_size), "--n-gpu-layers", str(self.n_gpu_layers)]
-        if self.verify_cells:
-            args.append("--verify-cells")
-        if not self.cache_idle_slots:
-            args.append("--no-cache-idle-slots")
-        if self.repack is not None:
-            args.append("--repack" if self.repack else "--no-repack")
-        if not self.eval_filter:
-            args.append("--no-eval-filter")
-        if self.classifier:
-            args.append("--classifier")
-        return args
+        return [self.python, "-m", "engine.worker", "--connect", address, "--settings", settings.encode(self.engine)]
+
+
+class EngineStartError(EngineDeadError):
+    """The worker died or failed before ``Ready``: ``stage`` reached, ``returncode`` (``-N``: signal N)."""
+
+    def __init__(self, message: str, stage: str, returncode: int | None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.returncode = returncode
+
+    @property
+    def crashed(self) -> bool:
+        """True when a signal (a crash in native code: SIGSEGV, SIGABRT, SIGILL, SIGBUS) ended the worker."""
+        return self.returncode is not None and self.returncode < 0 and -self.returncode != signal.SIGTERM
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit status in words (``signal SIGSEGV``, ``exit status 1``)."""
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"exit status {code}"
+
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class WorkerProcess:
+    """A spawned ``python -m engine.worker`` that connects back over a Unix socket in a private directory."""
+
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.proc: asyncio.subprocess.Process | None = None
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (None before it is spawned)."""
+        return self.proc.pid if self.proc else None
+
+    async def spawn(self, timeout: float) -> Connection:
+        """Start the worker and return its connection; :class:`EngineStartError` when it exits
+        first or does not connect within ``timeout`` seconds."""
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="slotserve-")
+        path = str(Path(self._tmpdir.name) / "worker.sock")
+        accepted: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+
+        def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            if not accepted.done():
+                accepted.set_result((r, w))
+            else:
+                w.close()
+
+        server = await asyncio.start_unix_server(on_connect, path=path, limit=1 << 20)
+        env = {**os.environ, **self.options.extra_env}
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = await asyncio.create_subprocess_exec(*self.options.argv(f"unix:{path}"), env=env)
+        try:
+            done, _ = await asyncio.wait(
+                [accepted, asyncio.ensure_future(self.proc.wait())],
+                timeout=timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if accepted not in done:
+                code = self.proc.returncode
+                await self.stop()
+                raise EngineStartError(f"worker exited with {describe_exit(code)} before connecting", "spawning", code)
+            return accepted.result()
+        finally:
+            server.close()
+
+    async def exit_status(self) -> int | None:
+        """The worker's exit status once it has exited (waits up to 5 s), else None."""
+        if self.proc is None:
+            return None
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(self.proc.wait(), 5)
+        return None
+
+    async def stop(self) -> None:
+        """Terminate the worker (killed after 10 s) and remove its socket directory."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 10)
+            if self.proc.returncode is None:
+                self.proc.kill()
+                await self.proc.wait()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None

@@ -108,9 +108,10 @@ def model(model_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def engine(model):  # type: ignore[no-untyped-def]
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import Engine
+    from engine.settings import EngineSettings
 
-    eng = Engine(model, EngineConfig(n_ctx=2048, n_slots=4, n_spare=2, n_threads=2, verify_cells=True))
+    eng = Engine(model, EngineSettings(n_ctx=2048, n_slots=4, n_spare=2, n_threads=2, verify_cells=True))
     yield eng
     eng.close()
 

@@ -82,12 +82,12 @@ async def classify(data: ClassifyRequest, services: Services) -> ClassifyRespons
         raise ApiError(ErrorCode.INVALID_REQUEST, "inputs must be a string or a non-empty list of strings")
     if len(texts) > MAX_INPUTS:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"at most {MAX_INPUTS} inputs per request, got {len(texts)}")
-    reply, buf = await engine.classify(texts)
+    result = await engine.classify(texts)
     assert engine.info is not None
-    logits = np.frombuffer(buf, dtype=np.float32).reshape(len(texts), reply.n_out)
+    logits = np.frombuffer(result.logits, dtype=np.float32).reshape(len(texts), result.n_out)
     labels = engine.info.classifier_labels
     per_input = [ranked(labels, row) for row in logits]
-    n = sum(reply.n_tokens)
+    n = sum(result.n_tokens)
     return ClassifyResponse(
         model=engine.info.model_name,
         usage=ClassifyUsage(n, n),

@@ -57,7 +57,7 @@ from orchestrator.wire import slot_id_out
 log = structlog.get_logger("slotserve.llama_server")
 
 STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
-DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
 
 
 NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
@@ -276,7 +276,7 @@ class LlamaServerController(Controller):
             default_generation_settings=msgspec.convert(
                 {"params": params_json(None), "n_ctx": info.n_ctx}, DefaultSettings
             ),
-            total_slots=services.settings.worker.parallel,
+            total_slots=services.settings.worker.engine.n_slots,
             model_alias=info.model_name,
             model_path=info.model_path,
             modalities=Modalities(vision=False, video=False, audio=False),

@@ -8,9 +8,14 @@ import numpy as np
 
 from engine.batcher import Batcher
 from engine.engine import BatchEntry, Engine
-from engine.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
+from engine.protocol import CaptureOptions, Done, Error, Generate, GenerateMode, SamplingParams, Tensor, Token
 
 _req = iter(range(1_000_000, 10_000_000))
+
+
+def tensor(t: Tensor, bufs: list[np.ndarray]) -> np.ndarray:
+    """The array a :class:`engine.protocol.Tensor` describes, read from the emitted buffers."""
+    return np.frombuffer(t.take(bufs), dtype=t.dtype).reshape(t.shape)
 
 
 @dataclass
@@ -38,13 +43,11 @@ class Runner:
         if isinstance(msg, Token):
             r.tokens.append(msg.token_id)
             r.events.append(msg)
-            i = 0
-            if msg.has_attention:
-                dt = np.float16 if bufs[0].dtype == np.float16 else np.float32
-                r.attention.append(np.array(bufs[0], dtype=dt).reshape(msg.attention_shape))
-                i = 1
-            if msg.has_hidden:
-                r.hidden.append(np.array(bufs[i], dtype=np.float32))
+            # read each tensor as a receiver would: from its description alone
+            if msg.attention is not None:
+                r.attention.append(tensor(msg.attention, bufs))
+            if msg.hidden is not None:
+                r.hidden.append(tensor(msg.hidden, bufs))
         elif isinstance(msg, Done):
             r.done = msg
         elif isinstance(msg, Error):
@@ -54,7 +57,7 @@ class Runner:
         self,
         seq: int,
         ids: list[int],
-        mode: str = "generate",
+        mode: GenerateMode = "generate",
         append: list[int] | None = None,
         capture: CaptureOptions | None = None,
         **params: object,

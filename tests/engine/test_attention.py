@@ -183,15 +183,16 @@ def test_device_buffer_path_copies_the_same_rows(engine, prompt, monkeypatch) ->
 def test_c_filter_and_python_callback_capture_the_same_rows(model, engine, prompt) -> None:  # type: ignore[no-untyped-def]
     """The C eval filter (the default when built) and the pure Python callback agree exactly."""
     from engine import evalfilter
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import Engine
+    from engine.settings import EngineSettings
 
     if not evalfilter.available():
         pytest.fail("engine._evalfilter was not built: `pip install -e .` compiles it")
     assert engine.capture.c is not None
     py = Engine(
-        model, EngineConfig(n_ctx=1024, n_slots=2, n_spare=1, n_threads=2, verify_cells=True, eval_filter=False)
+        model, EngineSettings(n_ctx=1024, n_slots=2, n_spare=1, n_threads=2, verify_cells=True, eval_filter=False)
     )
-    c = Engine(model, EngineConfig(n_ctx=1024, n_slots=2, n_spare=1, n_threads=2, verify_cells=False))
+    c = Engine(model, EngineSettings(n_ctx=1024, n_slots=2, n_spare=1, n_threads=2, verify_cells=False))
     try:
         assert py.capture.c is None and c.capture.c is not None
         runs = []

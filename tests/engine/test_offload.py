@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import llama_cpp as llama
+import msgspec
 import numpy as np
 import pytest
 
@@ -84,7 +83,7 @@ def test_off_switch_and_busy_slots_stay(runner: Runner, engine, model) -> None: 
     assert runner.results[p].done is not None and runner.results[g].done is not None
     assert 0 not in engine.offloaded
     cfg = engine.config
-    engine.config = dataclasses.replace(cfg, cache_idle_slots=False)
+    engine.config = msgspec.structs.replace(cfg, cache_idle_slots=False)
     try:
         runner.generate(2, a, max_new_tokens=2, ignore_eos=True)
         assert not engine.offloaded & {0, 1}

@@ -1,7 +1,7 @@
 """An in-memory engine for in-process tests of the orchestrator (no llama.cpp, no worker process).
 
 :class:`FakeEngine` answers what the orchestrator asks of
-:class:`orchestrator.engine_client.EngineClient` with a list of tokens per sequence:
+:class:`orchestrator.engine_api.EngineClient` with a list of tokens per sequence:
 
 * ``generate`` reuses the longest common prefix of a sequence's tokens with the request's
   ``input_ids`` (``n_cached``), then yields ``max_new_tokens`` deterministic tokens
@@ -10,15 +10,13 @@
   as in the worker;
 * ``fork`` copies a sequence's tokens; ``erase``, ``context_shift`` and ``tokens`` act on them;
 * ``save_state`` returns a blob that encodes the tokens (``b"FAKE"`` + u32 count + i32 ids,
-  little-endian) and ``restore`` refuses one whose tokens differ (``BAD_STATE``);
+  little-endian) and ``restore_state`` refuses one whose tokens differ (``BAD_STATE``);
 * a KV operation on a sequence that is generating answers ``SLOT_BUSY``, as the worker does;
 * :meth:`FakeEngine.restart` empties every sequence and bumps ``generation`` (a worker restart).
 
-The typed methods follow the ``EngineClient`` protocol of ``orchestrator/engine_api.py`` (its
-names, parameters and result shapes: ``tokens``, ``erase``, ``truncate``, ``fork``,
-``context_shift``, ``save_state``, ``restore_state``, ``generate``, ...); ``seq_op``, ``restore``
-and ``open_stream`` adapt them to the request shapes the orchestrator's registry sends today
-(:mod:`engine.protocol`'s ``SeqOp``, ``RestoreState``, ``Generate``).
+It implements the ``EngineClient`` protocol of ``orchestrator/engine_api.py`` (its names,
+parameters and result types: ``tokens``, ``erase``, ``truncate``, ``fork``, ``context_shift``,
+``save_state``, ``restore_state``, ``generate``, ...).
 :attr:`FakeEngine.calls` records every KV operation as ``(name, seq)``.
 """
 
@@ -28,31 +26,14 @@ import asyncio
 import itertools
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from engine import protocol as proto
-from orchestrator.engine_client import EngineRequestError
+from engine.errors import ErrorCode
+from engine.model_facts import EngineRuntime, ModelInfo
+from orchestrator.engine_api import EngineRequestError, SequenceState, TokenOutput
 
 VOCAB = 512
 EOG = VOCAB - 1
-
-
-@dataclass(frozen=True)
-class SequenceState:
-    """A sequence's tokens and state bytes (the shape of ``engine_api.SequenceState``)."""
-
-    tokens: list[int]
-    state: bytes
-    t_ms: float
-
-
-@dataclass(frozen=True)
-class TokenOutput:
-    """One generated token (the shape of ``engine_api.TokenOutput``; the fake captures no tensors)."""
-
-    token: proto.Token
-    attention: bytes | None = None
-    hidden: bytes | None = None
 
 
 class GenerationStream:
@@ -113,9 +94,9 @@ def state_tokens(blob: bytes | memoryview) -> list[int] | None:
     return list(struct.unpack_from(f"<{n}i", data, 8))
 
 
-def model_info(n_slots: int, n_ctx: int = 4096) -> proto.ModelInfo:
+def model_info(n_slots: int, n_ctx: int = 4096) -> ModelInfo:
     """A :class:`engine.protocol.ModelInfo` for the fake model."""
-    runtime = proto.EngineRuntime(
+    runtime = EngineRuntime(
         backend="fake",
         devices=[],
         n_gpu_layers=0,
@@ -133,7 +114,7 @@ def model_info(n_slots: int, n_ctx: int = 4096) -> proto.ModelInfo:
         self_check_ms=0.0,
         system_info="",
     )
-    return proto.ModelInfo(
+    return ModelInfo(
         model_name="fake",
         model_path="",
         architecture="fake",
@@ -167,7 +148,7 @@ class FakeEngine:
     """In-memory engine with ``n_slots`` sequences (see module docstring)."""
 
     def __init__(self, n_slots: int, step_s: float = 0.002) -> None:
-        self.info: proto.ModelInfo | None = model_info(n_slots)
+        self.info: ModelInfo | None = model_info(n_slots)
         self.pieces = [f" t{i}".encode() for i in range(VOCAB)]
         self.generation = 1
         self.alive = True
@@ -192,10 +173,10 @@ class FakeEngine:
     def _idle(self, seq: int, name: str) -> list[int]:
         self.calls.append((name, seq))
         if seq in self.generating:
-            raise EngineRequestError("SLOT_BUSY", f"sequence {seq} is generating")
+            raise EngineRequestError(ErrorCode.SLOT_BUSY, f"sequence {seq} is generating")
         return self.seqs.setdefault(seq, [])
 
-    async def start(self, timeout: float = 300.0) -> proto.ModelInfo:
+    async def start(self, timeout: float = 300.0) -> ModelInfo:
         """Already started: the model info."""
         assert self.info is not None
         return self.info
@@ -241,7 +222,7 @@ class FakeEngine:
         """Drop ``n_discard`` tokens after the first ``n_keep``."""
         toks = self._idle(seq, "context_shift")
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > len(toks):
-            raise EngineRequestError("INVALID_REQUEST", "bad context shift")
+            raise EngineRequestError(ErrorCode.INVALID_REQUEST, "bad context shift")
         del toks[n_keep : n_keep + n_discard]
         return list(toks)
 
@@ -254,7 +235,7 @@ class FakeEngine:
         """Replace ``seq``; ``BAD_STATE`` (sequence unchanged) unless ``state`` encodes ``tokens``."""
         self._idle(seq, "restore")
         if state_tokens(memoryview(state).cast("B")) != list(tokens):
-            raise EngineRequestError("BAD_STATE", "the state does not match its tokens")
+            raise EngineRequestError(ErrorCode.BAD_STATE, "the state does not match its tokens")
         self.seqs[seq] = list(tokens)
         return 0.0
 
@@ -280,7 +261,7 @@ class FakeEngine:
         capture: proto.CaptureOptions,
     ) -> GenerationStream:
         """Not modelled: ``NOT_SUPPORTED``."""
-        raise EngineRequestError("NOT_SUPPORTED", "the fake engine has no preview")
+        raise EngineRequestError(ErrorCode.NOT_SUPPORTED, "the fake engine has no preview")
 
     def _start(self, msg: proto.Generate, wrap: Callable[[proto.Token | proto.Done], object]) -> GenerationStream:
         """Take the sequence and prefill now (``SLOT_BUSY`` if it generates); the decode runs as it is iterated."""
@@ -322,36 +303,6 @@ class FakeEngine:
         n_prompt = len(msg.input_ids)
         yield proto.Done(req, reason, n_prompt, n_cached, n_prompt - n_cached, n, 0.0, 0.0, "", len(toks))
 
-    # ------------------------------------------------------------------ today's request shapes
-
-    async def seq_op(self, op: str, seq: int, arg0: int = 0, arg1: int = 0) -> tuple[object, list[bytes]]:
-        """:class:`engine.protocol.SeqOp` as the worker answers it."""
-        req = self.new_id()
-        if op == "save_state":
-            got = await self.save_state(seq)
-            return proto.StateBlob(req, seq, got.tokens, got.t_ms), [got.state]
-        if op == "erase":
-            await self.erase(seq)
-            return proto.SeqInfo(req, seq, []), []
-        if op == "tokens":
-            return proto.SeqInfo(req, seq, await self.tokens(seq)), []
-        if op == "fork":
-            return proto.SeqInfo(req, arg0, await self.fork(seq, arg0)), []
-        if op == "context_shift":
-            return proto.SeqInfo(req, seq, await self.context_shift(seq, arg0, arg1)), []
-        raise EngineRequestError("INVALID_REQUEST", f"unknown op {op!r}")
-
-    async def restore(self, seq: int, tokens: list[int], state: proto.Buffer) -> proto.StateBlob:
-        """:class:`engine.protocol.RestoreState` as the worker answers it."""
-        await self.restore_state(seq, tokens, state)
-        return proto.StateBlob(self.new_id(), seq, list(tokens), 0.0)
-
-    async def open_stream(self, msg: proto.Generate) -> GenerationStream:
-        """Start a generation; its events as ``(event, buffers)``, as the worker client yields them."""
-        if msg.mode != "generate":
-            raise EngineRequestError("NOT_SUPPORTED", "the fake engine only generates")
-        return self._start(msg, lambda ev: (ev, []))
-
     async def cancel(self, req: int) -> None:
         """Stop generation ``req`` at its next step."""
         self.cancelled.add(req)
@@ -367,10 +318,8 @@ class FakeEngine:
 
     async def classify(self, texts: Sequence[str]) -> object:
         """Not a classifier: ``INVALID_REQUEST``, as a generating worker answers."""
-        raise EngineRequestError("INVALID_REQUEST", "not a classifier")
+        raise EngineRequestError(ErrorCode.INVALID_REQUEST, "not a classifier")
 
     async def engine_state(self) -> proto.EngineState:
         """Nothing offloaded; the generating sequences."""
         return proto.EngineState(self.new_id(), [], sorted(self.generating))
-
-    status = engine_state  # the name the orchestrator's client uses today

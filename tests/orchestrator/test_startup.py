@@ -21,9 +21,10 @@ import httpx
 import pytest
 from rich.console import Console
 
+from engine.settings import EngineSettings
 from orchestrator.check import run_check
-from orchestrator.engine_client import EngineClient, EngineStartError
-from orchestrator.worker_options import WorkerOptions
+from orchestrator.engine_client import WorkerClient
+from orchestrator.worker_options import EngineStartError, WorkerOptions
 from tests.conftest import ROOT
 
 FAULTS = ROOT / "tests" / "orchestrator" / "worker_faults.py"
@@ -37,11 +38,11 @@ def faulty_python(tmp_path: Path) -> str:
     return str(wrapper)
 
 
-def faulty(tmp_path: Path, fault: str, **options: object) -> WorkerOptions:
+def faulty(tmp_path: Path, fault: str, **settings: object) -> WorkerOptions:
     """Worker options of a small engine whose worker has ``fault`` (tests/orchestrator/worker_faults.py)."""
     return WorkerOptions(
-        parallel=1, spare=1, ctx_size=512, threads=2, python=faulty_python(tmp_path),
-        extra_env={"SLOTSERVE_TEST_FAULT": fault}, **options,  # type: ignore[arg-type]
+        EngineSettings(n_slots=1, n_spare=1, n_ctx=512, n_threads=2, **settings),  # type: ignore[arg-type]
+        python=faulty_python(tmp_path), extra_env={"SLOTSERVE_TEST_FAULT": fault},
     )  # fmt: skip
 
 
@@ -57,7 +58,9 @@ def test_check_passes_in_every_configuration(repack: bool, eval_filter: bool) ->
     from engine import evalfilter
 
     code, out = check(
-        WorkerOptions(parallel=2, spare=1, ctx_size=512, threads=2, repack=repack, eval_filter=eval_filter)
+        WorkerOptions(
+            EngineSettings(n_slots=2, n_spare=1, n_ctx=512, n_threads=2, repack=repack, eval_filter=eval_filter)
+        )
     )
     assert code == 0, out
     assert "verdict: PASS" in out
@@ -71,10 +74,10 @@ def test_crash_during_start_up_is_retried_without_repacking(tmp_path: Path) -> N
     options = faulty(tmp_path, "segv-unless-no-repack")
 
     async def run() -> None:
-        client = EngineClient(options, restart=False)
+        client = WorkerClient(options, restart=False)
         info = await client.start()
         try:
-            assert client.options.repack is False
+            assert client.options.engine.repack is False
             assert info.runtime.use_extra_bufts is False
             assert info.runtime.repack_reason == "requested (--no-repack)"
             reply = await client.tokenize("hello", False, False)
@@ -89,7 +92,7 @@ def test_crash_is_reported_with_stage_and_signal(tmp_path: Path) -> None:
     options = faulty(tmp_path, "segv-always")
 
     async def run() -> EngineStartError:
-        client = EngineClient(options, restart=False)
+        client = WorkerClient(options, restart=False)
         with pytest.raises(EngineStartError) as info:
             await client.start()
         assert client.pid is not None
@@ -106,7 +109,7 @@ def test_explicit_repack_is_not_second_guessed(tmp_path: Path) -> None:
 
     async def run() -> None:
         with pytest.raises(EngineStartError) as info:
-            await EngineClient(options, restart=False).start()
+            await WorkerClient(options, restart=False).start()
         assert info.value.stage == "self_check"
 
     asyncio.run(run())
@@ -186,6 +189,6 @@ def test_health_says_loading_with_progress(start_server, tmp_path: Path) -> None
 
 def test_small_context_starts() -> None:
     """A window smaller than llama.cpp's 256-cell padding: the capture is sized by the cells llama.cpp made."""
-    code, out = check(WorkerOptions(parallel=1, spare=1, ctx_size=64, threads=2))
+    code, out = check(WorkerOptions(EngineSettings(n_slots=1, n_spare=1, n_ctx=64, n_threads=2)))
     assert code == 0, out
     assert "verdict: PASS" in out

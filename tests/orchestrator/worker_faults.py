@@ -3,7 +3,7 @@
 ``SLOTSERVE_TEST_FAULT`` chooses it:
 
 * ``segv-unless-no-repack``: the self-check dies by SIGSEGV unless the worker was started
-  with ``--no-repack`` (the shape of llama.cpp's extra-buffer-type crash on AMX hosts);
+  with repacking off (``repack: false`` in its settings, or ``--no-repack``; the shape of llama.cpp's extra-buffer-type crash on AMX hosts);
 * ``segv-always``: the self-check always dies by SIGSEGV;
 * ``slow-load``: the model load reports its progress slowly (0.1 s per report), so a
   client can watch ``/health`` say ``loading`` with a fraction.
@@ -27,7 +27,9 @@ def _segv(_self: object) -> None:
     os.kill(os.getpid(), signal.SIGSEGV)
 
 
-if FAULT == "segv-always" or (FAULT == "segv-unless-no-repack" and "--no-repack" not in sys.argv):
+if FAULT == "segv-always" or (
+    FAULT == "segv-unless-no-repack" and worker.parse_args(sys.argv[1:])[1].repack is not False
+):
     engine.Engine._self_check = _segv  # type: ignore[method-assign]
 
 if FAULT == "slow-load":

@@ -1,0 +1,98 @@
+"""A generation worker's request handlers: one per message of :mod:`engine.protocol`.
+
+:class:`EngineHandlers` maps each request type the generation worker serves to the
+method that answers it (SGLang's type-based dispatch): adding a message is one Struct
+and one row.  Handlers run on the worker's loop thread, between decode steps, and
+raise :class:`engine.engine.EngineError` to answer ``Error``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine import protocol as proto
+from engine.batcher import Batcher
+from engine.engine import Engine, EngineError
+from engine.errors import ErrorCode
+
+Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]
+Handler = Callable[[Any, list[bytearray]], None]
+
+
+class EngineHandlers:
+    """Answers generation and KV-sequence requests on one :class:`Engine` through its :class:`Batcher`."""
+
+    def __init__(self, engine: Engine, batcher: Batcher, send: Send) -> None:
+        self.engine = engine
+        self.batcher = batcher
+        self.send = send
+
+    def table(self) -> dict[type, Handler]:
+        """Request type -> handler."""
+        return {
+            proto.Generate: lambda msg, _: self.batcher.submit(msg),
+            proto.Cancel: lambda msg, _: self.batcher.cancel(msg.target),
+            proto.Status: self.status,
+            proto.Tokens: self.sequence(lambda msg: None),
+            proto.Erase: self.sequence(lambda msg: self.engine.erase(msg.seq)),
+            proto.Truncate: self.sequence(lambda msg: self.engine.truncate(msg.seq, msg.n_keep)),
+            proto.Fork: self.fork,
+            proto.ContextShift: self.sequence(
+                lambda msg: self.engine.context_shift(msg.seq, msg.n_keep, msg.n_discard)
+            ),
+            proto.SaveState: self.save_state,
+            proto.RestoreState: self.restore_state,
+        }
+
+    def check(self, msg: proto.SeqRequest, seq: int | None = None, writes: bool | None = None) -> None:
+        """Refuse a sequence that is not a slot's (``INVALID_REQUEST``) or, for a request that
+        writes, one a generation owns (``SLOT_BUSY``); then write its pending last token."""
+        seq = msg.seq if seq is None else seq
+        if not 0 <= seq < self.engine.config.n_slots:
+            raise EngineError(ErrorCode.INVALID_REQUEST, f"no engine sequence {seq}")
+        if (msg.writes if writes is None else writes) and self.batcher.busy(seq):
+            raise EngineError(ErrorCode.SLOT_BUSY, f"sequence {seq} is generating")
+        self.batcher.flush(seq)
+
+    def sequence(self, op: Callable[[Any], object]) -> Handler:
+        """The handler of an operation on ``msg.seq`` that answers the sequence's tokens (``SeqTokens``)."""
+
+        def handle(msg: proto.SeqRequest, _: list[bytearray]) -> None:
+            self.check(msg)
+            op(msg)
+            self.send(proto.SeqTokens(msg.req, msg.seq, list(self.engine.tokens.get(msg.seq, []))), ())
+
+        return handle
+
+    def status(self, msg: proto.Status, _: list[bytearray]) -> None:
+        """Which sequences are offloaded and which generate."""
+        busy = sorted({j.seq for j in self.batcher.jobs.values() if not j.fork})
+        self.send(proto.EngineState(msg.req, sorted(self.engine.offloaded), busy), ())
+
+    def fork(self, msg: proto.Fork, _: list[bytearray]) -> None:
+        """Copy-on-write copy of ``seq`` into ``target`` (which must not be generating)."""
+        self.check(msg)
+        self.check(msg, msg.target, writes=True)
+        self.engine.fork(msg.seq, msg.target)
+        self.send(proto.SeqTokens(msg.req, msg.target, list(self.engine.tokens.get(msg.target, []))), ())
+
+    def save_state(self, msg: proto.SaveState, _: list[bytearray]) -> None:
+        """The sequence's tokens and llama.cpp state (buffer 0)."""
+        self.check(msg)
+        t0 = time.perf_counter()
+        tokens, blob = self.engine.save_state(msg.seq)
+        t_ms = (time.perf_counter() - t0) * 1000
+        self.send(proto.StateBlob(msg.req, msg.seq, tokens, t_ms, proto.Tensor.raw(blob)), [blob])
+
+    def restore_state(self, msg: proto.RestoreState, bufs: list[bytearray]) -> None:
+        """Replace the sequence from tokens + the llama.cpp state the message describes."""
+        if msg.state.dtype != "uint8" or len(msg.state.shape) != 1:
+            raise EngineError(ErrorCode.BAD_STATE, f"a state is uint8[n] bytes, not {msg.state.dtype}{msg.state.shape}")
+        state = msg.state.take(bufs)
+        self.check(msg)
+        t0 = time.perf_counter()
+        self.engine.restore_state(msg.seq, msg.tokens, memoryview(state), check_values=True)
+        t_ms = (time.perf_counter() - t0) * 1000
+        self.send(proto.StateRestored(msg.req, msg.seq, len(msg.tokens), t_ms), ())

