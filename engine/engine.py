@@ -139,6 +139,12 @@ class Engine:
         """Tokens of ``seq`` with KV in the cache."""
         return len(self.tokens.get(seq, ()))
 
+    def free_cells(self) -> int:
+        """KV cells no sequence holds (from the cell mirror; without capture, from token counts)."""
+        if self.config.capture:
+            return self.n_cells - int(np.count_nonzero(self.cellmap.occupied()))
+        return self.n_cells - sum(len(t) for s, t in self.tokens.items() if s not in self.offloaded)
+
     # ------------------------------------------------------------------ decode
 
     def decode(self, entries: Sequence[BatchEntry]) -> int:

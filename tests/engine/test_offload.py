@@ -1,4 +1,8 @@
-"""Idle slots leave the KV cache when a job starts (``cache_idle_slots``) and come back intact."""
+"""Idle slots leave the KV cache when a job starts (``cache_idle_slots``) and come back intact.
+
+They leave when that reads nothing (their state was read since they last changed) or when the
+cache lacks room; otherwise they stay, because reading a state stalls every stream.
+"""
 
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ def test_a_new_job_offloads_idle_slots_and_they_come_back(runner: Runner, engine
         engine.decode([BatchEntry(0, len(tokens0), [1])])
     assert err.value.code == "INTERNAL"
 
+    runner.batcher.flush()
+    engine.save_state(1)  # (the write-behind save after slot 1's generation)
     again = runner.generate(0, follow, max_new_tokens=6, ignore_eos=True)  # brings it back, moves slot 1 out
     assert 0 not in engine.offloaded and 1 in engine.offloaded
     assert again.done is not None and again.done.n_cached == len(tokens0), "no re-prefill"
@@ -122,3 +128,21 @@ def seq_state_positions(engine, blob: bytearray) -> int:  # type: ignore[no-unty
     from engine import seq_state
 
     return len(seq_state.parse(blob, engine.layout).positions)
+
+
+def test_unread_idle_slots_stay_unless_the_cache_lacks_room(runner: Runner, engine, model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    a = model.tokenize(CHAT.format("Name a tree."), False, True)
+    runner.generate(0, a, max_new_tokens=4, ignore_eos=True)
+    runner.generate(1, a, max_new_tokens=4, ignore_eos=True)
+    runner.batcher.flush()
+    assert not engine.offloaded and 0 not in engine.states, "slot 0's state was never read: it stays"
+    kv0 = engine.save_state(0)[1]
+    del engine.states[0]  # (as if unread)
+    # a cache with fewer free cells than the next job needs: idle slots go (their states read) until
+    # there is room; one slot's cells are enough here, so slot 1 stays
+    monkeypatch.setattr(engine, "free_cells", lambda: 8)
+    runner.generate(2, a, max_new_tokens=4, ignore_eos=True)
+    assert engine.offloaded == {0} and bytes(engine.states[0]) == bytes(kv0)
+    monkeypatch.undo()
+    back = runner.generate(0, a, max_new_tokens=4, ignore_eos=True)
+    assert 0 not in engine.offloaded and back.done is not None and back.done.n_cached == len(a) - 1
