@@ -78,6 +78,9 @@ class StateReader:
     def enable(self, k0: int, layout: StateLayout, kv_size: int, seq: int, cells: np.ndarray) -> bool:
         """Use a :class:`KvReader` from now on if its state of ``seq`` (whose cells are ``cells``,
         by position) equals llama.cpp's; returns whether it does."""
+        if not k0:
+            self.fast = None
+            return False
         try:
             reader = KvReader(k0, layout, kv_size)
             ok = reader.read(seq, cells) == llama_state(self.ctx, seq)

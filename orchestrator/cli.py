@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-idle-slots",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="when a job starts, move idle slots' KV cells to host memory (llama-server's flag)",
+        help="when a job starts, move idle slots' KV cells to host memory where that reads nothing "
+        "or the cache lacks room (llama-server's flag)",
     )
     eng.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
     eng.add_argument(
