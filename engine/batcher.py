@@ -23,6 +23,7 @@ from engine.sampling import SamplerChain, logits_row, logprobs
 
 Emit = Callable[[msgspec.Struct, Sequence[object]], None]
 PROGRESS_EVERY = 256  # prompt tokens between two Progress events of a job that asks for them
+CHEAP_RUNS = 16  # an idle slot whose cells lie in at most this many runs moves out for free (_offload_idle)
 
 
 @dataclass
@@ -157,11 +158,14 @@ class Batcher:
 
         llama-server's ``--cache-idle-slots`` on a unified cache: the cells of slots nobody uses
         stop widening every decode's attention, and a slot comes back (restored in place) when a
-        job or an operation needs it.  Moving a slot out is free when its state was read since it
-        last changed (the write-behind save after its generation): nothing is read then, so it
-        is always done.  A slot whose state was not read is moved out only when the cache lacks
-        room for ``need`` more cells (this job's tokens and what the running jobs may still
-        add), because reading it stalls every stream's decoding for that long.
+        job or an operation needs it.  That is done when it is cheap both ways: the slot's state
+        was read since it last changed (the write-behind save after its generation), so nothing
+        is read now, and its cells lie in at most ``CHEAP_RUNS`` runs, so the holes it leaves
+        (where restores land, engine.py ``_restore_cells``) are few: llama.cpp restores a state
+        run by run of cells, and per V row with flash attention off (docs/architecture.md, "KV
+        layout").  Other idle slots move out only when the cache lacks room for ``need`` more
+        cells (this job's tokens and what the running jobs may still add), because that stalls
+        every stream's decoding while their states are read and later restored.
         """
         eng = self.engine
         if not eng.config.cache_idle_slots:
@@ -172,7 +176,7 @@ class Batcher:
         need += sum(len(j.pending) + j.req.params.max_new_tokens - len(j.generated) for j in self.jobs.values())
         short = need - eng.free_cells()
         for s in sorted(idle, key=lambda s: s in self.commits or s not in eng.states):  # the free ones first
-            if s in eng.states and s not in self.commits:
+            if s in eng.states and s not in self.commits and eng.cell_runs(s) <= CHEAP_RUNS:
                 short -= eng.seq_len(s)
                 eng.offload(s)
             elif short > 0:

@@ -98,6 +98,11 @@ class CellMap:
             return []
         return [s for s in self._len if s != seq and self._len[s] and np.intersect1d(mine, self.cells(s)).size]
 
+    def runs(self, seq: int) -> int:
+        """Runs of consecutive cells that ``seq`` occupies (1 when its cells are contiguous)."""
+        cells = np.sort(self.cells(seq))
+        return int(1 + np.count_nonzero(np.diff(cells) != 1)) if len(cells) else 0
+
     def occupied(self) -> np.ndarray:
         """``bool[n_cells]``: the cells that hold a position of any sequence."""
         used = np.zeros(self.n_cells, dtype=bool)

@@ -145,6 +145,11 @@ class Engine:
             return self.n_cells - int(np.count_nonzero(self.cellmap.occupied()))
         return self.n_cells - sum(len(t) for s, t in self.tokens.items() if s not in self.offloaded)
 
+    def cell_runs(self, seq: int) -> int:
+        """Runs of consecutive KV cells ``seq`` occupies; a large number when the mirror does not know
+        (no capture)."""
+        return self.cellmap.runs(seq) if self.config.capture else self.n_cells
+
     # ------------------------------------------------------------------ decode
 
     def decode(self, entries: Sequence[BatchEntry]) -> int:

@@ -12,18 +12,10 @@ import llama_cpp as llama
 import numpy as np
 import pytest
 
+from engine.batcher import CHEAP_RUNS
 from engine.engine import BatchEntry, EngineError
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close
-
-
-@pytest.fixture
-def runner(engine):  # type: ignore[no-untyped-def]
-    for s in range(engine.config.n_slots):
-        engine.erase(s)
-    yield Runner(engine)
-    for s in range(engine.config.n_slots):
-        engine.erase(s)
 
 
 def n_cells(engine, seq: int) -> int:  # type: ignore[no-untyped-def]
@@ -146,3 +138,18 @@ def test_unread_idle_slots_stay_unless_the_cache_lacks_room(runner: Runner, engi
     monkeypatch.undo()
     back = runner.generate(0, a, max_new_tokens=4, ignore_eos=True)
     assert 0 not in engine.offloaded and back.done is not None and back.done.n_cached == len(a) - 1
+
+
+def test_idle_slots_whose_cells_interleave_stay(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    """Slots that decoded together hold one-cell runs: moving them out is cheap, bringing them back
+    is not (a restore copies run by run), so they stay even with their states read."""
+    prompts = [model.tokenize(CHAT.format(q), False, True) for q in ("Hi.", "Yes?", "No.", "Go.")]
+    reqs = [runner.submit(s, p, max_new_tokens=24, ignore_eos=True) for s, p in enumerate(prompts)]
+    runner.run()
+    runner.batcher.flush()
+    for s in range(4):
+        engine.save_state(s)
+        assert engine.cell_runs(s) > CHEAP_RUNS
+    again = runner.generate(0, engine.tokens[0], max_new_tokens=2, ignore_eos=True)
+    assert again.done is not None and not engine.offloaded
+    assert all(runner.results[r].done is not None for r in reqs)

@@ -9,7 +9,6 @@ own reads (``engine.kv_io.llama_state``) as the reference.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from engine import seq_state
 from engine.engine import BatchEntry
@@ -18,15 +17,6 @@ from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close
 
 QUESTIONS = ("Tell me about owls.", "Count to ten.", "Name four rivers.", "Why is the sky blue?")
-
-
-@pytest.fixture
-def runner(engine):  # type: ignore[no-untyped-def]
-    for s in range(engine.config.n_slots):
-        engine.erase(s)
-    yield Runner(engine)
-    for s in range(engine.config.n_slots):
-        engine.erase(s)
 
 
 def prompts(model) -> list[list[int]]:  # type: ignore[no-untyped-def]
