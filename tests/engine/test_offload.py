@@ -150,6 +150,6 @@ def test_idle_slots_whose_cells_interleave_stay(runner: Runner, engine, model) -
     for s in range(4):
         engine.save_state(s)
         assert engine.cell_runs(s) > CHEAP_RUNS
-    again = runner.generate(0, engine.tokens[0], max_new_tokens=2, ignore_eos=True)
+    again = runner.generate(0, list(engine.tokens[0]), max_new_tokens=2, ignore_eos=True)
     assert again.done is not None and not engine.offloaded
     assert all(runner.results[r].done is not None for r in reqs)
