@@ -34,6 +34,7 @@ from engine.sampling import SamplerChain, logits_row, logprobs
 
 Emit = Callable[[Message, Sequence[Buffer]], None]
 PROGRESS_EVERY = 256  # prompt tokens between two Progress events of a job that asks for them
+CHEAP_RUNS = 16  # an idle slot whose cells lie in at most this many runs moves out for free (_offload_idle)
 
 
 @dataclass
@@ -121,7 +122,8 @@ class Batcher:
                 )
             if not req.input_ids:
                 raise EngineError(ErrorCode.INVALID_REQUEST, "input_ids is empty")
-            self._offload_idle(keep=req.seq)
+            back = eng.seq_len(req.seq) if req.seq in eng.offloaded else 0
+            self._offload_idle(req.seq, len(req.input_ids) + p.max_new_tokens + back)
             self.flush(req.seq)
             eng.make_resident(req.seq)
             common = common_prefix(eng.tokens.get(req.seq, []), req.input_ids)
@@ -131,7 +133,8 @@ class Batcher:
             seq, fork, pending, history = req.seq, False, list(req.input_ids[common:]), req.input_ids
         else:  # preview
             base: list[int] = []
-            self._offload_idle(keep=req.seq)
+            back = eng.seq_len(req.seq) if req.seq in eng.offloaded else 0
+            self._offload_idle(req.seq, len(req.input_ids) + len(req.append) + p.max_new_tokens + back)
             if req.seq >= 0:
                 self.flush(req.seq)
                 base = eng.tokens.get(req.seq, [])
@@ -159,21 +162,37 @@ class Batcher:
         chain = SamplerChain(p, eng.model.n_vocab, history)
         return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
 
-    def _offload_idle(self, keep: int) -> None:
-        """With ``cache_idle_slots``, move every idle slot but ``keep`` out of the KV cache.
+    def _offload_idle(self, keep: int, need: int) -> None:
+        """With ``cache_idle_slots``, move idle slots (all but ``keep``) out of the KV cache when it is cheap
+        or needed.
 
-        llama-server's ``--cache-idle-slots`` on a unified cache: a new job starts, and
-        the cells of slots nobody uses stop widening every decode's attention.  A slot
-        comes back (restored in place) when a job or an operation needs it.
+        llama-server's ``--cache-idle-slots`` on a unified cache: the cells of slots nobody uses
+        stop widening every decode's attention, and a slot comes back (restored in place) when a
+        job or an operation needs it.  That is done when it is cheap both ways: the slot's state
+        was read since it last changed (the write-behind save after its generation), so nothing
+        is read now, and its cells lie in at most ``CHEAP_RUNS`` runs, so the holes it leaves
+        (where restores land, engine.py ``_restore_cells``) are few: llama.cpp restores a state
+        run by run of cells, and per V row with flash attention off (docs/architecture.md, "KV
+        layout").  Other idle slots move out only when the cache lacks room for ``need`` more
+        cells (this job's tokens and what the running jobs may still add), because that stalls
+        every stream's decoding while their states are read and later restored.
         """
         eng = self.engine
         if not eng.config.cache_idle_slots:
             return
         in_use = {j.seq for j in self.jobs.values()} | {j.req.seq for j in self.jobs.values()}
-        for s in range(eng.config.n_slots):
-            if s != keep and s not in in_use:
+        idle = [s for s in range(eng.config.n_slots) if s != keep and s not in in_use and eng.seq_len(s)]
+        idle = [s for s in idle if s not in eng.offloaded]
+        need += sum(len(j.pending) + j.req.params.max_new_tokens - len(j.generated) for j in self.jobs.values())
+        short = need - eng.free_cells()
+        for s in sorted(idle, key=lambda s: s in self.commits or s not in eng.states):  # the free ones first
+            if s in eng.states and s not in self.commits and eng.cell_runs(s) <= CHEAP_RUNS:
+                short -= eng.seq_len(s)
+                eng.offload(s)
+            elif short > 0:
                 self.flush(s)
-                eng.offload(s)  # (nothing for an empty or already offloaded slot)
+                short -= eng.seq_len(s)
+                eng.offload(s)
 
     def cancel(self, req: int) -> None:
         """Mark ``req`` cancelled; it ends with ``Done(finish_reason="cancelled")`` at the next step."""

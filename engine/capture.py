@@ -99,6 +99,7 @@ class AttentionCapture:
         self._active = False
         self._error: BaseException | None = None
         self.n_softmax_seen = 0
+        self.k_cache = 0  # a node viewing layer 0's K cache (cache_k_l0), met in every decode
 
     @property
     def cb_eval(self) -> tuple[object, int | None]:
@@ -162,6 +163,7 @@ class AttentionCapture:
                 if head == _KQ_SOFT:
                     return bool(self._ub_targets)
                 if head == _CACHE_K and g.node_op(t) == g.GGML_OP_SET_ROWS and ctypes.string_at(t + _NAME, 11) == _L0:
+                    self.k_cache = self.k_cache or (g.tensor(t).view_src or t)
                     self._new_ubatch(g.node_src(t, 1))
                 return False
             self._on_softmax(t)

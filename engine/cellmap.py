@@ -10,7 +10,7 @@ cache is mirrored here:
 * ``seq_cp`` (fork): the destination shares the source's cells;
 * ``seq_rm``: truncation of a sequence's tail, or removal of the whole sequence;
 * context shift: ``seq_rm(n_keep, n_keep+n_discard)`` + ``seq_add(..., -n_discard)``;
-* restore: cells learned from the mask of a probe decode (engine.py).
+* restore: the first free cells, where llama.cpp's ``find_slot`` puts them (engine.py).
 
 Our sequences always hold positions ``0..n-1`` exactly once, so the mirror is a
 ``int32[n]`` array per sequence: ``cells(seq)[p]`` is the cell holding position ``p``.
@@ -97,6 +97,18 @@ class CellMap:
         if not len(mine):
             return []
         return [s for s in self._len if s != seq and self._len[s] and np.intersect1d(mine, self.cells(s)).size]
+
+    def runs(self, seq: int) -> int:
+        """Runs of consecutive cells that ``seq`` occupies (1 when its cells are contiguous)."""
+        cells = np.sort(self.cells(seq))
+        return int(1 + np.count_nonzero(np.diff(cells) != 1)) if len(cells) else 0
+
+    def occupied(self) -> np.ndarray:
+        """``bool[n_cells]``: the cells that hold a position of any sequence."""
+        used = np.zeros(self.n_cells, dtype=bool)
+        for s, n in self._len.items():
+            used[self._cells[s][:n]] = True
+        return used
 
     def used(self) -> int:
         """Distinct cells in use by all sequences."""

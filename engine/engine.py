@@ -7,7 +7,7 @@ calls it between decode steps.
 
 Sequence numbering: ``0..n_slots-1`` are addressed by the orchestrator (resident
 slots); ``n_slots..n_seq_max-2`` are spares for forks (previews); the last one is the
-scratch sequence for restores and probes.
+scratch sequence for restores.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from engine import seq_state
 from engine.capture import AttentionCapture, RowTarget, Run
 from engine.cellmap import CellMap
 from engine.errors import ErrorCode
+from engine.kv_io import StateReader, StateReadError, llama_state
 from engine.model import Model, file_fingerprint
 from engine.settings import EngineSettings
-
-PROBE_KEY = -2  # cell-mirror key of a probe token (never a llama.cpp sequence)
 
 
 class EngineError(RuntimeError):
@@ -105,6 +104,7 @@ class Engine:
         self.embeddings_on = False
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
+        self.reader = StateReader(ctx, verify=config.verify_cells)  # fast reads once the self-check agrees
         report("self_check")
         self.layout = self._self_check()
 
@@ -113,6 +113,17 @@ class Engine:
     def seq_len(self, seq: int) -> int:
         """Tokens of ``seq`` with KV in the cache."""
         return len(self.tokens.get(seq, ()))
+
+    def free_cells(self) -> int:
+        """KV cells no sequence holds (from the cell mirror; without capture, from token counts)."""
+        if self.config.capture:
+            return self.n_cells - int(np.count_nonzero(self.cellmap.occupied()))
+        return self.n_cells - sum(len(t) for s, t in self.tokens.items() if s not in self.offloaded)
+
+    def cell_runs(self, seq: int) -> int:
+        """Runs of consecutive KV cells ``seq`` occupies; a large number when the mirror does not know
+        (no capture)."""
+        return self.cellmap.runs(seq) if self.config.capture else self.n_cells
 
     # ------------------------------------------------------------------ decode
 
@@ -137,11 +148,11 @@ class Engine:
                 b.token[i + j] = tok
                 b.pos[i + j] = e.pos0 + j
                 b.n_seq_id[i + j] = 1
-                b.seq_id[i + j][0] = self.scratch if e.seq == PROBE_KEY else e.seq
+                b.seq_id[i + j][0] = e.seq
                 b.logits[i + j] = 0
             if e.logits:
                 b.logits[i + n - 1] = 1
-            runs.append(Run(i, n, e.seq, 0 if e.seq == PROBE_KEY else e.pos0))
+            runs.append(Run(i, n, e.seq, e.pos0))
             if e.target is not None:
                 e.target.batch_index = i + n - 1
                 targets.append(e.target)
@@ -168,12 +179,8 @@ class Engine:
 
     def _rollback(self, entries: Sequence[BatchEntry]) -> None:
         for e in entries:
-            seq = self.scratch if e.seq == PROBE_KEY else e.seq
-            llama.llama_memory_seq_rm(self.mem, seq, e.pos0, -1)
-            if e.seq == PROBE_KEY:
-                self.cellmap.remove(PROBE_KEY)
-            else:
-                self.cellmap.truncate(e.seq, e.pos0)
+            llama.llama_memory_seq_rm(self.mem, e.seq, e.pos0, -1)
+            self.cellmap.truncate(e.seq, e.pos0)
 
     def set_embeddings(self, on: bool) -> None:
         """Turn hidden-state output (``llama_get_embeddings_ith``) on or off for the next decodes."""
@@ -295,11 +302,11 @@ class Engine:
         """
         buf = self.states.get(seq)
         if buf is None:
-            size = llama.llama_state_seq_get_size(self.ctx, seq)
-            buf = bytearray(size)
-            got = llama.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
-            if got != size:
-                raise EngineError(ErrorCode.INTERNAL, f"llama_state_seq_get_data wrote {got} of {size} bytes")
+            known = self.cellmap.length(seq) == self.seq_len(seq) and self.config.capture
+            try:
+                buf = self.reader.read(seq, self.cellmap.cells(seq) if known else None)
+            except StateReadError as exc:
+                raise EngineError(ErrorCode.INTERNAL, str(exc)) from exc
             self.states[seq] = buf
         return list(self.tokens.get(seq, ())), buf
 
@@ -308,11 +315,11 @@ class Engine:
     ) -> None:
         """Replace ``seq`` with ``tokens`` and their KV state; ``seq`` is untouched on failure.
 
-        The blob (``llama_state_seq_get_data``'s format; read in place when writable) is
+        The blob (``llama_state_seq_get_data``'s format; read in place, never copied) is
         parsed and checked against this engine's layout (with ``check_values``, its float
         K/V values must also be finite: :func:`engine.seq_state.check_finite`), restored
-        into the scratch sequence, its cells learned (see :meth:`_learn_cells`), and only
-        then moved to ``seq``.  Raises ``EngineError(ErrorCode.BAD_STATE)`` for a blob this engine
+        into the scratch sequence at the cells :meth:`_restore_cells` names (no probe decode,
+        no re-read), and only then moved to ``seq``.  Raises ``EngineError(ErrorCode.BAD_STATE)`` for a blob this engine
         cannot take, and ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` for more tokens than the context
         window (``n_ctx``).
         """
@@ -327,23 +334,22 @@ class Engine:
             raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
         if len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n)):
             raise EngineError(ErrorCode.BAD_STATE, f"state holds positions that are not 0..{n - 1} for {n} tokens")
-        if any(t < 0 or t >= self.model.n_vocab for t in tokens):
+        ids = np.asarray(tokens, dtype=np.int64)
+        if n and (ids.min() < 0 or ids.max() >= self.model.n_vocab):
             raise EngineError(ErrorCode.BAD_STATE, "state tokens outside the vocabulary")
         s = self.scratch
         self.erase(s)
         if n:
-            view = memoryview(blob).cast("B")
-            array = ctypes.c_uint8 * view.nbytes
-            src = array.from_buffer_copy(view) if view.readonly else array.from_buffer(view)
-            if llama.llama_state_seq_set_data(self.ctx, src, view.nbytes, s) != view.nbytes:
+            cells = self._restore_cells(n)
+            data = np.frombuffer(blob, dtype=np.uint8)  # read in place, writable or not
+            src = ctypes.cast(data.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+            if llama.llama_state_seq_set_data(self.ctx, src, data.nbytes, s) != data.nbytes:
                 self.erase(s)
                 raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
-            del src
-            try:
-                self._learn_cells(s, n)
-            except Exception:
-                self.erase(s)
-                raise
+            if cells is not None:
+                pos2cell = np.empty(n, dtype=np.int32)
+                pos2cell[parsed.positions] = cells
+                self.cellmap.set(s, pos2cell)
             self.tokens[s] = list(tokens)
         self.erase(seq)
         if n:
@@ -352,31 +358,28 @@ class Engine:
             self.tokens[seq] = list(tokens)
         self.erase(s)
 
-    def _learn_cells(self, seq: int, n: int) -> None:
-        """Mirror the cells of a freshly restored ``seq`` holding positions ``0..n-1``.
+    def _restore_cells(self, n: int) -> np.ndarray | None:
+        """The cells the next ``llama_state_seq_set_data`` of ``n`` cells gives them, in the blob's order.
 
-        Positions come from a re-read of the state (ascending cell order), cells from the
-        mask of a one-token probe decode.  The blob's own order is not enough: llama.cpp's
-        ``state_read_meta`` gives its cells the free cells ``find_slot`` meets scanning from
-        the cache's head, which may wrap past the end of the cache.
+        llama.cpp's ``state_read_meta`` (``src/llama-kv-cache.cpp``) places a state's cells with
+        ``find_slot(ubatch, cont=false)``: the free cells met scanning from the cache's head,
+        wrapping at its end, in the blob's order.  ``seq_add`` on the empty scratch sequence
+        sets the head to cell 0 (``seq_add`` resets it when no cell moved), so they are the
+        first ``n`` free cells of the mirror.  ``None`` without capture (no mirror is kept).
+        Raises ``EngineError(ErrorCode.OOM)`` when fewer than ``n`` cells are free, and
+        ``EngineError(ErrorCode.INVALID_REQUEST)`` for a cache that cannot shift positions.
         """
-        positions = seq_state.parse(self.save_state(seq)[1], self.layout).positions
-        probe = RowTarget(batch_index=-1, seq=PROBE_KEY, pos=0, out=None, want_mask=True)
-        entry = BatchEntry(PROBE_KEY, n, [self.model.bos if self.model.bos >= 0 else 0], target=probe)
-        self.cellmap.remove(PROBE_KEY)
-        status = self.decode([entry])
-        probe_cell = int(self.cellmap.cells(PROBE_KEY)[0]) if self.cellmap.length(PROBE_KEY) else -1
-        self.cellmap.remove(PROBE_KEY)
-        llama.llama_memory_seq_rm(self.mem, seq, n, -1)
-        if status != 0 or probe.mask is None:
-            raise EngineError(ErrorCode.OOM, f"no room in the KV cache to place the restored state (status {status})")
-        visible = np.flatnonzero(np.isfinite(probe.mask))
-        cells = visible[visible != probe_cell]
-        if len(cells) != n:
-            raise EngineError(ErrorCode.BAD_STATE, f"restored state occupies {len(cells)} cells, expected {n}")
-        pos2cell = np.empty(n, dtype=np.int32)
-        pos2cell[positions] = cells
-        self.cellmap.set(seq, pos2cell)
+        if not self.config.capture:
+            return None
+        if not llama.llama_memory_can_shift(self.mem):
+            raise EngineError(
+                ErrorCode.INVALID_REQUEST, "restoring with attention capture needs a KV cache that can shift"
+            )
+        free = np.flatnonzero(~self.cellmap.occupied())[:n]
+        if len(free) < n:
+            raise EngineError(ErrorCode.OOM, f"no room in the KV cache for a state of {n} cells")
+        llama.llama_memory_seq_add(self.mem, self.scratch, 0, -1, 1)
+        return free.astype(np.int32)
 
     # ------------------------------------------------------------------ start-up
 
@@ -400,8 +403,10 @@ class Engine:
             raise g.GgmlLayoutError(
                 f"attention capture self-check failed: {seen} softmax nodes, row sums {sums.ravel()[:4]}"
             )
-        _, blob = self.save_state(s)
+        blob = llama_state(self.ctx, s)
         layout = seq_state.parse(blob).layout
+        if self.config.capture:
+            self.reader.enable(self.capture.k_cache, layout, self.n_cells, s, self.cellmap.cells(s))
         self.erase(s)
         self.self_check_ms = (time.perf_counter() - t0) * 1000
         return layout

@@ -73,7 +73,12 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         False
     )
     cache_idle_slots: Annotated[
-        bool, Flag("when a job starts, move idle slots' KV cells to host memory (llama-server's)", "--cache-idle-slots")
+        bool,
+        Flag(
+            "when a job starts, move idle slots' KV cells to host memory where that reads nothing "
+            "or the cache lacks room (llama-server's flag)",
+            "--cache-idle-slots",
+        ),
     ] = True
     repack: Annotated[
         bool | None,

@@ -1,4 +1,8 @@
-"""Idle slots leave the KV cache when a job starts (``cache_idle_slots``) and come back intact."""
+"""Idle slots leave the KV cache when a job starts (``cache_idle_slots``) and come back intact.
+
+They leave when that reads nothing (their state was read since they last changed) or when the
+cache lacks room; otherwise they stay, because reading a state stalls every stream.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,10 @@ import msgspec
 import numpy as np
 import pytest
 
+from engine.batcher import CHEAP_RUNS
 from engine.engine import BatchEntry, EngineError
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close
-
-
-@pytest.fixture
-def runner(engine):  # type: ignore[no-untyped-def]
-    for s in range(engine.config.n_slots):
-        engine.erase(s)
-    yield Runner(engine)
-    for s in range(engine.config.n_slots):
-        engine.erase(s)
 
 
 def n_cells(engine, seq: int) -> int:  # type: ignore[no-untyped-def]
@@ -45,6 +41,8 @@ def test_a_new_job_offloads_idle_slots_and_they_come_back(runner: Runner, engine
         engine.decode([BatchEntry(0, len(tokens0), [1])])
     assert err.value.code == "INTERNAL"
 
+    runner.batcher.flush()
+    engine.save_state(1)  # (the write-behind save after slot 1's generation)
     again = runner.generate(0, follow, max_new_tokens=6, ignore_eos=True)  # brings it back, moves slot 1 out
     assert 0 not in engine.offloaded and 1 in engine.offloaded
     assert again.done is not None and again.done.n_cached == len(tokens0), "no re-prefill"
@@ -121,3 +119,36 @@ def seq_state_positions(engine, blob: bytearray) -> int:  # type: ignore[no-unty
     from engine import seq_state
 
     return len(seq_state.parse(blob, engine.layout).positions)
+
+
+def test_unread_idle_slots_stay_unless_the_cache_lacks_room(runner: Runner, engine, model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    a = model.tokenize(CHAT.format("Name a tree."), False, True)
+    runner.generate(0, a, max_new_tokens=4, ignore_eos=True)
+    runner.generate(1, a, max_new_tokens=4, ignore_eos=True)
+    runner.batcher.flush()
+    assert not engine.offloaded and 0 not in engine.states, "slot 0's state was never read: it stays"
+    kv0 = engine.save_state(0)[1]
+    del engine.states[0]  # (as if unread)
+    # a cache with fewer free cells than the next job needs: idle slots go (their states read) until
+    # there is room; one slot's cells are enough here, so slot 1 stays
+    monkeypatch.setattr(engine, "free_cells", lambda: 8)
+    runner.generate(2, a, max_new_tokens=4, ignore_eos=True)
+    assert engine.offloaded == {0} and bytes(engine.states[0]) == bytes(kv0)
+    monkeypatch.undo()
+    back = runner.generate(0, a, max_new_tokens=4, ignore_eos=True)
+    assert 0 not in engine.offloaded and back.done is not None and back.done.n_cached == len(a) - 1
+
+
+def test_idle_slots_whose_cells_interleave_stay(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    """Slots that decoded together hold one-cell runs: moving them out is cheap, bringing them back
+    is not (a restore copies run by run), so they stay even with their states read."""
+    prompts = [model.tokenize(CHAT.format(q), False, True) for q in ("Hi.", "Yes?", "No.", "Go.")]
+    reqs = [runner.submit(s, p, max_new_tokens=24, ignore_eos=True) for s, p in enumerate(prompts)]
+    runner.run()
+    runner.batcher.flush()
+    for s in range(4):
+        engine.save_state(s)
+        assert engine.cell_runs(s) > CHEAP_RUNS
+    again = runner.generate(0, list(engine.tokens[0]), max_new_tokens=2, ignore_eos=True)
+    assert again.done is not None and not engine.offloaded
+    assert all(runner.results[r].done is not None for r in reqs)
