@@ -24,6 +24,7 @@ from engine import ggml_ffi as g
 from engine import seq_state
 from engine.capture import AttentionCapture, RowTarget, Run
 from engine.cellmap import CellMap
+from engine.kv_types import KV_CACHE_TYPES
 from engine.model import Model, file_fingerprint
 
 PROBE_KEY = -2  # cell-mirror key of a probe token (never a llama.cpp sequence)
@@ -69,6 +70,8 @@ class EngineConfig:
     capture: bool = True  # False: no eval callback at all (no attention; the raw-speed baseline)
     eval_filter: bool = True  # front the eval callback with the C filter when it is built
     cache_idle_slots: bool = True  # a new job moves idle slots' cells to host memory (llama-server's flag)
+    type_k: str = "f16"  # KV cache element types, llama-server's -ctk / -ctv names (engine.kv_types)
+    type_v: str = "f16"
 
     @property
     def n_seq_max(self) -> int:
@@ -106,6 +109,7 @@ class Engine:
         cp.n_threads_batch = config.n_threads
         cp.kv_unified = True
         cp.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.type_k, cp.type_v = KV_CACHE_TYPES[config.type_k], KV_CACHE_TYPES[config.type_v]
         if config.capture:
             cp.cb_eval, cp.cb_eval_user_data = self.capture.cb_eval
         cp.no_perf = True

@@ -31,6 +31,7 @@ from engine import protocol as proto
 from engine.batcher import Batcher
 from engine.classifier import Classifier
 from engine.engine import Engine, EngineConfig, EngineError
+from engine.kv_types import KV_CACHE_TYPES, V_CACHE_TYPES
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
 
@@ -236,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="when a job starts, move idle slots' KV cells to host memory",
     )
+    p.add_argument("--cache-type-k", "-ctk", choices=list(KV_CACHE_TYPES), default="f16", help="KV cache type of K")
+    p.add_argument(
+        "--cache-type-v", "-ctv", choices=list(V_CACHE_TYPES), default="f16", help="KV cache type of V (not quantized)"
+    )
     return p
 
 
@@ -330,6 +335,8 @@ def engine_config(args: argparse.Namespace, model: Model) -> EngineConfig:
         verify_cells=args.verify_cells,
         cache_idle_slots=args.cache_idle_slots,
         eval_filter=args.eval_filter,
+        type_k=args.cache_type_k,
+        type_v=args.cache_type_v,
     )
     if config.n_ctx > model.n_ctx_train:
         log.warning("each slot's window (%d tokens) exceeds the trained context (%d)", config.n_ctx, model.n_ctx_train)

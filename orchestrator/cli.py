@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
+from engine.kv_types import KV_CACHE_TYPES, V_CACHE_TYPES
 from orchestrator.config import Settings
 from orchestrator.logfilter import uvicorn_log_config
 from orchestrator.worker_options import WorkerOptions
@@ -41,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="when a job starts, move idle slots' KV cells to host memory (llama-server's flag)",
+    )
+    eng.add_argument(
+        "--cache-type-k", "-ctk", choices=list(KV_CACHE_TYPES), default="f16", help="KV cache data type for K"
+    )
+    eng.add_argument(
+        "--cache-type-v",
+        "-ctv",
+        choices=list(V_CACHE_TYPES),
+        default="f16",
+        help="KV cache data type for V (a quantized V cache needs flash attention, which attention capture turns off)",
     )
     eng.add_argument("--verify-cells", action="store_true", help="check the KV cell mirror on every captured row")
     eng.add_argument(
@@ -113,6 +124,8 @@ def worker_options(a: argparse.Namespace) -> WorkerOptions:
         n_gpu_layers=a.n_gpu_layers,
         verify_cells=a.verify_cells,
         cache_idle_slots=a.cache_idle_slots,
+        cache_type_k=a.cache_type_k,
+        cache_type_v=a.cache_type_v,
         repack=a.repack,
         connect=a.worker,
     )

@@ -24,6 +24,8 @@ class WorkerOptions:
     cache_idle_slots: bool = True
     repack: bool | None = None  # CPU weight repacking (extra buffer types); None: the worker decides
     eval_filter: bool = True  # the C eval-callback filter for attention rows, when built
+    cache_type_k: str = "f16"  # KV cache types (llama-server's -ctk / -ctv names, engine/kv_types.py)
+    cache_type_v: str = "f16"
     classifier: bool = False  # serve ``model`` as a sequence classifier (``Classify`` requests only)
     connect: str | None = None  # tcp:host:port of a standalone worker instead of spawning one
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -38,6 +40,8 @@ class WorkerOptions:
         args += ["--ctx-size", str(self.ctx_size), "--parallel", str(self.parallel), "--spare", str(self.spare)]
         args += ["--threads", str(self.threads), "--batch-size", str(self.batch_size)]
         args += ["--ubatch-size", str(self.ubatch_size), "--n-gpu-layers", str(self.n_gpu_layers)]
+        if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+            args += ["--cache-type-k", self.cache_type_k, "--cache-type-v", self.cache_type_v]
         if self.verify_cells:
             args.append("--verify-cells")
         if not self.cache_idle_slots:

@@ -189,3 +189,22 @@ def test_small_context_starts() -> None:
     code, out = check(WorkerOptions(parallel=1, spare=1, ctx_size=64, threads=2))
     assert code == 0, out
     assert "verdict: PASS" in out
+
+
+def test_check_with_an_f32_kv_cache() -> None:
+    """``--cache-type-k f32 --cache-type-v f32`` reach the worker and its reported configuration."""
+    code, out = check(
+        WorkerOptions(parallel=1, spare=1, ctx_size=256, threads=2, cache_type_k="f32", cache_type_v="f32")
+    )
+    assert code == 0, out
+    assert "KV f32/f32," in out
+
+
+def test_quantized_v_cache_is_refused_on_the_command_line() -> None:
+    """A quantized V cache needs flash attention, which the capture turns off: refused before anything starts."""
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "check", "--cache-type-v", "q8_0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--cache-type-v" in out.stderr and "invalid choice: 'q8_0'" in out.stderr
