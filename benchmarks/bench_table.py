@@ -38,26 +38,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import common  # noqa: F401 - puts the checkout on sys.path
+import common  # also puts the checkout on sys.path
 import httpx
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 from bench_preview import context, generate_sample, preview_sample, user_append
 from bench_slots import BANNED, llama_server_cmd, measure_streams
-from common import (
-    Quiet,
-    ServerProc,
-    add_gpu_args,
-    add_idle_args,
-    build_prompt,
-    check,
-    default_model,
-    free_port,
-    http_tokenizer,
-    median,
-    settle,
-    slotserve_cmd,
-    stop_servers,
-)
+from common import Quiet, ServerProc, check, median, settle
 from engine_rows import in_process
 
 OCTET = "application/octet-stream"
@@ -109,7 +95,7 @@ class Bench:
         info = check(self.client.get(ss.base + "/api/v1/model"), "model info")
         self.shape = (info["num_layers"], info["num_attention_heads"])
         BANNED[:] = info["eog_token_ids"]
-        self.tok = http_tokenizer(self.client, ss.base)
+        self.tok = common.http_tokenizer(self.client, ss.base)
 
     def timed(self, fn, label: str, warm: bool = False):  # type: ignore[no-untyped-def]
         """``(seconds, fn())`` on an idle machine (:meth:`common.Quiet.run`)."""
@@ -133,7 +119,7 @@ class Bench:
 
     def one_stream(self) -> None:
         a, t = self.args, self.table
-        ids = [build_prompt(self.tok, a.prompt)]
+        ids = [common.build_prompt(self.tok, a.prompt)]
         kinds = [("SSE, no attention", "sse"), ("WS, no attention", "ws-plain"), ("WS, full attention", "ws")]
         paths = self.paths(kinds)
         tps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
@@ -161,7 +147,7 @@ class Bench:
 
     def streams(self) -> None:
         a, t = self.args, self.table
-        prompts = [build_prompt(self.tok, a.stream_prompt, variant=i + 1) for i in range(4)]
+        prompts = [common.build_prompt(self.tok, a.stream_prompt, variant=i + 1) for i in range(4)]
         paths = self.paths([("slotserve SSE", "sse")])
         agg: dict[tuple[str, int], list[float]] = {}
         saved: dict = {}
@@ -297,39 +283,43 @@ def main() -> int:
     ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (no llama rows without)")
     ap.add_argument("--llama-args", default="", help="extra llama-server arguments (default: its defaults)")
     ap.add_argument("--model", type=Path, default=None)
-    add_gpu_args(ap)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx-size", type=int, default=4096, help="context per slot, both servers")
-    ap.add_argument("--prompt", type=int, default=500, help="one stream: prompt tokens")
-    ap.add_argument("--new", type=int, default=64, help="new tokens per stream")
-    ap.add_argument("--stream-prompt", type=int, default=100, help="1/2/4 streams: prompt tokens per stream")
-    ap.add_argument("--big", type=int, default=2000, help="tokens of the slot saved, restored and previewed")
-    ap.add_argument("--append", type=int, default=15, help="preview: appended tokens")
-    ap.add_argument("--preview-new", type=int, default=50, help="preview: new tokens")
-    ap.add_argument("--reps", type=int, default=2, help="measured reps (+1 warm-up)")
-    ap.add_argument("--scratch-reps", type=int, default=1, help="prefill + generate runs (long)")
-    ap.add_argument("--inproc-ctx", type=int, default=1024, help="in-process engines: context per slot")
+    common.add_gpu_args(ap)
+    sizes = {
+        "threads": (2, "llama.cpp threads, both servers and the in-process engines"),
+        "ctx-size": (4096, "context per slot, both servers"),
+        "prompt": (500, "one stream: prompt tokens"),
+        "new": (64, "new tokens per stream"),
+        "stream-prompt": (100, "1/2/4 streams: prompt tokens per stream"),
+        "big": (2000, "tokens of the slot saved, restored and previewed"),
+        "append": (15, "preview: appended tokens"),
+        "preview-new": (50, "preview: new tokens"),
+        "reps": (2, "measured reps (+1 warm-up)"),
+        "scratch-reps": (1, "prefill + generate runs (long)"),
+        "inproc-ctx": (1024, "in-process engines: context per slot"),
+    }
+    for flag, (default, text) in sizes.items():
+        ap.add_argument("--" + flag, type=int, default=default, help=text)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: stream,streams,big,inproc")
     ap.add_argument("--keep-logs", action="store_true")
-    add_idle_args(ap, wait_idle_s=5, max_other=0.5)
+    common.add_idle_args(ap, wait_idle_s=5, max_other=0.5)
     ap.set_defaults(retries=1)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    model = args.model or default_model()
+    model = args.model or common.default_model()
     print(f"machine: {machine()}; --n-gpu-layers {args.n_gpu_layers}; {load()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-table-"))
     servers: list[ServerProc] = []
     table = Table()
     try:
         if {"stream", "streams", "big"} - skip:
-            port = free_port()
-            cmd = slotserve_cmd(
+            port = common.free_port()
+            cmd = common.slotserve_cmd(
                 port, tmp / "state", parallel=4, spare=4, ctx_size=args.ctx_size, threads=args.threads, model=model,
                 n_gpu_layers=args.n_gpu_layers,
             )  # fmt: skip
             servers.append(ServerProc("slotserve", cmd, port, tmp / "slotserve.log"))
             if args.llama_server:
-                lport = free_port()
+                lport = common.free_port()
                 lcmd = llama_server_cmd(
                     args.llama_server, model, lport, parallel=4, ctx_size=args.ctx_size, threads=args.threads,
                     n_gpu_layers=args.n_gpu_layers, slot_dir=tmp / "llama-slots", extra=args.llama_args,
@@ -346,7 +336,7 @@ def main() -> int:
                     print(f"[{part}] {load()}", flush=True)
                     fn()
             print(bench.quiet.summary())
-            stop_servers(servers, tmp, args.keep_logs)
+            common.stop_servers(servers, tmp, args.keep_logs)
             servers = []
         if "inproc" not in skip:
             print(f"[inproc] {load()}", flush=True)
@@ -354,7 +344,7 @@ def main() -> int:
             in_process(args, quiet, table.add)
             print(quiet.summary())
     finally:
-        stop_servers(servers, tmp, args.keep_logs)
+        common.stop_servers(servers, tmp, args.keep_logs)
     print()
     print(f"machine: {machine()}; --n-gpu-layers {args.n_gpu_layers}; threads {args.threads}; model {model.name}")
     if args.llama_server:
