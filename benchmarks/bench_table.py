@@ -97,14 +97,20 @@ class Bench:
         BANNED[:] = info["eog_token_ids"]
         self.tok = common.http_tokenizer(self.client, ss.base)
 
-    def timed(self, fn, label: str, warm: bool = False):  # type: ignore[no-untyped-def]
-        """``(seconds, fn())`` on an idle machine (:meth:`common.Quiet.run`)."""
+    def timed(self, fn, label: str, warm: bool = False, once: bool = False):  # type: ignore[no-untyped-def]
+        """``(seconds, fn())`` on an idle machine (:meth:`common.Quiet.run`). ``once``: for a call that
+        cannot be repeated alike (a prefill fills the slot it measures): after the wait, never redone."""
 
         def run():  # type: ignore[no-untyped-def]
             t0 = time.perf_counter()
             out = fn()
             return time.perf_counter() - t0, out
 
+        if once:
+            self.quiet.wait()
+            (dt, out), cpu = self.quiet.run(run, label, warm=True)
+            print(f"  {label}: {dt * 1000:.1f} ms, other processes {cpu['other']:.2f} cores", flush=True)
+            return dt, out
         return self.quiet.run(run, label, warm=warm)[0]
 
     def erase(self, base: str, slots: list[str]) -> None:
@@ -197,11 +203,15 @@ class Bench:
             self.erase(self.ls.base, ["0", "1", "2", "3"])
         ctx = context(self.tok, a.big)
         settle(self.client, base)
-        pf = self.timed(lambda: generate_sample(self.client, base, "big", ctx, 0), "prefill")[0]
+        pf, d = self.timed(lambda: generate_sample(self.client, base, "big", ctx, 0), "prefill", once=True)
+        if d.n_prefilled != len(ctx):
+            raise RuntimeError(f"prefill: {d.n_prefilled} of {len(ctx)} tokens prefilled")
         lpf = float("nan")
         if self.ls:
-            lpf, d = self.timed(lambda: self.llama_complete(0, ctx), "llama-server prefill")
-            print(f"  llama-server prefill: prompt_ms {d['timings']['prompt_ms']:.1f}", flush=True)
+            lpf, d = self.timed(lambda: self.llama_complete(0, ctx), "llama-server prefill", once=True)
+            print(f"  llama-server: prompt_n {d['timings']['prompt_n']}, prompt_ms {d['timings']['prompt_ms']:.1f}")
+            if d["timings"]["prompt_n"] < len(ctx) - 1:
+                raise RuntimeError(f"llama-server prefill: only {d['timings']['prompt_n']} tokens evaluated")
         save, restore, lsave, lrestore = [], [], [], []
         size = 0
         for r in range(a.reps + 1):
@@ -266,7 +276,7 @@ class Bench:
         for _ in range(a.scratch_reps):
             settle(self.client, base)
             s = self.timed(
-                lambda: generate_sample(self.client, base, "scratch", ctx + append, a.preview_new), "scratch"
+                lambda: generate_sample(self.client, base, "scratch", ctx + append, a.preview_new), "scratch", once=True
             )
             print(f"  scratch {s[1].wall * 1000:.1f} ms ({s[1].n_gen} tokens)", flush=True)
             sc.append(s[1].wall)
