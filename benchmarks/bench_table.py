@@ -258,7 +258,7 @@ class Bench:
         t.add(f"{n}: save ms (API octet-stream | slot file)", f"{ms:.1f}", f"{ls_:.1f}", f"{ms / ls_:.2f}")
         mr, lr = median(restore) * 1000, median(lrestore) * 1000
         t.add(f"{n}: restore ms (API octet-stream | slot file)", f"{mr:.1f}", f"{lr:.1f}", f"{mr / lr:.2f}")
-        t.add(f"{n}: restore / prefill", f"{mr / (pf * 1000):.3f}", f"{lr / (lpf * 1000):.3f}")
+        t.add(f"{n}: restore / prefill", f"{mr / (pf * 1000):.4f}", f"{lr / (lpf * 1000):.4f}")
         self.preview(ctx)
 
     def preview(self, ctx: list[int]) -> None:
