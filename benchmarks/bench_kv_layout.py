@@ -41,9 +41,10 @@ import numpy as np
 from common import TEXT, default_model, free_port
 
 from engine import seq_state
-from engine.engine import BatchEntry, Engine, EngineConfig
+from engine.engine import BatchEntry, Engine
 from engine.kv_io import llama_state
 from engine.model import Model
+from engine.settings import EngineSettings
 
 SLOTS, SPARE = 4, 2
 N_SEQ = SLOTS + SPARE + 1
@@ -168,7 +169,7 @@ def layout_figures(model: Model, unified: bool, a: argparse.Namespace, prompt: l
 def engine_figures(model: Model, a: argparse.Namespace, prompt: list[int], slot: list[int]) -> dict:
     """slotserve's engine: fast reads after concurrent decoding; a long slot's save/restore before and now."""
     eng = Engine(
-        model, EngineConfig(n_ctx=max(a.ctx, len(slot) + 16), n_slots=SLOTS, n_spare=SPARE, n_threads=a.threads)
+        model, EngineSettings(n_ctx=max(a.ctx, len(slot) + 16), n_slots=SLOTS, n_spare=SPARE, n_threads=a.threads)
     )
     out: dict = {"fast_reader": eng.reader.fast is not None}
     try:

@@ -207,7 +207,6 @@ def main() -> int:
             threads=args.threads,
             extra=["--redis-url", redis.url, "--key-prefix", "bench-load:", "--queue-size", str(args.queue_size)],
         )
-        cmd = [sys.executable, "-m", "orchestrator.cli", *cmd[1:]]  # this checkout's code, any venv
         srv = ServerProc("slotserve", cmd, port, tmp / "slotserve.log")
         print(f"slotserve ready in {srv.wait_ready(httpx):.1f} s; Redis at {redis.url}", flush=True)
         asyncio.run(main_async(args, srv))

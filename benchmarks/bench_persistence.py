@@ -44,6 +44,7 @@ import httpx
 from common import (
     Quiet,
     ServerProc,
+    add_gpu_args,
     add_idle_args,
     build_prompt,
     check,
@@ -368,6 +369,7 @@ def main() -> int:
     ap.add_argument("--aof", action="store_true", help="run Redis with its append-only file (noisier figures)")
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--keep-logs", action="store_true")
+    add_gpu_args(ap)
     add_idle_args(ap)
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -390,6 +392,7 @@ def main() -> int:
         p1 = free_port()
         cmd1 = slotserve_cmd(
             p1, tmp / "state1", parallel=3, ctx_size=args.ctx_size, threads=args.threads, model=model,
+            n_gpu_layers=args.n_gpu_layers,
             extra=["--no-persist"],
         )  # fmt: skip
         servers.append(ServerProc("slotserve", cmd1, p1, tmp / "slotserve.log"))
@@ -397,6 +400,7 @@ def main() -> int:
             p2 = free_port()
             cmd2 = slotserve_cmd(
                 p2, tmp / "state2", parallel=1, ctx_size=args.ctx_size, threads=args.threads, model=model,
+                n_gpu_layers=args.n_gpu_layers,
                 extra=["--redis-url", redis.url, "--key-prefix", "bench-park:"],
             )  # fmt: skip
             servers.append(ServerProc("slotserve-park", cmd2, p2, tmp / "slotserve-park.log"))

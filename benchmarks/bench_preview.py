@@ -42,6 +42,7 @@ from common import (
     Quiet,
     ServerProc,
     Tokenize,
+    add_gpu_args,
     add_idle_args,
     build_prompt,
     check,
@@ -88,6 +89,28 @@ class Sample:
     cache_hit: bool | None = None
 
 
+def generate_sample(client: httpx.Client, base: str, slot: str, ids: list[int], new: int) -> Sample:
+    """``POST /api/v1/generate`` of ``ids`` on ``slot`` (greedy, ``new`` tokens at most), timed by the client."""
+    body = {"input_ids": ids, "max_new_tokens": new, "temperature": 0, "id_slot": slot, "wait": True}
+    t0 = time.perf_counter()
+    d = check(client.post(base + "/api/v1/generate", json=body), f"generate on {slot}")
+    wall = time.perf_counter() - t0
+    toks = [t["token_id"] for t in d.get("generated_tokens", [])]
+    cached = d.get("cached_tokens")
+    return Sample(wall, d["generation_time_ms"], len(toks), toks, d["prompt_tokens"] - cached, cached, None)
+
+
+def preview_sample(client: httpx.Client, base: str, slot: str, append: list[int], new: int) -> Sample:
+    """``POST /api/v1/generate/preview`` of ``slot`` with ``append`` (greedy, ``new`` tokens at most), timed."""
+    body = {"id_slot": slot, "append_tokens": append, "max_tokens": new, "temperature": 0}
+    t0 = time.perf_counter()
+    d = check(client.post(base + "/api/v1/generate/preview", json=body), f"preview of {slot}")
+    wall = time.perf_counter() - t0
+    toks = [t["token_id"] for t in d["tokens"]]
+    n, hit = d["token_count"], d["cache_hit"]
+    return Sample(wall, d["generation_time_ms"], n, toks, d["n_prefilled"], d["n_cached"], hit)
+
+
 @dataclass
 class Size:
     n: int
@@ -111,6 +134,7 @@ def main() -> int:
     ap.add_argument("--no-empty-scratch", dest="empty_scratch", action="store_false", help="skip step 4")
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--keep-logs", action="store_true")
+    add_gpu_args(ap)
     add_idle_args(ap)
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -121,7 +145,7 @@ def main() -> int:
     port = free_port()
     cmd = slotserve_cmd(
         port, tmp / "state", parallel=args.parallel, ctx_size=args.ctx_size, threads=args.threads,
-        spare=args.spare, model=args.model or default_model(),
+        spare=args.spare, model=args.model or default_model(), n_gpu_layers=args.n_gpu_layers,
     )  # fmt: skip
     srv = ServerProc("slotserve", cmd, port, tmp / "slotserve.log")
     results: list[Size] = []
@@ -134,23 +158,10 @@ def main() -> int:
         quiet = Quiet(args, srv.pids())
 
         def generate(slot: str, ids: list[int], new: int) -> Sample:
-            body = {"input_ids": ids, "max_new_tokens": new, "temperature": 0, "id_slot": slot, "wait": True}
-            t0 = time.perf_counter()
-            d = check(client.post(base + "/api/v1/generate", json=body), f"generate on {slot}")
-            wall = time.perf_counter() - t0
-            toks = [t["token_id"] for t in d.get("generated_tokens", [])]
-            cached = d.get("cached_tokens")
-            return Sample(wall, d["generation_time_ms"], len(toks), toks, d["prompt_tokens"] - cached, cached, None)
+            return generate_sample(client, base, slot, ids, new)
 
         def preview(slot: str) -> Sample:
-            body = {"id_slot": slot, "append_tokens": append, "max_tokens": args.new, "temperature": 0}
-            t0 = time.perf_counter()
-            d = check(client.post(base + "/api/v1/generate/preview", json=body), f"preview of {slot}")
-            wall = time.perf_counter() - t0
-            toks = [t["token_id"] for t in d["tokens"]]
-            return Sample(
-                wall, d["generation_time_ms"], d["token_count"], toks, d["n_prefilled"], d["n_cached"], d["cache_hit"]
-            )
+            return preview_sample(client, base, slot, append, args.new)
 
         def erase(slot: str) -> None:
             check(client.post(f"{base}/slots/{slot}", params={"action": "erase", "wait": "true"}), f"erase {slot}")

@@ -52,6 +52,7 @@ import httpx
 from common import (
     Quiet,
     ServerProc,
+    add_gpu_args,
     add_idle_args,
     build_prompt,
     check,
@@ -163,19 +164,23 @@ async def slotserve_sse(client: httpx.AsyncClient, base: str, ids: list[int], sl
     return s
 
 
-async def slotserve_ws(url: str, ids: list[int], slot: int, new: int, shape: tuple[int, int], m: Marks) -> Stream:
+async def slotserve_ws(
+    url: str, ids: list[int], slot: int, new: int, shape: tuple[int, int], m: Marks, attention: bool = True
+) -> Stream:
+    """One stream on seed 002's WebSocket; with ``attention`` every token's float32 ``[L, H, ctx]`` frame
+    is checked for size (a token counts once it arrived), without it only the JSON token frames come."""
     import websockets
 
     s = Stream()
     n_l, n_h = shape
     async with websockets.connect(url, max_size=None, compression=None) as ws:
         s.t_send = time.perf_counter()
-        await ws.send(json.dumps(slotserve_body(ids, slot, new, True)))
-        async for ev, frame in ws_token_frames(ws):
+        await ws.send(json.dumps(slotserve_body(ids, slot, new, attention)))
+        async for ev, frame in ws_token_frames(ws, attention):
             if frame is None:
                 s.cached = ev.get("cached_tokens")
                 break
-            want = n_l * n_h * (len(ids) + ev["index"]) * 4
+            want = n_l * n_h * (len(ids) + ev["index"]) * 4 if attention else 0
             if len(frame) != want:
                 raise RuntimeError(f"slotserve WS token {ev['index']}: {len(frame)} bytes, want {want}")
             m.token(s)
@@ -216,6 +221,60 @@ async def llama_sse(client: httpx.AsyncClient, base: str, ids: list[int], slot: 
     return s
 
 
+async def run_streams(
+    kind: str, base: str, prompts: list[list[int]], n: int, new: int, shape: tuple[int, int], m: Marks
+) -> Run:
+    """``n`` concurrent streams, stream ``i`` on slot ``i`` with ``prompts[i]``, on the server at ``base``.
+
+    ``kind``: ``sse`` (slotserve SSE, no attention), ``ws`` (slotserve WS + full attention),
+    ``ws-plain`` (the same WebSocket without attention) or ``llama`` (llama-server ``/completion``).
+    """
+    async with httpx.AsyncClient(timeout=None) as client:
+        if kind == "sse":
+            coros = [slotserve_sse(client, base, prompts[i], i, new, m) for i in range(n)]
+        elif kind in ("ws", "ws-plain"):
+            url = "ws" + base.removeprefix("http") + "/api/extra/generate/stream/ws"
+            coros = [slotserve_ws(url, prompts[i], i, new, shape, m, kind == "ws") for i in range(n)]
+        elif kind == "llama":
+            coros = [llama_sse(client, base, prompts[i], i, new, m) for i in range(n)]
+        else:
+            raise ValueError(f"unknown stream kind {kind!r}")
+        return Run(list(await asyncio.gather(*coros)))
+
+
+def measure_streams(
+    quiet: Quiet, kind: str, base: str, prompts: list[list[int]], n: int, new: int, shape: tuple[int, int],
+    label: str, warm: bool,
+) -> tuple[Run, dict[str, float]]:  # fmt: skip
+    """:func:`run_streams` through :meth:`Quiet.run` (idle machine, CPU marks); checks every stream got ``new``
+    tokens. Returns ``(run, cpu)``."""
+    box: list[Marks] = []
+
+    def go() -> Run:
+        box[:] = [Marks(quiet, n, new)]
+        return asyncio.run(run_streams(kind, base, prompts, n, new, shape, box[0]))
+
+    run, cpu = quiet.run(go, label, warm=warm)
+    for i, s in enumerate(run.streams):
+        if len(s.times) != new:
+            raise RuntimeError(f"{label} stream {i}: {len(s.times)} tokens, want {new}")
+    return run, cpu
+
+
+def llama_server_cmd(
+    binary: Path, model: Path, port: int, *, parallel: int, ctx_size: int, threads: int, n_gpu_layers: int,
+    slot_dir: Path, extra: str = "",
+) -> list[str]:  # fmt: skip
+    """``llama-server`` with ``parallel`` slots of ``ctx_size`` tokens each and ``--slot-save-path slot_dir``
+    (created: the slot actions, erase included, need it)."""
+    slot_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        str(binary), "-m", str(model), "-np", str(parallel), "-c", str(parallel * ctx_size), "-t", str(threads),
+        "-ngl", str(n_gpu_layers), "--port", str(port), "--host", "127.0.0.1", "--slot-save-path", str(slot_dir),
+        *extra.split(),
+    ]  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -238,6 +297,7 @@ def main() -> int:
         help="extra llama-server arguments (e.g. '-fa off -kvu'); repeat to compare several llama-servers",
     )
     ap.add_argument("--model", type=Path, default=None)
+    add_gpu_args(ap)
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens per stream")
     ap.add_argument("--new", type=int, default=128, help="new tokens per stream")
     ap.add_argument("--streams", default="1,2,4", help="stream counts")
@@ -263,19 +323,17 @@ def main() -> int:
         port = free_port()
         cmd = slotserve_cmd(
             port, tmp / "state", parallel=args.parallel, ctx_size=args.ctx_size, threads=args.threads,
-            spare=args.spare, model=model,
+            spare=args.spare, model=model, n_gpu_layers=args.n_gpu_layers,
         )  # fmt: skip
         ss = ServerProc("slotserve", cmd, port, tmp / "slotserve.log")
         servers.append(ss)
         llamas: list[tuple[str, ServerProc]] = []
         for k, extra in enumerate((args.llama_args or [""]) if args.llama_server else []):
             lport = free_port()
-            lcmd = [
-                str(args.llama_server), "-m", str(model), "-np", str(args.parallel),
-                "-c", str(args.parallel * args.ctx_size), "-t", str(args.threads), "--port", str(lport),
-                "--host", "127.0.0.1", "--slot-save-path", str(tmp / f"llama-slots-{k}"), *extra.split(),
-            ]  # fmt: skip
-            (tmp / f"llama-slots-{k}").mkdir()  # the slot actions (erase) need it
+            lcmd = llama_server_cmd(
+                args.llama_server, model, lport, parallel=args.parallel, ctx_size=args.ctx_size,
+                threads=args.threads, n_gpu_layers=args.n_gpu_layers, slot_dir=tmp / f"llama-slots-{k}", extra=extra,
+            )  # fmt: skip
             name = "llama-server" + (f"#{k + 1}" if k else "")
             llamas.append((extra, ServerProc(name, lcmd, lport, tmp / f"llama-server-{k + 1}.log")))
             servers.append(llamas[-1][1])
@@ -292,24 +350,12 @@ def main() -> int:
         for srv in servers:
             pids |= srv.pids()
         quiet = Quiet(args, pids)
-        ws_url = f"ws://127.0.0.1:{ss.port}/api/extra/generate/stream/ws"
 
         paths = [Series("slotserve SSE (no attention)", "sse", ss)]
         if not args.no_attention:
             paths.append(Series("slotserve WS + attention", "ws", ss))
         for extra, ls in llamas:
             paths.append(Series(f"llama-server {extra}".strip(), "llama", ls))
-
-        async def one(path: Series, n: int, m: Marks) -> Run:
-            async with httpx.AsyncClient(timeout=None) as client:
-                base = path.server.base
-                if path.kind == "sse":
-                    coros = [slotserve_sse(client, base, prompts[i], i, args.new, m) for i in range(n)]
-                elif path.kind == "ws":
-                    coros = [slotserve_ws(ws_url, prompts[i], i, args.new, shape, m) for i in range(n)]
-                else:
-                    coros = [llama_sse(client, base, prompts[i], i, args.new, m) for i in range(n)]
-                return Run(list(await asyncio.gather(*coros)))
 
         print(
             f"{len(prompts)} prompts of {args.prompt} tokens, {args.new} new tokens each, greedy, ignore_eos; "
@@ -337,16 +383,10 @@ def main() -> int:
                                 raise RuntimeError(f"{path.name}: erase slot {i}: HTTP {e.status_code} {e.text[:200]}")
                     if path.kind != "llama":
                         settle(sync, ss.base)  # write-behind saves of the previous run are done
-                    marks_box: list[Marks] = []
-
-                    def go(path: Series = path, n: int = n, box: list[Marks] = marks_box) -> Run:
-                        box[:] = [Marks(quiet, n, args.new)]
-                        return asyncio.run(one(path, n, box[0]))
-
-                    run, cpu = quiet.run(go, f"{path.name} x{label}", warm=warm)
+                    run, cpu = measure_streams(
+                        quiet, path.kind, path.server.base, prompts, n, args.new, shape, f"{path.name} x{label}", warm
+                    )
                     for i, s in enumerate(run.streams):
-                        if len(s.times) != args.new:
-                            raise RuntimeError(f"{path.name} x{n} stream {i}: {len(s.times)} tokens, want {args.new}")
                         texts.setdefault((path.name, label, i), "".join(s.text))
                     tag = " (warm-up)" if warm else ""
                     print(

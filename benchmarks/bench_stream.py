@@ -54,6 +54,7 @@ from common import (
     Quiet,
     ServerProc,
     SseEvents,
+    add_gpu_args,
     add_idle_args,
     free_port,
     model_tokenizer,
@@ -286,7 +287,14 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     port = free_port()
     cmd = slotserve_cmd(
-        port, tmp / "state", parallel=1, ctx_size=args.n_ctx, threads=args.threads, spare=args.spare, model=args.model
+        port,
+        tmp / "state",
+        parallel=1,
+        ctx_size=args.n_ctx,
+        threads=args.threads,
+        spare=args.spare,
+        model=args.model,
+        n_gpu_layers=args.n_gpu_layers,
     )
     srv = ServerProc("orchestrator", cmd, port, tmp / "server.log")
     ws_url = f"ws://127.0.0.1:{srv.port}/api/extra/generate/stream/ws"
@@ -405,13 +413,14 @@ def main() -> int:
         default="both",
         help="websockets client: default (offers permessage-deflate, like browsers), none, or both",
     )
+    add_gpu_args(ap)
     add_idle_args(ap)
     ap.add_argument("--keep-log", action="store_true", help="keep the server log")
     args = ap.parse_args()
     if args.new < 2:
         ap.error("--new must be >= 2")
 
-    model = Model(args.model or default_model_path())
+    model = Model(args.model or default_model_path(), n_gpu_layers=args.n_gpu_layers)
     ids = build_prompt(model, args.ctx)
     print(f"model {model.path.name}, layers {model.n_layer}, heads {model.n_head}, prompt {len(ids)} tokens")
     print("[1/2] in-process engine: capture off / on (interleaved)")

@@ -149,6 +149,13 @@ def add_idle_args(ap: argparse.ArgumentParser, wait_idle_s: float = 120, max_oth
     ap.add_argument("--retries", type=int, default=5, help="redos per rep at most")
 
 
+def add_gpu_args(ap: argparse.ArgumentParser) -> None:
+    """``--n-gpu-layers`` (slotserve's worker, in-process engines and llama-server alike)."""
+    ap.add_argument(
+        "--n-gpu-layers", "-ngl", type=int, default=0, help="layers offloaded to a GPU (slotserve and llama-server)"
+    )
+
+
 class Quiet:
     """Runs measurements on an idle machine (see :meth:`run`); counts the redone ones."""
 
@@ -309,15 +316,18 @@ def prefix_len(a: str, b: str) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-async def ws_token_frames(ws) -> AsyncIterator[tuple[dict, bytes | None]]:
+async def ws_token_frames(ws, attention: bool = True) -> AsyncIterator[tuple[dict, bytes | None]]:
     """Seed 002's frames from a ``websockets`` connection: ``(token event, its binary attention
-    frame)`` per token, then ``(done event, None)``. An error event raises RuntimeError."""
+    frame)`` per token (``b""`` when the request asked for no ``attention``: no binary frames come),
+    then ``(done event, None)``. An error event raises RuntimeError."""
     pending = None
     while True:
         msg = await ws.recv()
         if isinstance(msg, str):
             ev = json.loads(msg)
-            if ev["type"] == "token":
+            if ev["type"] == "token" and not attention:
+                yield ev, b""
+            elif ev["type"] == "token":
                 pending = ev
             elif ev["type"] == "done":
                 yield ev, None
@@ -355,11 +365,13 @@ def slotserve_cmd(
     threads: int,
     spare: int = 1,
     model: Path | None = None,
+    n_gpu_layers: int = 0,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """``slotserve serve`` on 127.0.0.1:``port`` with its embedded store in ``state_dir``."""
+    """``slotserve serve`` of this checkout (``python -m orchestrator.cli`` with the benchmark's interpreter,
+    run from the checkout's root) on 127.0.0.1:``port`` with its embedded store in ``state_dir``."""
     cmd = [
-        str(ROOT / ".venv" / "bin" / "slotserve"),
+        sys.executable, "-m", "orchestrator.cli",
         "serve",
         "--port", str(port),
         "--state-dir", str(state_dir),
@@ -367,6 +379,7 @@ def slotserve_cmd(
         "--spare", str(spare),
         "--ctx-size", str(ctx_size),
         "--threads", str(threads),
+        "--n-gpu-layers", str(n_gpu_layers),
         "--log-level", "warning",
     ]  # fmt: skip
     if model:

@@ -7,9 +7,11 @@
  *   - forwards to Python only layer 0's SET_ROWS into "cache_k_l0" (once per ubatch: the
  *     cells the ubatch writes, and the place where Python sets up the rows to copy) and,
  *     when Python asks for it (mask reads), "kq_soft_max-0";
- *   - copies the requested rows of every "kq_soft_max-{il}" itself, with
- *     ggml_backend_tensor_get (works for host and device buffers), into buffers that
- *     Python owns: dst[i][il][h][0..n_kv).
+ *   - copies the requested rows of every "kq_soft_max-{il}" itself, into buffers that
+ *     Python owns: dst[i][il][h][0..n_kv).  One ggml_backend_tensor_get_2d per row and
+ *     layer reads the row of every head (host and device buffers alike): on CUDA that is
+ *     one cudaMemcpy2DAsync + synchronize instead of one per head; on CPU ggml loops over
+ *     the heads with plain copies, as before.
  * Struct offsets come from Python (the ggml.h mirror in engine/ggml_ffi.py), so no ggml
  * header is needed.  It is a Python extension module only so that setuptools builds it;
  * Python calls it through ctypes.
@@ -23,12 +25,15 @@
 #define SLOTSERVE_MAX_ROWS 256
 
 typedef bool (*eval_callback)(void *tensor, bool ask, void *user_data);
-typedef void (*tensor_get_fn)(const void *tensor, void *data, size_t offset, size_t size);
+/* ggml_backend_tensor_get_2d (ggml/include/ggml-backend.h): n_copies runs of size bytes, the
+ * i-th from offset + i*stride_tensor in the tensor to data + i*stride_data */
+typedef void (*tensor_get_2d_fn)(const void *tensor, void *data, size_t offset, size_t size, size_t n_copies,
+                                 size_t stride_tensor, size_t stride_data);
 
 struct slotserve_filter {
     eval_callback forward;   /* the Python callback */
     void *forward_data;
-    tensor_get_fn tensor_get;
+    tensor_get_2d_fn tensor_get_2d;
     int64_t off_name;        /* offsetof(struct ggml_tensor, name) */
     int64_t off_op;          /* offsetof(struct ggml_tensor, op) */
     int64_t off_ne;          /* offsetof(struct ggml_tensor, ne) */
@@ -66,9 +71,9 @@ static void copy_rows(struct slotserve_filter *f, void *t, const char *name) {
             return;
         }
         float *base = f->dst[i] + (size_t)il * (size_t)n_head * (size_t)f->cap_kv;
-        for (int64_t h = 0; h < n_head; h++) {
-            f->tensor_get(t, base + (size_t)h * (size_t)f->cap_kv, (size_t)(h * n_tok + r) * row_bytes, row_bytes);
-        }
+        /* head h's row r is at (h * n_tok + r) * row_bytes; it goes to base + h * cap_kv */
+        f->tensor_get_2d(t, base, (size_t)r * row_bytes, row_bytes, (size_t)n_head, (size_t)n_tok * row_bytes,
+                         (size_t)f->cap_kv * sizeof(float));
         f->row_n_kv[i] = (int32_t)n_kv;
     }
     f->n_copied++;

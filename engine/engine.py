@@ -26,6 +26,7 @@ from engine.capture import AttentionCapture, RowTarget, Run
 from engine.cellmap import CellMap
 from engine.errors import ErrorCode
 from engine.kv_io import StateReader, StateReadError, llama_state
+from engine.kv_types import KV_CACHE_TYPES
 from engine.model import Model, file_fingerprint
 from engine.settings import EngineSettings
 
@@ -80,6 +81,7 @@ class Engine:
         cp.n_threads_batch = config.n_threads
         cp.kv_unified = True
         cp.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.type_k, cp.type_v = KV_CACHE_TYPES[config.type_k], KV_CACHE_TYPES[config.type_v]
         if config.capture:
             cp.cb_eval, cp.cb_eval_user_data = self.capture.cb_eval
         cp.no_perf = True

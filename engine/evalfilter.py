@@ -26,7 +26,7 @@ class _Filter(ctypes.Structure):
     _fields_ = [
         ("forward", ctypes.c_void_p),
         ("forward_data", ctypes.c_void_p),
-        ("tensor_get", ctypes.c_void_p),
+        ("tensor_get_2d", ctypes.c_void_p),
         ("off_name", ctypes.c_int64),
         ("off_op", ctypes.c_int64),
         ("off_ne", ctypes.c_int64),
@@ -83,7 +83,7 @@ class CRowCopier:
         self.n_head = n_head
         self.f = _Filter()
         self.f.forward = ctypes.cast(python_callback, ctypes.c_void_p).value
-        self.f.tensor_get = ctypes.cast(g.libggml.ggml_backend_tensor_get, ctypes.c_void_p).value
+        self.f.tensor_get_2d = ctypes.cast(g.libggml.ggml_backend_tensor_get_2d, ctypes.c_void_p).value
         self.f.off_name, self.f.off_op, self.f.off_ne = g.OFF_NAME, g.OFF_OP, g.GgmlTensor.ne.offset
         self.f.op_set_rows = g.GGML_OP_SET_ROWS
         self.f.n_layer, self.f.n_head = n_layer, n_head

@@ -22,6 +22,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engine.kv_types import KvCacheType, VCacheType
+
 Positive = msgspec.Meta(ge=1)
 NonNegative = msgspec.Meta(ge=0)
 
@@ -80,6 +82,22 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "--cache-idle-slots",
         ),
     ] = True
+    type_k: Annotated[
+        KvCacheType,
+        Flag(
+            "KV cache data type for K (f32: attention computed from an f32 K cache, docs/hardware.md)",
+            "--cache-type-k",
+            "-ctk",
+        ),
+    ] = "f16"
+    type_v: Annotated[
+        VCacheType,
+        Flag(
+            "KV cache data type for V (a quantized V cache needs flash attention, which attention capture turns off)",
+            "--cache-type-v",
+            "-ctv",
+        ),
+    ] = "f16"
     repack: Annotated[
         bool | None,
         Flag(

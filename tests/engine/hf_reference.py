@@ -102,3 +102,19 @@ def row_stats(ours: np.ndarray, ref: np.ndarray, flat_std: float = 1e-6) -> tupl
     denom = np.sqrt((oc**2).sum(-1) * (rc**2).sum(-1))
     corr = np.where(flat, np.nan, (oc * rc).sum(-1) / np.where(flat, 1.0, denom))
     return mad, corr
+
+
+def generated_rows_vs_reference(rows: list[np.ndarray], att: np.ndarray, n_prompt: int) -> tuple[float, float]:
+    """``(min per-head correlation, worst per-head mean abs diff)`` of generated tokens' rows against
+    :func:`reference_forward`'s ``att`` (``[L, H, T, T]`` over prompt + generated).
+
+    ``rows[k]`` is generated token k's ``[L, H, n_prompt + k]`` attention: the query at position
+    ``n_prompt - 1 + k``.  Nearly constant rows (NaN correlation, see :func:`row_stats`) are skipped.
+    """
+    mads, corrs = [], []
+    for k, row in enumerate(rows):
+        q = n_prompt - 1 + k
+        mad, corr = row_stats(row, att[:, :, q, : q + 1])
+        mads.append(mad)
+        corrs.append(corr)
+    return float(np.nanmin(corrs)), float(np.max(mads))

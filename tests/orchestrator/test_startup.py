@@ -192,3 +192,22 @@ def test_small_context_starts() -> None:
     code, out = check(WorkerOptions(EngineSettings(n_slots=1, n_spare=1, n_ctx=64, n_threads=2)))
     assert code == 0, out
     assert "verdict: PASS" in out
+
+
+def test_check_with_an_f32_kv_cache() -> None:
+    """``--cache-type-k f32 --cache-type-v f32`` reach the worker and its reported configuration."""
+    code, out = check(
+        WorkerOptions(EngineSettings(n_slots=1, n_spare=1, n_ctx=256, n_threads=2, type_k="f32", type_v="f32"))
+    )
+    assert code == 0, out
+    assert "KV f32/f32," in out
+
+
+def test_quantized_v_cache_is_refused_on_the_command_line() -> None:
+    """A quantized V cache needs flash attention, which the capture turns off: refused before anything starts."""
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "check", "--cache-type-v", "q8_0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "--cache-type-v" in out.stderr and "invalid choice: 'q8_0'" in out.stderr

@@ -1,0 +1,369 @@
+"""Issue 9's table in one run: slotserve beside llama-server (built from the same llama.cpp) on this machine.
+
+Both servers run side by side (``slotserve serve`` with its default flags: ``--parallel 4``, persistence to
+an embedded store, ``--cache-idle-slots``; ``llama-server -np 4`` with its defaults and ``--slot-save-path``),
+both with ``--threads`` and ``--n-gpu-layers``. Rows, each with its ratio:
+
+1. **one stream** (``--prompt`` tokens, ``--new`` new, greedy, ``ignore_eos``, the prompt cached after the
+   warm-up): decode tok/s and time to the first token of slotserve's SSE without attention, its WebSocket
+   without attention, the same WebSocket with full per-layer attention (``float32[L, H, ctx]`` per token),
+   and llama-server's ``/completion`` stream. WS with / without attention is the capture's cost.
+2. **1, 2 and 4 streams at once** (``--stream-prompt`` tokens each, distinct prompts, one slot each):
+   aggregate decode tok/s, slotserve SSE vs llama-server (``bench_slots.py``'s measurement);
+3. **save-state** of slot 0 (JSON, the worker's ``t_ms`` and the client's round trip) right after the last
+   4-stream run;
+4. **a ``--big``-token slot**: prefill, ``save-state`` / ``restore-state`` (octet-stream bodies) through the
+   API vs llama-server's prefill and slot-file ``save`` / ``restore`` (``POST /slots/0?action=save``);
+5. **preview** of that slot (append ``--append`` tokens, ``--preview-new`` new) ÷ prefill + generate of the
+   same tokens on a fresh slot (``bench_preview.py``'s requests);
+6. **in-process engine** (the servers stopped first): decode tok/s without the eval callback, with full
+   attention captured (f16 KV cache), and with an f32 KV cache (``-ctk f32 -ctv f32``); the state read
+   (``llama_state_seq_get_data``) of a slot after 4 sequences decoded together vs the same slot decoded alone;
+   attention vs transformers' eager float32 reference (``tests/engine/hf_reference.py``; skipped without
+   torch/transformers): min per-head correlation and worst head mean abs diff, f16 vs f32 cache.
+
+Each measured call waits for an idle machine (``--wait-idle``) and is redone once while other processes used
+more than ``--max-other`` cores; the load average is printed at the start and the end.
+
+    .venv/bin/python benchmarks/bench_table.py --llama-server /path/to/llama-server [--n-gpu-layers 99]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import common  # also puts the checkout on sys.path
+import httpx
+import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
+from bench_preview import context, generate_sample, preview_sample, user_append
+from bench_slots import BANNED, llama_server_cmd, measure_streams
+from common import Quiet, ServerProc, check, median, settle
+from engine_rows import in_process
+
+OCTET = "application/octet-stream"
+
+
+@dataclass
+class Table:
+    """The printed rows: what, slotserve, llama-server, ratio."""
+
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    def add(self, what: str, mine: str, llama: str = "-", ratio: str = "-") -> None:
+        self.rows.append((what, mine, llama, ratio))
+        print(f"  => {what}: {mine} | {llama} | {ratio}", flush=True)
+
+    def print(self) -> None:
+        w = [max(len(r[i]) for r in self.rows) for i in range(4)]
+        w = [max(x, len(h)) for x, h in zip(w, ("row", "slotserve", "llama-server", "ratio"), strict=True)]
+        line = " | ".join(h.ljust(n) for h, n in zip(("row", "slotserve", "llama-server", "ratio"), w, strict=True))
+        print(line)
+        print("-" * len(line))
+        for r in self.rows:
+            print(" | ".join(c.ljust(n) for c, n in zip(r, w, strict=True)))
+
+
+def machine() -> str:
+    """CPU model and core count of this machine (``/proc/cpuinfo``)."""
+    name = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class Bench:
+    """Both servers and the measurements of one run."""
+
+    def __init__(
+        self, args: argparse.Namespace, ss: ServerProc, ls: ServerProc | None, quiet: Quiet, table: Table
+    ) -> None:
+        self.args, self.ss, self.ls, self.quiet, self.table = args, ss, ls, quiet, table
+        self.client = httpx.Client(timeout=None)
+        info = check(self.client.get(ss.base + "/api/v1/model"), "model info")
+        self.shape = (info["num_layers"], info["num_attention_heads"])
+        BANNED[:] = info["eog_token_ids"]
+        self.tok = common.http_tokenizer(self.client, ss.base)
+
+    def timed(self, fn, label: str, warm: bool = False, once: bool = False):  # type: ignore[no-untyped-def]
+        """``(seconds, fn())`` on an idle machine (:meth:`common.Quiet.run`). ``once``: for a call that
+        cannot be repeated alike (a prefill fills the slot it measures): after the wait, never redone."""
+
+        def run():  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            out = fn()
+            return time.perf_counter() - t0, out
+
+        if once:
+            self.quiet.wait()
+            (dt, out), cpu = self.quiet.run(run, label, warm=True)
+            print(f"  {label}: {dt * 1000:.1f} ms, other processes {cpu['other']:.2f} cores", flush=True)
+            return dt, out
+        return self.quiet.run(run, label, warm=warm)[0]
+
+    def erase(self, base: str, slots: list[str]) -> None:
+        for slot in slots:
+            r = self.client.post(f"{base}/slots/{slot}", params={"action": "erase", "wait": "true"})
+            if r.status_code not in (200, 404):
+                raise RuntimeError(f"erase {slot}: HTTP {r.status_code} {r.text[:200]}")
+
+    def paths(self, kinds: list[tuple[str, str]]) -> list[tuple[str, str, ServerProc]]:
+        out = [(name, kind, self.ss) for name, kind in kinds]
+        return out + ([("llama-server", "llama", self.ls)] if self.ls else [])
+
+    def one_stream(self) -> None:
+        a, t = self.args, self.table
+        ids = [common.build_prompt(self.tok, a.prompt)]
+        kinds = [("SSE, no attention", "sse"), ("WS, no attention", "ws-plain"), ("WS, full attention", "ws")]
+        paths = self.paths(kinds)
+        tps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+        ttft: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+        for r in range(a.reps + 1):
+            for name, kind, srv in paths:
+                if kind != "llama":
+                    settle(self.client, srv.base)
+                run, _ = measure_streams(self.quiet, kind, srv.base, ids, 1, a.new, self.shape, name, r == 0)
+                print(f"  rep {r} {name}: {run.tps:.1f} tok/s, ttft {run.ttft * 1000:.1f} ms", flush=True)
+                if r:
+                    tps[name].append(run.tps)
+                    ttft[name].append(run.ttft)
+        ref = median(tps["llama-server"]) if self.ls else float("nan")
+        ref_ttft = median(ttft["llama-server"]) * 1000 if self.ls else float("nan")
+        lt = f"{ref:.1f}" if self.ls else "-"
+        for name, _ in kinds:
+            m = median(tps[name])
+            t.add(f"one stream, decode tok/s: {name}", f"{m:.1f}", lt, f"{m / ref:.2f}")
+        plain, full = median(tps["WS, no attention"]), median(tps["WS, full attention"])
+        t.add("capture cost: WS full attention / WS no attention", f"{full / plain:.3f}")
+        for name, _ in kinds:
+            m = median(ttft[name]) * 1000
+            t.add(f"first token ms (prompt cached): {name}", f"{m:.1f}", f"{ref_ttft:.1f}", f"{m / ref_ttft:.2f}")
+
+    def streams(self) -> None:
+        a, t = self.args, self.table
+        prompts = [common.build_prompt(self.tok, a.stream_prompt, variant=i + 1) for i in range(4)]
+        paths = self.paths([("slotserve SSE", "sse")])
+        agg: dict[tuple[str, int], list[float]] = {}
+        saved: dict = {}
+        for r in range(a.reps + 1):
+            for name, kind, srv in paths:
+                for n in (1, 2, 4):
+                    if n == 1:
+                        self.erase(srv.base, ["1", "2", "3"])
+                    if kind != "llama":
+                        settle(self.client, srv.base)
+                    run, _ = measure_streams(self.quiet, kind, srv.base, prompts, n, a.new, self.shape, name, r == 0)
+                    print(f"  rep {r} {name} x{n}: {run.tps:.1f} tok/s", flush=True)
+                    if r:
+                        agg.setdefault((name, n), []).append(run.tps)
+                    if n == 4 and kind != "llama" and r == a.reps:  # right away, before any settle
+                        t0 = time.perf_counter()
+                        saved = check(
+                            self.client.post(f"{srv.base}/slots/0", params={"action": "save-state", "wait": "true"}),
+                            "save-state",
+                        )
+                        saved["wall_ms"] = (time.perf_counter() - t0) * 1000
+        for n in (1, 2, 4):
+            m = median(agg[("slotserve SSE", n)])
+            ll = median(agg[("llama-server", n)]) if self.ls else float("nan")
+            t.add(f"{n} stream(s) at once, aggregate tok/s", f"{m:.1f}", f"{ll:.1f}", f"{m / ll:.2f}")
+        sc = median(agg[("slotserve SSE", 4)]) / median(agg[("slotserve SSE", 1)])
+        lsc = median(agg[("llama-server", 4)]) / median(agg[("llama-server", 1)]) if self.ls else float("nan")
+        t.add("x4 / x1 scaling", f"{sc:.2f}", f"{lsc:.2f}", f"{sc / lsc:.2f}")
+        t.add(
+            f"save-state of slot 0 after 4 streams ({saved['n_tokens']} tokens, {saved['n_bytes'] / 1e6:.1f} MB): "
+            "worker t_ms / client round trip (JSON, base64)",
+            f"{saved['t_ms']:.1f} / {saved['wall_ms']:.1f} ms",
+        )
+
+    def llama_complete(self, slot: int, ids: list[int]) -> dict:
+        body = {"prompt": ids, "n_predict": 1, "temperature": 0, "id_slot": slot, "cache_prompt": True}
+        return check(self.client.post(self.ls.base + "/completion", json=body), "llama-server /completion")
+
+    def llama_slot(self, slot: int, action: str, filename: str) -> dict:
+        r = self.client.post(f"{self.ls.base}/slots/{slot}", params={"action": action}, json={"filename": filename})
+        return check(r, f"llama-server slot {action}")
+
+    def big_slot(self) -> None:
+        a, t, base = self.args, self.table, self.ss.base
+        self.erase(base, ["0", "1", "2", "3"])
+        if self.ls:
+            self.erase(self.ls.base, ["0", "1", "2", "3"])
+        ctx = context(self.tok, a.big)
+        settle(self.client, base)
+        pf, d = self.timed(lambda: generate_sample(self.client, base, "big", ctx, 0), "prefill", once=True)
+        if d.n_prefilled != len(ctx):
+            raise RuntimeError(f"prefill: {d.n_prefilled} of {len(ctx)} tokens prefilled")
+        lpf = float("nan")
+        if self.ls:
+            lpf, d = self.timed(lambda: self.llama_complete(0, ctx), "llama-server prefill", once=True)
+            print(f"  llama-server: prompt_n {d['timings']['prompt_n']}, prompt_ms {d['timings']['prompt_ms']:.1f}")
+            if d["timings"]["prompt_n"] < len(ctx) - 1:
+                raise RuntimeError(f"llama-server prefill: only {d['timings']['prompt_n']} tokens evaluated")
+        save, restore, lsave, lrestore = [], [], [], []
+        size = 0
+        for r in range(a.reps + 1):
+            settle(self.client, base)
+            dt, resp = self.timed(
+                lambda: self.client.post(
+                    f"{base}/slots/big", params={"action": "save-state", "wait": "true"}, headers={"Accept": OCTET}
+                ),
+                "save-state",
+                r == 0,
+            )
+            blob = resp.content
+            size = len(blob)
+            dt2, resp2 = self.timed(
+                lambda blob=blob, r=r: self.client.post(
+                    f"{base}/slots/big-{r}",
+                    params={"action": "restore-state", "wait": "true"},
+                    content=blob,
+                    headers={"Content-Type": OCTET},
+                ),
+                "restore-state",
+                r == 0,
+            )
+            check(resp2, "restore-state")
+            self.erase(base, [f"big-{r}"])
+            line = f"  rep {r}: save-state {dt * 1000:.1f} ms, restore-state {dt2 * 1000:.1f} ms"
+            if self.ls:
+                ds, s = self.timed(lambda: self.llama_slot(0, "save", "big.bin"), "llama save", r == 0)
+                dr, rr = self.timed(lambda: self.llama_slot(1, "restore", "big.bin"), "llama restore", r == 0)
+                line += (
+                    f"; llama-server save {ds * 1000:.1f} ms (save_ms {s['timings']['save_ms']:.1f}), "
+                    f"restore {dr * 1000:.1f} ms (restore_ms {rr['timings']['restore_ms']:.1f})"
+                )
+                if r:
+                    lsave.append(ds)
+                    lrestore.append(dr)
+            print(line, flush=True)
+            if r:
+                save.append(dt)
+                restore.append(dt2)
+        n = f"{a.big}-token slot ({size / 1e6:.1f} MB)"
+        t.add(f"{n}: prefill ms", f"{pf * 1000:.0f}", f"{lpf * 1000:.0f}", f"{pf / lpf:.2f}")
+        ms, ls_ = median(save) * 1000, median(lsave) * 1000
+        t.add(f"{n}: save ms (API octet-stream | slot file)", f"{ms:.1f}", f"{ls_:.1f}", f"{ms / ls_:.2f}")
+        mr, lr = median(restore) * 1000, median(lrestore) * 1000
+        t.add(f"{n}: restore ms (API octet-stream | slot file)", f"{mr:.1f}", f"{lr:.1f}", f"{mr / lr:.2f}")
+        t.add(f"{n}: restore / prefill", f"{mr / (pf * 1000):.4f}", f"{lr / (lpf * 1000):.4f}")
+        self.preview(ctx)
+
+    def preview(self, ctx: list[int]) -> None:
+        a, base = self.args, self.ss.base
+        append = user_append(self.tok, a.append)
+        pv, sc = [], []
+        for r in range(a.reps + 1):
+            settle(self.client, base)
+            s = self.timed(lambda: preview_sample(self.client, base, "big", append, a.preview_new), "preview", r == 0)[
+                1
+            ]
+            print(f"  rep {r}: preview {s.wall * 1000:.1f} ms ({s.n_gen} tokens, prefilled {s.n_prefilled})")
+            if r:
+                pv.append(s.wall)
+        for _ in range(a.scratch_reps):
+            settle(self.client, base)
+            s = self.timed(
+                lambda: generate_sample(self.client, base, "scratch", ctx + append, a.preview_new), "scratch", once=True
+            )
+            print(f"  scratch {s[1].wall * 1000:.1f} ms ({s[1].n_gen} tokens)", flush=True)
+            sc.append(s[1].wall)
+            self.erase(base, ["scratch"])
+        p, s_ = median(pv) * 1000, median(sc) * 1000
+        self.table.add(
+            f"preview (append {a.append}, {a.preview_new} new) / (prefill + generate) at {a.big} tokens",
+            f"{p:.0f} / {s_:.0f} ms = {p / s_:.2f}",
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (no llama rows without)")
+    ap.add_argument("--llama-args", default="", help="extra llama-server arguments (default: its defaults)")
+    ap.add_argument("--model", type=Path, default=None)
+    common.add_gpu_args(ap)
+    sizes = {
+        "threads": (2, "llama.cpp threads, both servers and the in-process engines"),
+        "ctx-size": (4096, "context per slot, both servers"),
+        "prompt": (500, "one stream: prompt tokens"),
+        "new": (64, "new tokens per stream"),
+        "stream-prompt": (100, "1/2/4 streams: prompt tokens per stream"),
+        "big": (2000, "tokens of the slot saved, restored and previewed"),
+        "append": (15, "preview: appended tokens"),
+        "preview-new": (50, "preview: new tokens"),
+        "reps": (2, "measured reps (+1 warm-up)"),
+        "scratch-reps": (1, "prefill + generate runs (long)"),
+        "inproc-ctx": (1024, "in-process engines: context per slot"),
+    }
+    for flag, (default, text) in sizes.items():
+        ap.add_argument("--" + flag, type=int, default=default, help=text)
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: stream,streams,big,inproc")
+    ap.add_argument("--keep-logs", action="store_true")
+    common.add_idle_args(ap, wait_idle_s=5, max_other=0.5)
+    ap.set_defaults(retries=1)
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    model = args.model or common.default_model()
+    print(f"machine: {machine()}; --n-gpu-layers {args.n_gpu_layers}; {load()}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-table-"))
+    servers: list[ServerProc] = []
+    table = Table()
+    try:
+        if {"stream", "streams", "big"} - skip:
+            port = common.free_port()
+            cmd = common.slotserve_cmd(
+                port, tmp / "state", parallel=4, spare=4, ctx_size=args.ctx_size, threads=args.threads, model=model,
+                n_gpu_layers=args.n_gpu_layers,
+            )  # fmt: skip
+            servers.append(ServerProc("slotserve", cmd, port, tmp / "slotserve.log"))
+            if args.llama_server:
+                lport = common.free_port()
+                lcmd = llama_server_cmd(
+                    args.llama_server, model, lport, parallel=4, ctx_size=args.ctx_size, threads=args.threads,
+                    n_gpu_layers=args.n_gpu_layers, slot_dir=tmp / "llama-slots", extra=args.llama_args,
+                )  # fmt: skip
+                servers.append(ServerProc("llama-server", lcmd, lport, tmp / "llama-server.log"))
+            for srv in servers:
+                print(f"{srv.name} ready on :{srv.port} in {srv.wait_ready(httpx):.1f}s", flush=True)
+            pids: dict[str, int] = {}
+            for srv in servers:
+                pids |= srv.pids()
+            bench = Bench(args, servers[0], servers[1] if len(servers) > 1 else None, Quiet(args, pids), table)
+            for part, fn in (("stream", bench.one_stream), ("streams", bench.streams), ("big", bench.big_slot)):
+                if part not in skip:
+                    print(f"[{part}] {load()}", flush=True)
+                    fn()
+            print(bench.quiet.summary())
+            common.stop_servers(servers, tmp, args.keep_logs)
+            servers = []
+        if "inproc" not in skip:
+            print(f"[inproc] {load()}", flush=True)
+            quiet = Quiet(args)
+            in_process(args, quiet, table.add)
+            print(quiet.summary())
+    finally:
+        common.stop_servers(servers, tmp, args.keep_logs)
+    print()
+    print(f"machine: {machine()}; --n-gpu-layers {args.n_gpu_layers}; threads {args.threads}; model {model.name}")
+    if args.llama_server:
+        print(f"llama-server: {args.llama_server} -np 4 -c {4 * args.ctx_size} {args.llama_args}".rstrip())
+    print(f"at the end: {load()}")
+    print()
+    table.print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
