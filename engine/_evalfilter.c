@@ -79,6 +79,9 @@ static void copy_rows(struct slotserve_filter *f, void *t, const char *name) {
     f->n_copied++;
 }
 
+/* sizeof(struct slotserve_filter): engine/evalfilter.py refuses a module built from another layout. */
+size_t slotserve_filter_size(void) { return sizeof(struct slotserve_filter); }
+
 bool slotserve_eval_filter(void *tensor, bool ask, void *user_data) {
     struct slotserve_filter *f = (struct slotserve_filter *)user_data;
     const char *name = (const char *)tensor + f->off_name;

@@ -45,15 +45,24 @@ class _Filter(ctypes.Structure):
 
 
 def _library() -> ctypes.CDLL | None:
+    """The built C filter, or None when it is absent or was built from another
+    ``struct slotserve_filter`` (a stale build would read its fields wrong)."""
     try:
         from engine import _evalfilter  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return ctypes.CDLL(_evalfilter.__file__)
+    lib = ctypes.CDLL(_evalfilter.__file__)
+    size = getattr(lib, "slotserve_filter_size", None)
+    if size is None:
+        return None
+    size.restype = ctypes.c_size_t
+    if size() != ctypes.sizeof(_Filter):
+        return None
+    return lib
 
 
 def available() -> bool:
-    """True when the C filter was built."""
+    """True when the C filter was built (from this source's struct layout)."""
     return _library() is not None
 
 
