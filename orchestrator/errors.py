@@ -17,6 +17,7 @@ logs the refusal (:func:`report`: one info line for a 4xx, a traceback for a 5xx
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from engine.errors import ErrorCode
 from orchestrator.engine_api import EngineDeadError, EngineRequestError
 
 log = structlog.get_logger("slotserve.api")
+_QUERY = re.compile(r"\?\S*")
 
 STATUS_OF_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
@@ -169,6 +171,12 @@ def _http_exception(exc: HTTPException) -> ApiError:
     return ApiError(code, str(exc.detail), status=exc.status_code)
 
 
+def _validation_exception(exc: ValidationException) -> ApiError:
+    # Litestar's detail names the URL with its query string, which may hold ?api_key=: cut it.
+    message = _QUERY.sub("", str(exc.detail))
+    return ApiError(ErrorCode.INVALID_REQUEST, message, extra=exc.extra)
+
+
 def _internal(exc: BaseException) -> ApiError:
     return ApiError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
@@ -177,7 +185,7 @@ TO_API_ERROR: dict[type[Exception], Callable[[Any], ApiError]] = {
     ApiError: lambda exc: exc,
     EngineRequestError: _engine_request_error,
     EngineDeadError: lambda exc: ApiError(ErrorCode.NO_MODEL, str(exc)),
-    ValidationException: lambda exc: ApiError(ErrorCode.INVALID_REQUEST, str(exc.detail), extra=exc.extra),
+    ValidationException: _validation_exception,
     HTTPException: _http_exception,
     Exception: _internal,
 }

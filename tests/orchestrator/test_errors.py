@@ -96,6 +96,12 @@ def test_refusals_log_one_info_line_failures_a_traceback() -> None:
     assert isinstance(failed[0]["exc_info"], RuntimeError)
 
 
+def test_validation_messages_carry_no_query_string() -> None:
+    exc = ValidationException("Validation failed for POST /slots/0?api_key=k3y&action=nope", extra=[{"key": "action"}])
+    err = from_exception(exc)
+    assert err.message == "Validation failed for POST /slots/0" and err.extra == {"extra": [{"key": "action"}]}
+
+
 def test_real_server_logs_refusals_without_traceback(server: ServerProc) -> None:
     start = server.log_path.stat().st_size
     r = httpx.post(server.url + "/slots/no-such-slot", params={"action": "tokens"}, timeout=30)

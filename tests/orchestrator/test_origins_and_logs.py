@@ -55,6 +55,8 @@ def test_api_key_never_reaches_the_log(guarded: ServerProc) -> None:
     r = httpx.get(guarded.url + "/api/v1/model", params={"api_key": KEY})
     assert r.status_code == 200
     assert httpx.get(guarded.url + "/api/v1/model", params={"api_key": "wrong-" + KEY}).status_code == 401
+    refused = httpx.post(guarded.url + "/slots/0", params={"api_key": KEY, "action": "nope"})  # logged refusal
+    assert refused.status_code == 400 and KEY not in refused.text
     with connect(guarded.ws_url + f"/api/v1/generate/stream?api_key={KEY}", close_timeout=2) as ws:
         ws.send(json.dumps({"prompt": "Hi", "max_new_tokens": 1}))
         assert json.loads(ws.recv(timeout=60))["type"] in ("token", "done")
