@@ -167,7 +167,7 @@ async def slotserve_sse(client: httpx.AsyncClient, base: str, ids: list[int], sl
 async def slotserve_ws(
     url: str, ids: list[int], slot: int, new: int, shape: tuple[int, int], m: Marks, attention: bool = True
 ) -> Stream:
-    """One stream on seed 002's WebSocket; with ``attention`` every token's float32 ``[L, H, ctx]`` frame
+    """One stream on the binary WebSocket; with ``attention`` every token's float32 ``[L, H, ctx]`` frame
     is checked for size (a token counts once it arrived), without it only the JSON token frames come."""
     import websockets
 

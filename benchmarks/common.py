@@ -317,7 +317,7 @@ def prefix_len(a: str, b: str) -> int:
 
 
 async def ws_token_frames(ws, attention: bool = True) -> AsyncIterator[tuple[dict, bytes | None]]:
-    """Seed 002's frames from a ``websockets`` connection: ``(token event, its binary attention
+    """The binary WebSocket's frames from a ``websockets`` connection: ``(token event, its binary attention
     frame)`` per token (``b""`` when the request asked for no ``attention``: no binary frames come),
     then ``(done event, None)``. An error event raises RuntimeError."""
     pending = None

@@ -34,7 +34,8 @@ class SavedState:
 
 
 def message_boundaries(tokens: list[int], eot: int) -> list[dict[str, int]]:
-    """Seed 004's ``messages``: each ends at an ``eot`` token (inclusive) or at the last token."""
+    """The ``messages`` of ``GET /v1/slots/{id}/info`` (docs/api.md): each ends at an ``eot`` token
+    (inclusive) or at the last token."""
     out: list[dict[str, int]] = []
     start = 0
     for i, t in enumerate(tokens):
@@ -127,7 +128,7 @@ class SlotOps:
         return (time.perf_counter() - t0) * 1000
 
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
-        """Seed 004's context shift; returns the new token count."""
+        """The ``context-shift`` slot action (docs/api.md, "Slots"); returns the new token count."""
         n = slot.n_tokens if not self.registry.is_resident(slot) else len(await self.registry.tokens(slot))
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
             raise ApiError(

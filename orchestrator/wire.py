@@ -34,7 +34,8 @@ def token_text_fields(t: TokenOut) -> dict[str, Any]:
 
 
 def attention_json(t: TokenOut, fmt: str, dtype: str) -> dict[str, Any] | None:
-    """Seed 000/001 attention object: format, shape, context_length, base64 data."""
+    """The attention object of the JSON and SSE APIs (docs/api.md, "Attention"): format, shape,
+    context_length, base64 data."""
     if t.attention is None:
         return None
     return {
@@ -71,7 +72,7 @@ def top_logprobs(t: TokenOut, pieces: list[bytes] | None = None) -> list[dict[st
 
 
 def v1_token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str, pieces: list[bytes]) -> dict[str, Any]:
-    """Seed 000 WS ``token`` event."""
+    """The JSON WebSocket's ``token`` event (docs/api.md, "WS /api/v1/generate/stream")."""
     token = token_text_fields(t)
     token["logprob"] = t.logprob
     token["top_logprobs"] = top_logprobs(t, pieces)
@@ -86,7 +87,7 @@ def v1_token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str, pi
 
 
 def done_event(d: DoneOut, request_id: str | None) -> dict[str, Any]:
-    """Seed 000/001 ``done`` event."""
+    """The ``done`` event (docs/api.md, "``done`` fields")."""
     ev: dict[str, Any] = {
         "type": "done",
         "request_id": request_id,
@@ -127,7 +128,8 @@ def kobold_done_event(d: DoneOut) -> dict[str, Any]:
 
 
 def sse_attention_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str) -> dict[str, Any]:
-    """Seed 001 SSE token event with attention (``{"type":"token","token":{token_id,text}, ...}``)."""
+    """The SSE token event with attention (docs/api.md, "POST /api/extra/generate/stream"):
+    ``{"type":"token","token":{token_id,text}, ...}``."""
     ev: dict[str, Any] = {"type": "token", "token": token_text_fields(t), "request_id": request_id}
     ev["attention"] = attention_json(t, fmt, dtype)
     hid = hidden_json(t)
@@ -137,7 +139,8 @@ def sse_attention_event(t: TokenOut, request_id: str | None, fmt: str, dtype: st
 
 
 def binary_ws_token_frame(t: TokenOut) -> dict[str, Any]:
-    """Seed 002 text frame before the binary attention frame."""
+    """The binary WebSocket's text frame before its binary attention frame (docs/api.md,
+    "WS /api/extra/generate/stream/ws")."""
     ev: dict[str, Any] = {"type": "token", **token_text_fields(t), "index": t.index}
     if t.attention is not None:
         ev["shape"] = t.attention_shape

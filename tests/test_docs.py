@@ -152,3 +152,19 @@ def test_every_serve_flag_is_documented() -> None:
     assert "--redis-url" in flags
     missing = [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", doc)]
     assert not missing, f"slotserve serve flags missing from docs/operations.md: {missing}"
+
+
+def test_nothing_cites_documents_outside_the_repository() -> None:
+    """Docstrings, comments and docs cite what a reader of the repository can open: never the
+    project's design notes or seed documents, which are not in it."""
+    root = ROOT
+    pattern = re.compile(r"DESIGN\.md|\bseeds?[ _]?0\d\d\b|\bseeds/", re.IGNORECASE)
+    offenders = []
+    for folder in ("engine", "orchestrator", "storage", "benchmarks", "tests", "docs", "scripts"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix in {".py", ".md", ".c", ".js", ".html", ".sh"} and path.is_file():
+                text = path.read_text(encoding="utf-8", errors="replace")
+                offenders += [f"{path.relative_to(root)}:{m.group(0)}" for m in pattern.finditer(text)]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    offenders += [f"README.md:{m.group(0)}" for m in pattern.finditer(readme)]
+    assert offenders == [], offenders

@@ -24,7 +24,7 @@ STOPPED = {"length": "max_tokens", "stop_token": "stop_token", "stop_string": "s
 
 
 class PreviewController(Controller):
-    """Seed 003's preview endpoint."""
+    """The preview endpoint (docs/api.md, "POST /api/v1/generate/preview")."""
 
     @post(
         "/api/v1/generate/preview",

@@ -196,7 +196,8 @@ async def run_controlled(
 
 @websocket("/api/extra/generate/stream/ws")
 async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
-    """Seed 002: JSON config in; per token a JSON text frame then a binary attention frame."""
+    """The binary WebSocket (docs/api.md, "WS /api/extra/generate/stream/ws"): JSON config in;
+    per token a JSON text frame then a binary attention frame."""
     await socket.accept()
     inbox = Inbox(socket, services.settings.max_body_bytes)
     request_id = None
@@ -229,7 +230,8 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
 
 @websocket("/api/v1/generate/stream")
 async def event_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
-    """Seed 000: ``generate`` messages answered by ``token``/``done``/``error`` events."""
+    """The JSON WebSocket (docs/api.md, "WS /api/v1/generate/stream"): ``generate`` messages
+    answered by ``token``/``done``/``error`` events."""
     await socket.accept()
     inbox = Inbox(socket, services.settings.max_body_bytes)
     try:

@@ -149,7 +149,7 @@ def test_prefix_reuse_keeps_attention_right(runner: Runner, engine, prompt: list
 
 
 def test_cells_are_not_positions(engine, model) -> None:  # type: ignore[no-untyped-def]
-    """DESIGN.md's trap: after a seq_rm and a fork, appended tokens land in holes before the shared prefix."""
+    """The KV cell trap (docs/architecture.md): after a seq_rm and a fork, appended tokens land in holes before the shared prefix."""
     for s in range(4):
         engine.erase(s)
     a = model.tokenize("one two three four five", False, False)[:5]

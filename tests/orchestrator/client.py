@@ -15,7 +15,7 @@ N_LAYER, N_HEAD = 30, 9
 
 
 def decode_attention(att: dict[str, Any]) -> np.ndarray:
-    """Seed 000/001 base64 attention to an array of its ``shape``."""
+    """The JSON/SSE APIs' base64 attention to an array of its ``shape``."""
     dt = np.float16 if att["dtype"] == "float16" else np.float32
     return np.frombuffer(base64.b64decode(att["data"]), dtype=dt).reshape(att["shape"])
 
@@ -40,7 +40,7 @@ def sse_events(base: str, body: dict[str, Any], headers: dict[str, str] | None =
 
 @dataclass
 class BinaryStream:
-    """What the seed 002 WebSocket endpoint sent."""
+    """What the binary WebSocket endpoint sent."""
 
     tokens: list[dict[str, Any]] = field(default_factory=list)
     attention: list[np.ndarray] = field(default_factory=list)
@@ -50,7 +50,7 @@ class BinaryStream:
 
 
 def ws_binary(ws_base: str, config: dict[str, Any] | str, ctx_len: int | None = None) -> BinaryStream:
-    """Run one generation on ``/api/extra/generate/stream/ws`` like seed 002's JS client."""
+    """Run one generation on ``/api/extra/generate/stream/ws`` like a browser client of the binary WebSocket."""
     res = BinaryStream()
     with connect(ws_base + "/api/extra/generate/stream/ws", max_size=None, close_timeout=2) as ws:
         ws.send(config if isinstance(config, str) else json.dumps(config))
@@ -77,7 +77,7 @@ def ws_binary(ws_base: str, config: dict[str, Any] | str, ctx_len: int | None = 
 
 
 def ws_v1(ws_base: str, messages: list[dict[str, Any] | str], until_done: int = 1) -> list[dict[str, Any]]:
-    """Send seed 000 ``generate`` messages; collect events until ``until_done`` done/error events."""
+    """Send the JSON WebSocket's ``generate`` messages; collect events until ``until_done`` done/error events."""
     events: list[dict[str, Any]] = []
     with connect(ws_base + "/api/v1/generate/stream", max_size=None, close_timeout=2) as ws:
         for m in messages:

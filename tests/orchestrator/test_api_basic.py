@@ -13,12 +13,12 @@ def test_model_info_has_both_seeds_fields(server: ServerProc) -> None:
     a = httpx.get(server.url + "/api/v1/model").json()
     b = httpx.get(server.url + "/api/v1/model/info").json()
     assert a == b
-    seed000 = ["model_name", "architecture", "vocab_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+    json_api_fields = ["model_name", "architecture", "vocab_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                "hidden_size", "max_position_embeddings", "rope_theta", "bos_token_id", "eos_token_id", "special_tokens",
                "chat_template", "torch_dtype", "context_length"]  # fmt: skip
-    seed001 = ["result", "embedding_size", "max_context_length", "max_trained_context", "eot_token_id",
+    kobold_fields = ["result", "embedding_size", "max_context_length", "max_trained_context", "eot_token_id",
                "rope_freq_base", "rope_freq_scale"]  # fmt: skip
-    for k in seed000 + seed001:
+    for k in json_api_fields + kobold_fields:
         assert k in a, k
     assert (a["num_layers"], a["num_attention_heads"], a["num_key_value_heads"], a["vocab_size"]) == (30, 9, 3, 49152)
     assert a["special_tokens"]["im_start_id"] == 1 and a["special_tokens"]["im_end_id"] == 2

@@ -162,7 +162,7 @@ def test_bad_input_over_websockets(server: ServerProc, ids: list[int]) -> None:
     assert ws.error is not None and ws.error["error_code"] == "INVALID_TOKEN" and not ws.tokens
     ws = ws_binary(server.ws_url, "{not json")
     assert ws.error is not None and ws.error["error_code"] == "INVALID_REQUEST"
-    # seed 000: an error event, and the same socket serves the next request
+    # the JSON WebSocket: an error event, and the same socket serves the next request
     ev = ws_v1(
         server.ws_url,
         [

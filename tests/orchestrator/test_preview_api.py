@@ -1,4 +1,4 @@
-"""Preview (seed 003): generation on a copy-on-write fork; the slot stays exactly as it was."""
+"""Preview (docs/api.md, "POST /api/v1/generate/preview"): generation on a copy-on-write fork; the slot stays exactly as it was."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_progress_on_both_websockets(server: ServerProc) -> None:
     check_progress(events, N_PROMPT)
     assert events[-1]["type"] == "done"
 
-    # seed 002's binary socket: progress comes as JSON text frames before the first token
+    # the binary WebSocket: progress comes as JSON text frames before the first token
     import json
 
     from websockets.sync.client import connect

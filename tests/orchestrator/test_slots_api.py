@@ -1,4 +1,4 @@
-"""llama-server's slot API (seed 004) on slotserve: every action, both content types, bad input."""
+"""llama-server's slot API (docs/api.md, "Slots") on slotserve: every action, both content types, bad input."""
 
 from __future__ import annotations
 
