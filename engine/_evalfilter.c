@@ -109,6 +109,10 @@ bool slotserve_eval_filter(void *tensor, bool ask, void *user_data) {
     return true;
 }
 
+/* Layout version of struct slotserve_filter and its callbacks; engine/evalfilter.py refuses a build
+ * without this symbol or with another number (a stale build from before a layout change). */
+int slotserve_filter_abi(void) { return 2; }
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_evalfilter", "C side of attention capture", -1, NULL};
 
 PyMODINIT_FUNC PyInit__evalfilter(void) { return PyModule_Create(&module); }
