@@ -79,9 +79,6 @@ static void copy_rows(struct slotserve_filter *f, void *t, const char *name) {
     f->n_copied++;
 }
 
-/* sizeof(struct slotserve_filter): engine/evalfilter.py refuses a module built from another layout. */
-size_t slotserve_filter_size(void) { return sizeof(struct slotserve_filter); }
-
 bool slotserve_eval_filter(void *tensor, bool ask, void *user_data) {
     struct slotserve_filter *f = (struct slotserve_filter *)user_data;
     const char *name = (const char *)tensor + f->off_name;
@@ -111,6 +108,10 @@ bool slotserve_eval_filter(void *tensor, bool ask, void *user_data) {
     }
     return true;
 }
+
+/* Layout version of struct slotserve_filter and its callbacks; engine/evalfilter.py refuses a build
+ * without this symbol or with another number (a stale build from before a layout change). */
+int slotserve_filter_abi(void) { return 2; }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_evalfilter", "C side of attention capture", -1, NULL};
 

@@ -44,20 +44,18 @@ class _Filter(ctypes.Structure):
     ]
 
 
+FILTER_ABI = 2  # slotserve_filter_abi() of engine/_evalfilter.c: 2 = rows read with ggml_backend_tensor_get_2d
+
+
 def _library() -> ctypes.CDLL | None:
-    """The built C filter, or None when it is absent or was built from another
-    ``struct slotserve_filter`` (a stale build would read its fields wrong)."""
+    """The built C filter, or None when it is absent or was built from another layout of its struct."""
     try:
         from engine import _evalfilter  # type: ignore[attr-defined]
     except ImportError:
         return None
     lib = ctypes.CDLL(_evalfilter.__file__)
-    size = getattr(lib, "slotserve_filter_size", None)
-    if size is None:
-        return None
-    size.restype = ctypes.c_size_t
-    if size() != ctypes.sizeof(_Filter):
-        return None
+    if not hasattr(lib, "slotserve_filter_abi") or lib.slotserve_filter_abi() != FILTER_ABI:
+        return None  # a stale build: the Python callback serves until `pip install` rebuilds it
     return lib
 
 
