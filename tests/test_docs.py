@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from litestar.routes import WebSocketRoute
 
+from engine.errors import ErrorCode
 from orchestrator import schemas
 from orchestrator.api import kobold, llama_server, openai
 from orchestrator.app import build_services, create_app
@@ -100,14 +101,14 @@ def test_every_documented_endpoint_exists(
 
 
 def _raised_codes() -> set[str]:
-    codes = set(STATUS_OF_CODE)
-    for pattern, folder in ((r'ApiError\(\s*"([A-Z_]+)"', "orchestrator"), (r'EngineError\(\s*"([A-Z_]+)"', "engine")):
+    """Every code either process can send: the whole ``ErrorCode`` vocabulary (``ApiError`` and
+    ``EngineError`` take nothing else), plus any string literal still raised in the source."""
+    codes = {str(c) for c in ErrorCode} | {str(c) for c in STATUS_OF_CODE}
+    for folder in ("orchestrator", "engine"):
         for path in (ROOT / folder).rglob("*.py"):
-            codes.update(re.findall(pattern, path.read_text(encoding="utf-8")))
-    errors_py = (ROOT / "orchestrator" / "errors.py").read_text(encoding="utf-8")
-    codes.update(re.findall(r'\b\d{3}: "([A-Z_]+)"', errors_py))  # HTTPException status -> code
-    for path in (ROOT / "orchestrator").rglob("*.py"):
-        codes.update(re.findall(r'"error_code"\]?\s*[:=]\s*"([A-Z_]+)"', path.read_text(encoding="utf-8")))
+            text = path.read_text(encoding="utf-8")
+            codes.update(re.findall(r'(?:Api|Engine)Error\(\s*"([A-Z_]+)"', text))
+            codes.update(re.findall(r"ErrorCode\.([A-Z_]+)", text))
     return codes
 
 

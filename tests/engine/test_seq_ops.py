@@ -9,6 +9,7 @@ import pytest
 
 from engine import seq_state
 from engine.engine import EngineError
+from engine.kv_io import llama_state
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close, prefill_row
 
@@ -180,14 +181,14 @@ def test_preview_fork_leaves_the_sequence_untouched(runner: Runner, engine, mode
     engine.erase(0)
     runner.generate(0, prompt, max_new_tokens=4, ignore_eos=True)
     runner.batcher.flush()
-    tokens, cells, state = list(engine.tokens[0]), engine.cellmap.cells(0).copy(), engine.save_state(0)[1]
+    tokens, cells, state = list(engine.tokens[0]), engine.cellmap.cells(0).copy(), llama_state(engine.ctx, 0)
     append = model.tokenize("<|im_start|>user\nAnd bats?<|im_end|>\n", False, True)
     res = runner.generate(0, [], mode="preview", append=append, max_new_tokens=6, ignore_eos=True)
     assert res.done.n_prefilled == len(append) and res.done.n_cached == len(tokens)
     assert res.attention[0].shape[-1] == len(tokens) + len(append)
     assert engine.tokens[0] == tokens
     np.testing.assert_array_equal(engine.cellmap.cells(0), cells)
-    assert engine.save_state(0)[1] == state
+    assert llama_state(engine.ctx, 0) == state  # llama.cpp's own read of the cache, not a cached copy
     assert len(engine.spare_free) == engine.config.n_spare
 
 
@@ -195,7 +196,7 @@ def test_preview_with_nothing_to_append_decodes_the_last_token_again(runner: Run
     engine.erase(0)
     runner.generate(0, prompt, max_new_tokens=4, ignore_eos=True)
     runner.batcher.flush()
-    tokens, state = list(engine.tokens[0]), engine.save_state(0)[1]
+    tokens, state = list(engine.tokens[0]), llama_state(engine.ctx, 0)
     req = runner.submit(0, [], mode="preview", append=[], max_new_tokens=5, ignore_eos=True)
     for _ in range(50):  # bounded: a job that is never scheduled must fail here, not hang
         if not runner.batcher.has_work():
@@ -205,7 +206,7 @@ def test_preview_with_nothing_to_append_decodes_the_last_token_again(runner: Run
     assert res.done is not None and res.done.n_generated == 5, res
     assert res.done.n_prefilled == 1 and res.done.n_cached == len(tokens) - 1
     assert not runner.batcher.has_work()  # the worker would block now
-    assert engine.tokens[0] == tokens and engine.save_state(0)[1] == state
+    assert engine.tokens[0] == tokens and llama_state(engine.ctx, 0) == state  # read from the cache itself
     assert len(engine.spare_free) == engine.config.n_spare
     # the same tokens and attention as a generation from the slot's tokens on another sequence
     engine.erase(1)
