@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import build_prompt, default_model, model_tokenizer
+from common import build_prompt, model_tokenizer
+from servers import default_model
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:

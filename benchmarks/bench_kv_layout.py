@@ -38,7 +38,8 @@ from pathlib import Path
 
 import llama_cpp as llama  # (before numpy: docs/hardware.md)
 import numpy as np
-from common import TEXT, default_model, free_port
+from common import TEXT
+from servers import default_model, free_port
 
 from engine import seq_state
 from engine.engine import BatchEntry, Engine

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import httpx
 import websockets
-from common import ServerProc, check, free_port, http_tokenizer, slotserve_cmd, stop_servers, user_turn
+from common import http_tokenizer, user_turn
+from servers import ServerProc, check, free_port, slotserve_cmd, stop_servers
 
 from tests.redis_server import RedisServer
 

@@ -41,21 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from common import (
-    Quiet,
-    ServerProc,
-    add_gpu_args,
-    add_idle_args,
-    build_prompt,
-    check,
-    default_model,
-    free_port,
-    http_tokenizer,
-    median,
-    settle,
-    slotserve_cmd,
-    stop_servers,
-)
+from common import Quiet, add_gpu_args, add_idle_args, build_prompt, http_tokenizer, median
+from servers import ServerProc, check, default_model, free_port, settle, slotserve_cmd, stop_servers
 
 from storage import codec as codecs
 from storage.redis_store import RedisStore

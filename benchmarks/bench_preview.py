@@ -38,22 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from common import (
-    Quiet,
-    ServerProc,
-    Tokenize,
-    add_gpu_args,
-    add_idle_args,
-    build_prompt,
-    check,
-    default_model,
-    free_port,
-    http_tokenizer,
-    median,
-    settle,
-    slotserve_cmd,
-    stop_servers,
-)
+from common import Quiet, Tokenize, add_gpu_args, add_idle_args, build_prompt, http_tokenizer, median
+from servers import ServerProc, check, default_model, free_port, settle, slotserve_cmd, stop_servers
 
 REPLY = "Here is a short summary: lighthouses guided ships, and their keepers kept the lights burning.<|im_end|>\n"
 QUESTION = "Now tell me more about the keepers and their daily work at the lighthouse, please."

@@ -49,20 +49,8 @@ from pathlib import Path
 import common  # puts the checkout on sys.path, for the engine imports below
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 import numpy as np
-from common import (
-    CpuMeter,
-    Quiet,
-    ServerProc,
-    SseEvents,
-    add_gpu_args,
-    add_idle_args,
-    free_port,
-    model_tokenizer,
-    settle,
-    slotserve_cmd,
-    stop_servers,
-    ws_token_frames,
-)
+from common import CpuMeter, Quiet, SseEvents, add_gpu_args, add_idle_args, model_tokenizer, ws_token_frames
+from servers import ServerProc, free_port, settle, slotserve_cmd, stop_servers
 
 from engine.batcher import Batcher
 from engine.engine import Engine

@@ -42,9 +42,10 @@ import common  # also puts the checkout on sys.path
 import httpx
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 from bench_preview import context, generate_sample, preview_sample, user_append
-from bench_slots import BANNED, llama_server_cmd, measure_streams
-from common import Quiet, ServerProc, check, median, settle
+from common import Quiet, median
 from engine_rows import in_process
+from servers import ServerProc, check, llama_server_cmd, settle
+from streams import BANNED, measure_streams
 
 OCTET = "application/octet-stream"
 

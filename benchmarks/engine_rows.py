@@ -17,7 +17,8 @@ from collections.abc import Callable
 import common  # noqa: F401 - puts the checkout on sys.path
 import llama_cpp as llama  # llama.cpp before numpy (docs/hardware.md)
 from bench_stream import inproc_once
-from common import Quiet, build_prompt, default_model, median, model_tokenizer
+from common import Quiet, build_prompt, median, model_tokenizer
+from servers import default_model
 
 from engine.engine import Engine
 from engine.model import Model

@@ -1,0 +1,208 @@
+"""Concurrent stream clients of bench_slots.py and bench_table.py: slotserve SSE / WS (with or without
+attention) and llama-server ``/completion`` streams, timestamped per token (see bench_slots.py for
+how the aggregate rate is measured)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from common import (
+    Quiet,
+    sse_events,
+    ws_token_frames,
+)
+
+# ----------------------------------------------------------------------------- one run of N streams
+
+
+@dataclass
+class Stream:
+    t_send: float = 0.0
+    times: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    cached: int | None = None
+
+
+@dataclass
+class Run:
+    """N concurrent streams of one path."""
+
+    streams: list[Stream]
+
+    @property
+    def window(self) -> tuple[float, float]:
+        return max(s.times[0] for s in self.streams), min(s.times[-1] for s in self.streams)
+
+    @property
+    def tps(self) -> float:
+        """Aggregate decode tok/s while every stream decodes."""
+        a, b = self.window
+        if b <= a:
+            return float("nan")
+        n = sum(1 for s in self.streams for t in s.times if a < t <= b)
+        return n / (b - a)
+
+    @property
+    def ttft(self) -> float:
+        return max(s.times[0] - s.t_send for s in self.streams)
+
+    @property
+    def wall_tps(self) -> float:
+        """All tokens / (first request sent .. last token): includes prefill and stragglers."""
+        t0 = min(s.t_send for s in self.streams)
+        t1 = max(s.times[-1] for s in self.streams)
+        return sum(len(s.times) for s in self.streams) / (t1 - t0)
+
+
+class Marks:
+    """Marks the CPU meter when every stream has its first token and when the first stream ends."""
+
+    def __init__(self, quiet: Quiet, n_streams: int, n_new: int) -> None:
+        self.quiet, self.n, self.new = quiet, n_streams, n_new
+        self.started = self.ended = 0
+
+    def token(self, s: Stream) -> None:
+        s.times.append(time.perf_counter())
+        if len(s.times) == 1:
+            self.started += 1
+            if self.started == self.n:
+                self.quiet.meter.mark("first")
+        if len(s.times) == self.new:
+            self.ended += 1
+            if self.ended == 1:
+                self.quiet.meter.mark("last")
+
+
+BANNED: list[int] = []
+"""The model's end-of-generation tokens: llama-server's ``ignore_eos`` bans them (logit bias -inf),
+slotserve's only does not stop on them, so slotserve requests ban them explicitly (same load)."""
+
+
+def slotserve_body(ids: list[int], slot: int, new: int, attention: bool) -> dict:
+    return {
+        "banned_tokens": BANNED,
+        "input_ids": ids,
+        "max_new_tokens": new,
+        "temperature": 0,
+        "ignore_eos": True,
+        "id_slot": slot,
+        "output_attentions": attention,
+        "wait": True,
+    }
+
+
+async def slotserve_sse(client: httpx.AsyncClient, base: str, ids: list[int], slot: int, new: int, m: Marks) -> Stream:
+    s = Stream(t_send=time.perf_counter())
+    body = slotserve_body(ids, slot, new, False)
+    async with client.stream("POST", base + "/api/extra/generate/stream", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise RuntimeError(f"slotserve SSE: HTTP {resp.status_code} {resp.text[:300]}")
+        async for ev in sse_events(resp):
+            if ev.get("finish_reason") is None and "token" in ev:
+                m.token(s)
+                s.text.append(ev["token"])
+            elif "error" in ev or ev.get("type") == "error":
+                raise RuntimeError(f"slotserve SSE: {ev}")
+    return s
+
+
+async def slotserve_ws(
+    url: str, ids: list[int], slot: int, new: int, shape: tuple[int, int], m: Marks, attention: bool = True
+) -> Stream:
+    """One stream on the binary WebSocket; with ``attention`` every token's float32 ``[L, H, ctx]`` frame
+    is checked for size (a token counts once it arrived), without it only the JSON token frames come."""
+    import websockets
+
+    s = Stream()
+    n_l, n_h = shape
+    async with websockets.connect(url, max_size=None, compression=None) as ws:
+        s.t_send = time.perf_counter()
+        await ws.send(json.dumps(slotserve_body(ids, slot, new, attention)))
+        async for ev, frame in ws_token_frames(ws, attention):
+            if frame is None:
+                s.cached = ev.get("cached_tokens")
+                break
+            want = n_l * n_h * (len(ids) + ev["index"]) * 4 if attention else 0
+            if len(frame) != want:
+                raise RuntimeError(f"slotserve WS token {ev['index']}: {len(frame)} bytes, want {want}")
+            m.token(s)
+            s.text.append(ev["text"])
+    return s
+
+
+async def llama_sse(client: httpx.AsyncClient, base: str, ids: list[int], slot: int, new: int, m: Marks) -> Stream:
+    s = Stream(t_send=time.perf_counter())
+    body = {
+        "prompt": ids,
+        "n_predict": new,
+        "temperature": 0,
+        "ignore_eos": True,
+        "id_slot": slot,
+        "cache_prompt": True,
+        "stream": True,
+        "return_tokens": True,
+    }
+    async with client.stream("POST", base + "/completion", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise RuntimeError(f"llama-server: HTTP {resp.status_code} {resp.text[:300]}")
+        n = 0
+        async for ev in sse_events(resp):
+            if "error" in ev:
+                raise RuntimeError(f"llama-server: {ev}")
+            if ev.get("stop"):
+                s.cached = ev.get("tokens_cached")
+                timings = ev.get("timings") or {}
+                s.cached = timings.get("cache_n", s.cached)
+                continue
+            got = ev.get("tokens_predicted", n + 1)
+            for _ in range(got - n):
+                m.token(s)
+            n = got
+            s.text.append(ev.get("content", ""))
+    return s
+
+
+async def run_streams(
+    kind: str, base: str, prompts: list[list[int]], n: int, new: int, shape: tuple[int, int], m: Marks
+) -> Run:
+    """``n`` concurrent streams, stream ``i`` on slot ``i`` with ``prompts[i]``, on the server at ``base``.
+
+    ``kind``: ``sse`` (slotserve SSE, no attention), ``ws`` (slotserve WS + full attention),
+    ``ws-plain`` (the same WebSocket without attention) or ``llama`` (llama-server ``/completion``).
+    """
+    async with httpx.AsyncClient(timeout=None) as client:
+        if kind == "sse":
+            coros = [slotserve_sse(client, base, prompts[i], i, new, m) for i in range(n)]
+        elif kind in ("ws", "ws-plain"):
+            url = "ws" + base.removeprefix("http") + "/api/extra/generate/stream/ws"
+            coros = [slotserve_ws(url, prompts[i], i, new, shape, m, kind == "ws") for i in range(n)]
+        elif kind == "llama":
+            coros = [llama_sse(client, base, prompts[i], i, new, m) for i in range(n)]
+        else:
+            raise ValueError(f"unknown stream kind {kind!r}")
+        return Run(list(await asyncio.gather(*coros)))
+
+
+def measure_streams(
+    quiet: Quiet, kind: str, base: str, prompts: list[list[int]], n: int, new: int, shape: tuple[int, int],
+    label: str, warm: bool,
+) -> tuple[Run, dict[str, float]]:  # fmt: skip
+    """:func:`run_streams` through :meth:`Quiet.run` (idle machine, CPU marks); checks every stream got ``new``
+    tokens. Returns ``(run, cpu)``."""
+    box: list[Marks] = []
+
+    def go() -> Run:
+        box[:] = [Marks(quiet, n, new)]
+        return asyncio.run(run_streams(kind, base, prompts, n, new, shape, box[0]))
+
+    run, cpu = quiet.run(go, label, warm=warm)
+    for i, s in enumerate(run.streams):
+        if len(s.times) != new:
+            raise RuntimeError(f"{label} stream {i}: {len(s.times)} tokens, want {new}")
+    return run, cpu
