@@ -6,13 +6,21 @@ buffers it describes (little-endian)::
     u32 meta_len | u16 n_bufs | u16 flags(0) | u64 buf_len[n_bufs] | meta (msgpack) | buf_0 ... buf_{n-1}
 
 Buffers are written with a gathered ``sendmsg`` (never copied, never base64, never
-pickled).  A message describes each of its buffers with a :class:`Tensor` (index,
-dtype, shape).  This module knows nothing of the messages themselves; it moves bytes.
+pickled).  The worker reads frames from a blocking socket (:func:`recv_frame`); the
+orchestrator's end is :class:`FrameStream`, an ``asyncio.BufferedProtocol``:
+``asyncio.StreamReader`` would copy every byte three times (into its growing buffer, out
+with ``readexactly``, then the memmove of ``del buffer[:n]``) and move a state of tens of MB
+in 64 KiB steps; here small frames land in one reused staging buffer and a large raw buffer
+straight in the ``bytearray`` the caller receives, so a state is copied once, by the kernel.
+
+A message describes each of its buffers with a :class:`Tensor` (index, dtype, shape).
+This module knows nothing of the messages themselves; it moves bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import socket
 import struct
@@ -21,10 +29,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from engine.buffers import BufferPool
+
 _HEAD = struct.Struct("<IHH")
 _LEN = struct.Struct("<Q")
 MAX_META_BYTES = 64 << 20
 MAX_BUF_BYTES = 8 << 30
+POOLED_BYTES = 1 << 20
+"""Buffers this big or bigger are received into a :class:`engine.buffers.BufferPool`'s memory."""
 
 Buffer = bytes | bytearray | memoryview
 """A raw buffer: anything exposing the buffer protocol as bytes."""
@@ -110,9 +122,13 @@ def send_chunks(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
             views[0] = views[0][sent:]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
+def _recv_exact(sock: socket.socket, n: int, pool: BufferPool | None = None) -> bytearray | memoryview:
+    if pool is not None and n >= POOLED_BYTES:
+        view = pool.take(n)
+        buf: bytearray | memoryview = view
+    else:
+        buf = bytearray(n)
+        view = memoryview(buf)
     got = 0
     while got < n:
         k = sock.recv_into(view[got:], n - got)
@@ -127,23 +143,186 @@ def _check_sizes(meta_len: int, lens: Sequence[int]) -> None:
         raise ProtocolError(f"frame too large: meta={meta_len} bufs={list(lens)}")
 
 
-def recv_frame(sock: socket.socket) -> tuple[bytearray, list[bytearray]]:
-    """Read one frame from a blocking socket: ``(meta, buffers)``; ProtocolError when malformed or cut."""
+def recv_frame(
+    sock: socket.socket, pool: BufferPool | None = None
+) -> tuple[bytearray | memoryview, list[bytearray | memoryview]]:
+    """Read one frame from a blocking socket: ``(meta, buffers)``; ProtocolError when malformed or cut.
+
+    With a ``pool``, buffers of at least :data:`POOLED_BYTES` are views lent by it (give them back
+    once handled); the others are new ``bytearray`` s.
+    """
     meta_len, n_bufs, _ = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
     lens = [_LEN.unpack(_recv_exact(sock, 8))[0] for _ in range(n_bufs)]
     _check_sizes(meta_len, lens)
     meta = _recv_exact(sock, meta_len)
-    return meta, [_recv_exact(sock, n) for n in lens]
+    return meta, [_recv_exact(sock, n, pool) for n in lens]
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, list[bytes]]:
-    """Read one frame from an ``asyncio.StreamReader``: ``(meta, buffers)``.
+# ---------------------------------------------------------------------- asyncio side
 
-    Raises ProtocolError for an oversized frame and ``asyncio.IncompleteReadError`` when
-    the stream ends mid-frame.
+STAGING_BYTES = 256 << 10
+"""Size of the staging buffer; a frame part larger than half of it is received in place."""
+
+MAX_BUFS = 1 << 12
+"""Most raw buffers one frame may carry (a frame announcing more is malformed)."""
+
+Frame = tuple[bytearray, list[bytearray]]
+
+
+class FrameStream(asyncio.BufferedProtocol):
+    """Both directions of one worker connection.
+
+    ``await read_frame()`` returns ``(meta, buffers)`` in arrival order (``meta`` is the
+    encoded message, each buffer a ``bytearray`` of exactly its announced length) and raises
+    :class:`ProtocolError` once the peer has closed the stream or sent a malformed frame (the
+    transport is then closed).  ``write(chunks)`` + ``await drain()`` send, with the
+    transport's flow control.
     """
-    meta_len, n_bufs, _ = _HEAD.unpack(await reader.readexactly(_HEAD.size))
-    lens = [_LEN.unpack(await reader.readexactly(8))[0] for _ in range(n_bufs)]
-    _check_sizes(meta_len, lens)
-    meta = await reader.readexactly(meta_len)
-    return meta, [await reader.readexactly(n) for n in lens]
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._staging = bytearray(STAGING_BYTES)
+        self._view = memoryview(self._staging)
+        self._have = 0  # bytes in the staging buffer not yet parsed
+        self._parts: list[bytearray] = []  # the current frame's meta and buffers, being filled
+        self._filled = 0  # bytes in self._parts[self._part]
+        self._part = -1  # which part is being filled (-1: waiting for a frame header)
+        self._direct: memoryview | None = None  # the part received in place
+        self._frames: collections.deque[Frame] = collections.deque()
+        self._error: ProtocolError | None = None
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    # ------------------------------------------------------------------ asyncio protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(ProtocolError(f"peer closed the stream{f': {exc}' if exc else ''}"))
+
+    def eof_received(self) -> bool:
+        self._fail(ProtocolError("peer closed the stream"))
+        return False
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._direct is not None:
+            return self._direct[self._filled :]
+        return self._view[self._have :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._direct is not None:
+            self._filled += nbytes
+            if self._filled == len(self._direct):
+                self._direct = None
+                self._next_part()
+            return
+        self._have += nbytes
+        try:
+            self._parse()
+        except ProtocolError as exc:
+            self._fail(exc)
+            if self.transport is not None:
+                self.transport.close()
+
+    # ------------------------------------------------------------------ parsing
+
+    def _parse(self) -> None:
+        """Consume the staging buffer: headers, small parts, and the start of a large part."""
+        pos = 0
+        while pos < self._have and self._direct is None:
+            if self._part < 0:
+                if self._have - pos < _HEAD.size:
+                    break
+                meta_len, n_bufs, _ = _HEAD.unpack_from(self._staging, pos)
+                if n_bufs > MAX_BUFS:
+                    raise ProtocolError(f"frame announces {n_bufs} buffers (at most {MAX_BUFS})")
+                head = _HEAD.size + _LEN.size * n_bufs
+                if self._have - pos < head:
+                    break
+                lens = [_LEN.unpack_from(self._staging, pos + _HEAD.size + _LEN.size * i)[0] for i in range(n_bufs)]
+                _check_sizes(meta_len, lens)
+                pos += head
+                self._parts = [bytearray(meta_len), *(bytearray(n) for n in lens)]
+                self._part, self._filled = 0, 0
+                self._skip_empty()
+                continue
+            part = self._parts[self._part]
+            take = min(len(part) - self._filled, self._have - pos)
+            part[self._filled : self._filled + take] = self._view[pos : pos + take]
+            self._filled += take
+            pos += take
+            if self._filled == len(part):
+                self._next_part()
+            elif len(part) - self._filled > STAGING_BYTES // 2:
+                self._direct = memoryview(part)  # the rest arrives in place
+        if pos:
+            rest = bytes(self._view[pos : self._have])  # at most the staging size; never overlapping
+            self._staging[: len(rest)] = rest
+            self._have = len(rest)
+
+    def _next_part(self) -> None:
+        self._part += 1
+        self._filled = 0
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._part < len(self._parts) and not self._parts[self._part]:
+            self._part += 1
+        if self._part == len(self._parts):
+            meta, *bufs = self._parts
+            self._frames.append((meta, bufs))
+            self._readable.set()
+            self._parts, self._part = [], -1
+
+    def _fail(self, exc: ProtocolError) -> None:
+        if self._error is None:
+            self._error = exc
+        self._readable.set()
+        self._writable.set()
+
+    # ------------------------------------------------------------------ the caller's side
+
+    async def read_frame(self) -> Frame:
+        """The next frame ``(meta, buffers)``; ProtocolError once the stream is closed or malformed."""
+        while not self._frames:
+            if self._error is not None:
+                raise self._error
+            self._readable.clear()
+            await self._readable.wait()
+        return self._frames.popleft()
+
+    def write(self, chunks: Sequence[Buffer]) -> None:
+        """Queue byte chunks for sending (a gathered write); ProtocolError once the stream is closed."""
+        if self._error is not None or self.transport is None or self.transport.is_closing():
+            raise ProtocolError("the stream is closed")
+        self.transport.writelines(chunks)  # type: ignore[arg-type]
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its high-water mark."""
+        await self._writable.wait()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Close the transport (idempotent)."""
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def open_frame_stream(family: socket.AddressFamily, addr: str | tuple[str, int]) -> FrameStream:
+    """Connect to a worker listening at ``addr`` (see :func:`engine.framing.parse_address`)."""
+    loop = asyncio.get_running_loop()
+    if family == socket.AF_UNIX:
+        _, stream = await loop.create_unix_connection(FrameStream, addr)  # type: ignore[arg-type]
+    else:
+        host, port = addr  # type: ignore[misc]
+        _, stream = await loop.create_connection(FrameStream, host, port)
+    return stream

@@ -16,15 +16,15 @@ shape, so a receiver needs nothing else to read it.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 import msgspec
 
+from engine.buffers import BufferPool
 from engine.errors import ErrorCode
-from engine.framing import Buffer, NonNegInt, ProtocolError, Tensor, frame_chunks, read_frame, recv_frame, send_chunks
+from engine.framing import Buffer, FrameStream, NonNegInt, ProtocolError, Tensor, frame_chunks, recv_frame, send_chunks
 from engine.model_facts import ModelInfo
 
 # ----------------------------------------------------------------------------- shared structs
@@ -384,18 +384,20 @@ def send_frame(sock: socket.socket, msg: Message, buffers: Sequence[Buffer] = ()
     send_chunks(sock, encode_frame(msg, buffers))
 
 
-def recv_request(sock: socket.socket) -> tuple[Request, list[bytearray]]:
-    """Read one request frame from a blocking socket (worker side); ProtocolError when malformed."""
-    meta, bufs = recv_frame(sock)
+def recv_request(sock: socket.socket, pool: BufferPool | None = None) -> tuple[Request, list[Buffer]]:
+    """Read one request frame from a blocking socket (worker side); ProtocolError when malformed.
+    Large buffers are lent by ``pool`` when one is given (see :func:`engine.framing.recv_frame`)."""
+    meta, bufs = recv_frame(sock, pool)
     try:
         return _request_decoder.decode(meta), bufs
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"bad request frame: {exc}") from exc
 
 
-async def read_reply(reader: asyncio.StreamReader) -> tuple[Reply, list[bytes]]:
-    """Read one reply frame from an ``asyncio.StreamReader`` (orchestrator side); ProtocolError when malformed."""
-    meta, bufs = await read_frame(reader)
+async def read_reply(stream: FrameStream) -> tuple[Reply, list[bytearray]]:
+    """Read one reply frame from the worker's stream (orchestrator side); ProtocolError when
+    malformed or once the stream is closed."""
+    meta, bufs = await stream.read_frame()
     try:
         return _reply_decoder.decode(meta), bufs
     except msgspec.DecodeError as exc:

@@ -155,11 +155,11 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> Parsed
     return ParsedState(positions, layout, data)
 
 
-def single_stream(blob: bytes | memoryview) -> bytes:
+def single_stream(blob: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
     """A state written by a context with several KV streams (llama-server's ``-np N`` without
     ``--kv-unified``: one stream per slot), as the one stream that holds its cells.
 
-    A state with one stream comes back unchanged.  Raises :class:`BadStateError` when the
+    A state with one stream comes back unchanged (the same object, not a copy).  Raises :class:`BadStateError` when the
     cells are spread over several streams or the blob is malformed.
     """
     data = memoryview(blob).cast("B")
@@ -169,7 +169,7 @@ def single_stream(blob: bytes | memoryview) -> bytes:
         raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
     (n_stream,) = r.take("<I")
     if n_stream <= 1:
-        return bytes(data)
+        return blob
     records = []
     for _ in range(n_stream):
         start = r.off

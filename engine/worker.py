@@ -28,6 +28,7 @@ import msgspec
 from engine import backend, settings
 from engine import protocol as proto
 from engine.batcher import Batcher
+from engine.buffers import BufferPool
 from engine.classifier import Classifier
 from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
@@ -59,7 +60,8 @@ class Worker:
     def __init__(self, engine: Engine | Classifier, sock: socket.socket) -> None:
         self.engine = engine
         self.sock = sock
-        self.inbox: queue.Queue[tuple[proto.Request, list[bytearray]] | None] = queue.Queue()
+        self.inbox: queue.Queue[tuple[proto.Request, list[proto.Buffer]] | None] = queue.Queue()
+        self.pool = BufferPool(keep=1)  # restore-state blobs land in memory already mapped
         self.running = True
         self.batcher: Batcher | None = None
         self.handlers: dict[type, Handler] = {
@@ -80,7 +82,7 @@ class Worker:
     def _read(self) -> None:
         try:
             while True:
-                self.inbox.put(proto.recv_request(self.sock))
+                self.inbox.put(proto.recv_request(self.sock, self.pool))
         except (proto.ProtocolError, OSError) as exc:
             log.info("worker input closed: %s", exc)
         self.inbox.put(None)
@@ -114,7 +116,7 @@ class Worker:
         """True while generations are active (a classifier answers each request at once)."""
         return self.batcher is not None and self.batcher.has_work()
 
-    def _handle(self, msg: proto.Request, bufs: list[bytearray]) -> None:
+    def _handle(self, msg: proto.Request, bufs: list[proto.Buffer]) -> None:
         try:
             handler = self.handlers.get(type(msg))
             if handler is None:
@@ -128,6 +130,9 @@ class Worker:
         except Exception as exc:  # a bug must not take the worker down
             log.exception("request %s failed", msg)
             self.send(proto.Error(msg.req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        finally:
+            for buf in bufs:  # handlers keep no received buffer (a restore copies into the KV cache)
+                self.pool.give(buf)
 
     def _tokenize(self, msg: proto.Tokenize, _: list[bytearray]) -> None:
         model = self.engine.model

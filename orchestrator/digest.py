@@ -25,9 +25,14 @@ ALGORITHMS: dict[str, Callable[[bytes], hashlib._Hash]] = {"sha-256": hashlib.sh
 Buffer = bytes | bytearray | memoryview
 
 
-def repr_digest(data: Buffer) -> str:
-    """``sha-256=:<base64 of SHA-256(data)>:``, the ``Repr-Digest`` value of ``data``."""
-    return f"sha-256=:{base64.b64encode(hashlib.sha256(data).digest()).decode('ascii')}:"
+def repr_digest(*chunks: Buffer) -> str:
+    """``sha-256=:<base64 of SHA-256(data)>:``, the ``Repr-Digest`` value of ``data``, the
+    concatenation of ``chunks`` (hashed in place; ``hashlib`` releases the GIL meanwhile, so
+    calling this in a thread keeps the event loop serving)."""
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return f"sha-256=:{base64.b64encode(h.digest()).decode('ascii')}:"
 
 
 def check_repr_digest(value: str, data: Buffer, what: str) -> None:

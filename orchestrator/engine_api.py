@@ -93,11 +93,12 @@ class GenerationStream:
 
 @dataclass(frozen=True)
 class SequenceState:
-    """A sequence's ``tokens`` (position order) and its llama.cpp sequence ``state`` bytes;
+    """A sequence's ``tokens`` (position order) and its llama.cpp sequence ``state`` bytes
+    (``llama_state_seq_get_data``'s format, in the buffer it was received in: not copied);
     ``t_ms``: how long the engine took to read it."""
 
     tokens: list[int]
-    state: bytes
+    state: proto.Buffer
     t_ms: float
 
 

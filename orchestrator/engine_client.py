@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import signal
-import socket
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -27,7 +26,7 @@ import structlog
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from engine.framing import parse_address
+from engine.framing import FrameStream, open_frame_stream, parse_address
 from orchestrator.engine_api import (
     Classification,
     EngineDeadError,
@@ -58,7 +57,7 @@ class WorkerClient:
         self.on_restart: Callable[[], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
         self._waiters: dict[int, asyncio.Queue[Event | None]] = {}
-        self._writer: asyncio.StreamWriter | None = None
+        self._stream: FrameStream | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._process: WorkerProcess | None = None
         self._closing = False
@@ -107,27 +106,23 @@ class WorkerClient:
         self.load_fraction = 0.0
         if self.options.connect:
             family, addr = parse_address(self.options.connect)
-            if family == socket.AF_UNIX:
-                reader, writer = await asyncio.open_unix_connection(addr)  # type: ignore[arg-type]
-            else:
-                host, port = addr  # type: ignore[misc]
-                reader, writer = await asyncio.open_connection(host, port)
+            stream = await open_frame_stream(family, addr)
         else:
             self.stage = "spawning"
             self._process = WorkerProcess(self.options)
-            reader, writer = await self._process.spawn(timeout)
+            stream = await self._process.spawn(timeout)
         try:
-            reply = await self._await_ready(reader, timeout)
+            reply = await self._await_ready(stream, timeout)
         except BaseException:
-            writer.close()
+            stream.close()
             await self._teardown()
             raise
         self.stage = "ready"
         self.info = reply.info
         self.pieces = reply.pieces
-        self._writer = writer
+        self._stream = stream
         self.generation += 1
-        self._reader_task = asyncio.create_task(self._read_loop(reader), name="engine-reader")
+        self._reader_task = asyncio.create_task(self._read_loop(stream), name="engine-reader")
         self._ready.set()
         rt = reply.info.runtime
         log.info(
@@ -144,12 +139,12 @@ class WorkerClient:
         )
         return reply.info
 
-    async def _await_ready(self, reader: asyncio.StreamReader, timeout: float) -> proto.Ready:
+    async def _await_ready(self, stream: FrameStream, timeout: float) -> proto.Ready:
         """Follow the worker's :class:`engine.protocol.Starting` reports until ``Ready``."""
         while True:
             try:
-                reply, _ = await asyncio.wait_for(proto.read_reply(reader), timeout)
-            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, proto.ProtocolError) as exc:
+                reply, _ = await asyncio.wait_for(proto.read_reply(stream), timeout)
+            except (ConnectionError, TimeoutError, proto.ProtocolError) as exc:
                 code = await self._process.exit_status() if self._process is not None else None
                 what = f"died with {describe_exit(code)}" if code is not None else f"stopped answering ({exc!r})"
                 log.error("engine worker failed during start-up", stage=self.stage, exit=describe_exit(code))
@@ -173,22 +168,22 @@ class WorkerClient:
 
     async def _teardown(self) -> None:
         self._ready.clear()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         if self._process is not None:
             await self._process.stop()
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
             self._reader_task.cancel()
 
-    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+    async def _read_loop(self, stream: FrameStream) -> None:
         try:
             while True:
-                msg, bufs = await proto.read_reply(reader)
+                msg, bufs = await proto.read_reply(stream)
                 q = self._waiters.get(msg.req)
                 if q is not None:
                     q.put_nowait((msg, bufs))
-        except (asyncio.IncompleteReadError, ConnectionError, proto.ProtocolError) as exc:
+        except (ConnectionError, proto.ProtocolError) as exc:
             if not self._closing:
                 log.error("engine worker connection lost", error=str(exc), pid=self.pid)
         finally:
@@ -224,11 +219,14 @@ class WorkerClient:
     # ------------------------------------------------------------------ requests
 
     async def _send(self, msg: proto.Message, buffers: Sequence[proto.Buffer] = ()) -> None:
-        if not self.alive or self._writer is None:
+        if not self.alive or self._stream is None:
             raise EngineDeadError("the engine worker is not running")
         async with self._write_lock:
-            self._writer.writelines(proto.encode_frame(msg, buffers))
-            await self._writer.drain()
+            try:
+                self._stream.write(proto.encode_frame(msg, buffers))
+                await self._stream.drain()
+            except proto.ProtocolError as exc:
+                raise EngineDeadError(f"the engine worker connection is closed: {exc}") from exc
 
     def new_id(self) -> int:
         """A fresh request id."""
@@ -362,7 +360,7 @@ class WorkerClient:
     async def save_state(self, seq: int) -> SequenceState:
         """Tokens and llama.cpp sequence state of ``seq``."""
         reply, bufs = await self._request(proto.SaveState(self.new_id(), seq), proto.StateBlob)
-        return SequenceState(reply.tokens, bytes(reply.state.take(bufs)), reply.t_ms)
+        return SequenceState(reply.tokens, reply.state.take(bufs), reply.t_ms)
 
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
         """Replace ``seq`` from tokens + llama.cpp state bytes; returns the worker's time in ms."""

@@ -9,28 +9,41 @@ it was: SES1 blobs are checked here (magic, lengths, vocabulary) and by the work
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine import seq_state
+from engine.buffers import BufferPool
 from engine.errors import ErrorCode
+from engine.framing import Buffer
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry
 from storage.errors import BadStateError
-from storage.ggsq import pack_seq_file, unpack_seq_file
-from storage.ses1 import pack_ses1, unpack_ses1
+from storage.ggsq import SeqFile, read_seq_file, seq_file_chunks
+from storage.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
 
 
 @dataclass
 class SavedState:
-    """A slot's SES1 blob and how long it took to produce (ms)."""
+    """A slot's tokens and llama.cpp sequence state (``llama_state_seq_get_data``'s format, in
+    the buffer it arrived in), and how long it took to produce (ms)."""
 
     tokens: list[int]
-    blob: bytes
+    state: Buffer
     t_ms: float
+
+    def ses1_chunks(self) -> list[Buffer]:
+        """The SES1 blob (:mod:`storage.ses1`) as two chunks to send in order (the state not copied)."""
+        return [ses1_header(self.tokens), self.state]
+
+    @property
+    def ses1_size(self) -> int:
+        """Bytes of the SES1 blob."""
+        return HEADER_SIZE + 4 * len(self.tokens) + memoryview(self.state).nbytes
 
 
 def message_boundaries(tokens: list[int], eot: int) -> list[dict[str, int]]:
@@ -93,7 +106,7 @@ class SlotOps:
         return await self.registry.tokens(slot)
 
     async def save_state(self, slot: Slot) -> SavedState:
-        """The slot's SES1 blob (from the worker, or decompressed from the store if parked)."""
+        """The slot's tokens and state (from the worker, or decompressed from the store if parked)."""
         t0 = time.perf_counter()
         got = await self.registry.state(slot)
         if got is None:
@@ -102,8 +115,8 @@ class SlotOps:
 
     # ------------------------------------------------------------------ writes
 
-    async def restore_state(self, slot: Slot, blob: bytes, created: bool) -> float:
-        """Replace the slot with a SES1 blob; on any refusal the slot is as it was.
+    async def restore_state(self, slot: Slot, blob: Buffer, created: bool) -> float:
+        """Replace the slot with a SES1 blob (read in place); on any refusal the slot is as it was.
 
         ``created`` says the slot did not exist before this request (it is dropped again
         on failure).  Returns the time taken in ms.  Raises ``BAD_STATE`` for a blob
@@ -112,20 +125,29 @@ class SlotOps:
         """
         t0 = time.perf_counter()
         try:
-            try:
-                ses1 = unpack_ses1(blob)
-            except BadStateError as exc:
-                raise ApiError(ErrorCode.BAD_STATE, str(exc)) from exc
-            try:
-                check_tokens(ses1.tokens, self._vocab(), "the state's tokens")
-            except ApiError as exc:
-                raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
+            ses1 = unpack_ses1(blob)
+        except BadStateError as exc:
+            if created:
+                await self.registry.forget(slot)
+            raise ApiError(ErrorCode.BAD_STATE, str(exc)) from exc
+        await self.restore(slot, ses1.tokens, ses1.state, created)
+        return (time.perf_counter() - t0) * 1000
+
+    async def restore(self, slot: Slot, tokens: list[int], state: Buffer, created: bool) -> None:
+        """Replace the slot with ``tokens`` and their llama.cpp sequence ``state``; on any refusal
+        (``BAD_STATE``: tokens outside the vocabulary, a state the engine refuses) the slot is as
+        it was, and dropped again when ``created``."""
+        try:
+            check_tokens(tokens, self._vocab(), "the state's tokens")
+        except ApiError as exc:
+            if created:
+                await self.registry.forget(slot)
+            raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
         except BaseException:
             if created:
                 await self.registry.forget(slot)
             raise
-        await self.registry.restore(slot, ses1.tokens, ses1.state, created)
-        return (time.perf_counter() - t0) * 1000
+        await self.registry.restore(slot, tokens, state, created)
 
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
         """The ``context-shift`` slot action (docs/api.md, "Slots"); returns the new token count."""
@@ -153,36 +175,60 @@ class SlotOps:
 
     async def save_file(self, slot: Slot, filename: str) -> tuple[SavedState, int]:
         """Write the slot to ``--slot-save-path/filename`` as llama.cpp's sequence-state file
-        (``ggsq``, what llama-server writes: :mod:`storage.ggsq`); returns bytes written."""
+        (``ggsq``, what llama-server writes: :mod:`storage.ggsq`); returns bytes written.
+        The file is written beside the target and renamed over it, off the event loop."""
         path = confined_path(self.save_path, filename)
         saved = await self.save_state(slot)
-        ses1 = unpack_ses1(saved.blob)
-        data = pack_seq_file(ses1.tokens, ses1.state)
+        chunks = seq_file_chunks(saved.tokens, saved.state)
         tmp = path.with_name(f".{path.name}.tmp")
         try:
-            tmp.write_bytes(data)
-            tmp.replace(path)
+            await asyncio.to_thread(_write_chunks, tmp, path, chunks)
         except IsADirectoryError as exc:  # made a directory meanwhile
             raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory") from exc
         finally:
             tmp.unlink(missing_ok=True)
-        return saved, len(data)
+        return saved, sum(memoryview(c).nbytes for c in chunks)
 
-    def read_file(self, filename: str) -> tuple[bytes, int]:
-        """The ``ggsq`` file ``--slot-save-path/filename`` (llama-server's or ours) as a SES1 blob,
-        and the file's size in bytes.
+    async def read_file(self, filename: str, pool: BufferPool) -> tuple[SeqFile, Buffer, int]:
+        """The ``ggsq`` file ``--slot-save-path/filename`` (llama-server's or ours): its tokens and
+        llama.cpp state, the buffer lent by ``pool`` it was read into (once, off the event loop;
+        give it back after the restore), and the file's size in bytes.
 
         Read and checked before the restore takes its slot, so a missing file (``INVALID_REQUEST``)
         or one this engine cannot take (``BAD_STATE``) changes nothing.
         """
         path = confined_path(self.save_path, filename)
         try:
-            data = path.read_bytes()
+            parsed, size = await asyncio.to_thread(_read_seq_file, path, pool)
         except (FileNotFoundError, IsADirectoryError) as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
-        try:
-            parsed = unpack_seq_file(data)
-            state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
-        except (BadStateError, seq_state.BadStateError) as exc:
+        except BadStateError as exc:
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
-        return pack_ses1(parsed.tokens, state), len(data)
+        try:
+            state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
+        except seq_state.BadStateError as exc:
+            pool.give(parsed.state)
+            raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
+        return SeqFile(parsed.tokens, state), parsed.state, size
+
+
+def _write_chunks(tmp: Path, path: Path, chunks: list[Buffer]) -> None:
+    with open(tmp, "wb") as f:
+        f.writelines(chunks)
+    tmp.replace(path)
+
+
+def _read_seq_file(path: Path, pool: BufferPool) -> tuple[SeqFile, int]:
+    taken: list[memoryview] = []
+
+    def take(n: int) -> memoryview:
+        taken.append(pool.take(n))
+        return taken[-1]
+
+    try:
+        with open(path, "rb") as f:
+            return read_seq_file(f, take), os.fstat(f.fileno()).st_size
+    except BaseException:
+        for view in taken:  # a file cut short: its buffer back to the pool
+            pool.give(view)
+        raise

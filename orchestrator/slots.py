@@ -256,15 +256,18 @@ class SlotRegistry(Residency):
             return list(meta.tokens) if meta is not None else []
         return []
 
-    async def state(self, slot: Slot) -> tuple[list[int], bytes] | None:
-        """The slot's tokens and SES1 blob (:mod:`storage.ses1`): read from the engine if resident,
-        else decompressed from the store; None when it holds no state."""
+    async def state(self, slot: Slot) -> tuple[list[int], proto.Buffer] | None:
+        """The slot's tokens and llama.cpp sequence state (``llama_state_seq_get_data``'s format):
+        read from the engine if resident (the buffer it arrived in), else a view into the SES1
+        blob decompressed from the store; None when it holds no state."""
         if self.is_resident(slot):
-            return await self._read_state(slot)
+            saved = await self.engine.save_state(slot.seq)  # type: ignore[arg-type]
+            return saved.tokens, saved.state
         if slot.stored and self.archive is not None:
             got = await self.archive.load(slot.id)
             if got is not None:
-                return list(got[0].tokens), got[1]
+                ses1 = unpack_ses1(got[1])
+                return list(ses1.tokens), ses1.state
         return None
 
     async def _read_state(self, slot: Slot) -> tuple[list[int], bytes]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import settings
+from engine.framing import FrameStream
 from engine.settings import EngineSettings
 from orchestrator.engine_api import EngineDeadError
 
@@ -61,9 +62,6 @@ def describe_exit(code: int | None) -> str:
     return f"exit status {code}"
 
 
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
 class WorkerProcess:
     """A spawned ``python -m engine.worker`` that connects back over a Unix socket in a private directory."""
 
@@ -77,20 +75,23 @@ class WorkerProcess:
         """The worker's process id (None before it is spawned)."""
         return self.proc.pid if self.proc else None
 
-    async def spawn(self, timeout: float) -> Connection:
+    async def spawn(self, timeout: float) -> FrameStream:
         """Start the worker and return its connection; :class:`EngineStartError` when it exits
         first or does not connect within ``timeout`` seconds."""
         self._tmpdir = tempfile.TemporaryDirectory(prefix="slotserve-")
         path = str(Path(self._tmpdir.name) / "worker.sock")
-        accepted: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[FrameStream] = loop.create_future()
 
-        def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            if not accepted.done():
-                accepted.set_result((r, w))
-            else:
-                w.close()
+        class Accept(FrameStream):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                super().connection_made(transport)
+                if accepted.done():  # only the first connection is the worker's
+                    transport.close()
+                else:
+                    accepted.set_result(self)
 
-        server = await asyncio.start_unix_server(on_connect, path=path, limit=1 << 20)
+        server = await loop.create_unix_server(Accept, path=path)
         env = {**os.environ, **self.options.extra_env}
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -20,8 +20,11 @@ llama-server's ``server_tokens::deserialize``.  This module converts such files 
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -40,12 +43,14 @@ class SeqFile:
     """A parsed sequence-state file: the slot's tokens and the state as ``llama_state_seq_set_data`` takes it."""
 
     tokens: list[int]
-    state: bytes
+    state: bytes | bytearray | memoryview
 
 
-def pack_seq_file(tokens: list[int], state: bytes | bytearray | memoryview) -> bytes:
+def seq_file_chunks(tokens: list[int], state: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
     """The file llama-server writes for a slot holding ``tokens`` with ``state``
-    (``llama_state_seq_get_data`` output, starting with its io magic)."""
+    (``llama_state_seq_get_data`` output, starting with its io magic), as two chunks to write
+    in order: the header with the token record, and a view of the state's KV part (not copied).
+    Raises :class:`BadStateError` when ``state`` does not start with the io magic."""
     view = memoryview(state).cast("B")
     if len(view) < 8 or struct.unpack_from("<I", view)[0] != IO_MAGIC:
         raise BadStateError("not a llama.cpp sequence state")
@@ -53,7 +58,12 @@ def pack_seq_file(tokens: list[int], state: bytes | bytearray | memoryview) -> b
     packed[:3] = (TOKEN_NULL, SERVER_TOKENS_VERSION, len(tokens))
     packed[3 : 3 + len(tokens)] = tokens
     packed[-1] = 0  # no media chunks
-    return b"".join((_HEAD.pack(GGSQ_MAGIC, GGSQ_VERSION, len(packed)), packed.tobytes(), view[8:]))
+    return [_HEAD.pack(GGSQ_MAGIC, GGSQ_VERSION, len(packed)) + packed.tobytes(), view[8:]]
+
+
+def pack_seq_file(tokens: list[int], state: bytes | bytearray | memoryview) -> bytes:
+    """:func:`seq_file_chunks` joined into one ``bytes``."""
+    return b"".join(seq_file_chunks(tokens, state))
 
 
 def _server_tokens(words: np.ndarray) -> list[int]:
@@ -77,22 +87,48 @@ def _server_tokens(words: np.ndarray) -> list[int]:
     return [int(t) for t in words[3 : 3 + n]]
 
 
-def unpack_seq_file(data: bytes) -> SeqFile:
-    """Parse a ``ggsq`` file; raises :class:`BadStateError` for anything else.
-
-    The returned ``state`` carries the io magic and source sequence 0 in front, as
-    ``llama_state_seq_set_data`` expects; its KV part is checked by the engine.
-    """
-    if len(data) < _HEAD.size:
+def _parse_head(head: bytes | memoryview, size: int) -> int:
+    """Check the 12-byte header of a file of ``size`` bytes; the number of token words."""
+    if size < _HEAD.size:
         raise BadStateError("not a llama.cpp sequence-state file (too short)")
-    magic, version, n_words = _HEAD.unpack_from(data)
+    magic, version, n_words = _HEAD.unpack_from(head)
     if magic != GGSQ_MAGIC:
         raise BadStateError(f"not a llama.cpp sequence-state file (magic {magic:#x}, expected 'ggsq')")
     if version != GGSQ_VERSION:
         raise BadStateError(f"sequence-state file version {version}; this llama.cpp reads version {GGSQ_VERSION}")
-    end = _HEAD.size + 4 * n_words
-    if end > len(data):
+    if _HEAD.size + 4 * n_words > size:
         raise BadStateError("token count in the sequence-state file exceeds the file size")
-    words = np.frombuffer(data, dtype="<i4", count=n_words, offset=_HEAD.size)
-    tokens = _server_tokens(words)
+    return n_words
+
+
+def unpack_seq_file(data: bytes) -> SeqFile:
+    """Parse a ``ggsq`` file's bytes; raises :class:`BadStateError` for anything else.
+
+    The returned ``state`` carries the io magic and source sequence 0 in front, as
+    ``llama_state_seq_set_data`` expects; its KV part is checked by the engine.
+    """
+    n_words = _parse_head(data, len(data))
+    end = _HEAD.size + 4 * n_words
+    tokens = _server_tokens(np.frombuffer(data, dtype="<i4", count=n_words, offset=_HEAD.size))
     return SeqFile(tokens, struct.pack("<Ii", IO_MAGIC, 0) + data[end:])
+
+
+def read_seq_file(file: BinaryIO, alloc: Callable[[int], bytearray | memoryview] = bytearray) -> SeqFile:
+    """:func:`unpack_seq_file` of an open file, reading the KV state once, straight into the
+    buffer returned (``alloc(n)``, writable, of ``n`` bytes; behind the 8 bytes of io magic and
+    sequence 0 it needs in front).
+
+    Raises :class:`BadStateError` for anything but a ``ggsq`` file, ``OSError`` when reading fails.
+    """
+    size = os.fstat(file.fileno()).st_size
+    head = file.read(_HEAD.size)
+    n_words = _parse_head(head, size)
+    words = np.frombuffer(file.read(4 * n_words), dtype="<i4")
+    if len(words) != n_words:
+        raise BadStateError("the sequence-state file ended inside its token record")
+    tokens = _server_tokens(words)
+    state = alloc(8 + size - _HEAD.size - 4 * n_words)
+    struct.pack_into("<Ii", state, 0, IO_MAGIC, 0)
+    if file.readinto(memoryview(state)[8:]) != len(state) - 8:  # type: ignore[arg-type]
+        raise BadStateError("the sequence-state file ended inside its state")
+    return SeqFile(tokens, state)

@@ -21,7 +21,7 @@ import numpy as np
 
 from storage.errors import BadStateError
 
-__all__ = ["HEADER_SIZE", "MAGIC", "MAX_TOKENS", "Ses1", "pack_ses1", "ses1_tokens", "unpack_ses1"]
+__all__ = ["HEADER_SIZE", "MAGIC", "MAX_TOKENS", "Ses1", "pack_ses1", "ses1_header", "ses1_tokens", "unpack_ses1"]
 
 MAGIC = b"SES1"
 _HEADER = struct.Struct("<4sI")
@@ -45,6 +45,21 @@ class Ses1:
     state: memoryview
 
 
+def ses1_header(tokens: Sequence[int]) -> bytes:
+    """The SES1 blob of ``tokens`` up to its state: ``b"SES1" + u32 len(tokens) + int32 LE tokens``
+    (send the state after it to make the blob without copying the state).
+
+    Raises:
+        ValueError: more than :data:`MAX_TOKENS` tokens, or a token id outside int32.
+    """
+    if len(tokens) > MAX_TOKENS:
+        raise ValueError(f"{len(tokens)} tokens exceed the SES1 limit of {MAX_TOKENS}")
+    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if arr.size and (int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX):
+        raise ValueError("token ids must fit in int32")
+    return _HEADER.pack(MAGIC, arr.size) + arr.astype("<i4").tobytes()
+
+
 def pack_ses1(tokens: Sequence[int], state: bytes | bytearray | memoryview) -> bytes:
     """Build a SES1 blob from token ids and llama.cpp sequence state bytes.
 
@@ -58,12 +73,7 @@ def pack_ses1(tokens: Sequence[int], state: bytes | bytearray | memoryview) -> b
     Raises:
         ValueError: more than :data:`MAX_TOKENS` tokens, or a token id outside int32.
     """
-    if len(tokens) > MAX_TOKENS:
-        raise ValueError(f"{len(tokens)} tokens exceed the SES1 limit of {MAX_TOKENS}")
-    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    if arr.size and (int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX):
-        raise ValueError("token ids must fit in int32")
-    return b"".join((_HEADER.pack(MAGIC, arr.size), arr.astype("<i4").tobytes(), memoryview(state)))
+    return b"".join((ses1_header(tokens), memoryview(state)))
 
 
 def _parse_header(blob: bytes | bytearray | memoryview) -> tuple[memoryview, int]:

@@ -8,6 +8,7 @@ handler each, :data:`ACTIONS`.  The slot actions themselves are
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import time
@@ -17,14 +18,16 @@ from enum import StrEnum
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Request, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from engine.errors import ErrorCode
+from engine.framing import Buffer
 from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server import check_slot_number, slot_task_fields
+from orchestrator.api.raw_body import BODY_POOL, BuffersResponse, read_body
 from orchestrator.auth import require_admin
 from orchestrator.digest import check_repr_digest, repr_digest
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError
@@ -101,22 +104,36 @@ class ActionCall:
         return archive is None or await archive.lookup(self.slot_id) is None
 
 
-async def _save_state(call: ActionCall) -> SaveStateResponse | Response[bytes]:
+async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
     async with call.use() as slot:
         saved = await call.ops.save_state(slot)
-    digest = repr_digest(saved.blob)
+    chunks = saved.ses1_chunks()
+    digest = await asyncio.to_thread(repr_digest, *chunks)
     if OCTET in call.request.headers.get("accept", ""):
         headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
-        return Response(saved.blob, media_type=OCTET, headers=headers)
-    state = base64.b64encode(saved.blob).decode("ascii")
+        return BuffersResponse(chunks, OCTET, headers)
+    state = base64.b64encode(b"".join(chunks)).decode("ascii")
     return SaveStateResponse(
-        id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=len(saved.blob), t_ms=round(saved.t_ms, 3),
+        id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),
         state=state, digest=digest,
     )  # fmt: skip
 
 
 async def _restore_state(call: ActionCall) -> RestoreStateResponse:
-    raw = await call.request.body()
+    raw = await read_body(call.request)
+    try:
+        n = await _restore_body(call, raw)
+    except ApiError:  # refused before the worker got the body, or answered by it: nothing reads it now
+        BODY_POOL.give(raw)
+        raise
+    except BaseException:  # (cancelled while the body may still be on its way to the worker)
+        BODY_POOL.drop(raw)
+        raise
+    BODY_POOL.give(raw)
+    return n
+
+
+async def _restore_body(call: ActionCall, raw: Buffer) -> RestoreStateResponse:
     header = call.request.headers.get("repr-digest")
     if header is not None:
         check_repr_digest(header, raw, "the request body")
@@ -169,10 +186,22 @@ async def _save(call: ActionCall) -> SaveFileResponse:
 
 async def _restore(call: ActionCall) -> RestoreFileResponse:
     body: SlotFileRequest = await call.body(SlotFileRequest)
-    blob, n_read = call.ops.read_file(body.filename)
-    created = await call.is_new()
-    async with call.use(create=True) as slot:
-        t_ms = await call.ops.restore_state(slot, blob, created)
+    t0 = time.perf_counter()
+    parsed, buf, n_read = await call.ops.read_file(body.filename, BODY_POOL)
+    read_ms = (time.perf_counter() - t0) * 1000
+    try:
+        created = await call.is_new()
+        async with call.use(create=True) as slot:
+            t0 = time.perf_counter()
+            await call.ops.restore(slot, parsed.tokens, parsed.state, created)
+            t_ms = read_ms + (time.perf_counter() - t0) * 1000
+    except ApiError:  # see _restore_state
+        BODY_POOL.give(buf)
+        raise
+    except BaseException:
+        BODY_POOL.drop(buf)
+        raise
+    BODY_POOL.give(buf)
     return RestoreFileResponse(
         id_slot=call.out_id, filename=body.filename, n_restored=slot.n_tokens, n_read=n_read,
         timings=RestoreTimings(restore_ms=round(t_ms, 3)),
@@ -189,7 +218,7 @@ async def _fork(call: ActionCall) -> ForkResponse:
     return ForkResponse(id_slot=call.out_id, target=slot_id_out(target), n_tokens=n, success=True)
 
 
-ACTIONS: dict[SlotAction, Callable[[ActionCall], Awaitable[SlotActionResponse | Response[bytes]]]] = {
+ACTIONS: dict[SlotAction, Callable[[ActionCall], Awaitable[SlotActionResponse | BuffersResponse]]] = {
     SlotAction.SAVE_STATE: _save_state,
     SlotAction.RESTORE_STATE: _restore_state,
     SlotAction.TOKENS: _tokens,
@@ -284,7 +313,7 @@ class SlotController(Controller):
         slot_id: str,
         action: SlotAction = Parameter(query="action"),
         wait: bool = Parameter(query="wait", default=False),
-    ) -> SlotActionResponse | Response[bytes]:
+    ) -> SlotActionResponse | BuffersResponse:
         check_slot_number(slot_id)
         if action not in READ_ONLY_ACTIONS:
             require_admin(request.scope, services.settings.admin_key)

@@ -210,8 +210,8 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
 
         async def on_token(t: TokenOut) -> None:
             await _send_json(socket, wire.binary_ws_token_frame(t))
-            if t.attention is not None:
-                await socket.send_bytes(t.attention)
+            if t.attention is not None:  # the buffer as received from the worker (Litestar's send_bytes wants bytes)
+                await socket.send({"type": "websocket.send", "bytes": t.attention, "text": None})  # type: ignore[typeddict-item]
 
         async def on_done(d: DoneOut) -> None:
             await _send_json(socket, wire.done_event(d, request_id))

@@ -12,7 +12,7 @@ import pytest
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from engine.framing import parse_address
+from engine.framing import FrameStream, parse_address
 from engine.model_facts import EngineRuntime, ModelInfo
 
 RUNTIME = EngineRuntime(
@@ -111,13 +111,13 @@ def test_reply_round_trip(case: tuple[proto.Message, list[bytes]]) -> None:
 
     async def main() -> tuple[proto.Reply, list[bytes]]:
         a, b = socket.socketpair()
-        reader, writer = await asyncio.open_connection(sock=b)
+        _, stream = await asyncio.get_running_loop().connect_accepted_socket(FrameStream, b)
         proto.send_frame(a, msg, bufs)
         try:
-            return await proto.read_reply(reader)
+            return await proto.read_reply(stream)
         finally:
             a.close()
-            writer.close()
+            stream.close()
 
     got, got_bufs = asyncio.run(main())
     assert got == msg and type(got) is type(msg)
@@ -171,13 +171,13 @@ def test_unknown_or_malformed_requests_are_refused(meta: bytes) -> None:
 def test_unknown_replies_and_error_codes_are_refused() -> None:
     async def read(meta: bytes) -> None:
         a, b = socket.socketpair()
-        reader, writer = await asyncio.open_connection(sock=b)
+        _, stream = await asyncio.get_running_loop().connect_accepted_socket(FrameStream, b)
         a.sendall(_raw_frame(meta))
         try:
-            await proto.read_reply(reader)
+            await proto.read_reply(stream)
         finally:
             a.close()
-            writer.close()
+            stream.close()
 
     for meta in (
         msgspec.msgpack.encode(["SeqInfo", 1, -1, []]),  # Shutdown's old answer
