@@ -12,8 +12,10 @@ both with ``--threads`` and ``--n-gpu-layers``. Rows, each with its ratio:
    aggregate decode tok/s, slotserve SSE vs llama-server (``bench_slots.py``'s measurement);
 3. **save-state** of slot 0 (JSON, the worker's ``t_ms`` and the client's round trip) right after the last
    4-stream run;
-4. **a ``--big``-token slot**: prefill, ``save-state`` / ``restore-state`` (octet-stream bodies) through the
-   API vs llama-server's prefill and slot-file ``save`` / ``restore`` (``POST /slots/0?action=save``);
+4. **a ``--big``-token slot** (``big_slot.py``): prefill, ``save-state`` / ``restore-state`` (octet-stream
+   bodies, moved with ``http.client``) through the API and slotserve's own slot files vs llama-server's prefill
+   and slot-file ``save`` / ``restore`` (``POST /slots/0?action=save``), and the HTTP floor (the same bytes
+   through Litestar + uvicorn alone);
 5. **preview** of that slot (append ``--append`` tokens, ``--preview-new`` new) ÷ prefill + generate of the
    same tokens on a fresh slot (``bench_preview.py``'s requests);
 6. **in-process engine** (the servers stopped first): decode tok/s without the eval callback, with full
@@ -42,9 +44,10 @@ import common  # also puts the checkout on sys.path
 import httpx
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 from bench_preview import context, generate_sample, preview_sample, user_append
+from big_slot import big_slot
 from common import Quiet, median
 from engine_rows import in_process
-from servers import ServerProc, check, llama_server_cmd, settle
+from servers import ServerProc, check, default_model, free_port, llama_server_cmd, settle, slotserve_cmd, stop_servers
 from streams import BANNED, measure_streams
 
 OCTET = "application/octet-stream"
@@ -89,9 +92,10 @@ class Bench:
     """Both servers and the measurements of one run."""
 
     def __init__(
-        self, args: argparse.Namespace, ss: ServerProc, ls: ServerProc | None, quiet: Quiet, table: Table
+        self, args: argparse.Namespace, ss: ServerProc, ls: ServerProc | None, quiet: Quiet, table: Table, tmp: Path
     ) -> None:
         self.args, self.ss, self.ls, self.quiet, self.table = args, ss, ls, quiet, table
+        self.tmp, self.httpx = tmp, httpx
         self.client = httpx.Client(timeout=None)
         info = check(self.client.get(ss.base + "/api/v1/model"), "model info")
         self.shape = (info["num_layers"], info["num_attention_heads"])
@@ -198,68 +202,8 @@ class Bench:
         return check(r, f"llama-server slot {action}")
 
     def big_slot(self) -> None:
-        a, t, base = self.args, self.table, self.ss.base
-        self.erase(base, ["0", "1", "2", "3"])
-        if self.ls:
-            self.erase(self.ls.base, ["0", "1", "2", "3"])
-        ctx = context(self.tok, a.big)
-        settle(self.client, base)
-        pf, d = self.timed(lambda: generate_sample(self.client, base, "big", ctx, 0), "prefill", once=True)
-        if d.n_prefilled != len(ctx):
-            raise RuntimeError(f"prefill: {d.n_prefilled} of {len(ctx)} tokens prefilled")
-        lpf = float("nan")
-        if self.ls:
-            lpf, d = self.timed(lambda: self.llama_complete(0, ctx), "llama-server prefill", once=True)
-            print(f"  llama-server: prompt_n {d['timings']['prompt_n']}, prompt_ms {d['timings']['prompt_ms']:.1f}")
-            if d["timings"]["prompt_n"] < len(ctx) - 1:
-                raise RuntimeError(f"llama-server prefill: only {d['timings']['prompt_n']} tokens evaluated")
-        save, restore, lsave, lrestore = [], [], [], []
-        size = 0
-        for r in range(a.reps + 1):
-            settle(self.client, base)
-            dt, resp = self.timed(
-                lambda: self.client.post(
-                    f"{base}/slots/big", params={"action": "save-state", "wait": "true"}, headers={"Accept": OCTET}
-                ),
-                "save-state",
-                r == 0,
-            )
-            blob = resp.content
-            size = len(blob)
-            dt2, resp2 = self.timed(
-                lambda blob=blob, r=r: self.client.post(
-                    f"{base}/slots/big-{r}",
-                    params={"action": "restore-state", "wait": "true"},
-                    content=blob,
-                    headers={"Content-Type": OCTET},
-                ),
-                "restore-state",
-                r == 0,
-            )
-            check(resp2, "restore-state")
-            self.erase(base, [f"big-{r}"])
-            line = f"  rep {r}: save-state {dt * 1000:.1f} ms, restore-state {dt2 * 1000:.1f} ms"
-            if self.ls:
-                ds, s = self.timed(lambda: self.llama_slot(0, "save", "big.bin"), "llama save", r == 0)
-                dr, rr = self.timed(lambda: self.llama_slot(1, "restore", "big.bin"), "llama restore", r == 0)
-                line += (
-                    f"; llama-server save {ds * 1000:.1f} ms (save_ms {s['timings']['save_ms']:.1f}), "
-                    f"restore {dr * 1000:.1f} ms (restore_ms {rr['timings']['restore_ms']:.1f})"
-                )
-                if r:
-                    lsave.append(ds)
-                    lrestore.append(dr)
-            print(line, flush=True)
-            if r:
-                save.append(dt)
-                restore.append(dt2)
-        n = f"{a.big}-token slot ({size / 1e6:.1f} MB)"
-        t.add(f"{n}: prefill ms", f"{pf * 1000:.0f}", f"{lpf * 1000:.0f}", f"{pf / lpf:.2f}")
-        ms, ls_ = median(save) * 1000, median(lsave) * 1000
-        t.add(f"{n}: save ms (API octet-stream | slot file)", f"{ms:.1f}", f"{ls_:.1f}", f"{ms / ls_:.2f}")
-        mr, lr = median(restore) * 1000, median(lrestore) * 1000
-        t.add(f"{n}: restore ms (API octet-stream | slot file)", f"{mr:.1f}", f"{lr:.1f}", f"{mr / lr:.2f}")
-        t.add(f"{n}: restore / prefill", f"{mr / (pf * 1000):.4f}", f"{lr / (lpf * 1000):.4f}")
+        ctx = context(self.tok, self.args.big)
+        big_slot(self, ctx)
         self.preview(ctx)
 
     def preview(self, ctx: list[int]) -> None:
@@ -316,21 +260,21 @@ def main() -> int:
     ap.set_defaults(retries=1)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    model = args.model or common.default_model()
+    model = args.model or default_model()
     print(f"machine: {machine()}; --n-gpu-layers {args.n_gpu_layers}; {load()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-table-"))
     servers: list[ServerProc] = []
     table = Table()
     try:
         if {"stream", "streams", "big"} - skip:
-            port = common.free_port()
-            cmd = common.slotserve_cmd(
+            port = free_port()
+            cmd = slotserve_cmd(
                 port, tmp / "state", parallel=4, spare=4, ctx_size=args.ctx_size, threads=args.threads, model=model,
-                n_gpu_layers=args.n_gpu_layers,
+                n_gpu_layers=args.n_gpu_layers, extra=["--slot-save-path", str(tmp / "slotserve-slots")],
             )  # fmt: skip
             servers.append(ServerProc("slotserve", cmd, port, tmp / "slotserve.log"))
             if args.llama_server:
-                lport = common.free_port()
+                lport = free_port()
                 lcmd = llama_server_cmd(
                     args.llama_server, model, lport, parallel=4, ctx_size=args.ctx_size, threads=args.threads,
                     n_gpu_layers=args.n_gpu_layers, slot_dir=tmp / "llama-slots", extra=args.llama_args,
@@ -341,13 +285,13 @@ def main() -> int:
             pids: dict[str, int] = {}
             for srv in servers:
                 pids |= srv.pids()
-            bench = Bench(args, servers[0], servers[1] if len(servers) > 1 else None, Quiet(args, pids), table)
+            bench = Bench(args, servers[0], servers[1] if len(servers) > 1 else None, Quiet(args, pids), table, tmp)
             for part, fn in (("stream", bench.one_stream), ("streams", bench.streams), ("big", bench.big_slot)):
                 if part not in skip:
                     print(f"[{part}] {load()}", flush=True)
                     fn()
             print(bench.quiet.summary())
-            common.stop_servers(servers, tmp, args.keep_logs)
+            stop_servers(servers, tmp, args.keep_logs)
             servers = []
         if "inproc" not in skip:
             print(f"[inproc] {load()}", flush=True)
@@ -355,7 +299,7 @@ def main() -> int:
             in_process(args, quiet, table.add)
             print(quiet.summary())
     finally:
-        common.stop_servers(servers, tmp, args.keep_logs)
+        stop_servers(servers, tmp, args.keep_logs)
     print()
     print(f"machine: {machine()}; --n-gpu-layers {args.n_gpu_layers}; threads {args.threads}; model {model.name}")
     if args.llama_server:
