@@ -22,6 +22,7 @@ import numpy as np
 
 from engine import ggml_ffi as g
 from engine import seq_state
+from engine.buffers import BufferPool
 from engine.capture import AttentionCapture, RowTarget, Run
 from engine.cellmap import CellMap
 from engine.errors import ErrorCode
@@ -98,8 +99,10 @@ class Engine:
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
         # seq -> a copy of its current state (llama_state_seq_get_data), dropped when the sequence
-        # changes; for the offloaded sequences (cells out of the cache) the only copy
-        self.states: dict[int, bytearray] = {}
+        # changes; for the offloaded sequences (cells out of the cache) the only copy.  Dropped
+        # copies go back to state_pool: the next read lands in memory already mapped (engine/buffers.py)
+        self.states: dict[int, bytearray | memoryview] = {}
+        self.state_pool = BufferPool(keep=1)
         self.offloaded: set[int] = set()
         self.spare_free = list(range(config.n_slots, config.n_slots + config.n_spare))
         self.scratch = config.n_seq_max - 1
@@ -143,7 +146,7 @@ class Engine:
         for e in entries:
             if e.seq in self.offloaded:
                 raise EngineError(ErrorCode.INTERNAL, f"sequence {e.seq} is offloaded; make it resident first")
-            self.states.pop(e.seq, None)
+            self._drop_state(e.seq)
             e.batch_start = i
             n = len(e.tokens)
             for j, tok in enumerate(e.tokens):
@@ -212,7 +215,7 @@ class Engine:
         """Keep the first ``n`` tokens of ``seq`` (``seq_rm(seq, n, -1)``)."""
         if n < self.seq_len(seq):
             self.make_resident(seq)
-            self.states.pop(seq, None)
+            self._drop_state(seq)
             llama.llama_memory_seq_rm(self.mem, seq, n, -1)
             self.cellmap.truncate(seq, n)
             del self.tokens[seq][n:]
@@ -220,7 +223,7 @@ class Engine:
     def erase(self, seq: int) -> None:
         """Drop every cell of ``seq`` (and any copy of its state)."""
         self.offloaded.discard(seq)
-        self.states.pop(seq, None)
+        self._drop_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
@@ -269,9 +272,11 @@ class Engine:
         Raises ``EngineError(ErrorCode.OOM)`` when the cache has no room; ``seq`` stays offloaded.
         """
         if seq in self.offloaded:
-            blob = self.states[seq]
-            self.restore_state(seq, self.tokens[seq], blob)
-            self.states[seq] = blob  # still the sequence's state
+            blob = self.states.pop(seq)  # held here: restore_state's erase must not recycle it
+            try:
+                self.restore_state(seq, self.tokens[seq], blob)
+            finally:
+                self.states[seq] = blob  # still the sequence's state (and its only copy if that failed)
 
     def context_shift(self, seq: int, n_keep: int, n_discard: int) -> int:
         """Remove ``n_discard`` tokens after ``n_keep`` and shift the rest down (llama-server's shift).
@@ -288,7 +293,7 @@ class Engine:
         if self.cellmap.sharers(seq):
             tokens, blob = self.save_state(seq)
             self.restore_state(seq, tokens, blob)
-        self.states.pop(seq, None)
+        self._drop_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
         llama.llama_memory_seq_add(self.mem, seq, n_keep + n_discard, -1, -n_discard)
         self.cellmap.shift(seq, n_keep, n_discard)
@@ -296,17 +301,24 @@ class Engine:
         del toks[n_keep : n_keep + n_discard]
         return len(toks)
 
-    def save_state(self, seq: int) -> tuple[list[int], bytearray]:
+    def _drop_state(self, seq: int) -> None:
+        """Forget the copy of ``seq``'s state (it changed); its memory serves the next read."""
+        buf = self.states.pop(seq, None)
+        if buf is not None:
+            self.state_pool.give(buf)
+
+    def save_state(self, seq: int) -> tuple[list[int], bytearray | memoryview]:
         """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``).
 
         The state is kept until ``seq`` changes, so saving an unchanged sequence again (or
-        offloading it) reads nothing; callers must not modify the returned buffer.
+        offloading it) reads nothing; callers must not modify the returned buffer nor keep it past the
+        sequence's next change (its memory is then reused for another read).
         """
         buf = self.states.get(seq)
         if buf is None:
             known = self.cellmap.length(seq) == self.seq_len(seq) and self.config.capture
             try:
-                buf = self.reader.read(seq, self.cellmap.cells(seq) if known else None)
+                buf = self.reader.read(seq, self.cellmap.cells(seq) if known else None, self.state_pool.take)
             except StateReadError as exc:
                 raise EngineError(ErrorCode.INTERNAL, str(exc)) from exc
             self.states[seq] = buf

@@ -25,6 +25,7 @@ compares the first fast read with llama.cpp's own before it trusts the reader.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import llama_cpp as llama
 import numpy as np
@@ -44,6 +45,9 @@ _lib.ggml_backend_tensor_get_2d.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + 
 _lib.ggml_backend_tensor_get_2d.restype = None
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+Alloc = Callable[[int], "bytearray | memoryview"]
+"""Where a state is written: ``alloc(n)`` returns a writable buffer of ``n`` bytes."""
 
 
 class KvLayoutError(RuntimeError):
@@ -89,15 +93,16 @@ class StateReader:
         self.fast = reader if ok else None
         return ok
 
-    def read(self, seq: int, cells: np.ndarray | None) -> bytearray:
-        """The state of ``seq`` in ``llama_state_seq_get_data``'s format.
+    def read(self, seq: int, cells: np.ndarray | None, alloc: Alloc = bytearray) -> bytearray | memoryview:
+        """The state of ``seq`` in ``llama_state_seq_get_data``'s format (the fast read writes it into
+        ``alloc(n)``, a writable buffer of ``n`` bytes whose contents do not matter).
 
         ``cells``: ``int32[n]``, the cell of each position of ``seq``, or ``None`` when the
         mirror does not know them (llama.cpp reads).  Raises :class:`StateReadError`.
         """
         if self.fast is None or cells is None:
             return llama_state(self.ctx, seq)
-        buf = self.fast.read(seq, cells)
+        buf = self.fast.read(seq, cells, alloc)
         if self.verify and buf != llama_state(self.ctx, seq):
             raise StateReadError(f"the fast state read of seq {seq} differs from llama.cpp's")
         return buf
@@ -169,15 +174,16 @@ class KvReader:
         """Bytes of the state of a sequence of ``n`` cells."""
         return 16 + 12 * n + 8 + len(self.layout.layers) * 24 + n * self.layout.bytes_per_cell()
 
-    def read(self, seq: int, cells: np.ndarray) -> bytearray:
-        """The state ``llama_state_seq_get_data(ctx, ..., seq)`` returns, as a new ``bytearray``.
+    def read(self, seq: int, cells: np.ndarray, alloc: Alloc = bytearray) -> bytearray | memoryview:
+        """The state ``llama_state_seq_get_data(ctx, ..., seq)`` returns, written whole into
+        ``alloc(size)`` (by default a new ``bytearray``; every byte is written).
 
         ``cells`` is ``int32[n]``: the cell of each position ``0..n-1`` of ``seq`` (the
         mirror's :meth:`~engine.cellmap.CellMap.cells`).  Raises :class:`KvLayoutError` if two
         positions share a cell or a cell is out of range.
         """
         n = len(cells)
-        out = bytearray(self.state_size(n) if n else 16)
+        out = alloc(self.state_size(n) if n else 16)
         head = np.frombuffer(out, dtype="<u4", count=4)
         head[:] = (IO_MAGIC, seq & 0xFFFFFFFF, 1, n)
         if not n:
@@ -244,7 +250,16 @@ class KvReader:
             np.take(src, rel, axis=0, out=dst)
 
     def _columns(
-        self, t: int, el: int, n_rows: int, lo: int, span: int, rel: np.ndarray, dense: bool, out: bytearray, off: int
+        self,
+        t: int,
+        el: int,
+        n_rows: int,
+        lo: int,
+        span: int,
+        rel: np.ndarray,
+        dense: bool,
+        out: bytearray | memoryview,
+        off: int,
     ) -> None:
         """Transposed V: row ``j`` of the blob holds element ``j`` of every cell, cells ascending."""
         n = len(rel)

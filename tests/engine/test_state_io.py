@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import seq_state
+from engine.buffers import BufferPool
 from engine.engine import BatchEntry
 from engine.kv_io import KvReader, llama_state
 from tests.conftest import CHAT
@@ -131,3 +132,26 @@ def test_parking_after_concurrent_decoding_continues_as_running_alone(runner: Ru
     # attention of the restored slot == the same queries computed alone
     for k, (x, y) in enumerate(zip(resumed.attention, alone.attention[10:], strict=True)):
         assert_attention_close(x, y, f"restored token {k}")
+
+
+def test_a_changed_sequence_is_read_into_the_memory_of_its_old_state(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    """A state copy dropped when its sequence changes is reused by the next read, written whole:
+    the read equals llama.cpp's, whatever the old bytes were."""
+    decode_together(runner, model, n=4)
+    engine.state_pool = BufferPool(keep=1)  # empty (the engine fixture is shared)
+    _, first = engine.save_state(0)
+    size = len(first)
+    del first
+    assert engine.state_pool.held_bytes == 0
+    runner.submit(0, [int(t) for t in model.tokenize(" More.", False, False)], max_new_tokens=2, ignore_eos=True)
+    runner.run()  # seq 0 now holds the short prompt + 2 tokens: its old copy went back to the pool
+    assert engine.state_pool.held_bytes == size
+    _, second = engine.save_state(0)
+    assert len(second) < size
+    assert engine.state_pool.held_bytes == 0, "the next read took the kept memory"
+    assert second == llama_state(engine.ctx, 0)
+    _, blob = engine.save_state(1)
+    engine.offload(1)
+    engine.make_resident(1)  # the offloaded copy is not recycled by the restore's erase
+    assert engine.state_pool.held_bytes == 0
+    assert engine.save_state(1)[1] is blob and blob == llama_state(engine.ctx, 1)
