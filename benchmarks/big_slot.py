@@ -24,15 +24,19 @@ OCTET = "application/octet-stream"
 
 
 class RawClient:
-    """``http.client`` on one kept connection to ``base``: ``post``/``get`` return ``(status, body bytes)``."""
+    """``http.client`` to ``base``, a new connection per request (a kept one may have been closed by the
+    server's keep-alive timeout while the benchmark waited): ``request`` returns ``(status, body bytes)``."""
 
     def __init__(self, base: str) -> None:
         u = urlsplit(base)
-        self.conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+        self.host, self.port = u.hostname, u.port
+        self.conn: http.client.HTTPConnection | None = None
 
     def request(
         self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
     ) -> tuple[int, bytes]:
+        self.close()
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)  # type: ignore[arg-type]
         self.conn.request(method, path, body=body, headers=headers or {})
         resp = self.conn.getresponse()
         return resp.status, resp.read()
@@ -44,7 +48,9 @@ class RawClient:
         return json.loads(data)
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 def start_floor(tmp: Path, httpx_mod: Any) -> ServerProc:
