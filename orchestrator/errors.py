@@ -37,6 +37,7 @@ _QUERY = re.compile(r"\?\S*")
 STATUS_OF_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.INVALID_TOKEN: 400,
+    ErrorCode.INVALID_GRAMMAR: 400,
     ErrorCode.CONTEXT_OVERFLOW: 400,
     ErrorCode.NO_CACHED_CONTEXT: 400,
     ErrorCode.BAD_STATE: 400,
