@@ -84,6 +84,12 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
             )
 
 
+PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+             "dry_multiplier", "dry_allowed_length", "dry_sequence_breakers", "mirostat", "mirostat_tau",
+             "mirostat_eta", "grammar", "json_schema")  # fmt: skip
+"""The further sampler settings a :class:`CanonicalRequest` hands to the engine as they are."""
+
+
 def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.SamplingParams:
     """Validated :class:`engine.protocol.SamplingParams` from a canonical request.
 
@@ -112,23 +118,10 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
         ignore_eos=req.ignore_eos,
         n_probs=req.n_probs,
         logprobs=True,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        typical_p=req.typical_p,
-        top_n_sigma=req.top_n_sigma,
-        xtc_probability=req.xtc_probability,
-        xtc_threshold=req.xtc_threshold,
-        dry_multiplier=req.dry_multiplier,
         dry_base=req.dry_base if req.dry_base >= 1.0 else proto.SamplingParams().dry_base,  # llama-server's rule
-        dry_allowed_length=req.dry_allowed_length,
         dry_penalty_last_n=info.n_ctx if req.dry_penalty_last_n == -1 else req.dry_penalty_last_n,
-        dry_sequence_breakers=req.dry_sequence_breakers,
-        mirostat=req.mirostat,
-        mirostat_tau=req.mirostat_tau,
-        mirostat_eta=req.mirostat_eta,
         logit_bias=bias,
-        grammar=req.grammar,
-        json_schema=req.json_schema,
+        **{name: getattr(req, name) for name in PASSED_ON},
     )
 
 

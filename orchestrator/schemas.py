@@ -70,6 +70,17 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         """These fields as keyword arguments (to pass them on to a :class:`GenerateRequest`)."""
         return {name: getattr(self, name) for name in SamplerFields.__struct_fields__}
 
+    def sampler_settings(self) -> dict[str, Any]:
+        """These fields for a :class:`CanonicalRequest`: a missing value is the default
+        (:class:`engine.protocol.SamplingParams`); ``logit_bias`` as pairs, ``json_schema`` as JSON text."""
+        out = {name: getattr(DEFAULT, name) if v is None else v for name, v in self.sampler_fields().items()}
+        out.update(
+            dry_sequence_breakers=dry_breakers(self.dry_sequence_breakers),
+            logit_bias=logit_bias_pairs(self.logit_bias),
+            json_schema=msgspec.json.encode(self.json_schema).decode() if self.json_schema is not None else "",
+        )
+        return out
+
 
 class GenerateRequest(SamplerFields, kw_only=True):
     """A generation request: the whole context as ``input_ids`` (or a ``prompt`` text)."""
@@ -121,6 +132,14 @@ class GenerateRequest(SamplerFields, kw_only=True):
     nsigma: Float32 | None = None  # KoboldCpp's top_n_sigma
     return_progress: bool = False  # llama-server's: stream prompt-processing progress events
 
+    def sampler_fields(self) -> dict[str, Any]:
+        """:meth:`SamplerFields.sampler_fields`, KoboldCpp's ``typical`` and ``nsigma`` standing in
+        for ``typical_p`` and ``top_n_sigma`` when those are missing."""
+        out = super().sampler_fields()
+        out["typical_p"] = self.typical if self.typical_p is None else self.typical_p
+        out["top_n_sigma"] = self.nsigma if self.top_n_sigma is None else self.top_n_sigma
+        return out
+
     def canonical(self) -> CanonicalRequest:
         """Merge aliases (first given wins, slotserve's own names first) into one canonical request."""
 
@@ -169,23 +188,7 @@ class GenerateRequest(SamplerFields, kw_only=True):
             slot="0" if slot is None else str(slot),
             wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
             progress=self.return_progress,
-            presence_penalty=float(first(self.presence_penalty, default=DEFAULT.presence_penalty)),  # type: ignore[arg-type]
-            frequency_penalty=float(first(self.frequency_penalty, default=DEFAULT.frequency_penalty)),  # type: ignore[arg-type]
-            typical_p=float(first(self.typical_p, self.typical, default=DEFAULT.typical_p)),  # type: ignore[arg-type]
-            top_n_sigma=float(first(self.top_n_sigma, self.nsigma, default=DEFAULT.top_n_sigma)),  # type: ignore[arg-type]
-            xtc_probability=float(first(self.xtc_probability, default=DEFAULT.xtc_probability)),  # type: ignore[arg-type]
-            xtc_threshold=float(first(self.xtc_threshold, default=DEFAULT.xtc_threshold)),  # type: ignore[arg-type]
-            dry_multiplier=float(first(self.dry_multiplier, default=DEFAULT.dry_multiplier)),  # type: ignore[arg-type]
-            dry_base=float(first(self.dry_base, default=DEFAULT.dry_base)),  # type: ignore[arg-type]
-            dry_allowed_length=int(first(self.dry_allowed_length, default=DEFAULT.dry_allowed_length)),  # type: ignore[call-overload]
-            dry_penalty_last_n=int(first(self.dry_penalty_last_n, default=DEFAULT.dry_penalty_last_n)),  # type: ignore[call-overload]
-            dry_sequence_breakers=dry_breakers(self.dry_sequence_breakers),
-            mirostat=self.mirostat or 0,
-            mirostat_tau=float(first(self.mirostat_tau, default=DEFAULT.mirostat_tau)),  # type: ignore[arg-type]
-            mirostat_eta=float(first(self.mirostat_eta, default=DEFAULT.mirostat_eta)),  # type: ignore[arg-type]
-            logit_bias=logit_bias_pairs(self.logit_bias),
-            grammar=self.grammar or "",
-            json_schema=msgspec.json.encode(self.json_schema).decode() if self.json_schema is not None else "",
+            **self.sampler_settings(),
         )
 
 
