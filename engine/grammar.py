@@ -88,16 +88,17 @@ def gbnf_of(grammar: str, json_schema: str) -> str:
         return grammar
     try:
         schema = json.loads(json_schema)
-    except ValueError as exc:
-        raise GrammarError(f"json_schema is not JSON: {exc}") from exc
-    if schema == {}:
-        schema = {"type": "object"}
-    _check_counts(schema)
-    try:
+        if schema == {}:
+            schema = {"type": "object"}
+        _check_counts(schema)
         return json_schema_to_gbnf(json.dumps(schema))
     except RecursionError as exc:
         raise GrammarError("json_schema nests too deep") from exc
-    except Exception as exc:  # the converter raises what it meets (KeyError, AssertionError, ValueError...)
+    except GrammarError:
+        raise
+    except ValueError as exc:
+        raise GrammarError(f"json_schema is not JSON: {exc}") from exc
+    except Exception as exc:  # the converter raises what it meets (KeyError, AssertionError, TypeError...)
         raise GrammarError(f"json_schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from exc
 
 
@@ -105,6 +106,8 @@ def grammar_sampler(vocab: llama.llama_vocab_p, gbnf: str) -> llama.llama_sample
     """``llama_sampler_init_grammar(vocab, gbnf, "root")`` (``include/llama.h``); the caller frees it
     (or adds it to a chain).  Raises :class:`GrammarError` when llama.cpp cannot parse ``gbnf``
     (it returns NULL and logs why) or when it nests deeper than :data:`MAX_NESTING`."""
+    if "\x00" in gbnf:
+        raise GrammarError("the grammar holds a NUL character")
     if nesting_depth(gbnf) > MAX_NESTING:
         raise GrammarError(f"grammar nests groups deeper than {MAX_NESTING}")
     ptr = llama.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")

@@ -129,6 +129,8 @@ def test_json_schema_output_parses_and_matches(runner: Runner, model) -> None:  
         ("", '{"type": "array", "maxItems": 100000}'),
         ("", '{"type": "string", "pattern": "a{0,99999}"}'),
         ("", '{"$ref": "#/definitions/missing"}'),
+        ("", '{"items": ' * 5000 + "{}" + "}" * 5000),  # deeper than Python's recursion limit
+        ('root ::= "a"\x00 junk', ""),  # C would read the grammar up to the NUL
     ],
 )
 def test_bad_grammar_is_refused_and_the_sequence_kept(runner: Runner, question: list[int], grammar: str, schema: str) -> None:  # fmt: skip

@@ -21,6 +21,9 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
           "required": ["city", "population"]}  # fmt: skip
 
 
+DEEP = '{"items": ' * 3000 + "{}" + "}" * 3000  # a schema nested deeper than Python's recursion limit
+
+
 class Answer(msgspec.Struct, forbid_unknown_fields=True):
     """What ``SCHEMA`` allows (decoding into it checks the schema)."""
 
@@ -200,3 +203,20 @@ def test_kobold_samplers_are_honoured_without_warning(server: ServerProc) -> Non
     r = post(server, "/api/v1/generate", {**body, "top_a": 0.5, "max_length": 1})  # still unsupported: warned
     assert r.status_code == 200
     assert server.log_path.read_text(errors="replace").count("Kobold fields not supported") == warned + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/v1/generate", '{"prompt": "Hi", "max_length": 2, "json_schema": %s}'),
+        ("/completion", '{"prompt": "Hi", "n_predict": 2, "json_schema": %s}'),
+        (
+            "/v1/chat/completions",
+            '{"messages": [], "max_tokens": 2, "response_format": {"type": "json_object", "schema": %s}}',
+        ),
+    ],
+)
+def test_deeply_nested_schema_is_400(server: ServerProc, path: str, body: str) -> None:
+    r = httpx.post(server.url + path, content=body % DEEP, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error_code"] == "INVALID_REQUEST"
