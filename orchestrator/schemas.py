@@ -201,6 +201,8 @@ def logit_bias_pairs(bias: dict[str, float | bool] | list[tuple[int | str, float
     items = bias.items() if isinstance(bias, dict) else (bias or [])
     out: list[tuple[int | str, float]] = []
     for key, value in items:
+        if value is True:  # llama-server skips it silently; it means nothing
+            raise ApiError(ErrorCode.INVALID_REQUEST, "logit_bias: a bias is a number, or false to ban the token")
         tok = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
         out.append((tok, float("-inf") if value is False else float(value)))
     return out

@@ -109,6 +109,7 @@ def test_chat_response_format(server: ServerProc) -> None:
             "/api/v1/generate",
             {"prompt": QUESTION, "max_length": 4, "grammar": "root ::= " + "(" * 20000 + '"a"' + ")" * 20000},
         ),
+        ("/api/extra/generate/stream", {"prompt": QUESTION, "max_length": 4, "grammar": "root ::= [a-"}),
     ],
 )
 def test_bad_grammar_is_400_and_the_slot_is_unchanged(server: ServerProc, path: str, body: dict[str, Any]) -> None:
@@ -116,7 +117,9 @@ def test_bad_grammar_is_400_and_the_slot_is_unchanged(server: ServerProc, path: 
     first = post(server, "/api/v1/generate", {"prompt": QUESTION, "max_length": 3, "temperature": 0, "conversation_id": slot})  # fmt: skip
     assert first.status_code == 200, first.text
     before, listed = slot_tokens(server, slot), slot_listing(server, slot)
-    named = {"/completion": "id_slot", "/v1/chat/completions": "slot_id", "/api/v1/generate": "conversation_id"}[path]
+    named = {"/completion": "id_slot", "/v1/chat/completions": "slot_id", "/api/v1/generate": "conversation_id"}.get(
+        path, "conversation_id"
+    )
     r = post(server, path, {**body, named: slot})
     assert r.status_code == 400, r.text
     assert r.json()["error_code"] == "INVALID_GRAMMAR"
@@ -143,6 +146,8 @@ def test_bad_grammar_over_the_websocket(server: ServerProc) -> None:
         ("/completion", {"dry_sequence_breakers": []}, "INVALID_REQUEST"),
         ("/completion", {"logit_bias": [[10**6, 1.0]]}, "INVALID_TOKEN"),
         ("/completion", {"logit_bias": {"5": "a lot"}}, "INVALID_REQUEST"),
+        ("/completion", {"logit_bias": [[5, True]]}, "INVALID_REQUEST"),
+        ("/completion", {"logit_bias": {"-3": -1}}, "INVALID_TOKEN"),
         ("/v1/chat/completions", {"presence_penalty": "high"}, "INVALID_REQUEST"),
         ("/api/v1/generate", {"typical": 2}, "INVALID_REQUEST"),
         ("/api/v1/generate", {"dry_multiplier": 1, "dry_sequence_breakers": "[not json"}, "INVALID_REQUEST"),
