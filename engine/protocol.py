@@ -68,6 +68,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     typical_p: float = 1.0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0  # > 0: the temperature moves within +- this with the entropy (temp-ext)
+    dynatemp_exponent: float = 1.0
     mirostat: int = 0  # 0: off, 1: Mirostat, 2: Mirostat 2.0 (replaces top-k ... temperature + dist)
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1

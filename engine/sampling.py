@@ -4,8 +4,9 @@ The chain follows llama-server's default order (llama.cpp ``common/sampling.cpp`
 ``common_sampler_init``; ``--samplers`` in ``tools/server/README.md``): logit bias (the
 request's ``logit_bias`` and its banned tokens at -inf), penalties
 (repeat/frequency/presence), DRY, top-n-sigma, top-k, typical, top-p, min-p, XTC,
-temperature and the seeded distribution sampler.  Mirostat (1 or 2) replaces everything
-from top-n-sigma on with temperature + Mirostat, as in llama-server.  With
+temperature (dynamic with ``dynatemp_range``) and the seeded distribution sampler.
+Mirostat (1 or 2) replaces everything from top-n-sigma on with temperature + Mirostat, as in
+llama-server.  With
 ``temperature <= 0`` the last stage is ``greedy`` (after Mirostat's stages: none), and the
 stages that always keep the most likely token (top-n-sigma, top-k, top-p, min-p) are left
 out since they cannot change it.
@@ -56,7 +57,8 @@ def stage_names(p: SamplingParams) -> list[str]:
     if greedy:
         names.append("greedy")
     else:
-        names += ["temp", {0: "dist", 1: "mirostat", 2: "mirostat-v2"}[p.mirostat]]
+        temp = "temp-ext" if p.dynatemp_range > 0 and not p.mirostat else "temp"  # as common_sampler_init
+        names += [temp, {0: "dist", 1: "mirostat", 2: "mirostat-v2"}[p.mirostat]]
     return names
 
 
@@ -100,6 +102,7 @@ class SamplerChain:
             "min-p": lambda: llama.llama_sampler_init_min_p(p.min_p, 1),
             "xtc": lambda: llama.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, 1, seed),
             "temp": lambda: llama.llama_sampler_init_temp(p.temperature),
+            "temp-ext": lambda: llama.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent),
             "dist": lambda: llama.llama_sampler_init_dist(seed),
             "mirostat": lambda: llama.llama_sampler_init_mirostat(
                 n_vocab, seed, p.mirostat_tau, p.mirostat_eta, MIROSTAT_M

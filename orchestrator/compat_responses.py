@@ -213,6 +213,8 @@ class SamplerSettings(msgspec.Struct, kw_only=True):
     dry_allowed_length: int
     dry_penalty_last_n: int
     dry_sequence_breakers: list[str]
+    dynatemp_range: float
+    dynatemp_exponent: float
     mirostat: int
     mirostat_tau: float
     mirostat_eta: float

@@ -59,6 +59,8 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     dry_allowed_length: TokenCount | None = None
     dry_penalty_last_n: RepeatLastN | None = None
     dry_sequence_breakers: DryBreakers | None = None
+    dynatemp_range: NonNegFloat32 | None = None
+    dynatemp_exponent: Float32 | None = None
     mirostat: Mirostat | None = None
     mirostat_tau: NonNegFloat32 | None = None
     mirostat_eta: NonNegFloat32 | None = None
@@ -265,6 +267,8 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     dry_allowed_length: int = DEFAULT.dry_allowed_length
     dry_penalty_last_n: int = DEFAULT.dry_penalty_last_n
     dry_sequence_breakers: list[str] = msgspec.field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+    dynatemp_range: float = DEFAULT.dynatemp_range
+    dynatemp_exponent: float = DEFAULT.dynatemp_exponent
     mirostat: int = 0
     mirostat_tau: float = DEFAULT.mirostat_tau
     mirostat_eta: float = DEFAULT.mirostat_eta

@@ -54,9 +54,9 @@ KOBOLDCPP_VERSION = "1.82.4"  # the KoboldCpp release whose API this follows
 KOBOLD_API_VERSION = "1.2.5"  # /api/v1/info/version, as KoboldCpp answers
 STOP_REASON = {"length": 0, "stop_token": 1, "stop_string": 2, "cancelled": -1}
 # Sampler fields Lite/SillyTavern send; a value other than the neutral one cannot be honoured.
-# (llama.cpp has no top-a, tail-free, dynamic-temperature-by-range, smoothing or slope sampler here;
-# typical, nsigma, presence_penalty, DRY, XTC, Mirostat, logit_bias and grammar are honoured.)
-NEUTRAL = {"top_a": 0, "tfs": 1, "dynatemp_range": 0, "smoothing_factor": 0, "rep_pen_slope": 1}
+# (llama.cpp has no top-a, tail-free, smoothing or slope sampler; typical, nsigma, presence_penalty,
+# dynatemp_range, DRY, XTC, Mirostat, logit_bias and grammar are honoured.)
+NEUTRAL = {"top_a": 0, "tfs": 1, "smoothing_factor": 0, "rep_pen_slope": 1}
 
 
 @dataclass

@@ -116,6 +116,8 @@ def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dic
         "dry_allowed_length": p.dry_allowed_length,
         "dry_penalty_last_n": p.dry_penalty_last_n,
         "dry_sequence_breakers": list(p.dry_sequence_breakers),
+        "dynatemp_range": p.dynatemp_range,
+        "dynatemp_exponent": p.dynatemp_exponent,
         "mirostat": p.mirostat,
         "mirostat_tau": p.mirostat_tau,
         "mirostat_eta": p.mirostat_eta,

@@ -77,6 +77,7 @@ def test_chain_order_is_llama_servers(model) -> None:  # type: ignore[no-untyped
     assert [n.lstrip("?") for n in chain_names(greedy, model)] == ["logit-bias", "penalties", "dry", "typical", "xtc",
                                                                     "greedy"]  # fmt: skip
     assert chain_names(SamplingParams(temperature=0.0), model) == ["greedy"]  # the defaults add nothing
+    assert chain_names(msgspec.structs.replace(every, dynatemp_range=0.5), model)[-2:] == ["temp-ext", "dist"]
 
 
 @pytest.mark.parametrize("seed", [-1, 1, 2])
@@ -185,6 +186,7 @@ def test_dry_breaks_repetition(runner: Runner, repetitive: list[int], model) -> 
         {"xtc_probability": 1.0, "xtc_threshold": 0.05},
         {"typical_p": 0.5},
         {"top_n_sigma": 1.0},
+        {"dynatemp_range": 0.5, "dynatemp_exponent": 1.5},
     ],
 )
 def test_seeded_samplers_are_reproducible(runner: Runner, question: list[int], kw: dict[str, object]) -> None:

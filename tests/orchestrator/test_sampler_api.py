@@ -194,7 +194,7 @@ def test_kobold_samplers_are_honoured_without_warning(server: ServerProc) -> Non
     body = {"prompt": QUESTION, "max_length": 12, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "sampler_seed": 5, "mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2, "typical": 0.9,
             "dry_multiplier": 0.8, "dry_sequence_breakers": '["\\n", ":"]', "xtc_probability": 0.5,
-            "xtc_threshold": 0.1, "nsigma": 1.0, "presence_penalty": 0.3, "bypass_eos": True,
+            "xtc_threshold": 0.1, "nsigma": 1.0, "presence_penalty": 0.3, "bypass_eos": True, "dynatemp_range": 0.4,
             "conversation_id": "smp-kb"}  # fmt: skip
     warned = server.log_path.read_text(errors="replace").count("Kobold fields not supported")
     r = post(server, "/api/v1/generate", body)
@@ -204,6 +204,7 @@ def test_kobold_samplers_are_honoured_without_warning(server: ServerProc) -> Non
     assert params["dry_multiplier"] == pytest.approx(0.8) and params["dry_sequence_breakers"] == ["\n", ":"]
     assert params["xtc_probability"] == 0.5 and params["top_n_sigma"] == 1.0
     assert params["presence_penalty"] == pytest.approx(0.3) and params["seed"] == 5
+    assert params["dynatemp_range"] == pytest.approx(0.4) and params["dynatemp_exponent"] == 1.0
     assert server.log_path.read_text(errors="replace").count("Kobold fields not supported") == warned
     r = post(server, "/api/v1/generate", {**body, "top_a": 0.5, "max_length": 1})  # still unsupported: warned
     assert r.status_code == 200
