@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.engine import BatchEntry, Engine, EngineError
 from engine.errors import ErrorCode
+from engine.grammar import GrammarError
 from engine.protocol import (
     Buffer,
     CaptureOptions,
@@ -27,10 +28,11 @@ from engine.protocol import (
     Generate,
     Message,
     Progress,
+    SamplingParams,
     Tensor,
     Token,
 )
-from engine.sampling import SamplerChain, logits_row, logprobs
+from engine.sampling import NO_TOKEN, SamplerChain, logits_row, logprobs
 
 Emit = Callable[[Message, Sequence[Buffer]], None]
 PROGRESS_EVERY = 256  # prompt tokens between two Progress events of a job that asks for them
@@ -95,8 +97,14 @@ class Batcher:
     def submit(self, req: Generate) -> None:
         """Admit a generation or emit an ``Error`` (SLOT_BUSY, CONTEXT_OVERFLOW, NO_CACHED_CONTEXT...)."""
         try:
-            job = self._admit(req)
+            chain = self.new_chain(req.params)  # before the sequence changes: a bad grammar leaves it as it was
         except EngineError as exc:
+            self.emit(Error(req.req, exc.code, exc.message), ())
+            return
+        try:
+            job = self._admit(req, chain)
+        except EngineError as exc:
+            chain.close()
             self.emit(Error(req.req, exc.code, exc.message), ())
             return
         self.jobs[req.req] = job
@@ -105,7 +113,15 @@ class Batcher:
         if not job.pending and req.params.max_new_tokens == 0:
             self._finish(job, "length")
 
-    def _admit(self, req: Generate) -> Job:
+    def new_chain(self, params: SamplingParams) -> SamplerChain:
+        """The sampler chain of ``params``; ``EngineError`` (``INVALID_GRAMMAR``) when its grammar is unusable."""
+        model = self.engine.model
+        try:
+            return SamplerChain(params, model.vocab, model.n_vocab)
+        except GrammarError as exc:
+            raise EngineError(exc.code, str(exc)) from exc
+
+    def _admit(self, req: Generate, chain: SamplerChain) -> Job:
         eng = self.engine
         n_ctx = eng.config.n_ctx
         p = req.params
@@ -159,7 +175,7 @@ class Batcher:
                 common -= 1
                 eng.truncate(seq, common)
                 pending = [base[-1]]
-        chain = SamplerChain(p, eng.model.n_vocab, history)
+        chain.accept_history(history)
         return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
 
     def _offload_idle(self, keep: int, need: int) -> None:
@@ -292,6 +308,10 @@ class Batcher:
         idx = e.batch_start + len(e.tokens) - 1
         logits = logits_row(eng.ctx, idx, eng.model.n_vocab) if (p.logprobs or p.n_probs) else None
         tok = job.chain.sample(eng.ctx, idx)
+        if tok == NO_TOKEN:  # the grammar allows nothing more: end as at an end-of-generation token
+            job.last = -1  # decoded in this step already
+            self._finish(job, "stop_token")
+            return
         if not job.t_first:
             job.t_first = time.perf_counter()
         lp, top = logprobs(logits, tok, p.n_probs) if logits is not None else (None, [])

@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
 
     INVALID_REQUEST = "INVALID_REQUEST"  # the request is malformed or out of range
     INVALID_TOKEN = "INVALID_TOKEN"  # a token id outside the vocabulary
+    INVALID_GRAMMAR = "INVALID_GRAMMAR"  # a grammar (GBNF) or JSON schema llama.cpp cannot use
     CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"  # more tokens than the slot's context window
     NO_CACHED_CONTEXT = "NO_CACHED_CONTEXT"  # the slot holds no context to continue or preview
     BAD_STATE = "BAD_STATE"  # a saved state this engine cannot take

@@ -35,6 +35,7 @@ class EngineHandlers:
             proto.Generate: lambda msg, _: self.batcher.submit(msg),
             proto.Cancel: lambda msg, _: self.batcher.cancel(msg.target),
             proto.Status: self.status,
+            proto.CheckSampling: self.check_sampling,
             proto.Tokens: self.sequence(lambda msg: None),
             proto.Erase: self.sequence(lambda msg: self.engine.erase(msg.seq)),
             proto.Truncate: self.sequence(lambda msg: self.engine.truncate(msg.seq, msg.n_keep)),
@@ -70,6 +71,11 @@ class EngineHandlers:
         """Which sequences are offloaded and which generate."""
         busy = sorted({j.seq for j in self.batcher.jobs.values() if not j.fork})
         self.send(proto.EngineState(msg.req, sorted(self.engine.offloaded), busy), ())
+
+    def check_sampling(self, msg: proto.CheckSampling, _: list[bytearray]) -> None:
+        """Build ``msg.params``' sampler chain and free it (``INVALID_GRAMMAR`` when it cannot be built)."""
+        self.batcher.new_chain(msg.params).close()
+        self.send(proto.SamplingChecked(msg.req), ())
 
     def fork(self, msg: proto.Fork, _: list[bytearray]) -> None:
         """Copy-on-write copy of ``seq`` into ``target`` (which must not be generating)."""

@@ -30,6 +30,9 @@ from engine.model_facts import ModelInfo
 # ----------------------------------------------------------------------------- shared structs
 
 
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")  # llama-server's default ``dry_sequence_breakers``
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampler chain settings (llama.cpp samplers, llama-server names).  The defaults are the
     API's (docs/api.md, "Generation parameters"; llama-server's ``/completion`` defaults), declared here only.
@@ -52,6 +55,27 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     n_probs: int = 0  # how many top_logprobs per token (0: none)
     logprobs: bool = False  # compute the sampled token's logprob
+    # llama-server's further samplers (tools/server/README.md, "POST /completion"; common/common.h
+    # ``common_params_sampling``); each default turns its sampler off.  engine/sampling.py builds the chain.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64  # -1 is resolved to n_ctx by the orchestrator
+    dry_sequence_breakers: list[str] = msgspec.field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+    top_n_sigma: float = -1.0  # < 0: off
+    typical_p: float = 1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0  # > 0: the temperature moves within +- this with the entropy (temp-ext)
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0  # 0: off, 1: Mirostat, 2: Mirostat 2.0 (replaces top-k ... temperature + dist)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    logit_bias: list[tuple[int, float]] = []  # (token, bias added to its logit); -inf bans it
+    grammar: str = ""  # GBNF (llama.cpp grammars/README.md), root rule ``root``
+    json_schema: str = ""  # a JSON schema as JSON text; turned into GBNF by the worker (``grammar`` wins)
 
 
 AttentionFormat = Literal["per_layer", "aggregated"]
@@ -193,6 +217,13 @@ class Classify(Message):
     texts: list[str]
 
 
+class CheckSampling(Message):
+    """Build the sampler chain of ``params`` and free it (reply ``SamplingChecked``, or ``Error`` with
+    ``INVALID_GRAMMAR``): lets the orchestrator refuse a grammar llama.cpp cannot parse before a slot changes."""
+
+    params: SamplingParams
+
+
 class Status(Message):
     """Where the sequences' KV cells are (reply ``EngineState``)."""
 
@@ -324,6 +355,10 @@ class Classified(Message):
     logits: Tensor
 
 
+class SamplingChecked(Message):
+    """The answer to ``CheckSampling``: the chain can be built."""
+
+
 class EngineState(Message):
     """``offloaded``: sequences whose cells were moved to host memory (``--cache-idle-slots``);
     ``generating``: sequences with an active generation."""
@@ -349,6 +384,7 @@ Request = (
     | SaveState
     | RestoreState
     | Classify
+    | CheckSampling
     | Status
     | Shutdown
 )
@@ -365,6 +401,7 @@ Reply = (
     | StateBlob
     | StateRestored
     | Classified
+    | SamplingChecked
     | EngineState
     | Stopped
 )

@@ -180,6 +180,13 @@ class Timings(msgspec.Struct, kw_only=True):
     predicted_per_second: float
 
 
+class LogitBiasEntry(msgspec.Struct, kw_only=True):
+    """One logit bias as llama-server reports it (``task_params::format_logit_bias``); ``-inf``: banned."""
+
+    bias: float
+    token: int
+
+
 class SamplerSettings(msgspec.Struct, kw_only=True):
     """llama-server's ``params`` / ``generation_settings`` (``n_ctx`` in ``generation_settings`` only)."""
 
@@ -195,6 +202,24 @@ class SamplerSettings(msgspec.Struct, kw_only=True):
     ignore_eos: bool
     n_probs: int
     stop: list[str]
+    presence_penalty: float
+    frequency_penalty: float
+    typical_p: float
+    top_n_sigma: float
+    xtc_probability: float
+    xtc_threshold: float
+    dry_multiplier: float
+    dry_base: float
+    dry_allowed_length: int
+    dry_penalty_last_n: int
+    dry_sequence_breakers: list[str]
+    dynatemp_range: float
+    dynatemp_exponent: float
+    mirostat: int
+    mirostat_tau: float
+    mirostat_eta: float
+    grammar: str
+    logit_bias: list[LogitBiasEntry]
     samplers: list[str]
     n_ctx: int | UnsetType = UNSET
 

@@ -251,3 +251,8 @@ class EngineClient(Protocol):
     async def engine_state(self) -> proto.EngineState:
         """Which sequences' cells are in host memory (``--cache-idle-slots``) and which generate."""
         ...
+
+    async def check_sampling(self, params: proto.SamplingParams) -> None:
+        """Build ``params``' sampler chain in the worker and free it; raises ``EngineRequestError``
+        (``INVALID_GRAMMAR``) when its grammar or JSON schema cannot be used."""
+        ...

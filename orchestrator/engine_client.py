@@ -388,6 +388,10 @@ class WorkerClient:
             raise EngineRequestError(ErrorCode.INTERNAL, f"classifier logits {logits} for {len(texts)} texts")
         return Classification(reply.n_tokens, logits.shape[1], bytes(logits.take(bufs)))
 
+    async def check_sampling(self, params: proto.SamplingParams) -> None:
+        """See :meth:`orchestrator.engine_api.EngineClient.check_sampling`."""
+        await self._request(proto.CheckSampling(self.new_id(), params), proto.SamplingChecked)
+
     async def engine_state(self) -> proto.EngineState:
         """Which sequences are offloaded to host memory and which are generating."""
         reply, _ = await self._request(proto.Status(self.new_id()), proto.EngineState)

@@ -37,6 +37,7 @@ _QUERY = re.compile(r"\?\S*")
 STATUS_OF_CODE: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.INVALID_TOKEN: 400,
+    ErrorCode.INVALID_GRAMMAR: 400,
     ErrorCode.CONTEXT_OVERFLOW: 400,
     ErrorCode.NO_CACHED_CONTEXT: 400,
     ErrorCode.BAD_STATE: 400,
@@ -177,6 +178,14 @@ def _validation_exception(exc: ValidationException) -> ApiError:
     return ApiError(ErrorCode.INVALID_REQUEST, message, extra=exc.extra)
 
 
+def _recursion_error(exc: RecursionError) -> ApiError:
+    # msgspec decodes nested JSON recursively: a body nested thousands deep (into an ``Any`` field
+    # such as ``json_schema`` or ``messages``) is the client's, any other RecursionError a bug of ours.
+    if "deserializing" in str(exc):
+        return ApiError(ErrorCode.INVALID_REQUEST, "the JSON body nests too deep")
+    return _internal(exc)
+
+
 def _internal(exc: BaseException) -> ApiError:
     return ApiError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
@@ -187,6 +196,7 @@ TO_API_ERROR: dict[type[Exception], Callable[[Any], ApiError]] = {
     EngineDeadError: lambda exc: ApiError(ErrorCode.NO_MODEL, str(exc)),
     ValidationException: _validation_exception,
     HTTPException: _http_exception,
+    RecursionError: _recursion_error,
     Exception: _internal,
 }
 """How each exception type becomes an :class:`ApiError` (the most derived type in the MRO wins)."""

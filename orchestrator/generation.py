@@ -84,16 +84,25 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
             )
 
 
+PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+             "dry_multiplier", "dry_allowed_length", "dry_sequence_breakers", "dynatemp_range", "dynatemp_exponent",
+             "mirostat", "mirostat_tau", "mirostat_eta", "grammar", "json_schema")  # fmt: skip
+"""The further sampler settings a :class:`CanonicalRequest` hands to the engine as they are."""
+
+
 def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.SamplingParams:
     """Validated :class:`engine.protocol.SamplingParams` from a canonical request.
 
     Value ranges are checked when the body is decoded (``orchestrator/schemas.py``); this
     checks token ids against the vocabulary and resolves llama-server's special values
-    (``repeat_last_n`` -1: the context size; ``top_k`` <= 0 and ``repeat_penalty`` 0: off).
+    (``repeat_last_n`` and ``dry_penalty_last_n`` -1: the context size; ``top_k`` <= 0 and
+    ``repeat_penalty`` 0: off; ``dry_base`` below 1: its default).
     """
     vocab_size = info.vocab_size
     check_tokens(req.stop_tokens, vocab_size, "stop_tokens")
     check_tokens(req.banned_tokens, vocab_size, "banned_tokens")
+    bias = [(t, b) for t, b in req.logit_bias if isinstance(t, int)]  # texts: see GenerationService.resolve_bias
+    check_tokens([t for t, _ in bias], vocab_size, "logit_bias")
     return proto.SamplingParams(
         max_new_tokens=req.max_new_tokens,
         temperature=req.temperature,
@@ -109,6 +118,10 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
         ignore_eos=req.ignore_eos,
         n_probs=req.n_probs,
         logprobs=True,
+        dry_base=req.dry_base if req.dry_base >= 1.0 else proto.SamplingParams().dry_base,  # llama-server's rule
+        dry_penalty_last_n=info.n_ctx if req.dry_penalty_last_n == -1 else req.dry_penalty_last_n,
+        logit_bias=bias,
+        **{name: getattr(req, name) for name in PASSED_ON},
     )
 
 
@@ -227,6 +240,19 @@ class GenerationService:
             )
         return ids
 
+    async def resolve_bias(self, req: CanonicalRequest) -> None:
+        """Replace each text key of ``req.logit_bias`` by its tokens (each gets the bias), as
+        llama-server does (``common_tokenize`` without special tokens)."""
+        if all(isinstance(t, int) for t, _ in req.logit_bias):
+            return
+        pairs: list[tuple[int | str, float]] = []
+        for tok, bias in req.logit_bias:
+            if isinstance(tok, int):
+                pairs.append((tok, bias))
+            else:
+                pairs += [(t, bias) for t in (await self.engine.tokenize(tok, False, False)).ids]
+        req.logit_bias = pairs
+
     async def pieces(self) -> list[bytes]:
         """Every token's raw piece, indexed by token id (sent by the worker at start-up)."""
         return self.engine.pieces
@@ -246,7 +272,10 @@ class GenerationService:
         """
         info = self.info
         ids = await self.input_ids(req)
+        await self.resolve_bias(req)
         params = sampling_params(req, info)
+        if params.grammar or params.json_schema:  # refused before the slot is touched
+            await self.engine.check_sampling(params)
         capture = capture_options(req, info.num_layers)
         hooks = control.hooks if control is not None else None
         async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:

@@ -47,10 +47,20 @@ class TokenAttention(TokenText, kw_only=True):
     attention: Attention | None
 
 
+class SseEvent(msgspec.Struct, kw_only=True):
+    """One server-sent event as a client's parser reads it (WHATWG HTML, "Server-sent events"):
+    ``data`` is one JSON object (docs/api.md), ``event`` its type (``message``)."""
+
+    data: str
+    event: str | UnsetType = UNSET
+    id: str | UnsetType = UNSET
+    retry: int | UnsetType = UNSET
+
+
 def event_stream(description: str) -> dict[int, ResponseSpec]:
-    """``responses=`` of a route that answers server-sent events (``text/event-stream``, each event
-    ``data:`` one JSON object, docs/api.md) or an error body before the stream starts."""
-    spec = ResponseSpec(str, description=description, media_type="text/event-stream", generate_examples=False)
+    """``responses=`` of a route that answers server-sent events (``text/event-stream``; the schema is
+    that of each event, :class:`SseEvent`) or an error body before the stream starts."""
+    spec = ResponseSpec(SseEvent, description=description, media_type="text/event-stream", generate_examples=False)
     return {**ERROR_RESPONSES, 200: spec}
 
 

@@ -11,11 +11,13 @@ Aliases are merged by :meth:`GenerateRequest.canonical`.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
-from engine.protocol import AttentionDtype, AttentionFormat, SamplingParams
+from engine.errors import ErrorCode
+from engine.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
+from orchestrator.errors import ApiError
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
 
@@ -32,10 +34,57 @@ TopK = Annotated[int, msgspec.Meta(ge=-(2**31), le=INT32_MAX, description="<= 0:
 RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="0: off, -1: the context size")]
 Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**32 - 1, description="-1: random (llama.cpp's uint32_t seed)")]
 NProbs = Annotated[int, msgspec.Meta(ge=0, le=100)]
+Mirostat = Annotated[int, msgspec.Meta(ge=0, le=2, description="0: off, 1: Mirostat, 2: Mirostat 2.0")]
+Bias = Float32 | bool  # a logit bias; ``false`` bans the token (llama-server)
+LogitBias = Annotated[
+    dict[str, Bias] | list[tuple[int | str, Bias]],
+    msgspec.Meta(description="token id (or text, whose tokens all get it) -> bias added to its logit; false: banned"),
+]
+DryBreakers = Annotated[list[str], msgspec.Meta(min_length=1, max_length=64)] | str  # a str: a JSON array (SillyTavern)
 PreviewTokens = Annotated[int, msgspec.Meta(ge=1, le=256)]
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True):
+class SamplerFields(msgspec.Struct, kw_only=True):
+    """llama-server's further sampler fields (tools/server/README.md, "POST /completion"), shared by
+    every generation body; KoboldCpp and OpenAI use the same names (``logit_bias`` as an object)."""
+
+    presence_penalty: Float32 | None = None
+    frequency_penalty: Float32 | None = None
+    typical_p: Probability | None = None
+    top_n_sigma: Float32 | None = None
+    xtc_probability: Probability | None = None
+    xtc_threshold: Probability | None = None
+    dry_multiplier: NonNegFloat32 | None = None
+    dry_base: NonNegFloat32 | None = None
+    dry_allowed_length: TokenCount | None = None
+    dry_penalty_last_n: RepeatLastN | None = None
+    dry_sequence_breakers: DryBreakers | None = None
+    dynatemp_range: NonNegFloat32 | None = None
+    dynatemp_exponent: Float32 | None = None
+    mirostat: Mirostat | None = None
+    mirostat_tau: NonNegFloat32 | None = None
+    mirostat_eta: NonNegFloat32 | None = None
+    logit_bias: LogitBias | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+    def sampler_fields(self) -> dict[str, Any]:
+        """These fields as keyword arguments (to pass them on to a :class:`GenerateRequest`)."""
+        return {name: getattr(self, name) for name in SamplerFields.__struct_fields__}
+
+    def sampler_settings(self) -> dict[str, Any]:
+        """These fields for a :class:`CanonicalRequest`: a missing value is the default
+        (:class:`engine.protocol.SamplingParams`); ``logit_bias`` as pairs, ``json_schema`` as JSON text."""
+        out = {name: getattr(DEFAULT, name) if v is None else v for name, v in self.sampler_fields().items()}
+        out.update(
+            dry_sequence_breakers=dry_breakers(self.dry_sequence_breakers),
+            logit_bias=logit_bias_pairs(self.logit_bias),
+            json_schema=msgspec.json.encode(self.json_schema).decode() if self.json_schema is not None else "",
+        )
+        return out
+
+
+class GenerateRequest(SamplerFields, kw_only=True):
     """A generation request: the whole context as ``input_ids`` (or a ``prompt`` text)."""
 
     type: str | None = None
@@ -80,10 +129,18 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     max_context_length: int | None = None
     memory: str | None = None
     banned_strings: list[str] | None = None
-    grammar: str | None = None
-    mirostat: int | None = None
     n: int | None = None
+    typical: Probability | None = None  # KoboldCpp's typical_p
+    nsigma: Float32 | None = None  # KoboldCpp's top_n_sigma
     return_progress: bool = False  # llama-server's: stream prompt-processing progress events
+
+    def sampler_fields(self) -> dict[str, Any]:
+        """:meth:`SamplerFields.sampler_fields`, KoboldCpp's ``typical`` and ``nsigma`` standing in
+        for ``typical_p`` and ``top_n_sigma`` when those are missing."""
+        out = super().sampler_fields()
+        out["typical_p"] = self.typical if self.typical_p is None else self.typical_p
+        out["top_n_sigma"] = self.nsigma if self.top_n_sigma is None else self.top_n_sigma
+        return out
 
     def canonical(self) -> CanonicalRequest:
         """Merge aliases (first given wins, slotserve's own names first) into one canonical request."""
@@ -133,11 +190,47 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
             slot="0" if slot is None else str(slot),
             wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
             progress=self.return_progress,
+            **self.sampler_settings(),
         )
 
 
+BiasPairs = list[tuple[int | str, float]]
+
+
+def logit_bias_pairs(bias: dict[str, float | bool] | list[tuple[int | str, float | bool]] | None) -> BiasPairs:
+    """llama-server's ``logit_bias`` (``[[token, bias], ...]`` or ``{"token": bias}``; KoboldCpp's and
+    OpenAI's are the object form with id keys) as ``(token id or text, bias)`` pairs; ``false`` is -inf."""
+    items = bias.items() if isinstance(bias, dict) else (bias or [])
+    out: list[tuple[int | str, float]] = []
+    for key, value in items:
+        if value is True:  # llama-server skips it silently; it means nothing
+            raise ApiError(ErrorCode.INVALID_REQUEST, "logit_bias: a bias is a number, or false to ban the token")
+        tok = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        out.append((tok, float("-inf") if value is False else float(value)))
+    return out
+
+
+def dry_breakers(value: list[str] | str | None) -> list[str]:
+    """``dry_sequence_breakers``: a list of strings, or (SillyTavern, KoboldCpp) a JSON-encoded one."""
+    if value is None:
+        return list(DRY_SEQUENCE_BREAKERS)
+    if isinstance(value, str):
+        try:
+            value = msgspec.json.decode(value, type=list[str])
+        except msgspec.DecodeError as exc:
+            raise ApiError(
+                ErrorCode.INVALID_REQUEST, f"dry_sequence_breakers: not a JSON array of strings: {exc}"
+            ) from exc
+    if not value or len(value) > 64:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "dry_sequence_breakers: 1 to 64 strings")
+    return value
+
+
 class CanonicalRequest(msgspec.Struct, kw_only=True):
-    """A generation request after alias merging (see :meth:`GenerateRequest.canonical`)."""
+    """A generation request after alias merging (see :meth:`GenerateRequest.canonical`).
+
+    ``logit_bias`` keys may still be texts; the generation service turns them into token ids.
+    """
 
     request_id: str | None
     input_ids: list[int] | None
@@ -163,6 +256,25 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     slot: str
     wait: bool
     progress: bool = False
+    presence_penalty: float = DEFAULT.presence_penalty
+    frequency_penalty: float = DEFAULT.frequency_penalty
+    typical_p: float = DEFAULT.typical_p
+    top_n_sigma: float = DEFAULT.top_n_sigma
+    xtc_probability: float = DEFAULT.xtc_probability
+    xtc_threshold: float = DEFAULT.xtc_threshold
+    dry_multiplier: float = DEFAULT.dry_multiplier
+    dry_base: float = DEFAULT.dry_base
+    dry_allowed_length: int = DEFAULT.dry_allowed_length
+    dry_penalty_last_n: int = DEFAULT.dry_penalty_last_n
+    dry_sequence_breakers: list[str] = msgspec.field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+    dynatemp_range: float = DEFAULT.dynatemp_range
+    dynatemp_exponent: float = DEFAULT.dynatemp_exponent
+    mirostat: int = 0
+    mirostat_tau: float = DEFAULT.mirostat_tau
+    mirostat_eta: float = DEFAULT.mirostat_eta
+    logit_bias: BiasPairs = []
+    grammar: str = ""
+    json_schema: str = ""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

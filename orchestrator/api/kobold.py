@@ -54,8 +54,9 @@ KOBOLDCPP_VERSION = "1.82.4"  # the KoboldCpp release whose API this follows
 KOBOLD_API_VERSION = "1.2.5"  # /api/v1/info/version, as KoboldCpp answers
 STOP_REASON = {"length": 0, "stop_token": 1, "stop_string": 2, "cancelled": -1}
 # Sampler fields Lite/SillyTavern send; a value other than the neutral one cannot be honoured.
-NEUTRAL = {"top_a": 0, "typical": 1, "tfs": 1, "dynatemp_range": 0, "smoothing_factor": 0,
-           "dry_multiplier": 0, "xtc_probability": 0, "presence_penalty": 0, "rep_pen_slope": 1}  # fmt: skip
+# (llama.cpp has no top-a, tail-free, smoothing or slope sampler; typical, nsigma, presence_penalty,
+# dynatemp_range, DRY, XTC, Mirostat, logit_bias and grammar are honoured.)
+NEUTRAL = {"top_a": 0, "tfs": 1, "smoothing_factor": 0, "rep_pen_slope": 1}
 
 
 @dataclass
@@ -122,14 +123,10 @@ class TokenCountBody(msgspec.Struct, kw_only=True):
 
 def _warn_unsupported(data: GenerateRequest, raw: dict[str, Any]) -> None:
     names = [k for k, v in NEUTRAL.items() if isinstance(raw.get(k), int | float) and raw[k] != v]
-    if data.grammar:
-        names.append("grammar")
-    if data.mirostat:
-        names.append("mirostat")
+    if raw.get("grammar_retain_state") is True:
+        names.append("grammar_retain_state")
     if data.n is not None and data.n > 1:
         names.append("n>1 (one result is generated)")
-    if raw.get("logit_bias"):
-        names.append("logit_bias")
     if names:
         log.warning("Kobold fields not supported, ignored", fields=names)
 

@@ -45,6 +45,7 @@ from orchestrator.schemas import (
     NProbs,
     Probability,
     RepeatLastN,
+    SamplerFields,
     Seed,
     TopK,
 )
@@ -58,13 +59,16 @@ log = structlog.get_logger("slotserve.llama_server")
 
 STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
 DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
+# llama-server's default sampler order, its ``samplers`` names (engine/sampling.py builds the chain so)
+SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 
 
 NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
 
 
-class CompletionBody(msgspec.Struct, kw_only=True):
-    """``POST /completion`` (llama-server README, "POST /completion": options)."""
+class CompletionBody(SamplerFields, kw_only=True):
+    """``POST /completion`` (llama-server README, "POST /completion": options; the further samplers,
+    ``grammar`` and ``json_schema`` in :class:`orchestrator.schemas.SamplerFields`)."""
 
     prompt: str | list[int | str]
     n_predict: NPredict | None = None  # None: the server's --n-predict
@@ -82,9 +86,6 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     stop: list[str] | None = None
     ignore_eos: bool = False
     return_tokens: bool = False
-    grammar: str | None = None
-    json_schema: dict[str, Any] | None = None
-    mirostat: int = 0
     post_sampling_probs: bool = False
 
 
@@ -104,7 +105,25 @@ def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dic
         "ignore_eos": p.ignore_eos,
         "n_probs": p.n_probs,
         "stop": list(p.stop_strings),
-        "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "typical_p": p.typical_p,
+        "top_n_sigma": p.top_n_sigma,
+        "xtc_probability": p.xtc_probability,
+        "xtc_threshold": p.xtc_threshold,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_penalty_last_n": p.dry_penalty_last_n,
+        "dry_sequence_breakers": list(p.dry_sequence_breakers),
+        "dynatemp_range": p.dynatemp_range,
+        "dynatemp_exponent": p.dynatemp_exponent,
+        "mirostat": p.mirostat,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+        "grammar": p.grammar,
+        "logit_bias": [{"bias": b, "token": t} for t, b in p.logit_bias],
+        "samplers": SAMPLERS,
     }
     if n_ctx is not None:
         out["n_ctx"] = n_ctx
@@ -222,9 +241,8 @@ class Completion:
 
 
 def _warn_ignored(body: CompletionBody) -> None:
-    ignored = [k for k in ("grammar", "json_schema", "mirostat", "post_sampling_probs") if getattr(body, k)]
-    if ignored:
-        log.warning("llama-server fields not supported, ignored", fields=ignored)
+    if body.post_sampling_probs:
+        log.warning("llama-server fields not supported, ignored", fields=["post_sampling_probs"])
 
 
 async def _prepare(services: Services, ops: SlotOps, body: CompletionBody) -> Completion:
@@ -250,6 +268,7 @@ async def _prepare(services: Services, ops: SlotOps, body: CompletionBody) -> Co
         ignore_eos=body.ignore_eos,
         n_probs=body.n_probs,
         id_slot=slot,
+        **body.sampler_fields(),
     ).canonical()
     req.wait = True
     if not body.cache_prompt:

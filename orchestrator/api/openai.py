@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import structlog
@@ -52,6 +52,7 @@ from orchestrator.schemas import (
     GenerateRequest,
     NonNegFloat32,
     Probability,
+    SamplerFields,
     Seed,
     TokenCount,
     TopK,
@@ -78,8 +79,35 @@ class AttentionOption(msgspec.Struct, kw_only=True):
     layers: list[int] | None = None
 
 
-class OpenAIRequest(msgspec.Struct, kw_only=True):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (plus llama-server's extras)."""
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: the schema the output must match (``name``/``strict`` are not used)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] = {}
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object; llama-server also takes a
+    ``schema`` here) or ``json_schema``; turned into a grammar as llama-server does (``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema: dict[str, Any] | None = None
+
+    def schema_json(self) -> dict[str, Any] | None:
+        """The JSON schema to constrain the output with (``{}``: any object), or None for ``text``."""
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ApiError(ErrorCode.INVALID_REQUEST, 'response_format of type "json_schema" needs json_schema')
+            return self.json_schema.schema
+        return (self.schema or {}) if self.type == "json_object" else None
+
+
+class OpenAIRequest(SamplerFields, kw_only=True):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (plus llama-server's extras,
+    :class:`orchestrator.schemas.SamplerFields`, as llama-server takes them on these routes too)."""
 
     model: str | None = None
     max_tokens: TokenCount | None = None
@@ -91,8 +119,7 @@ class OpenAIRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
-    presence_penalty: Float32 | None = None
-    frequency_penalty: Float32 | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     slot_id: str | int | None = None
     attention: AttentionOption | None = None
@@ -131,11 +158,11 @@ def _slot(data: OpenAIRequest, request: Request[Any, Any, Any]) -> str:
 
 
 def _warn_ignored(data: OpenAIRequest) -> None:
-    ignored = [k for k in ("presence_penalty", "frequency_penalty") if getattr(data, k)]
     if isinstance(data, ChatCompletionRequest) and data.tools:
-        ignored.append("tools (rendered by the template; tool calls are not parsed)")
-    if ignored:
-        log.warning("OpenAI fields not supported, ignored", fields=ignored)
+        log.warning(
+            "OpenAI fields not supported, ignored",
+            fields=["tools (rendered by the template; tool calls are not parsed)"],
+        )
 
 
 def canonical(
@@ -147,7 +174,11 @@ def canonical(
     _warn_ignored(data)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     att = data.attention
+    fields = data.sampler_fields()
+    if data.response_format is not None and data.json_schema is None:
+        fields["json_schema"] = data.response_format.schema_json()
     req = GenerateRequest(
+        **fields,
         input_ids=ids,
         max_new_tokens=max_tokens if max_tokens is not None else remaining(services, len(ids)),
         temperature=data.temperature,

@@ -28,6 +28,10 @@ INFO = ModelInfo(
     chat_template="{{ x }}", n_params=134_515_008, size_bytes=1 << 20, llama_cpp_version="0.3.36", runtime=RUNTIME,
 )  # fmt: skip
 PARAMS = proto.SamplingParams(seed=3, temperature=0.0, stop_strings=["\n\n"], n_probs=2, logprobs=True)
+GRAMMAR_PARAMS = proto.SamplingParams(
+    grammar='root ::= "yes" | "no"', logit_bias=[(7, float("-inf")), (8, 2.5)], mirostat=2, dry_multiplier=0.8,
+    dry_sequence_breakers=["\n"], presence_penalty=0.5, json_schema='{"type": "object"}',
+)  # fmt: skip
 CAPTURE = proto.CaptureOptions(attention=True, format="aggregated", dtype="float16", layers=[0, 29])
 ATTENTION = np.random.default_rng(0).random((2, 9, 17), dtype=np.float32)
 HIDDEN = np.linspace(-1, 1, 576, dtype=np.float32)
@@ -51,6 +55,7 @@ REQUESTS: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Classify(13, ["a", "b"]), []),
     (proto.Status(14), []),
     (proto.Shutdown(15), []),
+    (proto.CheckSampling(16, GRAMMAR_PARAMS), []),
 ]
 REPLIES: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Starting(0, "loading_model", 0.25), []),
@@ -73,6 +78,7 @@ REPLIES: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Classified(13, [4, 5], proto.Tensor.of(LOGITS, 0)), [LOGITS.tobytes()]),
     (proto.EngineState(14, [2], [0]), []),
     (proto.Stopped(15), []),
+    (proto.SamplingChecked(16), []),
 ]
 
 

@@ -320,6 +320,11 @@ class FakeEngine:
         """Not a classifier: ``INVALID_REQUEST``, as a generating worker answers."""
         raise EngineRequestError(ErrorCode.INVALID_REQUEST, "not a classifier")
 
+    async def check_sampling(self, params: proto.SamplingParams) -> None:
+        """A grammar without a ``root`` rule is refused (the fake parses nothing else)."""
+        if params.grammar and "root" not in params.grammar:
+            raise EngineRequestError(ErrorCode.INVALID_GRAMMAR, "no root rule")
+
     async def engine_state(self) -> proto.EngineState:
         """Nothing offloaded; the generating sequences."""
         return proto.EngineState(self.new_id(), [], sorted(self.generating))
