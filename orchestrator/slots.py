@@ -330,7 +330,7 @@ class SlotRegistry(Residency):
                 raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {src.id!r} holds no state") from exc
             self.archive.check_up()
             dst.dirty = False
-            await self._write(dst, got[0], got[1], self.archive.next_version())
+            await self._write(dst, got[0], pack_ses1(got[0], got[1]), self.archive.next_version())
             return dst.n_tokens
         dst.n_tokens = len(await self.engine.fork(src_seq, dst_seq))
         self.schedule(dst)

@@ -86,7 +86,7 @@ def test_slot_api_on_parked_slots(start_server, tmp_path) -> None:  # type: igno
                                                                  "id_slot": "p1", "max_tokens": 4, "temperature": 0})  # fmt: skip
     assert pv.status_code == 200 and pv.json()["cache_hit"] is True
     fk = httpx.post(srv.url + "/slots/p1", params={"action": "fork"}, json={"target": "p1-copy"})
-    assert fk.status_code == 200 and fk.json()["n_tokens"] == len(want)
+    assert fk.status_code == 200 and fk.json()["n_tokens"] == len(want), fk.text
     cs = httpx.post(srv.url + "/slots/p2", params={"action": "context-shift"}, json={"n_keep": 2, "n_discard": 3})
     assert cs.status_code == 200 and cs.json()["new_n_tokens"] == len(want) - 3
     assert httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}).json()["tokens"] == want
