@@ -139,13 +139,11 @@ class SlotOps:
         it was, and dropped again when ``created``."""
         try:
             check_tokens(tokens, self._vocab(), "the state's tokens")
-        except ApiError as exc:
+        except BaseException as exc:
             if created:
                 await self.registry.forget(slot)
-            raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
-        except BaseException:
-            if created:
-                await self.registry.forget(slot)
+            if isinstance(exc, ApiError):
+                raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
             raise
         await self.registry.restore(slot, tokens, state, created)
 

@@ -17,8 +17,9 @@ than the copy itself (see :mod:`engine.buffers`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response
@@ -26,6 +27,7 @@ from litestar.response.base import ASGIResponse
 
 from engine.buffers import BufferPool
 from engine.framing import POOLED_BYTES, Buffer
+from orchestrator.errors import ApiError
 
 BODY_POOL = BufferPool(keep=1)
 """Where large request bodies are read (one kept buffer: the largest body given back)."""
@@ -108,3 +110,19 @@ async def read_body(request: Request[Any, Any, Any]) -> Buffer:
         BODY_POOL.drop(view)
         raise
     return view if got == n else view[:got]
+
+
+@contextlib.contextmanager
+def lent_to_worker(buf: Buffer) -> Iterator[Buffer]:
+    """Hold a :data:`BODY_POOL` buffer while it goes to the worker: back to the pool when the block ends
+    normally or with an ``ApiError`` (refused before the worker got it, or answered by the worker: either
+    way nothing reads it any more); dropped on anything else (cancelled while it may still be on its way)."""
+    try:
+        yield buf
+    except ApiError:
+        BODY_POOL.give(buf)
+        raise
+    except BaseException:
+        BODY_POOL.drop(buf)
+        raise
+    BODY_POOL.give(buf)

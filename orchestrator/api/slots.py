@@ -27,7 +27,7 @@ from engine.framing import Buffer
 from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server import check_slot_number, slot_task_fields
-from orchestrator.api.raw_body import BODY_POOL, BuffersResponse, read_body
+from orchestrator.api.raw_body import BODY_POOL, BuffersResponse, lent_to_worker, read_body
 from orchestrator.auth import require_admin
 from orchestrator.digest import check_repr_digest, repr_digest
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError
@@ -120,17 +120,8 @@ async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
 
 
 async def _restore_state(call: ActionCall) -> RestoreStateResponse:
-    raw = await read_body(call.request)
-    try:
-        n = await _restore_body(call, raw)
-    except ApiError:  # refused before the worker got the body, or answered by it: nothing reads it now
-        BODY_POOL.give(raw)
-        raise
-    except BaseException:  # (cancelled while the body may still be on its way to the worker)
-        BODY_POOL.drop(raw)
-        raise
-    BODY_POOL.give(raw)
-    return n
+    with lent_to_worker(await read_body(call.request)) as raw:
+        return await _restore_body(call, raw)
 
 
 async def _restore_body(call: ActionCall, raw: Buffer) -> RestoreStateResponse:
@@ -189,19 +180,12 @@ async def _restore(call: ActionCall) -> RestoreFileResponse:
     t0 = time.perf_counter()
     parsed, buf, n_read = await call.ops.read_file(body.filename, BODY_POOL)
     read_ms = (time.perf_counter() - t0) * 1000
-    try:
+    with lent_to_worker(buf):
         created = await call.is_new()
         async with call.use(create=True) as slot:
             t0 = time.perf_counter()
             await call.ops.restore(slot, parsed.tokens, parsed.state, created)
             t_ms = read_ms + (time.perf_counter() - t0) * 1000
-    except ApiError:  # see _restore_state
-        BODY_POOL.give(buf)
-        raise
-    except BaseException:
-        BODY_POOL.drop(buf)
-        raise
-    BODY_POOL.give(buf)
     return RestoreFileResponse(
         id_slot=call.out_id, filename=body.filename, n_restored=slot.n_tokens, n_read=n_read,
         timings=RestoreTimings(restore_ms=round(t_ms, 3)),
