@@ -12,6 +12,10 @@ returns them to the kernel on ``free``, so every state would pay that again.  A
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class BufferPool:
@@ -44,6 +48,22 @@ class BufferPool:
         with self._lock:
             self._lent[id(view)] = buf
         return view
+
+    def fill(self, read: Callable[[Callable[[int], memoryview]], T]) -> T:
+        """``read(take)``: what it returns holds the views it took from this pool (give them back
+        when done); when it raises, every view it took goes back at once."""
+        taken: list[memoryview] = []
+
+        def take(n: int) -> memoryview:
+            taken.append(self.take(n))
+            return taken[-1]
+
+        try:
+            return read(take)
+        except BaseException:
+            for view in taken:
+                self.give(view)
+            raise
 
     def give(self, view: object) -> None:
         """Take back a view lent by :meth:`take` (releasing it); anything else is left alone."""

@@ -331,22 +331,46 @@ class Engine:
 
         The blob (``llama_state_seq_get_data``'s format; read in place, never copied) is
         parsed and checked against this engine's layout (with ``check_values``, its float
-        K/V values must also be finite: :func:`engine.seq_state.check_finite`), restored
-        into the scratch sequence at the cells :meth:`_restore_cells` names (no probe decode,
-        no re-read), and only then moved to ``seq``.  Raises ``EngineError(ErrorCode.BAD_STATE)`` for a blob this engine
-        cannot take, and ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` for more tokens than the context
-        window (``n_ctx``).
+        K/V values must also be finite: :func:`engine.seq_state.check_finite`), then
+        ``llama_state_seq_set_data`` puts it in place (:meth:`place`).  Raises
+        ``EngineError(ErrorCode.BAD_STATE)`` for a blob this engine cannot take, and
+        ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` for more tokens than the context window
+        (``n_ctx``).
         """
-        n = len(tokens)
-        if n > self.config.n_ctx:
-            raise EngineError(ErrorCode.CONTEXT_OVERFLOW, f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
         try:
             parsed = seq_state.parse(blob, self.layout)
             if check_values:
                 seq_state.check_finite(blob, parsed)
         except seq_state.BadStateError as exc:
             raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
-        if len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n)):
+
+        def fill(s: int, _cells: np.ndarray | None) -> None:
+            data = np.frombuffer(blob, dtype=np.uint8)  # read in place, writable or not
+            src = ctypes.cast(data.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+            if llama.llama_state_seq_set_data(self.ctx, src, data.nbytes, s) != data.nbytes:
+                raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
+
+        self.place(seq, tokens, parsed.positions, fill)
+
+    def place(
+        self, seq: int, tokens: Sequence[int], positions: np.ndarray, fill: Callable[[int, np.ndarray | None], None]
+    ) -> None:
+        """Replace ``seq`` with ``tokens`` whose KV state ``fill`` writes; ``seq`` is untouched on failure.
+
+        ``positions`` (``int32[n]``) is the position of each cell in the state's order; it must
+        be a permutation of ``0..n-1`` for ``n = len(tokens)``.  ``fill(scratch, cells)`` writes
+        the state into the empty scratch sequence, whose cells llama.cpp will choose as
+        :meth:`_restore_cells` names them (``int32[n]`` in the state's order, ``None`` without a
+        mirror), raising :class:`EngineError` when it cannot; the scratch is then moved to
+        ``seq`` (``llama_memory_seq_cp``: no copy of the K/V bytes).  Raises
+        ``EngineError(ErrorCode.BAD_STATE)`` (positions, tokens outside the vocabulary),
+        ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` (more tokens than ``n_ctx``) and what
+        ``fill`` raises.
+        """
+        n = len(tokens)
+        if n > self.config.n_ctx:
+            raise EngineError(ErrorCode.CONTEXT_OVERFLOW, f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
+        if len(positions) != n or not np.array_equal(np.sort(positions), np.arange(n)):
             raise EngineError(ErrorCode.BAD_STATE, f"state holds positions that are not 0..{n - 1} for {n} tokens")
         ids = np.asarray(tokens, dtype=np.int64)
         if n and (ids.min() < 0 or ids.max() >= self.model.n_vocab):
@@ -355,14 +379,14 @@ class Engine:
         self.erase(s)
         if n:
             cells = self._restore_cells(n)
-            data = np.frombuffer(blob, dtype=np.uint8)  # read in place, writable or not
-            src = ctypes.cast(data.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-            if llama.llama_state_seq_set_data(self.ctx, src, data.nbytes, s) != data.nbytes:
+            try:
+                fill(s, cells)
+            except BaseException:
                 self.erase(s)
-                raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
+                raise
             if cells is not None:
                 pos2cell = np.empty(n, dtype=np.int32)
-                pos2cell[parsed.positions] = cells
+                pos2cell[positions] = cells
                 self.cellmap.set(s, pos2cell)
             self.tokens[s] = list(tokens)
         self.erase(seq)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from engine import protocol as proto
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
+from engine.state_file import load_seq_file, save_seq_file
 
 Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]
 Handler = Callable[[Any, list[bytearray]], None]
@@ -45,6 +47,8 @@ class EngineHandlers:
             ),
             proto.SaveState: self.save_state,
             proto.RestoreState: self.restore_state,
+            proto.SaveFile: self.save_file,
+            proto.LoadFile: self.load_file,
         }
 
     def check(self, msg: proto.SeqRequest, seq: int | None = None, writes: bool | None = None) -> None:
@@ -102,3 +106,15 @@ class EngineHandlers:
         self.engine.restore_state(msg.seq, msg.tokens, memoryview(state), check_values=True)
         t_ms = (time.perf_counter() - t0) * 1000
         self.send(proto.StateRestored(msg.req, msg.seq, len(msg.tokens), t_ms), ())
+
+    def save_file(self, msg: proto.SaveFile, _: list[bytearray]) -> None:
+        """Write the sequence as llama-server's slot file (:func:`engine.state_file.save_seq_file`)."""
+        self.check(msg)
+        n, size, t_ms = save_seq_file(self.engine, msg.seq, Path(msg.path))
+        self.send(proto.FileSaved(msg.req, msg.seq, n, size, t_ms), ())
+
+    def load_file(self, msg: proto.LoadFile, _: list[bytearray]) -> None:
+        """Replace the sequence from a slot file (:func:`engine.state_file.load_seq_file`)."""
+        self.check(msg)
+        n, size, t_ms = load_seq_file(self.engine, msg.seq, Path(msg.path))
+        self.send(proto.StateRestored(msg.req, msg.seq, n, t_ms, size), ())

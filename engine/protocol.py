@@ -211,6 +211,27 @@ class RestoreState(SeqRequest):
     state: Tensor
 
 
+class SaveFile(SeqRequest):
+    """Write the sequence to ``path`` as llama-server's slot file (llama.cpp's ``ggsq`` sequence
+    state file: :mod:`storage.ggsq`), beside it first and renamed over it (reply ``FileSaved``).
+
+    ``path`` is absolute, on a file system the worker shares with the orchestrator (which
+    confined it to ``--slot-save-path``).  The sequence is only read.
+    """
+
+    path: str
+    writes: ClassVar[bool] = False
+
+
+class LoadFile(SeqRequest):
+    """Replace the sequence with the slot file at ``path`` (llama-server's or ours; reply
+    ``StateRestored``).  Checked as ``RestoreState`` checks a state (layout, K/V values all
+    finite, positions, vocabulary); a refused file leaves the sequence exactly as it was
+    (reply ``Error``: ``BAD_STATE``, or ``INVALID_REQUEST`` for a missing file)."""
+
+    path: str
+
+
 class Classify(Message):
     """Classify each text with the worker's classifier model (reply ``Classified``)."""
 
@@ -341,10 +362,21 @@ class StateBlob(Message):
 
 
 class StateRestored(Message):
-    """``seq`` now holds ``n_tokens`` tokens from a restored state; ``t_ms``: time the restore took."""
+    """``seq`` now holds ``n_tokens`` tokens from a restored state; ``t_ms``: time the restore took;
+    ``n_bytes``: bytes of the file read (``LoadFile``; 0 otherwise)."""
 
     seq: int
     n_tokens: int
+    t_ms: float
+    n_bytes: int = 0
+
+
+class FileSaved(Message):
+    """``seq``'s ``n_tokens`` tokens were written as a slot file of ``n_bytes`` bytes in ``t_ms`` ms."""
+
+    seq: int
+    n_tokens: int
+    n_bytes: int
     t_ms: float
 
 
@@ -383,6 +415,8 @@ Request = (
     | ContextShift
     | SaveState
     | RestoreState
+    | SaveFile
+    | LoadFile
     | Classify
     | CheckSampling
     | Status
@@ -400,6 +434,7 @@ Reply = (
     | SeqTokens
     | StateBlob
     | StateRestored
+    | FileSaved
     | Classified
     | SamplingChecked
     | EngineState

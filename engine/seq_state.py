@@ -23,16 +23,18 @@ damaged blob that llama.cpp would take and then decode into garbage).
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
 IO_MAGIC = 0xAF143CD8
 
-# ggml_type ids (ggml/include/ggml.h) of the float K/V types -> (little-endian word, exponent mask).
+# ggml_type ids (ggml/include/ggml.h) of the float K/V types -> (word size in bytes, exponent mask).
 # A value is NaN or infinite exactly when all its exponent bits are set.
-_FLOAT_WORDS = {0: ("<u4", 0x7F800000), 1: ("<u2", 0x7C00), 30: ("<u2", 0x7F80)}  # F32, F16, BF16
+FLOAT_WORDS = {0: (4, 0x7F800000), 1: (2, 0x7C00), 30: (2, 0x7F80)}  # F32, F16, BF16
 
 
 class BadStateError(ValueError):
@@ -98,12 +100,7 @@ def _read_stream(
 ) -> tuple[np.ndarray, int, tuple[LayerLayout, ...], tuple[tuple[int, int, int], ...]]:
     """One stream's record after its ``cell_count``: ``(positions, v_trans, layers, data)``,
     ``data`` as :attr:`ParsedState.data`."""
-    if cell_count == 0 or cell_count > (len(r.data) - r.off) // 12:
-        raise BadStateError(f"implausible cell count {cell_count}")
-    cells = np.frombuffer(r.data, dtype="<i4", count=3 * cell_count, offset=r.off).reshape(cell_count, 3)
-    r.skip(12 * cell_count)
-    if not np.all(cells[:, 1] == 1):
-        raise BadStateError("state cells must each belong to exactly one sequence")
+    positions = _positions(r, cell_count)
     v_trans, n_layer = r.take("<II")
     if n_layer == 0 or n_layer > 4096:
         raise BadStateError(f"implausible layer count {n_layer}")
@@ -126,20 +123,36 @@ def _read_stream(
         data.append((v_type, r.off, size))
         r.skip(size)
         layers.append(LayerLayout(k_type, k_row, v_type, v_el, n_embd_v))
-    return cells[:, 0].astype(np.int32), v_trans, tuple(layers), tuple(data)
+    return positions, v_trans, tuple(layers), tuple(data)
 
 
-def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> ParsedState:
+def _positions(r: _Reader, cell_count: int) -> np.ndarray:
+    """The ``int32[cell_count]`` positions of a stream's cell records at ``r`` (skipped)."""
+    if cell_count == 0 or cell_count > (len(r.data) - r.off) // 12:
+        raise BadStateError(f"implausible cell count {cell_count}")
+    cells = np.frombuffer(r.data, dtype="<i4", count=3 * cell_count, offset=r.off).reshape(cell_count, 3)
+    r.skip(12 * cell_count)
+    if not np.all(cells[:, 1] == 1):
+        raise BadStateError("state cells must each belong to exactly one sequence")
+    return cells[:, 0].astype(np.int32)
+
+
+def parse(blob: bytes | memoryview, expect: StateLayout | None = None, io_header: bool = True) -> ParsedState:
     """Parse a sequence state; check it against ``expect`` when given.
 
-    Raises :class:`BadStateError` on a wrong magic, truncation, trailing bytes, cells
-    that belong to several sequences, or any layout field that differs from ``expect``.
-    An empty sequence (no cells) parses to zero positions.
+    ``io_header=False``: ``blob`` lacks the first 8 bytes (io magic, source sequence), as a
+    ``ggsq`` file holds the state (:mod:`storage.ggsq`); the offsets in the result are then
+    relative to where ``blob`` starts.  Only the header fields and cell records are read,
+    so a memory map of a file is parsed without reading its K/V data.  Raises
+    :class:`BadStateError` on a wrong magic, truncation, trailing bytes, cells that belong to
+    several sequences, or any layout field that differs from ``expect``.  An empty sequence
+    (no cells) parses to zero positions.
     """
     r = _Reader(memoryview(blob).cast("B"))
-    magic, _src_seq = r.take("<Ii")
-    if magic != IO_MAGIC:
-        raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
+    if io_header:
+        magic, _src_seq = r.take("<Ii")
+        if magic != IO_MAGIC:
+            raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
     (n_stream,) = r.take("<I")
     if expect is not None and n_stream != expect.n_stream:
         raise BadStateError(f"state has {n_stream} KV streams, this engine has {expect.n_stream}")
@@ -153,6 +166,23 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None) -> Parsed
     if expect is not None and layout != expect:
         raise BadStateError("state was written by another model, KV type or llama.cpp build")
     return ParsedState(positions, layout, data)
+
+
+def parse_file(f: BinaryIO, start: int, expect: StateLayout | None = None) -> ParsedState:
+    """:func:`parse` (``io_header=False``) of the state from byte ``start`` of the open file ``f`` to
+    its end, on a memory map of the file: only the header fields and cell records are read,
+    not the K/V data.  Raises :class:`BadStateError` as :func:`parse` does."""
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    refused = None
+    try:
+        parsed = parse(memoryview(mm)[start:], expect, io_header=False)
+        parsed = ParsedState(parsed.positions.copy(), parsed.layout, parsed.data)
+    except BadStateError as exc:
+        refused = str(exc)  # not raised from here: its traceback would keep views of the map open
+    mm.close()
+    if refused is not None:
+        raise BadStateError(refused)
+    return parsed
 
 
 def single_stream(blob: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
@@ -185,12 +215,31 @@ def single_stream(blob: bytes | bytearray | memoryview) -> bytes | bytearray | m
     return struct.pack("<IiI", magic, src_seq, 1) + body
 
 
+def has_nonfinite(values: np.ndarray, ggml_type: int) -> bool:
+    """Whether ``values`` (K/V values of ``ggml_type``, little-endian, viewed as bytes or words,
+    any shape whose last axis is contiguous) holds a NaN or an infinity; ``False`` for types
+    other than F32/F16/BF16 (quantized blocks are not tested).
+
+    A value is non-finite exactly when its exponent bits are all set: as a signed word it
+    is then at least the exponent mask (positive) and as an unsigned word at least sign bit
+    + mask (negative).  Two reductions over the words, no temporary array, no float conversion.
+    """
+    word = FLOAT_WORDS.get(ggml_type)
+    if word is None or not values.size:
+        return False
+    size, mask = word
+    unsigned = values.view(f"<u{size}")
+    if int(unsigned.view(f"<i{size}").max()) >= mask:
+        return True
+    return int(unsigned.max()) >= (1 << (8 * size - 1)) | mask
+
+
 def check_finite(blob: bytes | bytearray | memoryview, parsed: ParsedState) -> None:
     """Refuse a state whose float K/V values include NaN or +-infinity.
 
     ``parsed`` is :func:`parse`'s result for ``blob``.  Every F32, F16 and BF16 record
     (ggml types 0, 1, 30) is viewed in place as little-endian words and its exponent
-    bits are tested in one vectorised pass per record (no float conversion); records
+    bits are tested in place by :func:`has_nonfinite` (no float conversion); records
     of quantized types (their block scales included) are not checked.  Cost: see
     ``benchmarks/bench_integrity.py`` (docs/benchmarks.md has the figures).
 
@@ -201,11 +250,14 @@ def check_finite(blob: bytes | bytearray | memoryview, parsed: ParsedState) -> N
     view = memoryview(blob).cast("B")
     n_layer = len(parsed.data) // 2
     for i, (ggml_type, off, size) in enumerate(parsed.data):
-        word = _FLOAT_WORDS.get(ggml_type)
+        word = FLOAT_WORDS.get(ggml_type)
         if word is None or size == 0:
             continue
-        dtype, mask = word
-        values = np.frombuffer(view, dtype=dtype, count=size // np.dtype(dtype).itemsize, offset=off)
-        if int(np.bitwise_and(values, mask).max()) == mask:
-            what = "K" if i < n_layer else "V"
-            raise BadStateError(f"the state's {what} cache of layer {i % n_layer} holds NaN or infinite values")
+        values = np.frombuffer(view, dtype=np.uint8, count=size - size % word[0], offset=off)
+        if has_nonfinite(values, ggml_type):
+            raise BadStateError(nonfinite_message("K" if i < n_layer else "V", i % n_layer))
+
+
+def nonfinite_message(what: str, layer: int) -> str:
+    """The refusal of a state whose ``what`` (``"K"``/``"V"``) cache of ``layer`` holds NaN or infinity."""
+    return f"the state's {what} cache of layer {layer} holds NaN or infinite values"

@@ -86,7 +86,9 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             # The port is open while the model loads: /health says 503 "Loading model" meanwhile,
             # like llama-server.  A model that cannot be loaded stops the server.
             try:
-                await client.start()
+                info = await client.start()
+                if client is svc.engine and info.n_slots != svc.registry.n_seqs:
+                    svc.registry.set_sequences(info.n_slots)  # a standalone worker's own -np
             except Exception as exc:
                 log.error("engine failed to start; shutting down", error=str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)

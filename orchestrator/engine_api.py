@@ -236,6 +236,18 @@ class EngineClient(Protocol):
         """
         ...
 
+    async def save_file(self, seq: int, path: str) -> proto.FileSaved:
+        """Write ``seq`` to ``path`` (absolute, on the worker's file system) as llama-server's slot
+        file (``proto.SaveFile``); ``INVALID_REQUEST`` when ``path`` names a directory, ``INTERNAL``
+        when the write fails (the file is then as it was)."""
+        ...
+
+    async def load_file(self, seq: int, path: str) -> proto.StateRestored:
+        """Replace ``seq`` with the slot file at ``path`` (``proto.LoadFile``): refused as
+        :meth:`restore_state` refuses a state (``seq`` as it was), ``INVALID_REQUEST`` for a
+        missing file."""
+        ...
+
     async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> proto.TokenizeResult:
         """Token ids of UTF-8 ``text`` and each token's raw bytes (llama.cpp's ``llama_tokenize``)."""
         ...

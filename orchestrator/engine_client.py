@@ -368,6 +368,16 @@ class WorkerClient:
         reply, _ = await self._request(msg, proto.StateRestored, [state])
         return reply.t_ms
 
+    async def save_file(self, seq: int, path: str) -> proto.FileSaved:
+        """See :meth:`orchestrator.engine_api.EngineClient.save_file`."""
+        reply, _ = await self._request(proto.SaveFile(self.new_id(), seq, path), proto.FileSaved)
+        return reply
+
+    async def load_file(self, seq: int, path: str) -> proto.StateRestored:
+        """See :meth:`orchestrator.engine_api.EngineClient.load_file`."""
+        reply, _ = await self._request(proto.LoadFile(self.new_id(), seq, path), proto.StateRestored)
+        return reply
+
     async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> proto.TokenizeResult:
         """Tokenize through the worker's vocabulary."""
         reply, _ = await self._request(

@@ -242,6 +242,19 @@ class Residency(ABC):
         self._grant_free()
         return parked
 
+    def set_sequences(self, n_seqs: int) -> None:
+        """The running worker serves ``n_seqs`` slot sequences (a standalone worker, ``--worker``, runs
+        with its own ``-np``): slots resident beyond them lose their sequence (stored ones reload
+        on use)."""
+        for s in self.owner[n_seqs:]:
+            if s is not None:
+                s.seq = None
+                if not s.stored:
+                    s.n_tokens = 0
+        self.owner = self.owner[:n_seqs] + [None] * (n_seqs - len(self.owner))
+        self.n_seqs = n_seqs
+        self._grant_free()
+
     def on_engine_restart(self) -> None:
         """The worker restarted: every resident slot lost its cells (stored ones reload on use)."""
         for i, s in enumerate(self.owner):

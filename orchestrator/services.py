@@ -33,4 +33,5 @@ def provide_services(state: State) -> Services:
 
 def provide_slot_ops(services: Services) -> SlotOps:
     """Litestar dependency: the slot actions (:class:`SlotOps`) over the app's registry."""
-    return SlotOps(services.registry, services.settings.slot_save_path)
+    settings = services.settings
+    return SlotOps(services.registry, settings.slot_save_path, worker_files=settings.worker.shares_files)

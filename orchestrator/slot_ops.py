@@ -23,8 +23,17 @@ from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry
 from storage.errors import BadStateError
-from storage.ggsq import SeqFile, read_seq_file, seq_file_chunks
+from storage.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
 from storage.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """A slot file written or read: the slot's token count, the file's size in bytes, and the ms taken."""
+
+    n_tokens: int
+    n_bytes: int
+    t_ms: float
 
 
 @dataclass
@@ -87,11 +96,14 @@ def confined_path(root: Path | None, filename: str) -> Path:
 
 class SlotOps:
     """The slot actions: checks, timings and file formats; the registry changes the slots.
-    HTTP glue is in :mod:`orchestrator.api.slots`."""
+    HTTP glue is in :mod:`orchestrator.api.slots`.  ``save_path``: ``--slot-save-path``;
+    ``worker_files``: the worker shares this file system (spawned here), so it reads and
+    writes slot files itself."""
 
-    def __init__(self, registry: SlotRegistry, save_path: Path | None) -> None:
+    def __init__(self, registry: SlotRegistry, save_path: Path | None, worker_files: bool = False) -> None:
         self.registry = registry
         self.save_path = save_path
+        self.worker_files = worker_files  # the worker shares this file system: it reads and writes slot files
 
     def _vocab(self) -> int:
         info = self.registry.engine.info
@@ -171,26 +183,57 @@ class SlotOps:
 
     # ------------------------------------------------------------------ files (llama-server)
 
-    async def save_file(self, slot: Slot, filename: str) -> tuple[SavedState, int]:
+    async def save_file(self, slot: Slot, filename: str) -> FileResult:
         """Write the slot to ``--slot-save-path/filename`` as llama.cpp's sequence-state file
-        (``ggsq``, what llama-server writes: :mod:`storage.ggsq`); returns bytes written.
-        The file is written beside the target and renamed over it, off the event loop."""
+        (``ggsq``, what llama-server writes: :mod:`storage.ggsq`), beside the target first and
+        renamed over it.  A resident slot is written by the worker when it shares this file
+        system (``worker_files``); a parked one (or any, with a standalone worker) from its
+        state here, off the event loop.  Raises ``INVALID_REQUEST`` for a bad file name."""
         path = confined_path(self.save_path, filename)
+        if self.worker_files:
+            done = await self.registry.save_file(slot, path)
+            if done is not None:
+                return FileResult(done.n_tokens, done.n_bytes, done.t_ms)
+        t0 = time.perf_counter()
         saved = await self.save_state(slot)
-        chunks = seq_file_chunks(saved.tokens, saved.state)
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            await asyncio.to_thread(_write_chunks, tmp, path, chunks)
+            n = await asyncio.to_thread(write_seq_file, path, saved.tokens, saved.state)
         except IsADirectoryError as exc:  # made a directory meanwhile
             raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory") from exc
-        finally:
-            tmp.unlink(missing_ok=True)
-        return saved, sum(memoryview(c).nbytes for c in chunks)
+        return FileResult(len(saved.tokens), n, (time.perf_counter() - t0) * 1000)
+
+    async def saved_file(self, filename: str) -> Path:
+        """The slot file ``--slot-save-path/filename`` for the worker to read, checked here first as
+        far as this process can (off the event loop, without reading the K/V data): ``ggsq``
+        header, token record and vocabulary, the state's structure and length.  So a missing
+        (``INVALID_REQUEST``) or damaged file (``BAD_STATE``) is refused before the restore takes
+        a slot or a sequence.  Raises ``INVALID_REQUEST`` for a bad file name too."""
+        path = confined_path(self.save_path, filename)
+        try:
+            tokens = await asyncio.to_thread(_check_seq_file, path)
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
+        except (BadStateError, seq_state.BadStateError) as exc:
+            raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
+        try:
+            check_tokens(tokens, self._vocab(), "the state's tokens")
+        except ApiError as exc:
+            raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
+        return path
+
+    async def restore_file(self, slot: Slot, path: Path, created: bool) -> FileResult:
+        """Replace the slot with the slot file ``path`` (:meth:`saved_file`), read by the worker
+        itself (``worker_files`` only); refusals as :meth:`restore`'s (``BAD_STATE`` for a file
+        this engine cannot take; the slot as it was, dropped again when ``created``)."""
+        t0 = time.perf_counter()
+        done = await self.registry.restore_file(slot, path, created)
+        return FileResult(done.n_tokens, done.n_bytes, (time.perf_counter() - t0) * 1000)
 
     async def read_file(self, filename: str, pool: BufferPool) -> tuple[SeqFile, Buffer, int]:
-        """The ``ggsq`` file ``--slot-save-path/filename`` (llama-server's or ours): its tokens and
-        llama.cpp state, the buffer lent by ``pool`` it was read into (once, off the event loop;
-        give it back after the restore), and the file's size in bytes.
+        """The ``ggsq`` file ``--slot-save-path/filename`` (llama-server's or ours) read here, for a
+        worker that does not share this file system: its tokens and llama.cpp state, the buffer
+        lent by ``pool`` it was read into (once, off the event loop; give it back after the
+        restore), and the file's size in bytes.
 
         Read and checked before the restore takes its slot, so a missing file (``INVALID_REQUEST``)
         or one this engine cannot take (``BAD_STATE``) changes nothing.
@@ -204,29 +247,24 @@ class SlotOps:
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         try:
             state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
+            seq_state.parse(state)  # its structure and length (header fields only), before a slot is taken
         except seq_state.BadStateError as exc:
             pool.give(parsed.state)
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         return SeqFile(parsed.tokens, state), parsed.state, size
 
 
-def _write_chunks(tmp: Path, path: Path, chunks: list[Buffer]) -> None:
-    with open(tmp, "wb") as f:
-        f.writelines(chunks)
-    tmp.replace(path)
+def _check_seq_file(path: Path) -> list[int]:
+    """The tokens of the ``ggsq`` file ``path`` once its header, token record and (for a state of one
+    KV stream) the state's structure check out."""
+    with open(path, "rb") as f:
+        tokens, _, state_size = read_seq_head(f)
+        start = f.tell()
+        if state_size >= 4 and int.from_bytes(f.read(4), "little") == 1:
+            seq_state.parse_file(f, start)
+        return tokens
 
 
 def _read_seq_file(path: Path, pool: BufferPool) -> tuple[SeqFile, int]:
-    taken: list[memoryview] = []
-
-    def take(n: int) -> memoryview:
-        taken.append(pool.take(n))
-        return taken[-1]
-
-    try:
-        with open(path, "rb") as f:
-            return read_seq_file(f, take), os.fstat(f.fileno()).st_size
-    except BaseException:
-        for view in taken:  # a file cut short: its buffer back to the pool
-            pool.give(view)
-        raise
+    with open(path, "rb") as f:
+        return pool.fill(lambda take: read_seq_file(f, take)), os.fstat(f.fileno()).st_size

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import structlog
 
@@ -281,19 +282,49 @@ class SlotRegistry(Residency):
         ``RATE_LIMITED``) the slot is as it was: dropped again if ``created`` (it did not
         exist before the request), back to parked (or empty) if it was not resident.
         """
+
+        async def put(seq: int) -> int:
+            await self.engine.restore_state(seq, tokens, state)
+            return len(tokens)
+
+        await self._replace(slot, created, put)
+
+    async def restore_file(self, slot: Slot, path: Path, created: bool) -> proto.StateRestored:
+        """Replace the slot with the slot file ``path``, read by the worker itself (it shares this
+        file system: ``proto.LoadFile``); failures leave the slot as :meth:`restore` does."""
+        done: list[proto.StateRestored] = []
+
+        async def put(seq: int) -> int:
+            done.append(await self.engine.load_file(seq, str(path)))
+            return done[0].n_tokens
+
+        await self._replace(slot, created, put)
+        return done[0]
+
+    async def _replace(self, slot: Slot, created: bool, put: Callable[[int], Awaitable[int]]) -> None:
+        """Give the slot a sequence (not loading its stored state) and let ``put(seq)`` replace its
+        cells (returning its new token count); the slot is as it was when anything fails (see
+        :meth:`restore`)."""
         was_resident = self.is_resident(slot)
         try:
             seq = await self.ensure_resident(slot, load=False)
-            await self.engine.restore_state(seq, tokens, state)
+            n = await put(seq)
         except BaseException:
             if created:
                 await self.forget(slot)
             elif not was_resident:
                 self.unload(slot)
             raise
-        slot.n_tokens = len(tokens)
+        slot.n_tokens = n
         slot.n_prompt_tokens_processed = 0
         self.schedule(slot)
+
+    async def save_file(self, slot: Slot, path: Path) -> proto.FileSaved | None:
+        """Write the resident slot to the slot file ``path`` from the worker (``proto.SaveFile``);
+        ``None`` when the slot is not resident (its state is then in the store)."""
+        if not self.is_resident(slot):
+            return None
+        return await self.engine.save_file(slot.seq, str(path))  # type: ignore[arg-type]
 
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
         """llama-server's context shift on the slot (restored first if parked); the new token count."""

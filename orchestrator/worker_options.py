@@ -32,6 +32,12 @@ class WorkerOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = field(default_factory=lambda: os.environ.get("SLOTSERVE_WORKER_PYTHON", sys.executable))
 
+    @property
+    def shares_files(self) -> bool:
+        """Whether the worker sees this process's file system (it is spawned here, not reached by
+        ``connect``): slot files are then read and written by the worker itself."""
+        return self.connect is None
+
     def argv(self, address: str) -> list[str]:
         """Command line for a spawned worker that connects back to ``address``."""
         return [self.python, "-m", "engine.worker", "--connect", address, "--settings", settings.encode(self.engine)]

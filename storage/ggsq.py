@@ -24,6 +24,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -113,6 +114,21 @@ def unpack_seq_file(data: bytes) -> SeqFile:
     return SeqFile(tokens, struct.pack("<Ii", IO_MAGIC, 0) + data[end:])
 
 
+def read_seq_head(file: BinaryIO) -> tuple[list[int], list[int], int]:
+    """The header and token record of the ``ggsq`` file ``file`` (left at its KV state):
+    ``(tokens, words, state_size)``: the slot's tokens, the raw token words as
+    ``llama_state_seq_load_file`` returns them, and the bytes of KV state that follow.
+
+    Raises :class:`BadStateError` for anything but a ``ggsq`` file, ``OSError`` when reading fails.
+    """
+    size = os.fstat(file.fileno()).st_size
+    n_words = _parse_head(file.read(_HEAD.size), size)
+    words = np.frombuffer(file.read(4 * n_words), dtype="<i4")
+    if len(words) != n_words:
+        raise BadStateError("the sequence-state file ended inside its token record")
+    return _server_tokens(words), words.tolist(), size - _HEAD.size - 4 * n_words
+
+
 def read_seq_file(file: BinaryIO, alloc: Callable[[int], bytearray | memoryview] = bytearray) -> SeqFile:
     """:func:`unpack_seq_file` of an open file, reading the KV state once, straight into the
     buffer returned (``alloc(n)``, writable, of ``n`` bytes; behind the 8 bytes of io magic and
@@ -120,15 +136,25 @@ def read_seq_file(file: BinaryIO, alloc: Callable[[int], bytearray | memoryview]
 
     Raises :class:`BadStateError` for anything but a ``ggsq`` file, ``OSError`` when reading fails.
     """
-    size = os.fstat(file.fileno()).st_size
-    head = file.read(_HEAD.size)
-    n_words = _parse_head(head, size)
-    words = np.frombuffer(file.read(4 * n_words), dtype="<i4")
-    if len(words) != n_words:
-        raise BadStateError("the sequence-state file ended inside its token record")
-    tokens = _server_tokens(words)
-    state = alloc(8 + size - _HEAD.size - 4 * n_words)
+    tokens, _, state_size = read_seq_head(file)
+    state = alloc(8 + state_size)
     struct.pack_into("<Ii", state, 0, IO_MAGIC, 0)
     if file.readinto(memoryview(state)[8:]) != len(state) - 8:  # type: ignore[arg-type]
         raise BadStateError("the sequence-state file ended inside its state")
     return SeqFile(tokens, state)
+
+
+def write_seq_file(path: Path, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
+    """Write the file llama-server writes for a slot holding ``tokens`` with ``state``
+    (:func:`seq_file_chunks`) to ``path``: beside it first (``.NAME.tmp``), then renamed over it,
+    so a reader never sees half a file.  Returns the bytes written; raises ``OSError``
+    (``IsADirectoryError`` when ``path`` names a directory) and :class:`BadStateError`."""
+    chunks = seq_file_chunks(tokens, state)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(chunks)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return sum(memoryview(c).nbytes for c in chunks)

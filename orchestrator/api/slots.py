@@ -49,7 +49,7 @@ from orchestrator.responses import (
 )
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
-from orchestrator.slot_ops import SlotOps, message_boundaries
+from orchestrator.slot_ops import FileResult, SlotOps, message_boundaries
 from orchestrator.slots import check_slot_id
 from orchestrator.wire import slot_id_out
 
@@ -168,27 +168,34 @@ async def _erase(call: ActionCall) -> EraseResponse:
 async def _save(call: ActionCall) -> SaveFileResponse:
     body: SlotFileRequest = await call.body(SlotFileRequest)
     async with call.use() as slot:
-        saved, n_written = await call.ops.save_file(slot, body.filename)
+        done = await call.ops.save_file(slot, body.filename)
     return SaveFileResponse(
-        id_slot=call.out_id, filename=body.filename, n_saved=len(saved.tokens), n_written=n_written,
-        timings=SaveTimings(save_ms=round(saved.t_ms, 3)),
+        id_slot=call.out_id, filename=body.filename, n_saved=done.n_tokens, n_written=done.n_bytes,
+        timings=SaveTimings(save_ms=round(done.t_ms, 3)),
     )  # fmt: skip
 
 
 async def _restore(call: ActionCall) -> RestoreFileResponse:
     body: SlotFileRequest = await call.body(SlotFileRequest)
-    t0 = time.perf_counter()
-    parsed, buf, n_read = await call.ops.read_file(body.filename, BODY_POOL)
-    read_ms = (time.perf_counter() - t0) * 1000
-    with lent_to_worker(buf):
+    if call.ops.worker_files:  # the worker reads the file
+        path = await call.ops.saved_file(body.filename)
         created = await call.is_new()
         async with call.use(create=True) as slot:
-            t0 = time.perf_counter()
-            await call.ops.restore(slot, parsed.tokens, parsed.state, created)
-            t_ms = read_ms + (time.perf_counter() - t0) * 1000
+            done = await call.ops.restore_file(slot, path, created)
+    else:  # read here, sent to the worker
+        t0 = time.perf_counter()
+        parsed, buf, n_read = await call.ops.read_file(body.filename, BODY_POOL)
+        read_ms = (time.perf_counter() - t0) * 1000
+        with lent_to_worker(buf):
+            created = await call.is_new()
+            async with call.use(create=True) as slot:
+                t0 = time.perf_counter()
+                await call.ops.restore(slot, parsed.tokens, parsed.state, created)
+                t_ms = read_ms + (time.perf_counter() - t0) * 1000
+        done = FileResult(len(parsed.tokens), n_read, t_ms)
     return RestoreFileResponse(
-        id_slot=call.out_id, filename=body.filename, n_restored=slot.n_tokens, n_read=n_read,
-        timings=RestoreTimings(restore_ms=round(t_ms, 3)),
+        id_slot=call.out_id, filename=body.filename, n_restored=done.n_tokens, n_read=done.n_bytes,
+        timings=RestoreTimings(restore_ms=round(done.t_ms, 3)),
     )  # fmt: skip
 
 

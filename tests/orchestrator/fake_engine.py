@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
@@ -238,6 +239,24 @@ class FakeEngine:
             raise EngineRequestError(ErrorCode.BAD_STATE, "the state does not match its tokens")
         self.seqs[seq] = list(tokens)
         return 0.0
+
+    async def save_file(self, seq: int, path: str) -> proto.FileSaved:
+        """Write the fake state of ``seq`` to ``path`` (as the fake state, not a ggsq file)."""
+        blob = state_blob(self._idle(seq, "save_file"))
+        Path(path).write_bytes(blob)
+        return proto.FileSaved(0, seq, len(state_tokens(blob) or []), len(blob), 0.0)
+
+    async def load_file(self, seq: int, path: str) -> proto.StateRestored:
+        """Replace ``seq`` from a file :meth:`save_file` wrote (``INVALID_REQUEST`` when missing)."""
+        try:
+            blob = Path(path).read_bytes()
+        except OSError as exc:
+            raise EngineRequestError(ErrorCode.INVALID_REQUEST, f"no saved slot file {path!r}") from exc
+        tokens = state_tokens(blob)
+        if tokens is None:
+            raise EngineRequestError(ErrorCode.BAD_STATE, "not a fake state file")
+        await self.restore_state(seq, tokens, blob)
+        return proto.StateRestored(0, seq, len(tokens), 0.0, len(blob))
 
     async def generate(
         self,

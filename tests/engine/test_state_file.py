@@ -1,0 +1,138 @@
+"""Slot files written and read by the engine (``engine.state_file``): the same bytes as llama.cpp's
+own files, a load that continues greedily like the original, and refusals that leave every
+sequence (and the cells of the cache) as they were."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import seq_state
+from engine.engine import BatchEntry, EngineError
+from engine.errors import ErrorCode
+from engine.kv_io import llama_state
+from engine.state_file import load_seq_file, save_seq_file
+from storage.ggsq import pack_seq_file
+from tests.conftest import CHAT
+from tests.engine.enginekit import Runner
+from tests.engine.test_state_io import decode_together, same_kv
+
+
+def logits_finite(engine, seq: int, ids: list[int]) -> bool:  # type: ignore[no-untyped-def]
+    """Decode ``ids`` in a fresh ``seq`` and say whether every logit of the last token is finite."""
+    import llama_cpp as llama
+
+    engine.erase(seq)
+    assert engine.decode([BatchEntry(seq, 0, ids, logits=True)]) == 0
+    out = np.ctypeslib.as_array(llama.llama_get_logits_ith(engine.ctx, -1), shape=(engine.model.n_vocab,))
+    finite = bool(np.isfinite(out).all())
+    engine.erase(seq)
+    return finite
+
+
+def poisoned(data: bytes, record: int) -> bytes:
+    """A ggsq file whose K/V record ``record`` (0..2*n_layer-1) holds an f16 NaN."""
+    n_words = struct.unpack_from("<I", data, 8)[0]
+    start = 12 + 4 * n_words - 8  # the state's KV part, with 8 bytes in front as a state has them
+    blob = bytearray(data[start:])
+    blob[:8] = struct.pack("<Ii", seq_state.IO_MAGIC, 0)
+    ggml_type, off, size = seq_state.parse(blob).data[record]
+    assert ggml_type == 1, "an F16 cache"
+    out = bytearray(data)
+    struct.pack_into("<H", out, start + off + size // 2 // 2 * 2, 0x7E00)
+    return bytes(out)
+
+
+def test_a_saved_file_is_llama_cpps_and_loads_back_alike(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """After concurrent decoding (cells interleaved): the file equals llama.cpp's format of the
+    state, loads into another sequence byte for byte (K/V) and continues greedily alike."""
+    decode_together(runner, model, n=6)
+    path = tmp_path / "slot.bin"
+    tokens, state = engine.save_state(1)
+    n, size, _ = save_seq_file(engine, 1, path)
+    assert (n, size) == (len(tokens), path.stat().st_size)
+    assert path.read_bytes() == pack_seq_file(tokens, bytes(state))
+    assert not list(tmp_path.glob(".*.tmp")), "the file is written beside the target and renamed"
+    n2, size2, _ = load_seq_file(engine, 3, path)
+    assert (n2, size2) == (len(tokens), size)
+    assert engine.tokens[3] == tokens
+    assert same_kv(llama_state(engine.ctx, 3), llama_state(engine.ctx, 1))
+    a = runner.generate(1, tokens, max_new_tokens=8, ignore_eos=True)
+    b = runner.generate(3, tokens, max_new_tokens=8, ignore_eos=True)
+    assert b.done is not None and b.done.n_cached == len(tokens) - 1, "the loaded cells are used"
+    assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("record", [0, 29, 30, 59], ids=["K0", "K29", "V0", "V29"])
+def test_a_file_with_nan_values_is_refused_and_leaves_nothing_behind(
+    runner: Runner, engine, model, tmp_path: Path, record: int
+) -> None:  # type: ignore[no-untyped-def]
+    """The values are tested after llama.cpp loaded them; the refused cells are zeroed, so no later
+    decode of any sequence meets the NaN (a masked cell's V is still multiplied by its 0 weight)."""
+    ids = model.tokenize(CHAT.format("Tell me about owls."), False, True)
+    runner.generate(0, ids, max_new_tokens=4)
+    runner.batcher.flush()
+    good = tmp_path / "good.bin"
+    save_seq_file(engine, 0, good)
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(poisoned(good.read_bytes(), record))
+    runner.generate(2, ids[:9], max_new_tokens=2)
+    runner.batcher.flush()
+    before = engine.tokens[2], llama_state(engine.ctx, 2)
+    with pytest.raises(EngineError) as err:
+        load_seq_file(engine, 2, bad)
+    assert err.value.code == ErrorCode.BAD_STATE and "NaN" in err.value.message
+    assert (engine.tokens[2], llama_state(engine.ctx, 2)) == before, "the sequence is as it was"
+    assert logits_finite(engine, 3, ids[:20]), "no NaN left in the cache's cells"
+    load_seq_file(engine, 2, good)  # the same cells take a good file afterwards
+    assert engine.tokens[2] == engine.tokens[0]
+
+
+def test_damaged_and_missing_files_are_refused(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    ids = model.tokenize(CHAT.format("Count to ten."), False, True)
+    runner.generate(0, ids, max_new_tokens=3)
+    runner.batcher.flush()
+    good = tmp_path / "good.bin"
+    save_seq_file(engine, 0, good)
+    data = good.read_bytes()
+    before = list(engine.tokens.get(1, [])), llama_state(engine.ctx, 1)
+    cases = {
+        "cut.bin": data[:-100],
+        "padded.bin": data + b"\0" * 8,
+        "magic.bin": b"xxxx" + data[4:],
+        "tokens.bin": data[:12] + struct.pack("<i", 10**7) + data[16:],  # the packed record's first word
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(EngineError) as err:
+            load_seq_file(engine, 1, tmp_path / name)
+        assert err.value.code == ErrorCode.BAD_STATE, name
+        assert (list(engine.tokens.get(1, [])), llama_state(engine.ctx, 1)) == before, name
+    with pytest.raises(EngineError) as err:
+        load_seq_file(engine, 1, tmp_path / "missing.bin")
+    assert err.value.code == ErrorCode.INVALID_REQUEST
+    with pytest.raises(EngineError) as err:
+        save_seq_file(engine, 0, tmp_path)
+    assert err.value.code == ErrorCode.INVALID_REQUEST
+    assert logits_finite(engine, 3, ids[:20])
+
+
+def test_a_file_of_several_kv_streams_goes_the_general_way(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """llama-server ``-np 3`` without ``--kv-unified`` writes a record per stream (only its slot's
+    holds cells); llama.cpp cannot load that into a unified cache, so it is read into a buffer and
+    restored as one stream."""
+    ids = model.tokenize(CHAT.format("Name four rivers."), False, True)
+    runner.generate(0, ids, max_new_tokens=3)
+    runner.batcher.flush()
+    tokens, state = engine.save_state(0)
+    state = bytes(state)
+    empty = (0).to_bytes(4, "little")
+    three = state[:8] + (3).to_bytes(4, "little") + empty + state[12:] + empty
+    path = tmp_path / "np3.bin"
+    path.write_bytes(pack_seq_file(tokens, three))
+    n, _, _ = load_seq_file(engine, 2, path)
+    assert n == len(tokens) and engine.tokens[2] == tokens
+    assert same_kv(llama_state(engine.ctx, 2), bytearray(state))
