@@ -103,6 +103,7 @@ class Engine:
         # copies go back to state_pool: the next read lands in memory already mapped (engine/buffers.py)
         self.states: dict[int, bytearray | memoryview] = {}
         self.state_pool = BufferPool(keep=1)
+        self.lent: set[int] = set()  # ids of state buffers a thread other than the loop's still reads
         self.offloaded: set[int] = set()
         self.spare_free = list(range(config.n_slots, config.n_slots + config.n_spare))
         self.scratch = config.n_seq_max - 1
@@ -302,10 +303,25 @@ class Engine:
         return len(toks)
 
     def _drop_state(self, seq: int) -> None:
-        """Forget the copy of ``seq``'s state (it changed); its memory serves the next read."""
+        """Forget the copy of ``seq``'s state (it changed); its memory serves the next read, unless
+        it is lent (:meth:`lend_state`): then it is freed once its reader lets go of it."""
         buf = self.states.pop(seq, None)
         if buf is not None:
-            self.state_pool.give(buf)
+            if id(buf) in self.lent:
+                self.state_pool.drop(buf)
+            else:
+                self.state_pool.give(buf)
+
+    def lend_state(self, seq: int) -> tuple[list[int], bytearray | memoryview]:
+        """:meth:`save_state` for a reader on another thread: the buffer is not reused for another
+        read until :meth:`end_lend` (which that thread may call), even if ``seq`` changes meanwhile."""
+        tokens, buf = self.save_state(seq)
+        self.lent.add(id(buf))
+        return tokens, buf
+
+    def end_lend(self, buf: bytearray | memoryview) -> None:
+        """The reader of a buffer from :meth:`lend_state` is done with it (thread-safe)."""
+        self.lent.discard(id(buf))
 
     def save_state(self, seq: int) -> tuple[list[int], bytearray | memoryview]:
         """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``).

@@ -8,6 +8,7 @@ raise :class:`engine.engine.EngineError` to answer ``Error``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from engine import protocol as proto
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
-from engine.state_file import load_seq_file, save_seq_file
+from engine.state_file import load_seq_file, write_slot_file
 
 Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]
 Handler = Callable[[Any, list[bytearray]], None]
@@ -108,10 +109,25 @@ class EngineHandlers:
         self.send(proto.StateRestored(msg.req, msg.seq, len(msg.tokens), t_ms), ())
 
     def save_file(self, msg: proto.SaveFile, _: list[bytearray]) -> None:
-        """Write the sequence as llama-server's slot file (:func:`engine.state_file.save_seq_file`)."""
+        """Write the sequence as llama-server's slot file on a writer thread
+        (:func:`engine.state_file.write_slot_file`), which answers when the file is in place."""
         self.check(msg)
-        n, size, t_ms = save_seq_file(self.engine, msg.seq, Path(msg.path))
-        self.send(proto.FileSaved(msg.req, msg.seq, n, size, t_ms), ())
+        t0 = time.perf_counter()
+        tokens, state = self.engine.lend_state(msg.seq)
+
+        def write() -> None:
+            reply: proto.Message
+            try:
+                n = write_slot_file(Path(msg.path), tokens, state)
+                reply = proto.FileSaved(msg.req, msg.seq, len(tokens), n, (time.perf_counter() - t0) * 1000)
+            except EngineError as exc:
+                reply = proto.Error(msg.req, exc.code, exc.message)
+            finally:
+                self.engine.end_lend(state)
+            self.send(reply, ())
+
+        # not a daemon: a worker asked to stop still finishes the file (and renames it) first
+        threading.Thread(target=write, name=f"slot-file-{msg.req}").start()
 
     def load_file(self, msg: proto.LoadFile, _: list[bytearray]) -> None:
         """Replace the sequence from a slot file (:func:`engine.state_file.load_seq_file`)."""

@@ -6,8 +6,11 @@ reads ``--slot-save-path/FILENAME`` with ``llama_state_seq_save_file`` /
 When the worker shares the orchestrator's file system (it spawned the worker), the worker
 does the same, so a slot's tens of MB never cross the worker's socket:
 
-* :func:`save_seq_file` writes the sequence's state (the copy the engine keeps, or one read
-  from the KV cache) beside the target and renames it over it.
+* :func:`write_slot_file` writes the sequence's state (the copy the engine keeps, or one read
+  from the KV cache, lent by :meth:`engine.engine.Engine.lend_state`) beside the target and
+  renames it over it, on a thread of its own: a file write can take far longer than a decode
+  step (ext4 throttles a writer of tens of MB of dirty pages), and the decode loop must not
+  wait for it.
 * :func:`load_seq_file` checks what it can before llama.cpp sees the file (header, token
   record, that the positions are ``0..n-1``), lets ``llama_state_seq_load_file`` read the
   rest straight into the scratch sequence's cells (llama.cpp reads it in pieces through a
@@ -40,21 +43,20 @@ from storage.errors import BadStateError
 from storage.ggsq import read_seq_file, read_seq_head, write_seq_file
 
 
-def save_seq_file(engine: Engine, seq: int, path: Path) -> tuple[int, int, float]:
-    """Write ``seq`` to ``path`` as llama-server's slot file; ``(n_tokens, bytes written, ms)``.
+def write_slot_file(path: Path, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
+    """Write ``tokens`` and their llama.cpp sequence ``state`` to ``path`` as llama-server's slot
+    file, beside it first and renamed over it; returns the bytes written.  Touches no llama.cpp
+    object, so it may run on another thread than the engine's (the worker's writer thread).
 
     Raises ``EngineError(INVALID_REQUEST)`` when ``path`` names a directory and
     ``EngineError(INTERNAL)`` for any other write failure (the target is then unchanged).
     """
-    t0 = time.perf_counter()
-    tokens, state = engine.save_state(seq)
     try:
-        n = write_seq_file(path, tokens, state)
+        return write_seq_file(path, tokens, state)
     except IsADirectoryError as exc:
         raise EngineError(ErrorCode.INVALID_REQUEST, f"invalid filename {path.name!r}: it names a directory") from exc
     except (OSError, BadStateError) as exc:
         raise EngineError(ErrorCode.INTERNAL, f"could not write the slot file {path.name!r}: {exc}") from exc
-    return len(tokens), n, (time.perf_counter() - t0) * 1000
 
 
 def load_seq_file(engine: Engine, seq: int, path: Path) -> tuple[int, int, float]:

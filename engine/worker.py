@@ -63,6 +63,7 @@ class Worker:
         self.inbox: queue.Queue[tuple[proto.Request, list[proto.Buffer]] | None] = queue.Queue()
         self.pool = BufferPool(keep=1)  # restore-state blobs land in memory already mapped
         self.running = True
+        self.send_lock = threading.Lock()
         self.batcher: Batcher | None = None
         self.handlers: dict[type, Handler] = {
             proto.Tokenize: self._tokenize,
@@ -76,8 +77,9 @@ class Worker:
             self.handlers[proto.Classify] = self._classify
 
     def send(self, msg: proto.Message, buffers: Sequence[proto.Buffer] = ()) -> None:
-        """Write one reply frame (from the loop thread only)."""
-        proto.send_frame(self.sock, msg, buffers)
+        """Write one reply frame, whole (thread-safe: a slot-file writer thread answers too)."""
+        with self.send_lock:
+            proto.send_frame(self.sock, msg, buffers)
 
     def _read(self) -> None:
         try:

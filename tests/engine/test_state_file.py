@@ -14,11 +14,20 @@ from engine import seq_state
 from engine.engine import BatchEntry, EngineError
 from engine.errors import ErrorCode
 from engine.kv_io import llama_state
-from engine.state_file import load_seq_file, save_seq_file
+from engine.state_file import load_seq_file, write_slot_file
 from storage.ggsq import pack_seq_file
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner
 from tests.engine.test_state_io import decode_together, same_kv
+
+
+def save_seq_file(engine, seq: int, path: Path) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """What the worker's ``SaveFile`` does (on its writer thread): ``(n_tokens, bytes written)``."""
+    tokens, state = engine.lend_state(seq)
+    try:
+        return len(tokens), write_slot_file(path, tokens, state)
+    finally:
+        engine.end_lend(state)
 
 
 def logits_finite(engine, seq: int, ids: list[int]) -> bool:  # type: ignore[no-untyped-def]
@@ -52,7 +61,7 @@ def test_a_saved_file_is_llama_cpps_and_loads_back_alike(runner: Runner, engine,
     decode_together(runner, model, n=6)
     path = tmp_path / "slot.bin"
     tokens, state = engine.save_state(1)
-    n, size, _ = save_seq_file(engine, 1, path)
+    n, size = save_seq_file(engine, 1, path)
     assert (n, size) == (len(tokens), path.stat().st_size)
     assert path.read_bytes() == pack_seq_file(tokens, bytes(state))
     assert not list(tmp_path.glob(".*.tmp")), "the file is written beside the target and renamed"
@@ -136,3 +145,20 @@ def test_a_file_of_several_kv_streams_goes_the_general_way(runner: Runner, engin
     n, _, _ = load_seq_file(engine, 2, path)
     assert n == len(tokens) and engine.tokens[2] == tokens
     assert same_kv(llama_state(engine.ctx, 2), bytearray(state))
+
+
+def test_a_lent_state_is_not_reused_while_its_writer_reads_it(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    """The worker writes a slot file on another thread: the state it lends must keep its bytes even
+    when the sequence changes meanwhile (a changed sequence's dropped copy serves the next read)."""
+    decode_together(runner, model, n=4)
+    tokens, lent = engine.lend_state(1)
+    kept = bytes(lent)
+    engine.truncate(1, len(tokens) - 2)  # seq 1 changes: its copy is dropped
+    engine.save_state(2)  # the next read takes memory from the pool
+    engine.save_state(1)
+    assert bytes(lent) == kept, "the lent buffer was not written over"
+    engine.end_lend(lent)
+    tokens2, unlent = engine.save_state(2)
+    size = memoryview(unlent).nbytes
+    engine.truncate(2, len(tokens2) - 1)  # not lent: its memory goes back to the pool
+    assert engine.state_pool.held_bytes >= size
