@@ -5,7 +5,8 @@ Big bodies are moved with ``http.client`` (the standard library's client, one ke
 client's own cost is part of every API figure, and httpx's is several times the server's for tens of MB
 (measured: ~160 ms to download 46 MB, vs ~35 ms with ``http.client``). The floor row moves the same
 number of bytes through a server that does nothing else (``http_floor.py``: the same Litestar + uvicorn
-stack), with the same client.
+stack), with the same client.  With ``--llama-server``, the slot-file rows also compare with a second
+llama-server started with ``-fa off`` (:func:`start_llama_fa_off`): slotserve's KV layout.
 """
 
 from __future__ import annotations
