@@ -179,13 +179,15 @@ class RunControl:
 
     ``on_queued(position)`` is awaited while the request waits for a free engine
     sequence (1 = next; see :mod:`orchestrator.admission`); cancelling a queued request
-    ends its wait (``CLIENT_GONE``) and frees its place.
+    ends its wait (``CLIENT_GONE``) and frees its place.  ``watched``: a handler watches the
+    client for a disconnect on its behalf (``orchestrator.api.generate.cancelled_on_disconnect``).
     """
 
     def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.engine: EngineClient | None = None
         self.req: int | None = None
         self.pending = False
+        self.watched = False
         self.hooks = WaitHooks(on_queued)
 
     async def bind(self, engine: EngineClient, req: int) -> None:
@@ -372,7 +374,8 @@ class GenerationService:
             if not known and named is not None and req.input_ids is None:
                 raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             if known:
-                async with self.registry.use(slot_id, wait=True, create=False) as slot:
+                hooks = control.hooks if control is not None else None  # its client leaving ends its waits
+                async with self.registry.use(slot_id, wait=True, create=False, hooks=hooks) as slot:
                     if slot.n_tokens:
                         assert slot.seq is not None
                         # the fork is taken before any later request

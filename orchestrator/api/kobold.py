@@ -265,7 +265,7 @@ class KoboldController(Controller):
             total_gens=jobs.total_gens,
             stop_reason=STOP_REASON.get(last.finish_reason, -1) if last else -1,
             total_img_gens=0,
-            queue=sum(max(0, s.requests - 1) for s in services.registry.slots.values()),
+            queue=services.registry.n_waiting,
             idle=0 if busy else 1,
             hordeexitcounter=-1,
             uptime=now - jobs.started,
