@@ -19,7 +19,7 @@ from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admin_feed import AttentionFeed
 from orchestrator.admission import WaitHooks
-from orchestrator.engine_api import EngineClient, EngineEvent, GenerationStream, TokenOutput
+from orchestrator.engine_api import EngineClient, EngineEvent, EngineRequestError, GenerationStream, TokenOutput
 from orchestrator.errors import ApiError
 from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
 from orchestrator.slots import SlotRegistry, check_slot_id
@@ -291,12 +291,15 @@ class GenerationService:
             n_out = 0
             finished = False
             events = await self.engine.generate(slot.seq, ids, params, capture, progress=req.progress)
-            self.registry.generation_started(slot, events.req, params)
+            took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
             try:
                 if control is not None:
                     await control.bind(self.engine, events.req)
                 yield Started(slot.id)
                 async for event in converter.events(events):
+                    if not took:
+                        took = True
+                        self.registry.generation_started(slot, events.req, params)
                     if isinstance(event, TokenOut):
                         out = event
                         if not out.is_stop:
@@ -324,13 +327,21 @@ class GenerationService:
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
+            except EngineRequestError as exc:
+                refused = exc.refused and not took
+                raise
             finally:
                 await events.aclose()
-                if not finished:  # the client left or the worker failed: the engine stopped it
-                    log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
-                    metrics.record_abandoned(n_out)
-                    self.registry.generated(slot, len(ids) + n_out)  # refreshed by the tokens action
-                self.registry.generation_ended(slot)
+                if refused:
+                    log.info("generation refused", request_id=req.request_id)
+                else:
+                    if not took:  # it failed before its first event
+                        self.registry.generation_started(slot, events.req, params)
+                    if not finished:  # the client left or the worker failed: the engine stopped it
+                        log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
+                        metrics.record_abandoned(n_out)
+                        self.registry.generated(slot, len(ids) + n_out)  # refreshed by the tokens action
+                    self.registry.generation_ended(slot)
 
     async def preview(
         self, req: PreviewRequest, control: RunControl | None = None
