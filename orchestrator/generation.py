@@ -255,6 +255,16 @@ class GenerationService:
                 pairs += [(t, bias) for t in (await self.engine.tokenize(tok, False, False)).ids]
         req.logit_bias = pairs
 
+    async def checked_params(self, req: CanonicalRequest) -> proto.SamplingParams:
+        """:func:`sampling_params` of ``req`` (text ``logit_bias`` keys resolved); a grammar or JSON
+        schema is built once by the worker first, so one llama.cpp cannot use is
+        ``INVALID_GRAMMAR`` before any slot is touched."""
+        await self.resolve_bias(req)
+        params = sampling_params(req, self.info)
+        if params.grammar or params.json_schema:
+            await self.engine.check_sampling(params)
+        return params
+
     async def pieces(self) -> list[bytes]:
         """Every token's raw piece, indexed by token id (sent by the worker at start-up)."""
         return self.engine.pieces
@@ -274,10 +284,7 @@ class GenerationService:
         """
         info = self.info
         ids = await self.input_ids(req)
-        await self.resolve_bias(req)
-        params = sampling_params(req, info)
-        if params.grammar or params.json_schema:  # refused before the slot is touched
-            await self.engine.check_sampling(params)
+        params = await self.checked_params(req)
         capture = capture_options(req, info.num_layers)
         hooks = control.hooks if control is not None else None
         async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
@@ -354,27 +361,18 @@ class GenerationService:
         tokens and KV cells stay as they were and previews of one slot run concurrently.
         Raises :class:`ApiError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
         (an explicitly named slot that does not exist, with no ``input_ids``),
-        ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``).
+        ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
         """
         info = self.info
         append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
-        check_tokens(req.stop_tokens, info.vocab_size, "stop_tokens")
-        params = proto.SamplingParams(
-            max_new_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(0, req.top_k),
-            min_p=0.0,
-            seed=req.seed,
-            stop_tokens=req.stop_tokens,
-        )
+        named = req.conversation_id if req.conversation_id is not None else req.id_slot
+        slot_id = check_slot_id(str(named if named is not None else "0"))
+        params = await self.checked_params(req.canonical(slot_id))
         capture = proto.CaptureOptions(
             attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
         )
-        named = req.conversation_id if req.conversation_id is not None else req.id_slot
-        slot_id = check_slot_id(str(named if named is not None else "0"))
         t0 = time.perf_counter()
         events: GenerationStream | None = None
         if req.use_cached_context:

@@ -302,14 +302,16 @@ class AppendToken(msgspec.Struct):
     text: str = ""
 
 
-class PreviewRequest(msgspec.Struct, kw_only=True):
-    """``POST /api/v1/generate/preview`` (docs/api.md)."""
+class PreviewRequest(SamplerFields, kw_only=True):
+    """``POST /api/v1/generate/preview`` (docs/api.md): the preview's own fields, and the
+    generation routes' further sampler fields (:class:`SamplerFields`)."""
 
     append_tokens: list[AppendToken | int] = []
     max_tokens: PreviewTokens = 50
     temperature: Float32 = 0.7
     top_p: Probability = 0.9
     top_k: TopK = 40
+    min_p: Probability = 0.0
     seed: Seed = -1
     stop_tokens: list[int] = []
     use_cached_context: bool = True
@@ -319,6 +321,19 @@ class PreviewRequest(msgspec.Struct, kw_only=True):
     output_attentions: bool = False
     attention_format: AttentionFormat = "per_layer"
     attention_dtype: AttentionDtype = "float32"
+
+    def canonical(self, slot: str) -> CanonicalRequest:
+        """The preview's sampling as a :class:`CanonicalRequest` on ``slot`` (context and appended
+        tokens stay in the preview request; the repetition penalty stays off)."""
+        return CanonicalRequest(
+            request_id=None, input_ids=None, prompt=None, max_new_tokens=self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repeat_penalty=DEFAULT.repeat_penalty, repeat_last_n=DEFAULT.repeat_last_n, seed=self.seed,
+            stop_tokens=list(self.stop_tokens), banned_tokens=[], stop_strings=[], ignore_eos=False,
+            attention=self.output_attentions, attention_format=self.attention_format,
+            attention_dtype=self.attention_dtype, attention_layers=None, hidden_state=False, n_probs=0,
+            slot=slot, wait=True, **self.sampler_settings(),
+        )  # fmt: skip
 
 
 class ContextShiftRequest(msgspec.Struct, kw_only=True):
