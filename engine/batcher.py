@@ -95,17 +95,19 @@ class Batcher:
         return any(j.seq == seq and not j.fork for j in self.jobs.values())
 
     def submit(self, req: Generate) -> None:
-        """Admit a generation or emit an ``Error`` (SLOT_BUSY, CONTEXT_OVERFLOW, NO_CACHED_CONTEXT...)."""
+        """Admit a generation or emit an ``Error`` with ``refused`` set (SLOT_BUSY, CONTEXT_OVERFLOW,
+        NO_CACHED_CONTEXT, OOM: no room in the KV cache for the prompt...): a refused request
+        leaves its sequence's tokens and cells as they were."""
         try:
             chain = self.new_chain(req.params)  # before the sequence changes: a bad grammar leaves it as it was
         except EngineError as exc:
-            self.emit(Error(req.req, exc.code, exc.message), ())
+            self.emit(Error(req.req, exc.code, exc.message, refused=True), ())
             return
         try:
             job = self._admit(req, chain)
         except EngineError as exc:
             chain.close()
-            self.emit(Error(req.req, exc.code, exc.message), ())
+            self.emit(Error(req.req, exc.code, exc.message, refused=True), ())
             return
         self.jobs[req.req] = job
         if req.progress and job.pending:
@@ -145,6 +147,7 @@ class Batcher:
             common = common_prefix(eng.tokens.get(req.seq, []), req.input_ids)
             if common == len(req.input_ids) and p.max_new_tokens > 0:
                 common -= 1  # the last token is decoded again for its logits
+            self._check_room(req.seq, common, len(req.input_ids) - common)
             eng.truncate(req.seq, common)
             seq, fork, pending, history = req.seq, False, list(req.input_ids[common:]), req.input_ids
         else:  # preview
@@ -177,6 +180,19 @@ class Batcher:
                 pending = [base[-1]]
         chain.accept_history(history)
         return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
+
+    def _check_room(self, seq: int, keep: int, n_prompt: int) -> None:
+        """``OOM`` before ``seq`` is truncated to ``keep`` tokens when the KV cache lacks free cells for
+        its ``n_prompt`` new prompt tokens and the prompts the running jobs still prefill (cells that
+        the truncation frees count as free), so a prompt that cannot fit leaves the slot as it was.
+        Generated tokens are not reserved: a cache that fills later fails the largest prefill."""
+        eng = self.engine
+        room = eng.free_cells() + eng.freed_by_truncate(seq, keep)
+        need = n_prompt + sum(len(j.pending) for j in self.jobs.values())
+        if need > room:
+            raise EngineError(
+                ErrorCode.OOM, f"the KV cache is full: {need} prompt tokens to prefill, {room} free cells"
+            )
 
     def _offload_idle(self, keep: int, need: int) -> None:
         """With ``cache_idle_slots``, move idle slots (all but ``keep``) out of the KV cache when it is cheap

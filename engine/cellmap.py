@@ -98,6 +98,17 @@ class CellMap:
             return []
         return [s for s in self._len if s != seq and self._len[s] and np.intersect1d(mine, self.cells(s)).size]
 
+    def private_cells(self, seq: int, start: int) -> int:
+        """How many cells of positions ``start..`` of ``seq`` no other sequence holds."""
+        tail = self.cells(seq)[start:] if start < self.length(seq) else np.empty(0, dtype=np.int32)
+        if not len(tail):
+            return 0
+        others = np.zeros(self.n_cells, dtype=bool)
+        for s, n in self._len.items():
+            if s != seq:
+                others[self._cells[s][:n]] = True
+        return int(np.count_nonzero(~others[np.unique(tail)]))
+
     def runs(self, seq: int) -> int:
         """Runs of consecutive cells that ``seq`` occupies (1 when its cells are contiguous)."""
         cells = np.sort(self.cells(seq))

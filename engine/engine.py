@@ -126,6 +126,13 @@ class Engine:
             return self.n_cells - int(np.count_nonzero(self.cellmap.occupied()))
         return self.n_cells - sum(len(t) for s, t in self.tokens.items() if s not in self.offloaded)
 
+    def freed_by_truncate(self, seq: int, n: int) -> int:
+        """KV cells that :meth:`truncate` ``(seq, n)`` would free: those of positions ``n..`` that no
+        other sequence shares (e.g. a preview's fork)."""
+        if not self.config.capture:
+            return max(0, self.seq_len(seq) - n)
+        return self.cellmap.private_cells(seq, n)
+
     def cell_runs(self, seq: int) -> int:
         """Runs of consecutive KV cells ``seq`` occupies; a large number when the mirror does not know
         (no capture)."""

@@ -326,10 +326,12 @@ class Done(Message):
 
 
 class Error(Message):
-    """A request failed (docs/api.md, "Errors")."""
+    """A request failed (docs/api.md, "Errors").  ``refused``: a generation was refused before
+    it changed anything (its sequence's tokens and KV cells are as they were)."""
 
     code: ErrorCode
     message: str
+    refused: bool = False
 
 
 class TokenizeResult(Message):

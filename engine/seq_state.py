@@ -159,6 +159,8 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None, io_header
     if r.off == len(r.data):
         return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
     (cell_count,) = r.take("<I")
+    if cell_count == 0 and r.off == len(r.data):  # llama.cpp writes an empty stream as its count alone
+        return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
     positions, v_trans, layers, data = _read_stream(r, cell_count)
     if r.off != len(r.data):
         raise BadStateError(f"{len(r.data) - r.off} unexpected bytes after the state")

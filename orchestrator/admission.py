@@ -28,10 +28,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.errors import ApiError
 
 S = TypeVar("S")  # what waits: the registry's Slot (the queue never looks inside it)
+T = TypeVar("T")
 
 
 class Ticket(Generic[S]):
@@ -139,9 +141,35 @@ class WaitHooks:
     """What a waiting request's handler wants to hear: its position, and whether its client left.
 
     ``on_position(n)`` is awaited whenever the position changes (1 = next).  Setting
-    ``gone`` (the client disconnected) ends the wait with ``CLIENT_GONE``.
+    ``gone`` (the client disconnected) ends the wait with ``CLIENT_GONE``: a wait in the
+    queue, and any other wait run through :meth:`unless_gone` (e.g. for a busy slot's lock).
     """
 
     def __init__(self, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.on_position = on_position
         self.gone = asyncio.Event()
+
+    def check(self, what: str) -> None:
+        """``CLIENT_GONE`` if the client already left (``what``: what it was waiting for)."""
+        if self.gone.is_set():
+            raise ApiError(ErrorCode.CLIENT_GONE, f"the client left while its request waited for {what}")
+
+    async def unless_gone(self, aw: Awaitable[T], what: str) -> T:
+        """Await ``aw``; if ``gone`` is set first, cancel it and raise ``CLIENT_GONE``.
+
+        ``aw`` must undo itself when cancelled (``asyncio.Lock.acquire`` does), so a client
+        that left takes nothing: a result that came at the same moment as ``gone`` is kept
+        (the caller checks :meth:`check` after it if it must not act on it)."""
+        task = asyncio.ensure_future(aw)
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if task.cancelled():
+            self.check(what)
+        return task.result()

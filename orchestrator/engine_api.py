@@ -29,12 +29,14 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineRequestError(RuntimeError):
-    """The engine refused a request: ``code`` (:class:`ErrorCode`), ``message``."""
+    """The engine refused a request: ``code`` (:class:`ErrorCode`), ``message``; ``refused``: a
+    generation that changed nothing (``engine.protocol.Error.refused``)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, refused: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.refused = refused
 
 
 @dataclass(frozen=True)

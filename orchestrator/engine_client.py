@@ -274,7 +274,7 @@ class WorkerClient:
                 reply, bufs = item
                 if isinstance(reply, proto.Error):
                     finished = True
-                    raise EngineRequestError(reply.code, reply.message)
+                    raise EngineRequestError(reply.code, reply.message, reply.refused)
                 if isinstance(reply, proto.Token):
                     yield token_output(reply, bufs)
                 elif isinstance(reply, proto.Progress):

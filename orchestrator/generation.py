@@ -19,7 +19,7 @@ from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admin_feed import AttentionFeed
 from orchestrator.admission import WaitHooks
-from orchestrator.engine_api import EngineClient, EngineEvent, GenerationStream, TokenOutput
+from orchestrator.engine_api import EngineClient, EngineEvent, EngineRequestError, GenerationStream, TokenOutput
 from orchestrator.errors import ApiError
 from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
 from orchestrator.slots import SlotRegistry, check_slot_id
@@ -179,13 +179,15 @@ class RunControl:
 
     ``on_queued(position)`` is awaited while the request waits for a free engine
     sequence (1 = next; see :mod:`orchestrator.admission`); cancelling a queued request
-    ends its wait (``CLIENT_GONE``) and frees its place.
+    ends its wait (``CLIENT_GONE``) and frees its place.  ``watched``: a handler watches the
+    client for a disconnect on its behalf (``orchestrator.api.generate.cancelled_on_disconnect``).
     """
 
     def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.engine: EngineClient | None = None
         self.req: int | None = None
         self.pending = False
+        self.watched = False
         self.hooks = WaitHooks(on_queued)
 
     async def bind(self, engine: EngineClient, req: int) -> None:
@@ -253,6 +255,16 @@ class GenerationService:
                 pairs += [(t, bias) for t in (await self.engine.tokenize(tok, False, False)).ids]
         req.logit_bias = pairs
 
+    async def checked_params(self, req: CanonicalRequest) -> proto.SamplingParams:
+        """:func:`sampling_params` of ``req`` (text ``logit_bias`` keys resolved); a grammar or JSON
+        schema is built once by the worker first, so one llama.cpp cannot use is
+        ``INVALID_GRAMMAR`` before any slot is touched."""
+        await self.resolve_bias(req)
+        params = sampling_params(req, self.info)
+        if params.grammar or params.json_schema:
+            await self.engine.check_sampling(params)
+        return params
+
     async def pieces(self) -> list[bytes]:
         """Every token's raw piece, indexed by token id (sent by the worker at start-up)."""
         return self.engine.pieces
@@ -272,10 +284,7 @@ class GenerationService:
         """
         info = self.info
         ids = await self.input_ids(req)
-        await self.resolve_bias(req)
-        params = sampling_params(req, info)
-        if params.grammar or params.json_schema:  # refused before the slot is touched
-            await self.engine.check_sampling(params)
+        params = await self.checked_params(req)
         capture = capture_options(req, info.num_layers)
         hooks = control.hooks if control is not None else None
         async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
@@ -289,12 +298,15 @@ class GenerationService:
             n_out = 0
             finished = False
             events = await self.engine.generate(slot.seq, ids, params, capture, progress=req.progress)
-            self.registry.generation_started(slot, events.req, params)
+            took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
             try:
                 if control is not None:
                     await control.bind(self.engine, events.req)
                 yield Started(slot.id)
                 async for event in converter.events(events):
+                    if not took:
+                        took = True
+                        self.registry.generation_started(slot, events.req, params)
                     if isinstance(event, TokenOut):
                         out = event
                         if not out.is_stop:
@@ -322,13 +334,21 @@ class GenerationService:
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
+            except EngineRequestError as exc:
+                refused = exc.refused and not took
+                raise
             finally:
                 await events.aclose()
-                if not finished:  # the client left or the worker failed: the engine stopped it
-                    log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
-                    metrics.record_abandoned(n_out)
-                    self.registry.generated(slot, len(ids) + n_out)  # refreshed by the tokens action
-                self.registry.generation_ended(slot)
+                if refused:
+                    log.info("generation refused", request_id=req.request_id)
+                else:
+                    if not took:  # it failed before its first event
+                        self.registry.generation_started(slot, events.req, params)
+                    if not finished:  # the client left or the worker failed: the engine stopped it
+                        log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
+                        metrics.record_abandoned(n_out)
+                        self.registry.generated(slot, len(ids) + n_out)  # refreshed by the tokens action
+                    self.registry.generation_ended(slot)
 
     async def preview(
         self, req: PreviewRequest, control: RunControl | None = None
@@ -341,27 +361,18 @@ class GenerationService:
         tokens and KV cells stay as they were and previews of one slot run concurrently.
         Raises :class:`ApiError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
         (an explicitly named slot that does not exist, with no ``input_ids``),
-        ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``).
+        ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
         """
         info = self.info
         append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
-        check_tokens(req.stop_tokens, info.vocab_size, "stop_tokens")
-        params = proto.SamplingParams(
-            max_new_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(0, req.top_k),
-            min_p=0.0,
-            seed=req.seed,
-            stop_tokens=req.stop_tokens,
-        )
+        named = req.conversation_id if req.conversation_id is not None else req.id_slot
+        slot_id = check_slot_id(str(named if named is not None else "0"))
+        params = await self.checked_params(req.canonical(slot_id))
         capture = proto.CaptureOptions(
             attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
         )
-        named = req.conversation_id if req.conversation_id is not None else req.id_slot
-        slot_id = check_slot_id(str(named if named is not None else "0"))
         t0 = time.perf_counter()
         events: GenerationStream | None = None
         if req.use_cached_context:
@@ -372,7 +383,8 @@ class GenerationService:
             if not known and named is not None and req.input_ids is None:
                 raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             if known:
-                async with self.registry.use(slot_id, wait=True, create=False) as slot:
+                hooks = control.hooks if control is not None else None  # its client leaving ends its waits
+                async with self.registry.use(slot_id, wait=True, create=False, hooks=hooks) as slot:
                     if slot.n_tokens:
                         assert slot.seq is not None
                         # the fork is taken before any later request

@@ -80,8 +80,9 @@ class Residency(ABC):
         when the queue is full or the wait exceeds ``--queue-timeout``, ``CLIENT_GONE``
         when ``hooks.gone`` is set meanwhile.  ``queue=False``: ``RATE_LIMITED`` at once
         instead of waiting (for a caller that holds another slot's sequence: waiting could
-        wait for itself).
+        wait for itself).  ``hooks`` defaults to those of the request holding the slot.
         """
+        hooks = hooks or slot.holder_hooks
         if self.is_resident(slot):
             return slot.seq  # type: ignore[return-value]
         if slot.seq is not None:  # the worker restarted: the old sequence is gone

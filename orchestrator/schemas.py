@@ -72,12 +72,14 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         """These fields as keyword arguments (to pass them on to a :class:`GenerateRequest`)."""
         return {name: getattr(self, name) for name in SamplerFields.__struct_fields__}
 
-    def sampler_settings(self) -> dict[str, Any]:
-        """These fields for a :class:`CanonicalRequest`: a missing value is the default
-        (:class:`engine.protocol.SamplingParams`); ``logit_bias`` as pairs, ``json_schema`` as JSON text."""
-        out = {name: getattr(DEFAULT, name) if v is None else v for name, v in self.sampler_fields().items()}
+    def sampler_settings(self, defaults: SamplingParams = DEFAULT) -> dict[str, Any]:
+        """These fields for a :class:`CanonicalRequest`: a missing value is taken from ``defaults``
+        (:class:`engine.protocol.SamplingParams`'s own unless an API has others); ``logit_bias`` as
+        pairs, ``json_schema`` as JSON text."""
+        out = {name: getattr(defaults, name) if v is None else v for name, v in self.sampler_fields().items()}
+        breakers = self.dry_sequence_breakers
         out.update(
-            dry_sequence_breakers=dry_breakers(self.dry_sequence_breakers),
+            dry_sequence_breakers=list(defaults.dry_sequence_breakers) if breakers is None else dry_breakers(breakers),
             logit_bias=logit_bias_pairs(self.logit_bias),
             json_schema=msgspec.json.encode(self.json_schema).decode() if self.json_schema is not None else "",
         )
@@ -142,8 +144,9 @@ class GenerateRequest(SamplerFields, kw_only=True):
         out["top_n_sigma"] = self.nsigma if self.top_n_sigma is None else self.top_n_sigma
         return out
 
-    def canonical(self) -> CanonicalRequest:
-        """Merge aliases (first given wins, slotserve's own names first) into one canonical request."""
+    def canonical(self, defaults: SamplingParams = DEFAULT) -> CanonicalRequest:
+        """Merge aliases (first given wins, slotserve's own names first) into one canonical request;
+        a field no alias gives is taken from ``defaults`` (KoboldCpp's routes pass KoboldCpp's)."""
 
         def first(*vals: object, default: object) -> object:
             return next((v for v in vals if v is not None), default)
@@ -165,18 +168,18 @@ class GenerateRequest(SamplerFields, kw_only=True):
                     self.max_length,
                     self.max_tokens,
                     self.n_predict,
-                    default=DEFAULT.max_new_tokens,
+                    default=defaults.max_new_tokens,
                 )
             ),  # type: ignore[call-overload]
-            temperature=float(first(self.temperature, default=DEFAULT.temperature)),  # type: ignore[arg-type]
-            top_p=float(first(self.top_p, default=DEFAULT.top_p)),  # type: ignore[arg-type]
-            top_k=int(first(self.top_k, default=DEFAULT.top_k)),  # type: ignore[call-overload]
-            min_p=float(first(self.min_p, default=DEFAULT.min_p)),  # type: ignore[arg-type]
+            temperature=float(first(self.temperature, default=defaults.temperature)),  # type: ignore[arg-type]
+            top_p=float(first(self.top_p, default=defaults.top_p)),  # type: ignore[arg-type]
+            top_k=int(first(self.top_k, default=defaults.top_k)),  # type: ignore[call-overload]
+            min_p=float(first(self.min_p, default=defaults.min_p)),  # type: ignore[arg-type]
             repeat_penalty=float(
-                first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=DEFAULT.repeat_penalty)
+                first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=defaults.repeat_penalty)
             ),  # type: ignore[arg-type]
-            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=DEFAULT.repeat_last_n)),  # type: ignore[call-overload]
-            seed=int(first(self.seed, self.sampler_seed, default=DEFAULT.seed)),  # type: ignore[call-overload]
+            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),  # type: ignore[call-overload]
+            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),  # type: ignore[call-overload]
             stop_tokens=list(self.stop_tokens or []),
             banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
             stop_strings=[s for s in stops if s],
@@ -190,7 +193,7 @@ class GenerateRequest(SamplerFields, kw_only=True):
             slot="0" if slot is None else str(slot),
             wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
             progress=self.return_progress,
-            **self.sampler_settings(),
+            **self.sampler_settings(defaults),
         )
 
 
@@ -302,14 +305,16 @@ class AppendToken(msgspec.Struct):
     text: str = ""
 
 
-class PreviewRequest(msgspec.Struct, kw_only=True):
-    """``POST /api/v1/generate/preview`` (docs/api.md)."""
+class PreviewRequest(SamplerFields, kw_only=True):
+    """``POST /api/v1/generate/preview`` (docs/api.md): the preview's own fields, and the
+    generation routes' further sampler fields (:class:`SamplerFields`)."""
 
     append_tokens: list[AppendToken | int] = []
     max_tokens: PreviewTokens = 50
     temperature: Float32 = 0.7
     top_p: Probability = 0.9
     top_k: TopK = 40
+    min_p: Probability = 0.0
     seed: Seed = -1
     stop_tokens: list[int] = []
     use_cached_context: bool = True
@@ -319,6 +324,19 @@ class PreviewRequest(msgspec.Struct, kw_only=True):
     output_attentions: bool = False
     attention_format: AttentionFormat = "per_layer"
     attention_dtype: AttentionDtype = "float32"
+
+    def canonical(self, slot: str) -> CanonicalRequest:
+        """The preview's sampling as a :class:`CanonicalRequest` on ``slot`` (context and appended
+        tokens stay in the preview request; the repetition penalty stays off)."""
+        return CanonicalRequest(
+            request_id=None, input_ids=None, prompt=None, max_new_tokens=self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repeat_penalty=DEFAULT.repeat_penalty, repeat_last_n=DEFAULT.repeat_last_n, seed=self.seed,
+            stop_tokens=list(self.stop_tokens), banned_tokens=[], stop_strings=[], ignore_eos=False,
+            attention=self.output_attentions, attention_format=self.attention_format,
+            attention_dtype=self.attention_dtype, attention_layers=None, hidden_state=False, n_probs=0,
+            slot=slot, wait=True, **self.sampler_settings(),
+        )  # fmt: skip
 
 
 class ContextShiftRequest(msgspec.Struct, kw_only=True):

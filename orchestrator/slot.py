@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine import protocol as proto
+from orchestrator.admission import WaitHooks
 from orchestrator.errors import ApiError
 
 MAX_SLOT_ID = 256
@@ -46,6 +47,7 @@ class Slot:
     n_decoded: int = 0
     n_prompt_tokens_cache: int = 0
     requests: int = 0
+    holder_hooks: WaitHooks | None = None  # the holding request's (its client's departure ends its waits)
 
     @property
     def busy(self) -> bool:

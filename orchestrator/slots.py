@@ -121,6 +121,11 @@ class SlotRegistry(Residency):
 
     # ------------------------------------------------------------------ lookup
 
+    @property
+    def n_waiting(self) -> int:
+        """Client requests waiting: for a slot another request holds, or for an engine sequence."""
+        return sum(max(0, s.requests - 1) for s in self.slots.values()) + len(self.queue)
+
     def find(self, slot_id: str) -> Slot | None:
         """The slot or None."""
         return self.slots.get(slot_id)
@@ -154,26 +159,33 @@ class SlotRegistry(Residency):
         """Hold ``slot_id`` exclusively (``SLOT_BUSY`` unless ``wait``), resident if asked.
 
         A slot that needs a sequence while all are busy waits in the admission queue
-        (``hooks`` hears its position; see :meth:`ensure_resident`).  When the request ends
+        (``hooks`` hears its position; see :meth:`ensure_resident`; a later
+        :meth:`ensure_resident` of the holder uses the same ``hooks``).  When the request ends
         and others wait for a sequence, the slot is parked and its sequence handed on.
-        A request that waits for a busy slot gets ``SLOT_BUSY`` after :attr:`wait_s` seconds.
+        A request that waits for a busy slot gets ``SLOT_BUSY`` after :attr:`wait_s` seconds,
+        and ``CLIENT_GONE`` as soon as ``hooks.gone`` is set (its client left): it then
+        leaves without having touched the slot.
         """
         slot = await self.get(slot_id, create)
         if slot.busy and not wait:
             raise ApiError(ErrorCode.SLOT_BUSY, f"slot {slot_id!r} is processing another request", slot_id=slot_id)
+        hooks = hooks or WaitHooks()
         slot.requests += 1  # a background save holding the lock is waited for, never reported as busy
         try:
             try:
-                await asyncio.wait_for(slot.lock.acquire(), self.wait_s)
+                await asyncio.wait_for(hooks.unless_gone(slot.lock.acquire(), f"slot {slot_id!r}"), self.wait_s)
             except TimeoutError:
                 raise ApiError(
                     ErrorCode.SLOT_BUSY, f"slot {slot_id!r} stayed busy for {self.wait_s:g} s", slot_id=slot_id
                 ) from None
             try:
+                hooks.check(f"slot {slot_id!r}")
+                slot.holder_hooks = hooks
                 if self.leases is not None:
                     await self.leases.claim(slot.id)
                 if resident:
-                    await self.ensure_resident(slot, hooks=hooks)
+                    await self.ensure_resident(slot)
+                    hooks.check("an engine sequence")
                 try:
                     yield slot
                 finally:
@@ -189,6 +201,7 @@ class SlotRegistry(Residency):
                         finally:
                             slot.requests += 1
             finally:
+                slot.holder_hooks = None
                 slot.lock.release()
         finally:
             slot.requests -= 1

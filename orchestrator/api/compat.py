@@ -4,11 +4,14 @@
   "type"}}`` (llama-server ``tools/server/server-common.cpp`` ``format_error_response``;
   OpenAI's API reference "Error codes"), plus slotserve's ``error_code``;
 * :func:`collect`: run a non-streaming generation, cancelled when the client leaves;
+* :func:`started_run`: start a streamed generation (a client that leaves while it waits
+  for its slot ends it with ``CLIENT_GONE``);
 * :func:`sse_data`: one ``data: {json}`` Server-Sent Event (OpenAI/llama-server framing).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +22,7 @@ from litestar.response import Stream
 from engine.errors import ErrorCode
 from orchestrator.api.generate import cancelled_on_disconnect
 from orchestrator.errors import ApiError, exception_handlers
-from orchestrator.generation import DoneOut, RunControl, TokenOut
+from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import CanonicalRequest
 from orchestrator.services import Services
 
@@ -100,6 +103,20 @@ async def collect(
             elif isinstance(ev, DoneOut):
                 out.done = ev
     return out
+
+
+async def started_run(
+    services: Services, req: CanonicalRequest, request: Request[Any, Any, Any], control: RunControl | None = None
+) -> AsyncIterator[Any]:
+    """The events of ``req`` after :class:`orchestrator.generation.Started`: validated, slot held,
+    generation begun, so errors up to here are plain 4xx answers.  A client that leaves while
+    the request waits (for a busy slot or an engine sequence) ends it with ``CLIENT_GONE``;
+    afterwards the streaming response notices a departure and closes the iterator."""
+    async with cancelled_on_disconnect(request, control) as run_control:
+        run = services.generation.run(req, run_control)
+        first = await anext(run)
+    assert isinstance(first, Started)
+    return run
 
 
 def piece_text(piece: bytes) -> str:

@@ -90,14 +90,23 @@ async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunCon
 async def cancelled_on_disconnect(
     request: Request[Any, Any, Any], control: RunControl | None = None
 ) -> AsyncIterator[RunControl]:
-    """``control`` (or a new :class:`RunControl`), cancelled when the client of a non-streaming
-    request goes away (also before the generation starts, e.g. while it waits for its slot)."""
+    """``control`` (or a new :class:`RunControl`), cancelled when the client of a request goes
+    away: the generation stops, and a request still waiting (for a busy slot, or for an engine
+    sequence in the admission queue: ``control.hooks``) ends with ``CLIENT_GONE``, untouched.
+
+    Start it only once the request's body has been read (it reads the ASGI ``receive`` channel
+    for ``http.disconnect``).  Nested blocks with the same ``control`` share one watcher."""
     control = control or RunControl()
+    if control.watched:
+        yield control
+        return
+    control.watched = True
     watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
     try:
         yield control
     finally:
         watcher.cancel()
+        control.watched = False
 
 
 class GenerateController(Controller):
@@ -174,7 +183,8 @@ class GenerateController(Controller):
         # request queued for an engine sequence starts the stream with its position instead.
         first = asyncio.ensure_future(anext(run))
         getter = asyncio.ensure_future(positions.get())
-        await asyncio.wait({first, getter}, return_when=asyncio.FIRST_COMPLETED)
+        async with cancelled_on_disconnect(request, control):  # e.g. while it waits for a busy slot
+            await asyncio.wait({first, getter}, return_when=asyncio.FIRST_COMPLETED)
         if getter.done():
             positions.put_nowait(getter.result())
         getter.cancel()

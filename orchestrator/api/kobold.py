@@ -9,7 +9,8 @@ sequences), ``/api/v1/info/version``, ``/api/v1/config/max_context_length``,
 ``/api/extra/generate/check`` (the text so far) and ``GET /api/extra/perf``.
 
 :func:`prepare` turns a Kobold generation body (``POST /api/v1/generate``, ``POST
-/api/extra/generate/stream``) into a canonical request the way KoboldCpp reads it:
+/api/extra/generate/stream``) into a canonical request the way KoboldCpp reads it: KoboldCpp's
+defaults (:data:`KOBOLD_DEFAULTS`) for what the body leaves out,
 ``memory`` before the prompt, string ``banned_tokens``/``banned_strings``,
 ``use_default_badwordsids``/``ban_eos_token`` (end-of-generation tokens banned), ``bypass_eos``
 (they do not stop), and a prompt over
@@ -57,6 +58,18 @@ STOP_REASON = {"length": 0, "stop_token": 1, "stop_string": 2, "cancelled": -1}
 # (llama.cpp has no top-a, tail-free, smoothing or slope sampler; typical, nsigma, presence_penalty,
 # dynatemp_range, DRY, XTC, Mirostat, logit_bias and grammar are honoured.)
 NEUTRAL = {"top_a": 0, "tfs": 1, "smoothing_factor": 0, "rep_pen_slope": 1}
+KOBOLD_DEFAULTS = proto.SamplingParams(
+    max_new_tokens=200, temperature=0.75, top_k=100, top_p=0.92, min_p=0.0, typical_p=1.0,
+    repeat_penalty=1.0, repeat_last_n=320, presence_penalty=0.0, mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1,
+    dry_multiplier=0.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=320, dry_sequence_breakers=[],
+    xtc_threshold=0.2, xtc_probability=0.0, dynatemp_range=0.0, dynatemp_exponent=1.0, seed=-1,
+)  # fmt: skip
+"""What KoboldCpp uses for a field its ``/api/v1/generate`` body leaves out: ``koboldcpp.py``
+``generate()`` (KoboldCpp 1.82.4, the release this API follows: ``max_length`` 200, ``temperature``
+0.75, ``top_k`` 100, ``top_p`` 0.92, ``min_p`` 0, ``typical`` 1, ``rep_pen`` 1, ``rep_pen_range``
+320, Mirostat tau 5 / eta 0.1, DRY base 1.75 / allowed length 2 / window 320 / no sequence
+breakers, XTC threshold 0.2; ``tfs`` 1, ``top_a`` 0, ``rep_pen_slope`` 1 are the neutral values of
+:data:`NEUTRAL`).  llama-server's defaults (``engine.protocol.SamplingParams``) serve the other routes."""
 
 
 @dataclass
@@ -151,7 +164,7 @@ async def _banned_ids(services: Services, words: list[str]) -> list[int]:
 
 async def prepare(services: Services, data: GenerateRequest, raw: dict[str, Any] | None = None) -> CanonicalRequest:
     """The canonical request for a Kobold/seed body (see module docstring); ``raw`` is the JSON body."""
-    req = data.canonical()
+    req = data.canonical(KOBOLD_DEFAULTS)
     raw = raw or {}
     _warn_unsupported(data, raw)
     if raw.get("bypass_eos") is True:  # KoboldCpp: end-of-stream tokens do not stop the generation
@@ -205,7 +218,7 @@ class KoboldController(Controller):
 
     @get("/api/v1/config/max_length", summary="KoboldCpp: default generation length, tokens", responses=ERROR_RESPONSES)
     async def max_length(self) -> KoboldValue:
-        return KoboldValue(value=int(GenerateRequest().canonical().max_new_tokens))
+        return KoboldValue(value=KOBOLD_DEFAULTS.max_new_tokens)
 
     @post(
         "/api/extra/tokencount",
@@ -265,7 +278,7 @@ class KoboldController(Controller):
             total_gens=jobs.total_gens,
             stop_reason=STOP_REASON.get(last.finish_reason, -1) if last else -1,
             total_img_gens=0,
-            queue=sum(max(0, s.requests - 1) for s in services.registry.slots.values()),
+            queue=services.registry.n_waiting,
             idle=0 if busy else 1,
             hordeexitcounter=-1,
             uptime=now - jobs.started,

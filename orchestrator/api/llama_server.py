@@ -22,6 +22,7 @@ from litestar import Controller, Request, get, post
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
+from orchestrator.admission import WaitHooks
 from orchestrator.api.compat import (
     COMPAT_ERRORS,
     EventStream,
@@ -32,10 +33,12 @@ from orchestrator.api.compat import (
     prompt_ids,
     remaining,
     sse_data,
+    started_run,
 )
+from orchestrator.api.generate import cancelled_on_disconnect
 from orchestrator.compat_responses import DefaultSettings, LlamaCompletion, Modalities, Props, streamable
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, report, route_of
-from orchestrator.generation import DoneOut, Started, TokenOut, sampling_params
+from orchestrator.generation import DoneOut, TokenOut, sampling_params
 from orchestrator.schemas import (
     INT32_MAX,
     CanonicalRequest,
@@ -245,7 +248,7 @@ def _warn_ignored(body: CompletionBody) -> None:
         log.warning("llama-server fields not supported, ignored", fields=["post_sampling_probs"])
 
 
-async def _prepare(services: Services, ops: SlotOps, body: CompletionBody) -> Completion:
+async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks) -> Completion:
     ids = await prompt_ids(services, one_prompt(body.prompt))
     if not 0 <= body.n_probs <= 100:
         raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
@@ -272,7 +275,7 @@ async def _prepare(services: Services, ops: SlotOps, body: CompletionBody) -> Co
     ).canonical()
     req.wait = True
     if not body.cache_prompt:
-        async with services.registry.use(req.slot, wait=True, create=True, resident=False) as s:
+        async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
             await ops.erase(s)
     info = services.generation.info
     return Completion(body, req, info, await services.generation.pieces())
@@ -318,19 +321,18 @@ class LlamaServerController(Controller):
     async def completion(
         self, request: Request[Any, Any, Any], services: Services, ops: SlotOps, data: CompletionBody
     ) -> EventStream | LlamaCompletion:
-        c = await _prepare(services, ops, data)
-        ids = c.req.input_ids or []
-        stops = c.req.stop_strings
-        if not data.stream:
-            got = await collect(services, c.req, request)
-            kept = [t for t in got.tokens if not t.is_stop]
-            filt = StopTextFilter(stops)
-            text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
-            final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
-            return msgspec.convert(final, LlamaCompletion)
-        run = services.generation.run(c.req)
-        first = await anext(run)
-        assert isinstance(first, Started)
+        async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
+            c = await _prepare(services, ops, data, control.hooks)
+            ids = c.req.input_ids or []
+            stops = c.req.stop_strings
+            if not data.stream:
+                got = await collect(services, c.req, request, control)
+                kept = [t for t in got.tokens if not t.is_stop]
+                filt = StopTextFilter(stops)
+                text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
+                final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
+                return msgspec.convert(final, LlamaCompletion)
+            run = await started_run(services, c.req, request, control)
 
         async def events() -> AsyncIterator[bytes]:
             filt = StopTextFilter(stops)

@@ -39,11 +39,12 @@ from orchestrator.api.compat import (
     prompt_ids,
     remaining,
     sse_data,
+    started_run,
 )
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.compat_responses import ChatCompletion, ModelCard, ModelList, ModelMeta, TextCompletion, streamable
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, report, route_of
-from orchestrator.generation import DoneOut, Started, TokenOut
+from orchestrator.generation import DoneOut, TokenOut
 from orchestrator.schemas import (
     AttentionDtype,
     AttentionFormat,
@@ -306,9 +307,7 @@ async def respond(
         text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
         return msgspec.convert(shape.final(text, kept, got.end), kind)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
-    run = services.generation.run(req)
-    first = await anext(run)  # validated, slot held: errors before this point are plain 4xx
-    assert isinstance(first, Started)
+    run = await started_run(services, req, request)
 
     async def events() -> AsyncIterator[bytes]:
         filt = StopTextFilter(stops)

@@ -12,8 +12,9 @@ import asyncio
 import base64
 import binascii
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -26,11 +27,13 @@ from engine.errors import ErrorCode
 from engine.framing import Buffer
 from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.generate import cancelled_on_disconnect
 from orchestrator.api.llama_server import check_slot_number, slot_task_fields
 from orchestrator.api.raw_body import BODY_POOL, BuffersResponse, lent_to_worker, read_body
 from orchestrator.auth import require_admin
 from orchestrator.digest import check_repr_digest, repr_digest
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError
+from orchestrator.generation import RunControl
 from orchestrator.responses import (
     ContextShiftResponse,
     EraseResponse,
@@ -50,7 +53,7 @@ from orchestrator.responses import (
 from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
 from orchestrator.services import Services
 from orchestrator.slot_ops import FileResult, SlotOps, message_boundaries
-from orchestrator.slots import check_slot_id
+from orchestrator.slots import Slot, check_slot_id
 from orchestrator.wire import slot_id_out
 
 OCTET = "application/octet-stream"
@@ -82,15 +85,27 @@ class ActionCall:
     ops: SlotOps
     slot_id: str
     wait: bool
+    control: RunControl = field(default_factory=RunControl)  # its client's departure ends its waits
 
     @property
     def out_id(self) -> int | str:
         """The slot id as llama-server reports it (numeric ids as integers)."""
         return slot_id_out(self.slot_id)
 
-    def use(self, slot_id: str | None = None, *, create: bool = False) -> Any:
-        """Hold a slot (this request's by default) for the action; not restored until needed."""
-        return self.services.registry.use(slot_id or self.slot_id, create=create, resident=False, wait=self.wait)
+    @asynccontextmanager
+    async def use(self, slot_id: str | None = None, *, create: bool = False) -> AsyncIterator[Slot]:
+        """Hold a slot (this request's by default) for the action; not restored until needed.
+
+        Call it once the body has been read: from here the client is watched, and one that
+        leaves while the action waits (``wait=true`` for a busy slot, or an engine sequence
+        to restore into) ends it with ``CLIENT_GONE``, the slot untouched."""
+        async with (
+            cancelled_on_disconnect(self.request, self.control) as control,
+            self.services.registry.use(
+                slot_id or self.slot_id, create=create, resident=False, wait=self.wait, hooks=control.hooks
+            ) as slot,
+        ):
+            yield slot
 
     async def body(self, kind: type[Any]) -> Any:
         """The JSON body decoded strictly into ``kind`` (``INVALID_REQUEST`` otherwise)."""

@@ -43,3 +43,16 @@ def test_errors() -> None:
         cm.write(0, 5, np.array([3]))  # a gap
     with pytest.raises(CellMapError):
         cm.cells(0, 3)
+
+
+def test_private_cells_are_what_a_truncation_frees() -> None:
+    cm = CellMap(64)
+    cm.write(0, 0, np.arange(10))
+    cm.copy(0, 1)  # a fork shares all ten cells
+    cm.write(1, 10, np.array([20, 21]))
+    cm.truncate(1, 6)  # the fork keeps cells 0..5
+    assert cm.private_cells(0, 4) == 4  # cells 6..9: seq 0's alone
+    assert cm.private_cells(0, 0) == 4
+    assert cm.private_cells(0, 10) == 0
+    cm.remove(1)
+    assert cm.private_cells(0, 4) == 6

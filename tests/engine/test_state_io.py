@@ -155,3 +155,16 @@ def test_a_changed_sequence_is_read_into_the_memory_of_its_old_state(runner: Run
     engine.make_resident(1)  # the offloaded copy is not recycled by the restore's erase
     assert engine.state_pool.held_bytes == 0
     assert engine.save_state(1)[1] is blob and blob == llama_state(engine.ctx, 1)
+
+
+def test_an_empty_sequence_state_restores(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    """llama.cpp writes an empty sequence as its stream's cell count (0) alone; it parses to no
+    positions and restores to an empty sequence (a slot emptied by a context shift comes back)."""
+    decode_together(runner, model, n=2)
+    engine.erase(5)
+    blob = llama_state(engine.ctx, 5)
+    assert len(seq_state.parse(blob, engine.layout).positions) == 0
+    engine.restore_state(2, [], blob)
+    assert engine.seq_len(2) == 0 and engine.cellmap.length(2) == 0
+    engine.restore_state(2, *engine.save_state(2))  # our own empty state too
+    assert engine.seq_len(2) == 0

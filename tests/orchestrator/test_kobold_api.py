@@ -181,3 +181,30 @@ def test_ban_eos_and_bypass_eos(server: ServerProc) -> None:
     assert not eog & {t["token_id"] for t in out["generated_tokens"]}
     bypass = httpx.post(server.url + "/api/v1/generate", json={**bare, "bypass_eos": True}, timeout=120).json()
     assert bypass["finish_reason"] == "length" and bypass["total_tokens"] == 6
+
+
+def test_unset_fields_get_koboldcpps_defaults(server: ServerProc) -> None:
+    """A Kobold body that leaves fields out gets KoboldCpp's defaults (koboldcpp.py ``generate``,
+    1.82.4), not llama-server's; the other routes keep llama-server's."""
+    assert httpx.get(server.url + "/api/v1/config/max_length", timeout=30).json() == {"value": 200}
+    r = httpx.post(server.url + "/api/v1/generate",
+                   json={"prompt": STORY, "bypass_eos": True, "genkey": "KCPP0200", "id_slot": "kdef"},
+                   timeout=600)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert len(r.json()["generated_tokens"]) == 200  # max_length 200, no EOS stop
+    slot = {str(s["id"]): s for s in httpx.get(server.url + "/slots", timeout=30).json()}["kdef"]
+    p = slot["params"]
+    assert (p["temperature"], p["top_k"], p["top_p"], p["min_p"]) == (0.75, 100, 0.92, 0.0)
+    assert (p["repeat_penalty"], p["repeat_last_n"], p["typical_p"]) == (1.0, 320, 1.0)
+    assert (p["xtc_threshold"], p["dry_base"], p["dry_allowed_length"], p["dry_penalty_last_n"]) == (0.2, 1.75, 2, 320)
+    assert (p["mirostat_tau"], p["mirostat_eta"], p["dry_sequence_breakers"]) == (5.0, 0.1, [])
+    # The SSE stream is KoboldCpp's route too; llama-server's /completion keeps its own defaults.
+    with httpx.stream("POST", server.url + "/api/extra/generate/stream",
+                      json={"prompt": STORY, "max_length": 2, "id_slot": "kdef"}, timeout=120) as s:  # fmt: skip
+        assert s.status_code == 200
+        s.read()
+    slot = {str(s["id"]): s for s in httpx.get(server.url + "/slots", timeout=30).json()}["kdef"]
+    assert (slot["params"]["temperature"], slot["params"]["top_k"]) == (0.75, 100)
+    r = httpx.post(server.url + "/completion", json={"prompt": STORY, "n_predict": 2, "id_slot": 9}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert (r.json()["generation_settings"]["temperature"], r.json()["generation_settings"]["top_k"]) == (0.8, 40)

@@ -110,6 +110,8 @@ def test_chat_response_format(server: ServerProc) -> None:
             {"prompt": QUESTION, "max_length": 4, "grammar": "root ::= " + "(" * 20000 + '"a"' + ")" * 20000},
         ),
         ("/api/extra/generate/stream", {"prompt": QUESTION, "max_length": 4, "grammar": "root ::= [a-"}),
+        ("/api/v1/generate/preview", {"max_tokens": 4, "grammar": 'root ::= "yes'}),
+        ("/api/v1/generate/preview", {"max_tokens": 4, "json_schema": {"$ref": "#/definitions/missing"}}),
     ],
 )
 def test_bad_grammar_is_400_and_the_slot_is_unchanged(server: ServerProc, path: str, body: dict[str, Any]) -> None:
@@ -151,12 +153,17 @@ def test_bad_grammar_over_the_websocket(server: ServerProc) -> None:
         ("/v1/chat/completions", {"presence_penalty": "high"}, "INVALID_REQUEST"),
         ("/api/v1/generate", {"typical": 2}, "INVALID_REQUEST"),
         ("/api/v1/generate", {"dry_multiplier": 1, "dry_sequence_breakers": "[not json"}, "INVALID_REQUEST"),
+        ("/api/v1/generate/preview", {"xtc_probability": 1.5}, "INVALID_REQUEST"),
+        ("/api/v1/generate/preview", {"min_p": -0.5}, "INVALID_REQUEST"),
+        ("/api/v1/generate/preview", {"logit_bias": [[10**6, 1.0]]}, "INVALID_TOKEN"),
     ],
 )
 def test_bad_sampler_values_are_refused(server: ServerProc, path: str, body: dict[str, Any], code: str) -> None:
     base: dict[str, Any] = {"prompt": QUESTION, "n_predict": 2}
     if path == "/v1/chat/completions":
         base = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    if path == "/api/v1/generate/preview":
+        base = {"input_ids": [1, 2, 3], "use_cached_context": False, "max_tokens": 2}
     r = post(server, path, {**base, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error_code"] == code
@@ -226,3 +233,25 @@ def test_deeply_nested_schema_is_400(server: ServerProc, path: str, body: str) -
     r = httpx.post(server.url + path, content=body % DEEP, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error_code"] == "INVALID_REQUEST"
+
+
+def test_preview_takes_the_generation_samplers(server: ServerProc) -> None:
+    """A preview honours a grammar and a logit bias, on a fork, and leaves the slot as it was."""
+    slot = "smp-pv"
+    first = post(server, "/api/v1/generate", {"prompt": QUESTION, "max_length": 2, "temperature": 0, "conversation_id": slot})  # fmt: skip
+    assert first.status_code == 200, first.text
+    before = slot_tokens(server, slot)
+    texts = set()
+    for seed in range(4):
+        body = {"conversation_id": slot, "max_tokens": 8, "temperature": 1.5, "top_k": 0, "top_p": 1.0,
+                "seed": seed, "grammar": 'root ::= " yes" | " no"'}  # fmt: skip
+        r = post(server, "/api/v1/generate/preview", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["cache_hit"] is True
+        texts.add(r.json()["text"])
+    assert texts <= {" yes", " no"}, texts
+    forced = post(server, "/api/v1/generate/preview",
+                  {"conversation_id": slot, "max_tokens": 3, "logit_bias": {"42": 100}, "temperature": 0})  # fmt: skip
+    assert forced.status_code == 200, forced.text
+    assert [t["token_id"] for t in forced.json()["tokens"]] == [42, 42, 42]
+    assert slot_tokens(server, slot) == before
