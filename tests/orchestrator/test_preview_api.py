@@ -27,9 +27,12 @@ def preview(server: ServerProc, **body: object) -> httpx.Response:
 
 
 def state(server: ServerProc, slot: str) -> tuple[list[int], bytes]:
-    toks = httpx.post(f"{server.url}/slots/{slot}", params={"action": "tokens"}).json()["tokens"]
+    toks = httpx.post(f"{server.url}/slots/{slot}", params={"action": "tokens"}, timeout=60).json()["tokens"]
     blob = httpx.post(
-        f"{server.url}/slots/{slot}", params={"action": "save-state"}, headers={"Accept": "application/octet-stream"}
+        f"{server.url}/slots/{slot}",
+        params={"action": "save-state"},
+        headers={"Accept": "application/octet-stream"},
+        timeout=60,
     ).content
     return toks, blob
 
