@@ -190,10 +190,7 @@ class KvReader:
         head[:] = (IO_MAGIC, seq & 0xFFFFFFFF, 1, n)
         if not n:
             return out
-        order = np.argsort(cells, kind="stable")
-        sorted_cells = cells[order].astype(np.int64)
-        if sorted_cells[0] < 0 or sorted_cells[-1] >= self.kv_size or np.any(np.diff(sorted_cells) == 0):
-            raise KvLayoutError(f"seq {seq}: the mirror's cells are not distinct cells of the cache")
+        order, lo, span, rel, dense = self._span(seq, cells)
         meta = np.frombuffer(out, dtype="<i4", count=3 * n, offset=16).reshape(n, 3)
         meta[:, 0] = order
         meta[:, 1] = 1
@@ -202,9 +199,6 @@ class KvReader:
         lay = self.layout
         np.frombuffer(out, dtype="<u4", count=2, offset=off)[:] = (lay.v_trans, len(lay.layers))
         off += 8
-        lo, span = int(sorted_cells[0]), int(sorted_cells[-1] - sorted_cells[0] + 1)
-        rel = sorted_cells - lo
-        dense = span == n  # the sequence's cells are one run: no gather, copy straight into the blob
         for il, ly in enumerate(lay.layers):
             struct_k = np.frombuffer(out, dtype=np.uint8, count=12, offset=off)
             struct_k[:4] = np.frombuffer(np.int32(ly.k_type).tobytes(), np.uint8)
@@ -247,7 +241,7 @@ class KvReader:
             except BadStateError as exc:
                 return str(exc)
             return None
-        lo, span, rel, dense = _span(cells)
+        _, lo, span, rel, dense = self._span(seq, cells)
         for il, ly in enumerate(self.layout.layers):
             k = self._views[self.k[il]].reshape(self.kv_size, ly.k_row_bytes)[lo : lo + span]
             if has_nonfinite(k if dense else k[rel], ly.k_type):
@@ -281,6 +275,18 @@ class KvReader:
             stride = self.kv_size * ly.v_elem_or_row_bytes
             for j in range(ly.n_embd_v_gqa):  # row j of the transposed V holds element j of every cell
                 _zero_runs(self.v[il], j * stride, ly.v_elem_or_row_bytes, runs)
+
+    def _span(self, seq: int, cells: np.ndarray) -> tuple[np.ndarray, int, int, np.ndarray, bool]:
+        """``(order, lo, span, rel, dense)`` of a sequence's cells (``int32[n]`` by position, n > 0):
+        the positions in cell order, the range ``lo..lo+span-1`` the cells lie in, their offsets in it
+        in cell order, and whether they fill it (one run: no gather, a straight copy).  Raises
+        :class:`KvLayoutError` unless they are distinct cells of the cache."""
+        order = np.argsort(cells, kind="stable")
+        sorted_cells = cells[order].astype(np.int64)
+        if sorted_cells[0] < 0 or sorted_cells[-1] >= self.kv_size or np.any(np.diff(sorted_cells) == 0):
+            raise KvLayoutError(f"seq {seq}: the mirror's cells are not distinct cells of the cache")
+        lo, span = int(sorted_cells[0]), int(sorted_cells[-1] - sorted_cells[0] + 1)
+        return order, lo, span, sorted_cells - lo, span == len(cells)
 
     def _host_view(self, t: int) -> np.ndarray:
         st = g.tensor(t)
@@ -334,15 +340,6 @@ class KvReader:
             dst[:] = src
         else:
             np.take(src, rel, axis=1, out=dst)
-
-
-def _span(cells: np.ndarray) -> tuple[int, int, np.ndarray, bool]:
-    """``(lo, span, rel, dense)`` of distinct cells: the range ``lo..lo+span-1`` they lie in, their
-    offsets in it in position order, and whether they fill it in ascending order."""
-    c = np.asarray(cells, dtype=np.int64)
-    lo, span = int(c.min()), int(c.max() - c.min() + 1)
-    rel = c - lo
-    return lo, span, rel, span == len(c) and bool(np.all(np.diff(c) == 1))
 
 
 def _runs(sorted_cells: np.ndarray) -> list[tuple[int, int]]:

@@ -150,14 +150,19 @@ class SlotOps:
         (``BAD_STATE``: tokens outside the vocabulary, a state the engine refuses) the slot is as
         it was, and dropped again when ``created``."""
         try:
-            check_tokens(tokens, self._vocab(), "the state's tokens")
-        except BaseException as exc:
+            self._check_state_tokens(tokens)
+        except BaseException:
             if created:
                 await self.registry.forget(slot)
-            if isinstance(exc, ApiError):
-                raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
             raise
         await self.registry.restore(slot, tokens, state, created)
+
+    def _check_state_tokens(self, tokens: list[int]) -> None:
+        """``BAD_STATE`` unless every token of a state is in the vocabulary."""
+        try:
+            check_tokens(tokens, self._vocab(), "the state's tokens")
+        except ApiError as exc:
+            raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
 
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
         """The ``context-shift`` slot action (docs/api.md, "Slots"); returns the new token count."""
@@ -215,10 +220,7 @@ class SlotOps:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
         except (BadStateError, seq_state.BadStateError) as exc:
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
-        try:
-            check_tokens(tokens, self._vocab(), "the state's tokens")
-        except ApiError as exc:
-            raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
+        self._check_state_tokens(tokens)
         return path
 
     async def restore_file(self, slot: Slot, path: Path, created: bool) -> FileResult:
