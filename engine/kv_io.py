@@ -31,7 +31,7 @@ import llama_cpp as llama
 import numpy as np
 
 from engine import ggml_ffi as g
-from engine.seq_state import IO_MAGIC, BadStateError, StateLayout, check_finite, has_nonfinite, nonfinite_message, parse
+from engine.seq_state import IO_MAGIC, StateLayout
 
 # struct ggml_object (ggml/src/ggml.c): size_t offs; size_t size; ggml_object *next; enum type; char pad[4]
 _OBJ_SIZE = 32
@@ -43,8 +43,6 @@ _MAX_OBJECTS = 1 << 16
 _lib = g.libggml
 _lib.ggml_backend_tensor_get_2d.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_size_t] * 5
 _lib.ggml_backend_tensor_get_2d.restype = None
-_lib.ggml_backend_tensor_memset.argtypes = [ctypes.c_void_p, ctypes.c_uint8, ctypes.c_size_t, ctypes.c_size_t]
-_lib.ggml_backend_tensor_memset.restype = None
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -225,57 +223,6 @@ class KvReader:
             off += size
         return out
 
-    def nonfinite(self, seq: int, cells: np.ndarray) -> str | None:
-        """Why the cells ``cells`` (``int32[n]``, the cell of each position of ``seq``) cannot be
-        kept (:func:`engine.seq_state.nonfinite_message`: the first K/V record holding a NaN or
-        infinite value), or ``None`` when all their values are finite.
-
-        The values are tested where they lie: in place for a host buffer (as
-        :func:`engine.seq_state.check_finite` tests a state blob: exponent bits, float types
-        only), else on a state read back with :meth:`read`.
-        """
-        if not self.host:
-            blob = self.read(seq, cells)
-            try:
-                check_finite(blob, parse(blob, self.layout))
-            except BadStateError as exc:
-                return str(exc)
-            return None
-        _, lo, span, rel, dense = self._span(seq, cells)
-        for il, ly in enumerate(self.layout.layers):
-            k = self._views[self.k[il]].reshape(self.kv_size, ly.k_row_bytes)[lo : lo + span]
-            if has_nonfinite(k if dense else k[rel], ly.k_type):
-                return nonfinite_message("K", il)
-            if self.layout.v_trans:
-                word = _UINT.get(ly.v_elem_or_row_bytes, np.uint8)
-                whole = self._views[self.v[il]].view(word)[: ly.n_embd_v_gqa * self.kv_size]
-                v = whole.reshape(ly.n_embd_v_gqa, self.kv_size)[:, lo : lo + span]
-                v = v if dense else v[:, rel]
-            else:
-                v = self._views[self.v[il]].reshape(self.kv_size, ly.v_elem_or_row_bytes)[lo : lo + span]
-                v = v if dense else v[rel]
-            if has_nonfinite(v, ly.v_type):
-                return nonfinite_message("V", il)
-        return None
-
-    def zero(self, cells: np.ndarray) -> None:
-        """Set every K/V byte of the cells ``cells`` (``int32[n]``) to 0 (``ggml_backend_tensor_memset``):
-        what a refused restore left there must not reach a decode, which multiplies even masked
-        cells' V by their zero weight (NaN * 0 is NaN).  Raises :class:`KvLayoutError` for a cell
-        outside the cache."""
-        c = np.unique(np.asarray(cells, dtype=np.int64))
-        if len(c) and (c[0] < 0 or c[-1] >= self.kv_size):
-            raise KvLayoutError("cells outside the cache")
-        runs = _runs(c)
-        for il, ly in enumerate(self.layout.layers):
-            _zero_runs(self.k[il], 0, ly.k_row_bytes, runs)
-            if not self.layout.v_trans:
-                _zero_runs(self.v[il], 0, ly.v_elem_or_row_bytes, runs)
-                continue
-            stride = self.kv_size * ly.v_elem_or_row_bytes
-            for j in range(ly.n_embd_v_gqa):  # row j of the transposed V holds element j of every cell
-                _zero_runs(self.v[il], j * stride, ly.v_elem_or_row_bytes, runs)
-
     def _span(self, seq: int, cells: np.ndarray) -> tuple[np.ndarray, int, int, np.ndarray, bool]:
         """``(order, lo, span, rel, dense)`` of a sequence's cells (``int32[n]`` by position, n > 0):
         the positions in cell order, the range ``lo..lo+span-1`` the cells lie in, their offsets in it
@@ -340,19 +287,3 @@ class KvReader:
             dst[:] = src
         else:
             np.take(src, rel, axis=1, out=dst)
-
-
-def _runs(sorted_cells: np.ndarray) -> list[tuple[int, int]]:
-    """``[(first, end), ...]`` runs of consecutive cells of an ascending array of distinct cells."""
-    if not len(sorted_cells):
-        return []
-    breaks = np.flatnonzero(np.diff(sorted_cells) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(sorted_cells)]))
-    return [(int(sorted_cells[a]), int(sorted_cells[b - 1]) + 1) for a, b in zip(starts, ends, strict=True)]
-
-
-def _zero_runs(t: int, base: int, unit: int, runs: list[tuple[int, int]]) -> None:
-    """Zero bytes ``base + a*unit .. base + b*unit`` of tensor ``t`` for each run ``(a, b)``."""
-    for a, b in runs:
-        _lib.ggml_backend_tensor_memset(t, 0, base + a * unit, (b - a) * unit)

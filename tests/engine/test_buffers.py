@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.buffers import BufferPool
+from engine.buffers import PAGE, BufferPool
 
 
 def test_given_back_memory_is_reused_and_kept_within_bounds() -> None:
@@ -35,3 +35,36 @@ def test_a_dropped_or_foreign_view_is_not_reused() -> None:
     assert pool.held_bytes == 0
     pool.give(memoryview(bytearray(10)))  # not lent by the pool: ignored
     assert pool.held_bytes == 0
+
+
+def test_lent_views_start_on_a_page_boundary() -> None:
+    """The kernel copies into them from page-aligned sources (page cache, socket buffers) at full speed."""
+    pool = BufferPool(keep=1)
+    for n in (1, 4095, 46_000_000, 100):  # new buffers, then a kept one re-lent
+        view = pool.take(n)
+        assert len(view) == n
+        assert np.frombuffer(view, dtype=np.uint8).ctypes.data % PAGE == 0
+        pool.give(view)
+
+
+def test_a_buffer_still_viewed_is_not_reused_and_one_never_given_back_is_freed() -> None:
+    pool = BufferPool(keep=1)
+    view = pool.take(1000)
+    tail = view[500:]  # e.g. what uvloop keeps of a response body not yet written
+    pool.give(view)
+    assert pool.held_bytes == 0, "another view is alive: the memory must not be lent again"
+    assert pool.take(1000).obj is not tail.obj
+    tail[:1] = b"x"  # still usable
+    old = id(tail.obj)
+    del tail  # written: now it is free
+    again = pool.take(1000)
+    assert id(again.obj) == old, "lent again once no view of it is left"
+    pool.give(again)
+    lost = pool.take(1000)
+    slice_ = lost[10:20]
+    del lost
+    pool.give(slice_)  # a slice, the last view, gives its buffer back too
+    assert pool.held_bytes == 1000
+    gone = pool.take(64)
+    del gone  # never given back: nothing keeps it
+    assert len(pool._lent) == 0
