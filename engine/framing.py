@@ -166,14 +166,21 @@ STAGING_BYTES = 256 << 10
 MAX_BUFS = 1 << 12
 """Most raw buffers one frame may carry (a frame announcing more is malformed)."""
 
-Frame = tuple[bytearray, list[bytearray]]
+Frame = tuple[bytearray, list[bytearray | memoryview]]
+
+RECEIVE_POOL = BufferPool(keep=1)
+"""Where :class:`FrameStream` receives buffers of :data:`POOLED_BYTES` or more (a slot state from
+the worker): memory already mapped and page-aligned (:mod:`engine.buffers`), instead of a fresh
+``bytearray`` zero-filled page by page before the state is copied over it.  Whoever is done with
+such a buffer may give it back (``RECEIVE_POOL.give``); one never given back is simply freed."""
 
 
 class FrameStream(asyncio.BufferedProtocol):
     """Both directions of one worker connection.
 
     ``await read_frame()`` returns ``(meta, buffers)`` in arrival order (``meta`` is the
-    encoded message, each buffer a ``bytearray`` of exactly its announced length) and raises
+    encoded message, each buffer a ``bytearray`` of exactly its announced length, or for
+    :data:`POOLED_BYTES` or more a view lent by :data:`RECEIVE_POOL`) and raises
     :class:`ProtocolError` once the peer has closed the stream or sent a malformed frame (the
     transport is then closed).  ``write(chunks)`` + ``await drain()`` send, with the
     transport's flow control.
@@ -184,7 +191,7 @@ class FrameStream(asyncio.BufferedProtocol):
         self._staging = bytearray(STAGING_BYTES)
         self._view = memoryview(self._staging)
         self._have = 0  # bytes in the staging buffer not yet parsed
-        self._parts: list[bytearray] = []  # the current frame's meta and buffers, being filled
+        self._parts: list[bytearray | memoryview] = []  # the current frame's meta and buffers, being filled
         self._filled = 0  # bytes in self._parts[self._part]
         self._part = -1  # which part is being filled (-1: waiting for a frame header)
         self._direct: memoryview | None = None  # the part received in place
@@ -250,7 +257,7 @@ class FrameStream(asyncio.BufferedProtocol):
                 lens = [_LEN.unpack_from(self._staging, pos + _HEAD.size + _LEN.size * i)[0] for i in range(n_bufs)]
                 _check_sizes(meta_len, lens)
                 pos += head
-                self._parts = [bytearray(meta_len), *(bytearray(n) for n in lens)]
+                self._parts = [bytearray(meta_len), *(_receive_buffer(n) for n in lens)]
                 self._part, self._filled = 0, 0
                 self._skip_empty()
                 continue
@@ -315,6 +322,10 @@ class FrameStream(asyncio.BufferedProtocol):
         """Close the transport (idempotent)."""
         if self.transport is not None:
             self.transport.close()
+
+
+def _receive_buffer(n: int) -> bytearray | memoryview:
+    return RECEIVE_POOL.take(n) if n >= POOLED_BYTES else bytearray(n)
 
 
 async def open_frame_stream(family: socket.AddressFamily, addr: str | tuple[str, int]) -> FrameStream:

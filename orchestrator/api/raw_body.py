@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response
@@ -39,26 +39,39 @@ if TYPE_CHECKING:
 
 
 class _BuffersASGIResponse(ASGIResponse):
-    def __init__(self, buffers: list[memoryview], **kwargs: Any) -> None:
+    def __init__(self, buffers: list[memoryview], sent: Callable[[], None] | None, **kwargs: Any) -> None:
         super().__init__(body=b"", content_length=sum(b.nbytes for b in buffers), **kwargs)
         self.buffers = buffers
+        self.sent = sent
 
     async def send_body(self, send: Send, receive: Receive) -> None:
-        """One ``http.response.body`` message per buffer (``more_body`` until the last)."""
-        last = len(self.buffers) - 1
-        for i, buf in enumerate(self.buffers):
-            await send({"type": "http.response.body", "body": buf, "more_body": i < last})  # type: ignore[typeddict-item]
-        if last < 0:
+        """One ``http.response.body`` message per buffer (``more_body`` until the last), then ``sent()``."""
+        buffers, self.buffers = self.buffers, []
+        if not buffers:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        while buffers:
+            body = buffers.pop(0)  # no reference left here once sent
+            await send({"type": "http.response.body", "body": body, "more_body": bool(buffers)})  # type: ignore[typeddict-item]
+            del body
+        if self.sent is not None:
+            self.sent()
 
 
 class BuffersResponse(Response[None]):
     """A ``200`` answer whose body is ``buffers`` (objects with the buffer protocol, not copied)
-    sent in order, with ``media_type`` and extra ``headers``."""
+    sent in order, with ``media_type`` and extra ``headers``; ``sent()`` is called once the server
+    has taken the last of them (not when the client left before)."""
 
-    def __init__(self, buffers: Sequence[Buffer], media_type: str, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        buffers: Sequence[Buffer],
+        media_type: str,
+        headers: Mapping[str, str],
+        sent: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(content=None, media_type=media_type, headers=dict(headers))
         self.buffers = [memoryview(b).cast("B") for b in buffers]
+        self.sent = sent
 
     def to_asgi_response(  # type: ignore[override]
         self,
@@ -76,8 +89,10 @@ class BuffersResponse(Response[None]):
     ) -> ASGIResponse:
         """The ``ASGIResponse`` sending the buffers (the handler's headers, cookies and background
         tasks merged as ``Response.to_asgi_response`` merges them)."""
+        buffers, self.buffers = self.buffers, []
         return _BuffersASGIResponse(
-            self.buffers,
+            buffers,
+            self.sent,
             background=self.background or background,
             cookies=self.cookies if cookies is None else itertools.chain(self.cookies, cookies),
             encoded_headers=encoded_headers,

@@ -24,7 +24,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from engine.errors import ErrorCode
-from engine.framing import Buffer
+from engine.framing import RECEIVE_POOL, Buffer
 from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.generate import cancelled_on_disconnect
@@ -124,9 +124,14 @@ async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
         saved = await call.ops.save_state(slot)
     chunks = saved.ses1_chunks()
     digest = await asyncio.to_thread(repr_digest, *chunks)
+    state_buf = saved.state
+
+    def sent() -> None:  # the state arrived in a buffer of the worker connection's pool
+        RECEIVE_POOL.give(state_buf)
+
     if OCTET in call.request.headers.get("accept", ""):
         headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
-        return BuffersResponse(chunks, OCTET, headers)
+        return BuffersResponse(chunks, OCTET, headers, sent)
     state = base64.b64encode(b"".join(chunks)).decode("ascii")
     return SaveStateResponse(
         id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),

@@ -10,9 +10,11 @@ import socket
 import struct
 import threading
 
+import numpy as np
 import pytest
 
-from engine.framing import MAX_META_BYTES, STAGING_BYTES, FrameStream, ProtocolError, frame_chunks
+from engine.buffers import PAGE
+from engine.framing import MAX_META_BYTES, POOLED_BYTES, STAGING_BYTES, FrameStream, ProtocolError, frame_chunks
 
 SIZES = [0, 1, 7, STAGING_BYTES // 2 - 3, STAGING_BYTES // 2 + 1, STAGING_BYTES + 5, 3 * STAGING_BYTES + 11, 5_000_000]
 
@@ -48,7 +50,13 @@ async def _read_all(data: bytes, n_frames: int, chunking: random.Random | None) 
         got = []
         for _ in range(n_frames):
             meta, bufs = await asyncio.wait_for(stream.read_frame(), 30)
-            assert isinstance(meta, bytearray) and all(isinstance(x, bytearray) for x in bufs)
+            assert isinstance(meta, bytearray)
+            for x in bufs:  # big buffers land in RECEIVE_POOL's page-aligned memory, the rest in bytearrays
+                if len(x) >= POOLED_BYTES:
+                    assert isinstance(x, memoryview) and not x.readonly
+                    assert np.frombuffer(x, dtype=np.uint8).ctypes.data % PAGE == 0
+                else:
+                    assert isinstance(x, bytearray)
             got.append((bytes(meta), [bytes(x) for x in bufs]))
         with pytest.raises(ProtocolError, match="closed"):  # then the peer's close
             await asyncio.wait_for(stream.read_frame(), 30)
