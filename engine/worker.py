@@ -34,6 +34,7 @@ from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
 from engine.framing import parse_address
 from engine.handlers import EngineHandlers, Handler
+from engine.heap import keep_heap_mapped
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
 from engine.settings import EngineSettings
@@ -207,6 +208,7 @@ def run_worker_process(argv: list[str] | None = None) -> int:
     """
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    keep_heap_mapped()  # per-token attention arrays from mapped memory (engine/heap.py)
     args, config = parse_args(argv)
     sock = open_socket(args)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)

@@ -11,6 +11,7 @@ import msgspec
 import uvicorn
 
 from engine import settings as engine_settings
+from engine.heap import keep_heap_mapped
 from engine.settings import EngineSettings
 from orchestrator.config import Settings
 from orchestrator.logfilter import uvicorn_log_config
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.slot_save_path.mkdir(parents=True, exist_ok=True)
     from orchestrator.app import create_app
 
+    keep_heap_mapped()  # per-token attention frames received into mapped memory (engine/heap.py)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
