@@ -150,7 +150,11 @@ class AttentionCapture:
             order = np.empty(len(sel), dtype=np.int64)
             order[tg.layer_slot[sel]] = sel  # output layer slot -> captured layer
             src = rows if np.array_equal(order, np.arange(self.n_layer)) else rows[order]
-            np.take(src, tg.gather, axis=2, out=tg.out)
+            cells = tg.gather
+            if len(cells) and cells[-1] - cells[0] == len(cells) - 1 and np.all(cells[1:] > cells[:-1]):
+                np.copyto(tg.out, src[:, :, cells[0] : cells[-1] + 1])  # cells lo..hi in order: np.take is ~8x slower
+            else:
+                np.take(src, cells, axis=2, out=tg.out)
 
     # -- callback --------------------------------------------------------------------------
 
