@@ -54,6 +54,7 @@ from servers import ServerProc, free_port, settle, slotserve_cmd, stop_servers
 
 from engine.batcher import Batcher
 from engine.engine import Engine
+from engine.heap import keep_heap_mapped
 from engine.model import Model, default_model_path
 from engine.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
 from engine.settings import EngineSettings
@@ -73,6 +74,7 @@ class Rep:
     cpu: dict[str, float] = field(default_factory=dict)
     cached: int | None = None  # server: prompt tokens reused from the slot's KV cache
     ext: str | None = None  # WS: negotiated extensions
+    gaps: list[float] = field(default_factory=list)  # intervals between consecutive tokens (s)
 
     @property
     def tps(self) -> float:
@@ -166,11 +168,14 @@ def inproc_once(eng: Engine, ids: list[int], args: argparse.Namespace, meter: Cp
         t_prefill=toks[0][0] - t0,
         t_decode=toks[-1][0] - toks[0][0],
         tokens=[m.token_id for _, m in toks],  # type: ignore[attr-defined]
+        gaps=common.token_gaps(t for t, _ in toks),
     )
 
 
 def bench_inproc(model: Model, ids: list[int], args: argparse.Namespace) -> tuple[Phase, Phase]:
-    """Raw engine (no eval callback) and engine + capture, reps interleaved so drift hits both alike."""
+    """Raw engine (no eval callback) and engine + capture, reps interleaved so drift hits both alike;
+    the worker's heap settings (``engine/heap.py``)."""
+    keep_heap_mapped()
     paths: list[tuple[Phase, Engine]] = []
     quiet = Quiet(args)
     try:

@@ -45,7 +45,7 @@ import httpx
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 from bench_preview import context, generate_sample, preview_sample, user_append
 from big_slot import big_slot
-from common import Quiet, median
+from common import Quiet, median, step_tps, token_gaps
 from engine_rows import in_process
 from servers import ServerProc, check, default_model, free_port, llama_server_cmd, settle, slotserve_cmd, stop_servers
 from streams import BANNED, measure_streams
@@ -135,6 +135,7 @@ class Bench:
         paths = self.paths(kinds)
         tps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
         ttft: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+        gaps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
         for r in range(a.reps + 1):
             for name, kind, srv in paths:
                 if kind != "llama":
@@ -144,6 +145,7 @@ class Bench:
                 if r:
                     tps[name].append(run.tps)
                     ttft[name].append(run.ttft)
+                    gaps[name] += token_gaps(run.streams[0].times)
         ref = median(tps["llama-server"]) if self.ls else float("nan")
         ref_ttft = median(ttft["llama-server"]) * 1000 if self.ls else float("nan")
         lt = f"{ref:.1f}" if self.ls else "-"
@@ -152,6 +154,11 @@ class Bench:
             t.add(f"one stream, decode tok/s: {name}", f"{m:.1f}", lt, f"{m / ref:.2f}")
         plain, full = median(tps["WS, no attention"]), median(tps["WS, full attention"])
         t.add("capture cost: WS full attention / WS no attention", f"{full / plain:.3f}")
+        s_plain, s_full = step_tps(gaps["WS, no attention"]), step_tps(gaps["WS, full attention"])
+        t.add(
+            "capture cost from the median token step: WS full attention / WS no attention",
+            f"{s_full:.1f} / {s_plain:.1f} = {s_full / s_plain:.3f}",
+        )
         for name, _ in kinds:
             m = median(ttft[name]) * 1000
             t.add(f"first token ms (prompt cached): {name}", f"{m:.1f}", f"{ref_ttft:.1f}", f"{m / ref_ttft:.2f}")

@@ -17,10 +17,11 @@ from collections.abc import Callable
 import common  # noqa: F401 - puts the checkout on sys.path
 import llama_cpp as llama  # llama.cpp before numpy (docs/hardware.md)
 from bench_stream import inproc_once
-from common import Quiet, build_prompt, median, model_tokenizer
+from common import Quiet, build_prompt, median, model_tokenizer, step_tps
 from servers import default_model
 
 from engine.engine import Engine
+from engine.heap import keep_heap_mapped
 from engine.model import Model
 from engine.settings import EngineSettings
 from tests.conftest import CHAT
@@ -31,7 +32,8 @@ Add = Callable[[str, str], None]
 
 
 def in_process(args: argparse.Namespace, quiet: Quiet, add: Add) -> None:
-    """Row 6: engines in this process (no servers running)."""
+    """Row 6: engines in this process (no servers running), with the worker's heap settings."""
+    keep_heap_mapped()
     model = Model(args.model or default_model(), n_gpu_layers=args.n_gpu_layers)
     tok = model_tokenizer(model)
     engines: dict[str, Engine] = {}
@@ -51,14 +53,21 @@ def in_process(args: argparse.Namespace, quiet: Quiet, add: Add) -> None:
         ids = build_prompt(tok, args.prompt)
         ns = argparse.Namespace(new=args.new)
         tps: dict[str, list[float]] = {name: [] for name in engines}
+        gaps: dict[str, list[float]] = {name: [] for name in engines}
         for r in range(args.reps + 1):
             for name, eng in engines.items():
                 rep = quiet.run(lambda eng=eng: inproc_once(eng, ids, ns, quiet.meter), name, warm=r == 0)[0]
                 print(f"  rep {r} in-process {name}: {rep.tps:.1f} tok/s", flush=True)
                 if r:
                     tps[name].append(rep.tps)
+                    gaps[name] += rep.gaps
         raw, f16, f32 = (median(tps[n]) for n in engines)
         add("in-process decode tok/s: capture (f16 KV) / no eval callback", f"{f16:.1f} / {raw:.1f} = {f16 / raw:.3f}")
+        s_raw, s_f16 = step_tps(gaps["no eval callback"]), step_tps(gaps["capture, f16 KV"])
+        add(
+            "in-process decode tok/s from the median token step: capture (f16 KV) / no eval callback",
+            f"{s_f16:.1f} / {s_raw:.1f} = {s_f16 / s_raw:.3f}",
+        )
         add("in-process decode tok/s with capture: f32 KV / f16 KV", f"{f32:.1f} / {f16:.1f} = {f32 / f16:.3f}")
         state_reads(args, quiet, add, engines["capture, f16 KV"], tok)
         reference(args, add, model, engines)
@@ -69,13 +78,14 @@ def in_process(args: argparse.Namespace, quiet: Quiet, add: Add) -> None:
 
 
 def state_reads(args: argparse.Namespace, quiet: Quiet, add: Add, eng: Engine, tok) -> None:  # type: ignore[no-untyped-def]
-    """The state read (``llama_state_seq_get_data``, what ``Engine.save_state`` calls) of sequence 0 after
-    4 sequences decoded together vs after sequence 0 decoded alone."""
+    """The state read of sequence 0 after 4 sequences decoded together vs after sequence 0 decoded alone:
+    llama.cpp's ``llama_state_seq_get_data`` and ``Engine.save_state`` (its own copy dropped first, so it
+    reads: from the KV tensors where the cell mirror knows the cells, ``engine/kv_io.py``)."""
     prompts = [build_prompt(tok, args.stream_prompt, variant=i + 1) for i in range(4)]
-    together, alone = [], []
+    times: dict[tuple[str, int], list[float]] = {}
     n_tok = size = 0
     for r in range(args.reps + 1):
-        for n, out in ((4, together), (1, alone)):
+        for n in (4, 1):
             for seq in range(4):
                 eng.erase(seq)
             runner = Runner(eng)
@@ -84,7 +94,7 @@ def state_reads(args: argparse.Namespace, quiet: Quiet, add: Add, eng: Engine, t
             runner.run()
             runner.batcher.flush(0)  # the last sampled token, as the worker does before a save
 
-            def read() -> tuple[float, int, int]:  # what Engine.save_state does when it holds no copy
+            def llama_read() -> tuple[float, int, int]:
                 t0 = time.perf_counter()
                 size = llama.llama_state_seq_get_size(eng.ctx, 0)
                 buf = bytearray(size)
@@ -92,15 +102,24 @@ def state_reads(args: argparse.Namespace, quiet: Quiet, add: Add, eng: Engine, t
                 assert got == size
                 return (time.perf_counter() - t0) * 1000, eng.seq_len(0), size
 
-            ms, n_tok, size = quiet.run(read, "state read", warm=r == 0)[0]
-            print(f"  rep {r} state read after {n} sequence(s): {ms:.2f} ms", flush=True)
-            if r:
-                out.append(ms)
-    tg, al = median(together), median(alone)
-    add(
-        f"engine state read, {n_tok}-token slot ({size / 1e6:.1f} MB): after 4 decoded together / alone",
-        f"{tg:.1f} / {al:.1f} ms = {tg / al:.1f}",
-    )
+            def engine_read() -> tuple[float, int, int]:
+                eng._drop_state(0)  # measure the read, not the kept copy
+                t0 = time.perf_counter()
+                _, state = eng.save_state(0)
+                ms = (time.perf_counter() - t0) * 1000
+                return ms, eng.seq_len(0), memoryview(state).nbytes
+
+            for name, fn in (("llama_state_seq_get_data", llama_read), ("Engine.save_state", engine_read)):
+                ms, n_tok, size = quiet.run(fn, "state read", warm=r == 0)[0]
+                print(f"  rep {r} {name} after {n} sequence(s): {ms:.2f} ms", flush=True)
+                if r:
+                    times.setdefault((name, n), []).append(ms)
+    for name in ("Engine.save_state", "llama_state_seq_get_data"):
+        tg, al = median(times[(name, 4)]), median(times[(name, 1)])
+        add(
+            f"state read ({name}), {n_tok}-token slot ({size / 1e6:.1f} MB): after 4 decoded together / alone",
+            f"{tg:.1f} / {al:.1f} ms = {tg / al:.1f}",
+        )
     for seq in range(4):
         eng.erase(seq)
 
