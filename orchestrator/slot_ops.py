@@ -18,7 +18,7 @@ from pathlib import Path
 from engine import seq_state
 from engine.buffers import BufferPool
 from engine.errors import ErrorCode
-from engine.framing import Buffer
+from engine.framing import RECEIVE_POOL, Buffer
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry
@@ -205,6 +205,8 @@ class SlotOps:
             n = await asyncio.to_thread(write_seq_file, path, saved.tokens, saved.state)
         except IsADirectoryError as exc:  # made a directory meanwhile
             raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory") from exc
+        finally:
+            RECEIVE_POOL.give(saved.state)  # written (or not): its receive buffer serves the next state
         return FileResult(len(saved.tokens), n, (time.perf_counter() - t0) * 1000)
 
     async def saved_file(self, filename: str) -> Path:

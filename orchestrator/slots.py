@@ -34,6 +34,7 @@ import structlog
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
+from engine.framing import RECEIVE_POOL
 from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue, WaitHooks
 from orchestrator.archive import SlotArchive
@@ -286,7 +287,9 @@ class SlotRegistry(Residency):
 
     async def _read_state(self, slot: Slot) -> tuple[list[int], bytes]:
         saved = await self.engine.save_state(slot.seq)  # type: ignore[arg-type]
-        return saved.tokens, pack_ses1(saved.tokens, saved.state)
+        ses1 = pack_ses1(saved.tokens, saved.state)
+        RECEIVE_POOL.give(saved.state)  # copied into the blob: its receive buffer serves the next state
+        return saved.tokens, ses1
 
     async def restore(self, slot: Slot, tokens: list[int], state: proto.Buffer, created: bool) -> None:
         """Replace the slot's KV state with ``tokens`` and their llama.cpp sequence ``state``.
@@ -374,7 +377,9 @@ class SlotRegistry(Residency):
                 raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {src.id!r} holds no state") from exc
             self.archive.check_up()
             dst.dirty = False
-            await self._write(dst, got[0], pack_ses1(got[0], got[1]), self.archive.next_version())
+            ses1 = pack_ses1(got[0], got[1])
+            RECEIVE_POOL.give(got[1])
+            await self._write(dst, got[0], ses1, self.archive.next_version())
             return dst.n_tokens
         dst.n_tokens = len(await self.engine.fork(src_seq, dst_seq))
         self.schedule(dst)
