@@ -36,6 +36,14 @@ class _Buffer(bytearray):
     __slots__ = ("__weakref__",)
 
 
+def _owner(view: object) -> object:
+    """The object a memoryview views (``None`` for anything else, or a view already released)."""
+    try:
+        return view.obj if isinstance(view, memoryview) else None
+    except ValueError:  # released: given back (or dropped) before
+        return None
+
+
 def _page_view(buf: bytearray, n: int) -> memoryview:
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
     start = -addr % PAGE
@@ -96,7 +104,7 @@ class BufferPool:
 
     def give(self, view: object) -> None:
         """Take back a view lent by :meth:`take`, or a slice of one (releasing it); anything else is left alone."""
-        buf = getattr(view, "obj", None)
+        buf = _owner(view)
         if not isinstance(buf, _Buffer):
             return
         with self._lock:
@@ -127,7 +135,7 @@ class BufferPool:
 
     def drop(self, view: object) -> None:
         """Forget a lent view without reusing its memory (something may still read it)."""
-        buf = getattr(view, "obj", None)
+        buf = _owner(view)
         with self._lock:
             if isinstance(buf, _Buffer) and self._lent.get(id(buf)) is buf:
                 del self._lent[id(buf)]

@@ -35,6 +35,11 @@ def test_a_dropped_or_foreign_view_is_not_reused() -> None:
     assert pool.held_bytes == 0
     pool.give(memoryview(bytearray(10)))  # not lent by the pool: ignored
     assert pool.held_bytes == 0
+    c = pool.take(64)
+    pool.give(c)
+    pool.give(c)  # given twice (released by the first): ignored
+    pool.drop(c)
+    assert pool.held_bytes == 64
 
 
 def test_lent_views_start_on_a_page_boundary() -> None:
