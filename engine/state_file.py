@@ -11,9 +11,9 @@ does the same, so a slot's tens of MB never cross the worker's socket:
   renames it over it, on a thread of its own: a file write can take far longer than a decode
   step (ext4 throttles a writer of tens of MB of dirty pages), and the decode loop must not
   wait for it.
-* :func:`load_seq_file` reads the file once, into a buffer of the engine's ``state_pool``
-  through a small cached one (:func:`storage.read_through.read_through`: ~8 ms for 46 MB on the
-  project's 2-core VM, where one ``readinto`` of the whole state took ~29 ms), and restores that
+* :func:`load_seq_file` reads the file once, into a page-aligned buffer of the engine's
+  ``state_pool`` (~6 ms for 46 MB on the project's 2-core VM, ~30 into an unaligned
+  ``bytearray``: :mod:`engine.buffers`), and restores that
   buffer as the API's restore does (:meth:`engine.engine.Engine.restore_state`: every header
   field and the length checked, the K/V values tested for NaN/infinity, then
   ``llama_state_seq_set_data``).  llama.cpp never reads the file itself: its

@@ -262,7 +262,7 @@ def _check_seq_file(path: Path) -> list[int]:
     """The tokens of the ``ggsq`` file ``path`` once its header, token record and (for a state of one
     KV stream) the state's structure check out."""
     with open(path, "rb") as f:
-        tokens, _, state_size = read_seq_head(f)
+        tokens, state_size = read_seq_head(f)
         start = f.tell()
         if state_size >= 4 and int.from_bytes(f.read(4), "little") == 1:
             seq_state.parse_file(f, start)

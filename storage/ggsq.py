@@ -114,10 +114,9 @@ def unpack_seq_file(data: bytes) -> SeqFile:
     return SeqFile(tokens, struct.pack("<Ii", IO_MAGIC, 0) + data[end:])
 
 
-def read_seq_head(file: BinaryIO) -> tuple[list[int], list[int], int]:
+def read_seq_head(file: BinaryIO) -> tuple[list[int], int]:
     """The header and token record of the ``ggsq`` file ``file`` (left at its KV state):
-    ``(tokens, words, state_size)``: the slot's tokens, the raw token words as
-    ``llama_state_seq_load_file`` returns them, and the bytes of KV state that follow.
+    ``(tokens, state_size)``, the slot's tokens and the bytes of KV state that follow.
 
     Raises :class:`BadStateError` for anything but a ``ggsq`` file, ``OSError`` when reading fails.
     """
@@ -126,7 +125,7 @@ def read_seq_head(file: BinaryIO) -> tuple[list[int], list[int], int]:
     words = np.frombuffer(file.read(4 * n_words), dtype="<i4")
     if len(words) != n_words:
         raise BadStateError("the sequence-state file ended inside its token record")
-    return _server_tokens(words), words.tolist(), size - _HEAD.size - 4 * n_words
+    return _server_tokens(words), size - _HEAD.size - 4 * n_words
 
 
 def read_seq_file(file: BinaryIO, alloc: Callable[[int], bytearray | memoryview] = bytearray) -> SeqFile:
@@ -136,7 +135,7 @@ def read_seq_file(file: BinaryIO, alloc: Callable[[int], bytearray | memoryview]
 
     Raises :class:`BadStateError` for anything but a ``ggsq`` file, ``OSError`` when reading fails.
     """
-    tokens, _, state_size = read_seq_head(file)
+    tokens, state_size = read_seq_head(file)
     state = alloc(8 + state_size)
     struct.pack_into("<Ii", state, 0, IO_MAGIC, 0)
     if file.readinto(memoryview(state)[8:]) != len(state) - 8:  # type: ignore[arg-type]
