@@ -355,7 +355,7 @@ class Engine:
         The blob (``llama_state_seq_get_data``'s format; read in place, never copied) is
         parsed and checked against this engine's layout (with ``check_values``, its float
         K/V values must also be finite: :func:`engine.seq_state.check_finite`), then
-        ``llama_state_seq_set_data`` puts it in place (:meth:`place`).  Raises
+        ``llama_state_seq_set_data`` puts it in place (:meth:`_place`).  Raises
         ``EngineError(ErrorCode.BAD_STATE)`` for a blob this engine cannot take, and
         ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` for more tokens than the context window
         (``n_ctx``).
@@ -366,29 +366,20 @@ class Engine:
                 seq_state.check_finite(blob, parsed)
         except seq_state.BadStateError as exc:
             raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
+        self._place(seq, tokens, parsed.positions, blob)
 
-        def fill(s: int, _cells: np.ndarray | None) -> None:
-            data = np.frombuffer(blob, dtype=np.uint8)  # read in place, writable or not
-            src = ctypes.cast(data.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-            if llama.llama_state_seq_set_data(self.ctx, src, data.nbytes, s) != data.nbytes:
-                raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
-
-        self.place(seq, tokens, parsed.positions, fill)
-
-    def place(
-        self, seq: int, tokens: Sequence[int], positions: np.ndarray, fill: Callable[[int, np.ndarray | None], None]
+    def _place(
+        self, seq: int, tokens: Sequence[int], positions: np.ndarray, blob: bytes | bytearray | memoryview
     ) -> None:
-        """Replace ``seq`` with ``tokens`` whose KV state ``fill`` writes; ``seq`` is untouched on failure.
+        """Replace ``seq`` with ``tokens`` and the parsed, checked state ``blob``; ``seq`` is untouched on failure.
 
         ``positions`` (``int32[n]``) is the position of each cell in the state's order; it must
-        be a permutation of ``0..n-1`` for ``n = len(tokens)``.  ``fill(scratch, cells)`` writes
-        the state into the empty scratch sequence, whose cells llama.cpp will choose as
-        :meth:`_restore_cells` names them (``int32[n]`` in the state's order, ``None`` without a
-        mirror), raising :class:`EngineError` when it cannot; the scratch is then moved to
-        ``seq`` (``llama_memory_seq_cp``: no copy of the K/V bytes).  Raises
-        ``EngineError(ErrorCode.BAD_STATE)`` (positions, tokens outside the vocabulary),
-        ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` (more tokens than ``n_ctx``) and what
-        ``fill`` raises.
+        be a permutation of ``0..n-1`` for ``n = len(tokens)``.  ``llama_state_seq_set_data``
+        writes the state into the empty scratch sequence, whose cells llama.cpp chooses as
+        :meth:`_restore_cells` names them; the scratch is then moved to ``seq``
+        (``llama_memory_seq_cp``: no copy of the K/V bytes).  Raises
+        ``EngineError(ErrorCode.BAD_STATE)`` (positions, tokens outside the vocabulary, a state
+        llama.cpp refuses) and ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` (more tokens than ``n_ctx``).
         """
         n = len(tokens)
         if n > self.config.n_ctx:
@@ -402,11 +393,11 @@ class Engine:
         self.erase(s)
         if n:
             cells = self._restore_cells(n)
-            try:
-                fill(s, cells)
-            except BaseException:
+            data = np.frombuffer(blob, dtype=np.uint8)  # read in place, writable or not
+            src = ctypes.cast(data.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+            if llama.llama_state_seq_set_data(self.ctx, src, data.nbytes, s) != data.nbytes:
                 self.erase(s)
-                raise
+                raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
             if cells is not None:
                 pos2cell = np.empty(n, dtype=np.int32)
                 pos2cell[positions] = cells
