@@ -54,6 +54,7 @@ class Job:
     text: bytearray = field(default_factory=bytearray)
     last: int = -1
     cancelled: bool = False
+    acked: int = 0  # tokens the orchestrator's client has taken (``Ack``)
     n_prefilled: int = 0
     t0: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
@@ -226,6 +227,18 @@ class Batcher:
                 short -= eng.seq_len(s)
                 eng.offload(s)
 
+    def ack(self, req: int, n: int) -> None:
+        """The client of ``req`` has taken its first ``n`` tokens (``Ack``); a held job may go on."""
+        job = self.jobs.get(req)
+        if job is not None:
+            job.acked = max(job.acked, n)
+
+    @staticmethod
+    def held(job: Job) -> bool:
+        """True while ``job`` has emitted ``Generate.window`` tokens its client has not taken yet:
+        it is not decoded (its sequence waits) until an ``Ack`` or a cancel."""
+        return 0 < job.req.window <= len(job.generated) - job.acked and not job.cancelled
+
     def cancel(self, req: int) -> None:
         """Mark ``req`` cancelled; it ends with ``Done(finish_reason="cancelled")`` at the next step."""
         job = self.jobs.get(req)
@@ -237,7 +250,9 @@ class Batcher:
 
         The worker blocks on its inbox while this is false, so it never spins.
         """
-        return bool(self.commits) or any(j.cancelled or j.last >= 0 or j.pending for j in self.jobs.values())
+        return bool(self.commits) or any(
+            j.cancelled or ((j.last >= 0 or j.pending) and not self.held(j)) for j in self.jobs.values()
+        )
 
     def flush(self, seq: int | None = None) -> None:
         """Write pending commits (of ``seq``, or all) to the KV cache now."""
@@ -268,7 +283,7 @@ class Batcher:
                 budget -= 1
         self.commits.clear()
         for job in self.jobs.values():
-            if job.last >= 0 and budget > 0:
+            if job.last >= 0 and budget > 0 and not self.held(job):
                 entries.append(self._entry(job, [job.last], True))
                 owners.append(job)
                 budget -= 1

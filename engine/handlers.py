@@ -37,6 +37,7 @@ class EngineHandlers:
         return {
             proto.Generate: lambda msg, _: self.batcher.submit(msg),
             proto.Cancel: lambda msg, _: self.batcher.cancel(msg.target),
+            proto.Ack: lambda msg, _: self.batcher.ack(msg.target, msg.n),
             proto.Status: self.status,
             proto.CheckSampling: self.check_sampling,
             proto.Tokens: self.sequence(lambda msg: None),

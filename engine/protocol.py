@@ -128,12 +128,23 @@ class Generate(Message):
     capture: CaptureOptions
     append: list[int] = []
     progress: bool = False  # send ``Progress`` while prefilling (llama-server's ``return_progress``)
+    # Flow control: at most ``window`` tokens emitted ahead of what the orchestrator acknowledged
+    # (``Ack``); past that the worker holds this sequence (other jobs go on).  0: unbounded.
+    window: int = 0
 
 
 class Cancel(Message):
     """Stop request ``target`` within one decode step (its events end with ``Done``); no reply."""
 
     target: int
+
+
+class Ack(Message):
+    """The client of request ``target`` has taken its first ``n`` tokens (flow control of
+    ``Generate.window``); no reply.  An ``Ack`` for a finished request is ignored."""
+
+    target: int
+    n: int
 
 
 class Tokenize(Message):
@@ -408,6 +419,7 @@ class Stopped(Message):
 Request = (
     Generate
     | Cancel
+    | Ack
     | Tokenize
     | Detokenize
     | Tokens

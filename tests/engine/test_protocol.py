@@ -43,6 +43,7 @@ REQUESTS: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Generate(1, 0, "generate", [5, 6], PARAMS, CAPTURE, progress=True), []),
     (proto.Generate(2, -1, "preview", [5], PARAMS, proto.CaptureOptions(), append=[7, 8]), []),
     (proto.Cancel(3, 1), []),
+    (proto.Ack(3, 1, 5), []),
     (proto.Tokenize(4, "héllo <|im_end|>", True, False), []),
     (proto.Detokenize(5, [1, 2, 3]), []),
     (proto.Tokens(6, 0), []),
