@@ -43,7 +43,7 @@ from servers import default_model, free_port
 
 from engine import seq_state
 from engine.engine import BatchEntry, Engine
-from engine.kv_io import llama_state
+from tests.engine.enginekit import llama_state
 from engine.model import Model
 from engine.settings import EngineSettings
 

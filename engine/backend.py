@@ -6,7 +6,7 @@ weights repacked for wider SIMD; ``AMX``: Intel AMX tiles), chosen per model loa
 ``--no-repack`` turns it off).  Which extra buffer types exist depends on the CPU and
 on how ggml was built; ``ggml_backend_dev_get_extra_bufts`` (``ggml/src/ggml-cpu/ggml-cpu.cpp``)
 lists them.  The functions here read that list and the devices through the ggml
-library llama.cpp itself uses (:data:`engine.ggml_ffi.libggml`), without loading
+library llama.cpp itself uses (:data:`engine.native.lib`: ggml's symbols through libllama), without loading
 a model, and decide whether the engine keeps repacking on (see docs/hardware.md).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from engine.ggml_ffi import libggml
+from engine.native import lib as libggml
 
 # enum ggml_backend_dev_type (ggml/include/ggml-backend.h)
 DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}

@@ -21,7 +21,6 @@ from engine.errors import ErrorCode
 from engine.grammar import GrammarError
 from engine.protocol import (
     Buffer,
-    CaptureOptions,
     Done,
     Error,
     FinishReason,
@@ -36,7 +35,6 @@ from engine.sampling import NO_TOKEN, SamplerChain, logits_row, logprobs
 
 Emit = Callable[[Message, Sequence[Buffer]], None]
 PROGRESS_EVERY = 256  # prompt tokens between two Progress events of a job that asks for them
-CHEAP_RUNS = 16  # an idle slot whose cells lie in at most this many runs moves out for free (_offload_idle)
 
 
 @dataclass
@@ -58,15 +56,6 @@ class Job:
     n_prefilled: int = 0
     t0: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
-
-
-def shape_attention(out: np.ndarray, cap: CaptureOptions) -> np.ndarray:
-    """Attention rows ``float32[L, H, n_ctx]`` in the requested format and dtype.
-
-    ``aggregated``: the mean over the selected layers and all heads, ``[n_ctx]``.
-    """
-    arr = out.mean(axis=(0, 1), dtype=np.float32) if cap.format == "aggregated" else out
-    return arr.astype(np.float16) if cap.dtype == "float16" else arr
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -141,20 +130,14 @@ class Batcher:
                 )
             if not req.input_ids:
                 raise EngineError(ErrorCode.INVALID_REQUEST, "input_ids is empty")
-            back = eng.seq_len(req.seq) if req.seq in eng.offloaded else 0
-            self._offload_idle(req.seq, len(req.input_ids) + p.max_new_tokens + back)
             self.flush(req.seq)
-            eng.make_resident(req.seq)
             common = common_prefix(eng.tokens.get(req.seq, []), req.input_ids)
             if common == len(req.input_ids) and p.max_new_tokens > 0:
                 common -= 1  # the last token is decoded again for its logits
-            self._check_room(req.seq, common, len(req.input_ids) - common)
             eng.truncate(req.seq, common)
             seq, fork, pending, history = req.seq, False, list(req.input_ids[common:]), req.input_ids
         else:  # preview
             base: list[int] = []
-            back = eng.seq_len(req.seq) if req.seq in eng.offloaded else 0
-            self._offload_idle(req.seq, len(req.input_ids) + len(req.append) + p.max_new_tokens + back)
             if req.seq >= 0:
                 self.flush(req.seq)
                 base = eng.tokens.get(req.seq, [])
@@ -181,51 +164,6 @@ class Batcher:
                 pending = [base[-1]]
         chain.accept_history(history)
         return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
-
-    def _check_room(self, seq: int, keep: int, n_prompt: int) -> None:
-        """``OOM`` before ``seq`` is truncated to ``keep`` tokens when the KV cache lacks free cells for
-        its ``n_prompt`` new prompt tokens and the prompts the running jobs still prefill (cells that
-        the truncation frees count as free), so a prompt that cannot fit leaves the slot as it was.
-        Generated tokens are not reserved: a cache that fills later fails the largest prefill."""
-        eng = self.engine
-        room = eng.free_cells() + eng.freed_by_truncate(seq, keep)
-        need = n_prompt + sum(len(j.pending) for j in self.jobs.values())
-        if need > room:
-            raise EngineError(
-                ErrorCode.OOM, f"the KV cache is full: {need} prompt tokens to prefill, {room} free cells"
-            )
-
-    def _offload_idle(self, keep: int, need: int) -> None:
-        """With ``cache_idle_slots``, move idle slots (all but ``keep``) out of the KV cache when it is cheap
-        or needed.
-
-        llama-server's ``--cache-idle-slots`` on a unified cache: the cells of slots nobody uses
-        stop widening every decode's attention, and a slot comes back (restored in place) when a
-        job or an operation needs it.  That is done when it is cheap both ways: the slot's state
-        was read since it last changed (the write-behind save after its generation), so nothing
-        is read now, and its cells lie in at most ``CHEAP_RUNS`` runs, so the holes it leaves
-        (where restores land, engine.py ``_restore_cells``) are few: llama.cpp restores a state
-        run by run of cells, and per V row with flash attention off (docs/architecture.md, "KV
-        layout").  Other idle slots move out only when the cache lacks room for ``need`` more
-        cells (this job's tokens and what the running jobs may still add), because that stalls
-        every stream's decoding while their states are read and later restored.
-        """
-        eng = self.engine
-        if not eng.config.cache_idle_slots:
-            return
-        in_use = {j.seq for j in self.jobs.values()} | {j.req.seq for j in self.jobs.values()}
-        idle = [s for s in range(eng.config.n_slots) if s != keep and s not in in_use and eng.seq_len(s)]
-        idle = [s for s in idle if s not in eng.offloaded]
-        need += sum(len(j.pending) + j.req.params.max_new_tokens - len(j.generated) for j in self.jobs.values())
-        short = need - eng.free_cells()
-        for s in sorted(idle, key=lambda s: s in self.commits or s not in eng.states):  # the free ones first
-            if s in eng.states and s not in self.commits and eng.cell_runs(s) <= CHEAP_RUNS:
-                short -= eng.seq_len(s)
-                eng.offload(s)
-            elif short > 0:
-                self.flush(s)
-                short -= eng.seq_len(s)
-                eng.offload(s)
 
     def ack(self, req: int, n: int) -> None:
         """The client of ``req`` has taken its first ``n`` tokens (``Ack``); a held job may go on."""
@@ -330,7 +268,7 @@ class Batcher:
         target = None
         cap = job.req.capture
         if logits and cap.attention:
-            target = self.engine.new_target(job.seq, pos0 + len(tokens) - 1, cap.layers)
+            target = self.engine.new_target(job.seq, pos0 + len(tokens) - 1, cap)
         return BatchEntry(job.seq, pos0, tokens, logits=logits, target=target)
 
     def _sample(self, job: Job, e: BatchEntry) -> None:
@@ -349,7 +287,7 @@ class Batcher:
         buffers: list[np.ndarray] = []
         attention = hidden = None
         if e.target is not None and e.target.out is not None:
-            buffers.append(shape_attention(e.target.out, job.req.capture))
+            buffers.append(e.target.out)
             attention = Tensor.of(buffers[-1], len(buffers) - 1)
         if job.req.capture.hidden_state:
             buffers.append(eng.hidden_state(idx))

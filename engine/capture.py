@@ -1,228 +1,201 @@
-"""Attention capture: an eval callback that copies post-softmax rows during ``llama_decode``.
+"""Attention capture: the requested tokens' post-softmax rows, computed in llama.cpp's graph.
 
-Facts this relies on (llama.cpp ``src/llama-graph.cpp``, ``ggml/src/ggml-backend.cpp``; docs/architecture.md):
+slotserve's libllama patch (``libllama/llama-attn.h``, bound in :mod:`engine.native`) adds, to
+every attention layer of each ubatch's graph, nodes that gather the post-softmax rows of the
+tokens named before ``llama_decode`` (with flash attention on: recompute them for those tokens
+only, softmax(Q·Kᵀ·scale + mask) with the same soft-capping, ALiBi and sinks) and reduce them as
+asked: every selected layer and head (``per_layer``) or their mean (``aggregated``), in float32
+or float16.  The result is one output tensor per KV cache, read once per ubatch; no eval
+callback, one graph per decode.
 
-* the post-softmax attention of layer ``il`` is the graph node ``kq_soft_max-{il}``,
-  ``ne = [n_kv, n_tokens_in_ubatch, n_head, 1]`` (unified KV, flash attention off),
-  rows already normalized over the visible cells; its ``src[1]`` is the KQ mask;
-* the cells a ubatch writes are the int64 input ``attn_inp_k_idxs`` (``src[1]`` of
-  layer 0's ``SET_ROWS`` into ``cache_k_l0``), one per ubatch token in batch order
-  (a unified cache splits batches simply, in order);
-* ``ggml_backend_sched`` asks the callback about every node (``ask=true``), splits the
-  graph after the nodes we accept and calls again with ``ask=false`` once computed.
+Rows come indexed by KV cell of the token's sequence's stream.  Clients want them by input
+position (``attention[i]`` belongs to ``input_ids[i]``), so :meth:`AttentionCapture.collect`
+gathers each row through the cell mirror (:class:`~engine.cellmap.CellMap`, fed with the cells
+llama.cpp's KV cache reports for every decoded token: ``llama_attn_seq_cells``).
 
-For each requested output row the row's cells are gathered into input-position order
-through :class:`~engine.cellmap.CellMap`, so ``out[l, h, p]`` is the attention of the
-query token to position ``p`` of its sequence.
-
-Two paths share this plan.  With the C filter (engine/_evalfilter.c via
-:mod:`engine.evalfilter`) Python sees one node per ubatch (the cells it writes) and C
-copies the rows of every layer; the gather into position order happens once per row
-after the decode.  Without it, every node question reaches :meth:`_on_node` and the
-rows are gathered layer by layer in Python (about 1 ms more per token).
+One format per decode: when the rows of one decode ask for different formats, dtypes or layers,
+the graph computes every asked layer per head in float32 and each row is reduced here
+(:func:`shape_attention`).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import llama_cpp as llama
 import numpy as np
 
-from engine import evalfilter
-from engine import ggml_ffi as g
+from engine import native
 from engine.cellmap import CellMap, CellMapError
-from engine.evalfilter import CRowCopier
+from engine.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 
-_U64 = ctypes.c_uint64.from_address
-_KQ_SOFT = int.from_bytes(b"kq_soft_", "little")
-_CACHE_K = int.from_bytes(b"cache_k_", "little")
-_L0 = b"cache_k_l0 "
-_NAME = g.OFF_NAME
+_DTYPES = {native.GGML_TYPE_F32: np.float32, native.GGML_TYPE_F16: np.float16}
 
 
-@dataclass
-class Run:
-    """``n`` consecutive batch entries ``[batch_start, batch_start+n)`` of ``seq`` at positions ``pos0..``."""
+class CaptureError(RuntimeError):
+    """llama.cpp did not capture a requested row (a graph the capture does not understand)."""
 
-    batch_start: int
-    n: int
-    seq: int
-    pos0: int
+
+def shape_attention(out: np.ndarray, fmt: AttentionFormat, dtype: AttentionDtype) -> np.ndarray:
+    """Rows ``float32[L, H, n_ctx]`` in ``fmt`` and ``dtype``: ``aggregated`` is the mean over the
+    layers and heads, ``[n_ctx]``."""
+    arr = out.mean(axis=(0, 1), dtype=np.float32) if fmt == "aggregated" else out
+    return arr.astype(np.float16) if dtype == "float16" else arr
 
 
 @dataclass
 class RowTarget:
-    """One output row to capture: batch entry ``batch_index`` of ``seq`` at query position ``pos``.
+    """One row to capture: batch entry ``batch_index`` of ``seq``, the token at position ``pos``.
 
-    ``out`` is ``float32[len(layers), n_head, pos+1]`` (filled by the callback) or
-    ``None`` when only the layer-0 ``mask`` row (``float32[n_kv]``) is wanted.
-    ``layer_slot[il]`` is the index in ``out`` of layer ``il`` or -1.
+    ``layers`` are the requested layer indices in the request's order; after the decode ``out`` is
+    ``[len(layers), n_head, pos+1]`` (``per_layer``) or ``[pos+1]`` (``aggregated``) of ``dtype``,
+    ``out[..., p]`` the attention to position ``p`` of the sequence.
     """
 
     batch_index: int
     seq: int
     pos: int
-    out: np.ndarray | None
-    layer_slot: np.ndarray | None = None
-    want_mask: bool = False
-    mask: np.ndarray | None = None
-    gather: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    layers: tuple[int, ...]
+    format: AttentionFormat = "per_layer"
+    dtype: AttentionDtype = "float32"
+    out: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, seq: int, pos: int, cap: CaptureOptions, n_layer: int) -> RowTarget:
+        """The target of ``cap`` for the token of ``seq`` at ``pos`` (batch index set by the decode)."""
+        layers = tuple(range(n_layer)) if cap.layers is None else tuple(cap.layers)
+        return cls(-1, seq, pos, layers, cap.format, cap.dtype)
 
 
 class AttentionCapture:
-    """Owns the ``cb_eval`` callback of one llama context and the plan of the current decode.
+    """Drives the patch's capture on one llama context: :meth:`plan` before ``llama_decode``,
+    :meth:`collect` after it.
 
-    Call :meth:`begin` before ``llama_decode`` with the batch's runs (for the cell
-    mirror) and the rows to capture, and :meth:`end` after it; :meth:`end` raises the
-    first error the callback hit (:class:`CellMapError` when a captured row's visible
-    cells disagree with the mirror and ``verify`` is on).
+    ``verify``: every collected row's cells are also checked against llama.cpp's KV cache
+    (``--verify-cells``; :class:`CellMapError` on a difference).  Raises
+    :class:`engine.native.PatchMissingError` without the patch.
     """
 
-    def __init__(self, cellmap: CellMap, n_layer: int, n_head: int, verify: bool = False, use_c: bool = True) -> None:
+    def __init__(self, ctx: int, cellmap: CellMap, n_layer: int, verify: bool = False) -> None:
+        native.require_patch()
+        self.ctx = ctx
         self.cellmap = cellmap
         self.n_layer = n_layer
-        self.n_head = n_head
         self.verify = verify
-        self.callback = llama.ggml_backend_sched_eval_callback(self._on_node)
-        self.c: CRowCopier | None = None
-        if use_c and evalfilter.available():
-            self.c = CRowCopier(self.callback, n_layer, n_head)
-        self._rows_of: list[RowTarget] = []
-        self._layer_of = {f"kq_soft_max-{il}".encode(): il for il in range(n_layer)}
-        self._runs: list[Run] = []
-        self._targets: list[RowTarget] = []
-        self._ub_targets: list[RowTarget] = []
-        self._ub_start = 0
-        self._ub_n = 0
-        self._active = False
-        self._error: BaseException | None = None
-        self.n_softmax_seen = 0
-        self.k_cache = 0  # a node viewing layer 0's K cache (cache_k_l0), met in every decode
+        self.n_caches = native.lib.llama_attn_init(ctx)
+        self.layer_cache = [native.lib.llama_attn_layer_cache(ctx, il) for il in range(n_layer)]
+        self.attention_layers = tuple(il for il, c in enumerate(self.layer_cache) if c >= 0)
+        self._format: tuple[int, int, tuple[int, ...]] = (-1, -1, ())
+        self._row = native.AttnRow()
+        self._idx = np.zeros(0, dtype=np.int32)
 
-    @property
-    def cb_eval(self) -> tuple[object, int | None]:
-        """``(cb_eval, cb_eval_user_data)`` for ``llama_context_params``."""
-        if self.c is not None:
-            return self.c.callback, self.c.user_data
-        return self.callback, None
+    # -- before the decode ----------------------------------------------------------------
 
-    # -- plan ------------------------------------------------------------------------------
-
-    def begin(self, runs: list[Run], targets: list[RowTarget]) -> None:
-        """Arm the callback for the next ``llama_decode``."""
-        self._runs = runs
-        self._targets = sorted(targets, key=lambda t: t.batch_index)
-        self._ub_targets = []
-        self._ub_start = 0
-        self._ub_n = 0
-        self._error = None
-        self.n_softmax_seen = 0
-        self._active = True
-        if self.c is not None:
-            self._rows_of = [tg for tg in self._targets if tg.out is not None]
-            n_tokens = sum(r.n for r in runs)
-            cap = min(self.cellmap.n_cells, -(-(self.cellmap.high_water + 1 + n_tokens) // 256) * 256)
-            forward_l0 = self.verify or any(tg.want_mask for tg in self._targets)
-            self.c.arm(len(self._rows_of), cap, forward_l0)
-
-    def end(self) -> None:
-        """Disarm; gather the C-copied rows; re-raise a failure seen inside the callback."""
-        self._active = False
-        err, self._error = self._error, None
-        if self.c is not None:
-            copied = self.c.finish()
-            if err is None:
-                self._gather_c_rows(copied)
-        if err is not None:
-            raise err
-
-    def _gather_c_rows(self, copied: int) -> None:
-        if self._rows_of and copied % self.n_layer:
-            raise g.GgmlLayoutError(f"copied {copied} kq_soft_max nodes, not a multiple of {self.n_layer}")
-        self.n_softmax_seen = copied
-        assert self.c is not None
-        for i, tg in enumerate(self._rows_of):
-            rows = self.c.rows(i)  # [n_layer, n_head, n_kv]
-            assert tg.out is not None and tg.layer_slot is not None
-            sel = np.flatnonzero(tg.layer_slot >= 0)
-            order = np.empty(len(sel), dtype=np.int64)
-            order[tg.layer_slot[sel]] = sel  # output layer slot -> captured layer
-            src = rows if np.array_equal(order, np.arange(self.n_layer)) else rows[order]
-            cells = tg.gather
-            if len(cells) and cells[-1] - cells[0] == len(cells) - 1 and np.all(cells[1:] > cells[:-1]):
-                np.copyto(tg.out, src[:, :, cells[0] : cells[-1] + 1])  # cells lo..hi in order: np.take is ~8x slower
+    def plan(self, targets: Sequence[RowTarget]) -> None:
+        """Name the batch rows of ``targets`` for the next ``llama_decode`` and choose its format
+        (the targets' own when they agree, else every asked layer per head in float32)."""
+        if targets:
+            first = targets[0]
+            same = all((t.format, t.dtype, t.layers) == (first.format, first.dtype, first.layers) for t in targets)
+            if same:
+                fmt = native.MEAN if first.format == "aggregated" else native.PER_LAYER
+                typ = native.GGML_TYPE_F16 if first.dtype == "float16" else native.GGML_TYPE_F32
+                layers = tuple(sorted(set(first.layers)))
             else:
-                np.take(src, cells, axis=2, out=tg.out)
+                fmt, typ = native.PER_LAYER, native.GGML_TYPE_F32
+                layers = tuple(sorted({il for t in targets for il in t.layers}))
+            if (fmt, typ, layers) != self._format:
+                mask = np.zeros(self.n_layer, dtype=np.uint8)
+                mask[list(layers)] = 1
+                if native.lib.llama_attn_set_format(self.ctx, mask.ctypes.data, self.n_layer, fmt, typ) != 0:
+                    raise CaptureError(f"llama_attn_set_format refused format {fmt}, type {typ}")
+                self._format = (fmt, typ, layers)
+        self._idx = np.fromiter((t.batch_index for t in targets), dtype=np.int32, count=len(targets))
+        if native.lib.llama_attn_set_rows(self.ctx, self._idx.ctypes.data, len(self._idx)) != 0:
+            raise CaptureError("llama_attn_set_rows refused the batch indices")
 
-    # -- callback --------------------------------------------------------------------------
+    # -- after the decode -----------------------------------------------------------------
 
-    def _on_node(self, t: int, ask: bool, _user: object) -> bool:
-        if not self._active:
-            return False
-        try:
-            if ask:
-                head = _U64(t + _NAME).value
-                if head == _KQ_SOFT:
-                    return bool(self._ub_targets)
-                if head == _CACHE_K and g.node_op(t) == g.GGML_OP_SET_ROWS and ctypes.string_at(t + _NAME, 11) == _L0:
-                    self.k_cache = self.k_cache or (g.tensor(t).view_src or t)
-                    self._new_ubatch(g.node_src(t, 1))
-                return False
-            self._on_softmax(t)
-        except BaseException as exc:
-            if self._error is None:
-                self._error = exc
-        return True
+    def n_captured(self) -> int:
+        """Layers whose rows the last capturing ubatch's graph gathered (-1 after a capture error)."""
+        return int(native.lib.llama_attn_n_captured(self.ctx))
 
-    def _new_ubatch(self, idxs_t: int) -> None:
-        n = int(g.tensor(idxs_t).ne[0])
-        idxs = g.read_array(idxs_t, np.int64, (n,))
-        start = self._ub_start = self._ub_start + self._ub_n
-        self._ub_n = n
-        end = start + n
-        for run in self._runs:
-            lo, hi = max(start, run.batch_start), min(end, run.batch_start + run.n)
-            if lo < hi:
-                self.cellmap.write(run.seq, run.pos0 + lo - run.batch_start, idxs[lo - start : hi - start])
-        self._ub_targets = [tg for tg in self._targets if start <= tg.batch_index < end]
-        for tg in self._ub_targets:
-            tg.gather = self.cellmap.cells(tg.seq, tg.pos + 1)
-        if self.c is not None:
-            self.c.set_rows(
-                [(tg.batch_index - start, i) for i, tg in enumerate(self._rows_of) if start <= tg.batch_index < end]
-            )
+    def collect(self, targets: Sequence[RowTarget]) -> None:
+        """Fill each target's ``out`` from the rows the decode captured (targets in :meth:`plan`'s order).
 
-    def _on_softmax(self, t: int) -> None:
-        il = self._layer_of[ctypes.string_at(t + _NAME)]
-        self.n_softmax_seen += 1
-        n_kv, n_tok, n_head, n_stream = g.check_contiguous_f32(t)
-        if n_head != self.n_head or n_stream != 1:
-            raise g.GgmlLayoutError(f"kq_soft_max-{il} has ne={[n_kv, n_tok, n_head, n_stream]}")
-        c_rows = self.c is not None  # rows were copied by C: only the mask is read here
-        local = sorted({tg.batch_index - self._ub_start for tg in self._ub_targets})
-        where = {r: i for i, r in enumerate(local)}
-        rows = None if c_rows else g.read_rows(t, local, n_head, n_tok, n_kv)  # [n_head, len(local), n_kv]
-        mask = None
-        for tg in self._ub_targets:
-            r = tg.batch_index - self._ub_start
-            if rows is not None and tg.out is not None and tg.layer_slot is not None and tg.layer_slot[il] >= 0:
-                np.take(rows[:, where[r], :], tg.gather, axis=1, out=tg.out[tg.layer_slot[il]])
-            if il == 0 and (tg.want_mask or self.verify):
-                if mask is None:
-                    mt = g.node_src(t, 1)
-                    ne = g.tensor(mt).ne
-                    mask = g.read_rows(mt, local, 1, int(ne[1]), int(ne[0]))[0]
-                row = mask[where[r]].copy()
-                if tg.want_mask:
-                    tg.mask = row
-                if self.verify and tg.out is not None:
-                    self._verify(tg, row)
+        Raises :class:`CaptureError` for a row llama.cpp did not capture and :class:`CellMapError`
+        when the mirror lacks the row's positions (or, with ``verify``, disagrees with llama.cpp).
+        """
+        fmt, typ, layers = self._format
+        for i, tg in enumerate(targets):
+            cells = self.cellmap.cells(tg.seq, tg.pos + 1)
+            if self.verify:
+                self._verify(tg.seq, cells)
+            rows = self._rows(i, cells)  # [len(layers), H, pos+1] or [pos+1]
+            native_format = "aggregated" if fmt == native.MEAN else "per_layer"
+            exact = (native_format, "float16" if typ == native.GGML_TYPE_F16 else "float32") == (tg.format, tg.dtype)
+            if exact and tuple(sorted(set(tg.layers))) == layers:
+                if tg.format == "per_layer" and tg.layers != layers:
+                    rows = rows[[layers.index(il) for il in tg.layers]]
+                tg.out = rows
+            else:
+                tg.out = shape_attention(rows[[layers.index(il) for il in tg.layers]], tg.format, tg.dtype)
 
-    def _verify(self, tg: RowTarget, mask_row: np.ndarray) -> None:
-        visible = np.flatnonzero(np.isfinite(mask_row))
-        if not np.array_equal(visible, np.sort(tg.gather)):
+    def _rows(self, i: int, cells: np.ndarray) -> np.ndarray:
+        """Row ``i`` of the last decode, gathered into position order: ``[n_layers, H, n]`` with the
+        layers of every KV cache in ascending order (``per_layer``), or their sum ``[n]`` (``aggregated``)."""
+        fmt, _, layers = self._format
+        out: np.ndarray | None = None
+        for cache in range(max(1, self.n_caches)):
+            status = native.lib.llama_attn_get_row(self.ctx, i, cache, ctypes.byref(self._row))
+            if status == 1:
+                continue  # no selected layer in this cache
+            if status != 0:
+                raise CaptureError(f"llama.cpp did not capture attention row {i}")
+            r = self._row
+            dtype = _DTYPES[r.type]
+            n = r.n_layer * r.n_head * r.n_kv
+            src = np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(r.data), dtype=dtype)
+            src = src.reshape(r.n_layer, r.n_head, r.n_kv)
+            if len(cells) and (cells.min() < 0 or cells.max() >= r.n_kv):
+                raise CellMapError(f"row {i}: cells outside the {r.n_kv} cells of its KV view")
+            part = _gather(src, cells)
+            if fmt == native.MEAN:
+                out = part[0, 0] if out is None else out + part[0, 0]
+                continue
+            mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
+            if len(mine) == len(layers):
+                out = part
+                continue
+            if out is None:
+                out = np.zeros((len(layers), r.n_head, len(cells)), dtype=dtype)
+            out[mine] = part
+        if out is None:
+            raise CaptureError(f"attention row {i} has no layer in any KV cache")
+        return out
+
+    def _verify(self, seq: int, cells: np.ndarray) -> None:
+        theirs = seq_cells(self.ctx, seq, 0, len(cells))
+        if not np.array_equal(theirs, cells):
+            bad = int(np.flatnonzero(theirs != cells)[0])
             raise CellMapError(
-                f"seq {tg.seq} pos {tg.pos}: mask shows {visible.size} visible cells, mirror has {tg.gather.size}"
+                f"seq {seq}: the mirror has cell {cells[bad]} for position {bad}, llama.cpp's KV cache {theirs[bad]}"
             )
+
+
+def _gather(src: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """``src[..., cells]`` as a new array; a slice copy when the cells are one ascending run."""
+    n = len(cells)
+    if n and int(cells[-1]) - int(cells[0]) == n - 1 and (n == 1 or bool(np.all(cells[1:] > cells[:-1]))):
+        return src[..., int(cells[0]) : int(cells[0]) + n].copy()
+    return np.take(src, cells, axis=-1)
+
+
+def seq_cells(ctx: int, seq: int, p0: int, n: int, cache: int = 0) -> np.ndarray:
+    """``int32[n]``: the KV cell (within its stream) of positions ``p0..p0+n-1`` of ``seq``, as
+    llama.cpp's KV cache holds them (-1 where it holds no such position)."""
+    out = np.empty(n, dtype=np.int32)
+    if native.lib.llama_attn_seq_cells(ctx, cache, seq, p0, n, out.ctypes.data) < 0:
+        raise CellMapError(f"llama_attn_seq_cells refused seq {seq} (cache {cache})")
+    return out

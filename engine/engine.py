@@ -1,13 +1,21 @@
-"""The llama.cpp context: one unified KV cache shared by numbered sequences.
+"""The llama.cpp context: one KV stream per sequence, attention captured in the graph.
 
-:class:`Engine` owns the context, the batch buffer, the attention capture and the
-cell mirror, and performs every operation on the KV cache, so the mirror
-(:mod:`engine.cellmap`) sees all of them.  It is single-threaded: the worker's loop
-calls it between decode steps.
+:class:`Engine` owns the context, the batch buffer, the attention capture and the cell mirror,
+and performs every operation on the KV cache, so the mirror (:mod:`engine.cellmap`) sees all of
+them.  It is single-threaded: the worker's loop calls it between decode steps.
 
-Sequence numbering: ``0..n_slots-1`` are addressed by the orchestrator (resident
-slots); ``n_slots..n_seq_max-2`` are spares for forks (previews); the last one is the
-scratch sequence for restores.
+KV layout (docs/architecture.md, "KV layout"): llama-server's default, ``kv_unified=false``:
+every sequence has a KV stream of its own (``n_ctx`` cells), so a token attends over its own
+sequence's cells only and the work per token follows its own context, however many other
+conversations are resident.  A fork (``llama_memory_seq_cp`` across streams) copies the stream.
+
+Sequence numbering: ``0..n_slots-1`` are addressed by the orchestrator (resident slots);
+``n_slots..n_seq_max-1`` are spares for forks (previews).
+
+States: llama.cpp writes a sequence's state with one record per stream (``include/llama.h``
+``llama_state_seq_get_data``; all but the sequence's own empty); slotserve keeps and exchanges
+the one-stream form (the record alone, as a unified cache writes it: :mod:`engine.seq_state`),
+which does not depend on how many sequences this engine has and which llama-server reads.
 """
 
 from __future__ import annotations
@@ -20,16 +28,17 @@ from dataclasses import dataclass
 import llama_cpp as llama
 import numpy as np
 
-from engine import ggml_ffi as g
-from engine import seq_state
+from engine import native, seq_state
 from engine.buffers import BufferPool
-from engine.capture import AttentionCapture, RowTarget, Run
-from engine.cellmap import CellMap
+from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
+from engine.cellmap import CellMap, CellMapError
 from engine.errors import ErrorCode
-from engine.kv_io import StateReader, StateReadError, llama_state
 from engine.kv_types import KV_CACHE_TYPES
 from engine.model import Model, file_fingerprint
-from engine.settings import EngineSettings
+from engine.protocol import CaptureOptions
+from engine.settings import FLASH_ATTN_TYPES, EngineSettings
+
+State = bytearray | memoryview
 
 
 class EngineError(RuntimeError):
@@ -45,8 +54,8 @@ class EngineError(RuntimeError):
 class BatchEntry:
     """Tokens of one sequence in a decode: ``tokens`` at positions ``pos0..``.
 
-    ``target`` (optional) captures the attention row / mask of the last token;
-    ``logits`` asks llama.cpp for the last token's logits.
+    ``target`` (optional) captures the attention row of the last token; ``logits`` asks
+    llama.cpp for the last token's logits.  ``batch_start`` is set by :meth:`Engine.decode`.
     """
 
     seq: int
@@ -58,59 +67,69 @@ class BatchEntry:
 
 
 class Engine:
-    """A llama.cpp context over ``model`` with attention capture on every layer.
+    """A llama.cpp context over ``model`` (see the module docstring).
 
-    Raises :class:`engine.model.ModelLoadError` / :class:`EngineError` when the
-    context cannot be created and :class:`engine.ggml_ffi.GgmlLayoutError` when the
-    start-up self-check of the capture fails.
+    Raises :class:`engine.model.ModelLoadError` / :class:`EngineError` when the context cannot
+    be created, :class:`engine.native.PatchMissingError` on a libllama without slotserve's patch,
+    and :class:`CaptureError` when the start-up self-check of the capture fails.
     """
 
     def __init__(self, model: Model, config: EngineSettings, on_stage: Callable[[str], None] | None = None) -> None:
         report = on_stage or (lambda _stage: None)
+        native.require_patch()
         self.model = model
         self.config = config
-        self.cellmap = CellMap(config.n_cells)
-        self.capture = AttentionCapture(
-            self.cellmap, model.n_layer, model.n_head, verify=config.verify_cells, use_c=config.eval_filter
-        )
+        n_seq = config.n_seq_max
         cp = llama.llama_context_default_params()
-        cp.n_ctx = config.n_cells
+        cp.n_ctx = config.n_ctx_seq * n_seq
         cp.n_batch = config.n_batch
         cp.n_ubatch = config.n_ubatch
-        cp.n_seq_max = config.n_seq_max
+        cp.n_seq_max = n_seq
         cp.n_threads = config.n_threads
         cp.n_threads_batch = config.n_threads
-        cp.kv_unified = True
-        cp.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.kv_unified = False
+        cp.flash_attn_type = FLASH_ATTN_TYPES[config.flash_attn]
         cp.type_k, cp.type_v = KV_CACHE_TYPES[config.type_k], KV_CACHE_TYPES[config.type_v]
-        if config.capture:
-            cp.cb_eval, cp.cb_eval_user_data = self.capture.cb_eval
         cp.no_perf = True
         report("creating_context")
         ctx = llama.llama_init_from_model(model.ptr, cp)
         if not ctx:
-            raise EngineError(ErrorCode.NO_MODEL, "llama.cpp could not create a context")
+            raise EngineError(
+                ErrorCode.NO_MODEL, "llama.cpp could not create a context (a quantized V cache needs flash attention)"
+            )
         self.ctx = ctx
         self.mem = llama.llama_get_memory(ctx)
-        self.n_cells = llama.llama_n_ctx(ctx)
-        if self.n_cells != config.n_cells:
+        self.n_cells = llama.llama_n_ctx_seq(ctx)  # cells of each sequence's stream
+        if self.n_cells < config.n_ctx:
             llama.llama_free(ctx)
-            raise EngineError(ErrorCode.NO_MODEL, f"llama.cpp made {self.n_cells} KV cells, expected {config.n_cells}")
+            raise EngineError(
+                ErrorCode.NO_MODEL, f"llama.cpp made {self.n_cells} KV cells per sequence, need {config.n_ctx}"
+            )
+        self.n_stream = n_seq
+        self.cellmap = CellMap(self.n_cells)
+        self.capture: AttentionCapture | None = None
+        if config.capture:
+            self.capture = AttentionCapture(ctx, self.cellmap, model.n_layer, verify=config.verify_cells)
+            if self.capture.n_caches > 1:
+                llama.llama_free(ctx)
+                raise EngineError(
+                    ErrorCode.NO_MODEL,
+                    "attention capture does not support this model's sliding-window KV cache yet; "
+                    "start with --no-capture to serve it without attention",
+                )
+        self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp chose for "auto"
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
-        # seq -> a copy of its current state (llama_state_seq_get_data), dropped when the sequence
-        # changes; for the offloaded sequences (cells out of the cache) the only copy.  Dropped
-        # copies go back to state_pool: the next read lands in memory already mapped (engine/buffers.py)
-        self.states: dict[int, bytearray | memoryview] = {}
+        # seq -> its current state (one-stream form), kept until the sequence changes so that saving
+        # an unchanged sequence again reads nothing; dropped copies go back to state_pool (engine/buffers.py)
+        self.states: dict[int, State] = {}
+        self._raw: dict[int, State] = {}  # the pool buffer behind each kept state
         self.state_pool = BufferPool(keep=1)
         self.lent: set[int] = set()  # ids of state buffers a thread other than the loop's still reads
-        self.offloaded: set[int] = set()
-        self.spare_free = list(range(config.n_slots, config.n_slots + config.n_spare))
-        self.scratch = config.n_seq_max - 1
+        self.spare_free = list(range(config.n_slots, n_seq))
         self.embeddings_on = False
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
-        self.reader = StateReader(ctx, verify=config.verify_cells)  # fast reads once the self-check agrees
         report("self_check")
         self.layout = self._self_check()
 
@@ -120,40 +139,27 @@ class Engine:
         """Tokens of ``seq`` with KV in the cache."""
         return len(self.tokens.get(seq, ()))
 
-    def free_cells(self) -> int:
-        """KV cells no sequence holds (from the cell mirror; without capture, from token counts)."""
-        if self.config.capture:
-            return self.n_cells - int(np.count_nonzero(self.cellmap.occupied()))
-        return self.n_cells - sum(len(t) for s, t in self.tokens.items() if s not in self.offloaded)
-
-    def freed_by_truncate(self, seq: int, n: int) -> int:
-        """KV cells that :meth:`truncate` ``(seq, n)`` would free: those of positions ``n..`` that no
-        other sequence shares (e.g. a preview's fork)."""
-        if not self.config.capture:
-            return max(0, self.seq_len(seq) - n)
-        return self.cellmap.private_cells(seq, n)
-
-    def cell_runs(self, seq: int) -> int:
-        """Runs of consecutive KV cells ``seq`` occupies; a large number when the mirror does not know
-        (no capture)."""
-        return self.cellmap.runs(seq) if self.config.capture else self.n_cells
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with an attention row (all of a transformer's; none without capture)."""
+        return self.capture.attention_layers if self.capture is not None else ()
 
     # ------------------------------------------------------------------ decode
 
     def decode(self, entries: Sequence[BatchEntry]) -> int:
-        """Run one ``llama_decode`` over ``entries`` (in order); capture their targets.
+        """Run one ``llama_decode`` over ``entries``; capture their targets.
 
-        Updates the cell mirror and the sequences' token lists.  Returns llama.cpp's
-        status (0 ok, 1 no room in the KV cache, 2 aborted, <0 error); on failure
-        nothing of the batch stays in the cache or in the mirror.
+        The batch holds the entries in sequence order (llama.cpp puts consecutive sequences
+        of a batch in one ubatch: ``llama_batch_allocr::split_equal``); each entry's
+        ``batch_start`` says where its tokens are.  Updates the cell mirror and the sequences'
+        token lists.  Returns llama.cpp's status (0 ok, 1 no room in the KV cache, 2 aborted,
+        <0 error); on failure nothing of the batch stays in the cache or in the mirror.
         """
         b = self.batch
         i = 0
-        runs: list[Run] = []
         targets: list[RowTarget] = []
-        for e in entries:
-            if e.seq in self.offloaded:
-                raise EngineError(ErrorCode.INTERNAL, f"sequence {e.seq} is offloaded; make it resident first")
+        ordered = sorted(entries, key=lambda e: e.seq)
+        for e in ordered:
             self._drop_state(e.seq)
             e.batch_start = i
             n = len(e.tokens)
@@ -165,29 +171,33 @@ class Engine:
                 b.logits[i + j] = 0
             if e.logits:
                 b.logits[i + n - 1] = 1
-            runs.append(Run(i, n, e.seq, e.pos0))
             if e.target is not None:
                 e.target.batch_index = i + n - 1
                 targets.append(e.target)
             i += n
         b.n_tokens = i
-        self.capture.begin(runs, targets)
-        try:
-            status = llama.llama_decode(self.ctx, b)
-        finally:
-            try:
-                self.capture.end()
-            except Exception:
-                self._rollback(entries)
-                raise
+        if self.capture is not None:
+            self.capture.plan(targets)
+        status = llama.llama_decode(self.ctx, b)
         if status != 0:
-            self._rollback(entries)
+            self._rollback(ordered)
             return status
-        for e in entries:
-            if e.seq >= 0:
-                toks = self.tokens.setdefault(e.seq, [])
-                del toks[e.pos0 :]
-                toks.extend(e.tokens)
+        try:
+            for e in ordered:
+                if len(e.tokens):
+                    cells = seq_cells(self.ctx, e.seq, e.pos0, len(e.tokens))
+                    if cells.min() < 0:
+                        raise CellMapError(f"seq {e.seq}: llama.cpp holds no cell for a decoded position")
+                    self.cellmap.write(e.seq, e.pos0, cells)
+            if self.capture is not None and targets:
+                self.capture.collect(targets)
+        except (CaptureError, CellMapError):
+            self._rollback(ordered)
+            raise
+        for e in ordered:
+            toks = self.tokens.setdefault(e.seq, [])
+            del toks[e.pos0 :]
+            toks.extend(e.tokens)
         return 0
 
     def _rollback(self, entries: Sequence[BatchEntry]) -> None:
@@ -209,20 +219,16 @@ class Engine:
         arr = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.model.n_embd,))
         return arr.copy()
 
-    def new_target(self, seq: int, pos: int, layers: Sequence[int] | None) -> RowTarget:
-        """A capture target for the token of ``seq`` at ``pos``: ``out`` is ``float32[L, n_head, pos+1]``."""
-        sel = np.arange(self.model.n_layer) if layers is None else np.asarray(layers, dtype=np.int64)
-        slot = np.full(self.model.n_layer, -1, dtype=np.int64)
-        slot[sel] = np.arange(len(sel))
-        out = np.empty((len(sel), self.model.n_head, pos + 1), dtype=np.float32)
-        return RowTarget(batch_index=-1, seq=seq, pos=pos, out=out, layer_slot=slot)
+    def new_target(self, seq: int, pos: int, cap: CaptureOptions | None = None) -> RowTarget:
+        """A capture target for the token of ``seq`` at ``pos`` (``cap``: the request's format, dtype and
+        layers; default every layer per head in float32): its ``out`` is filled by :meth:`decode`."""
+        return RowTarget.of(seq, pos, cap or CaptureOptions(attention=True), self.model.n_layer)
 
     # ------------------------------------------------------------------ sequence operations
 
     def truncate(self, seq: int, n: int) -> None:
         """Keep the first ``n`` tokens of ``seq`` (``seq_rm(seq, n, -1)``)."""
         if n < self.seq_len(seq):
-            self.make_resident(seq)
             self._drop_state(seq)
             llama.llama_memory_seq_rm(self.mem, seq, n, -1)
             self.cellmap.truncate(seq, n)
@@ -230,18 +236,19 @@ class Engine:
 
     def erase(self, seq: int) -> None:
         """Drop every cell of ``seq`` (and any copy of its state)."""
-        self.offloaded.discard(seq)
         self._drop_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
 
     def fork(self, src: int, dst: int) -> None:
-        """Copy-on-write copy of ``src`` into ``dst`` (``seq_cp``: cells shared, nothing copied)."""
+        """Copy of ``src`` into ``dst`` (``seq_cp`` across streams: llama.cpp copies the stream's K/V
+        buffers, cell for cell, so ``dst``'s cells are ``src``'s; done now rather than at the next
+        decode, so that ``dst``'s state can be read at once)."""
         self.erase(dst)
         if self.seq_len(src):
-            self.make_resident(src)
             llama.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+            native.lib.llama_attn_memory_update(self.ctx)
             self.cellmap.copy(src, dst)
             self.tokens[dst] = list(self.tokens[src])
 
@@ -256,109 +263,80 @@ class Engine:
         self.erase(seq)
         self.spare_free.append(seq)
 
-    def offload(self, seq: int) -> int:
-        """Move the cells of ``seq`` out of the KV cache into host memory; its tokens stay.
-
-        What llama-server does with ``--cache-idle-slots`` on a unified cache: an idle
-        slot's cells no longer widen every decode's attention (n_kv spans every used
-        cell).  Any operation that needs the cells brings them back
-        (:meth:`make_resident`).  Free when the state was saved since the sequence last
-        changed (the write-behind save after a generation).  Returns the bytes of the
-        state now held in host memory (0 if nothing moved).
-        """
-        if seq in self.offloaded or not self.seq_len(seq):
-            return 0
-        _, blob = self.save_state(seq)
-        llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
-        self.cellmap.remove(seq)
-        self.offloaded.add(seq)
-        return len(blob)
-
-    def make_resident(self, seq: int) -> None:
-        """Restore an offloaded ``seq`` into the KV cache (:meth:`restore_state`); no-op otherwise.
-
-        Raises ``EngineError(ErrorCode.OOM)`` when the cache has no room; ``seq`` stays offloaded.
-        """
-        if seq in self.offloaded:
-            blob = self.states.pop(seq)  # held here: restore_state's erase must not recycle it
-            try:
-                self.restore_state(seq, self.tokens[seq], blob)
-            finally:
-                self.states[seq] = blob  # still the sequence's state (and its only copy if that failed)
-
     def context_shift(self, seq: int, n_keep: int, n_discard: int) -> int:
         """Remove ``n_discard`` tokens after ``n_keep`` and shift the rest down (llama-server's shift).
 
-        Cells shared with another sequence (a fork) are first made private, because
-        ``seq_add`` moves a shared cell for every sequence.  Returns the new token count.
+        Returns the new token count.  Raises ``EngineError(INVALID_REQUEST)`` for bad bounds or a
+        KV cache that cannot shift positions (``llama_memory_can_shift``).
         """
         n = self.seq_len(seq)
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"need n_keep >= 0, n_discard > 0, n_keep + n_discard <= {n}")
         if not llama.llama_memory_can_shift(self.mem):
             raise EngineError(ErrorCode.INVALID_REQUEST, "this model's KV cache cannot shift positions")
-        self.make_resident(seq)
-        if self.cellmap.sharers(seq):
-            tokens, blob = self.save_state(seq)
-            self.restore_state(seq, tokens, blob)
         self._drop_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
         llama.llama_memory_seq_add(self.mem, seq, n_keep + n_discard, -1, -n_discard)
+        native.lib.llama_attn_memory_update(self.ctx)  # the K-shift now: a state read next must hold it
         self.cellmap.shift(seq, n_keep, n_discard)
         toks = self.tokens[seq]
         del toks[n_keep : n_keep + n_discard]
         return len(toks)
 
+    # ------------------------------------------------------------------ states
+
     def _drop_state(self, seq: int) -> None:
         """Forget the copy of ``seq``'s state (it changed); its memory serves the next read, unless
         it is lent (:meth:`lend_state`): then it is freed once its reader lets go of it."""
-        buf = self.states.pop(seq, None)
-        if buf is not None:
-            if id(buf) in self.lent:
-                self.state_pool.drop(buf)
+        self.states.pop(seq, None)
+        raw = self._raw.pop(seq, None)
+        if raw is not None:
+            if id(_owner_of(raw)) in self.lent:
+                self.state_pool.drop(raw)
             else:
-                self.state_pool.give(buf)
+                self.state_pool.give(raw)
 
-    def lend_state(self, seq: int) -> tuple[list[int], bytearray | memoryview]:
+    def lend_state(self, seq: int) -> tuple[list[int], State]:
         """:meth:`save_state` for a reader on another thread: the buffer is not reused for another
         read until :meth:`end_lend` (which that thread may call), even if ``seq`` changes meanwhile."""
-        tokens, buf = self.save_state(seq)
-        self.lent.add(id(buf))
-        return tokens, buf
+        tokens, state = self.save_state(seq)
+        self.lent.add(id(_owner_of(state)))
+        return tokens, state
 
-    def end_lend(self, buf: bytearray | memoryview) -> None:
-        """The reader of a buffer from :meth:`lend_state` is done with it (thread-safe)."""
-        self.lent.discard(id(buf))
+    def end_lend(self, state: State) -> None:
+        """The reader of a state from :meth:`lend_state` is done with it (thread-safe)."""
+        self.lent.discard(id(_owner_of(state)))
 
-    def save_state(self, seq: int) -> tuple[list[int], bytearray | memoryview]:
-        """``(tokens, llama.cpp sequence state)`` of ``seq`` (``llama_state_seq_get_data``).
+    def save_state(self, seq: int) -> tuple[list[int], State]:
+        """``(tokens, state)`` of ``seq``: its llama.cpp sequence state in the one-stream form
+        (``u32 magic | i32 seq | u32 1 | record``, :mod:`engine.seq_state`).
 
-        The state is kept until ``seq`` changes, so saving an unchanged sequence again (or
-        offloading it) reads nothing; callers must not modify the returned buffer nor keep it past the
-        sequence's next change (its memory is then reused for another read).
+        Read with ``llama_state_seq_get_data`` into a pooled buffer and turned into the one-stream
+        form in place (the 12 header bytes are written just before the sequence's record; the
+        state is a view of the buffer, nothing copied).  Kept until ``seq`` changes, so saving an
+        unchanged sequence again reads nothing; callers must not modify it nor keep it past the
+        sequence's next change.  Raises ``EngineError(INTERNAL)`` when llama.cpp's read fails.
         """
-        buf = self.states.get(seq)
-        if buf is None:
-            known = self.cellmap.length(seq) == self.seq_len(seq) and self.config.capture
-            try:
-                buf = self.reader.read(seq, self.cellmap.cells(seq) if known else None, self.state_pool.take)
-            except StateReadError as exc:
-                raise EngineError(ErrorCode.INTERNAL, str(exc)) from exc
-            self.states[seq] = buf
-        return list(self.tokens.get(seq, ())), buf
+        state = self.states.get(seq)
+        if state is None:
+            raw, state = read_state(self.ctx, seq, self.state_pool.take, self.state_pool.give)
+            self.states[seq] = state
+            self._raw[seq] = raw
+        return list(self.tokens.get(seq, ())), state
 
     def restore_state(
         self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview, check_values: bool = False
     ) -> None:
-        """Replace ``seq`` with ``tokens`` and their KV state; ``seq`` is untouched on failure.
+        """Replace ``seq`` with ``tokens`` and their KV state; ``seq`` is untouched on refusal.
 
-        The blob (``llama_state_seq_get_data``'s format; read in place, never copied) is
-        parsed and checked against this engine's layout (with ``check_values``, its float
-        K/V values must also be finite: :func:`engine.seq_state.check_finite`), then
-        ``llama_state_seq_set_data`` puts it in place (:meth:`_place`).  Raises
-        ``EngineError(ErrorCode.BAD_STATE)`` for a blob this engine cannot take, and
-        ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` for more tokens than the context window
-        (``n_ctx``).
+        ``blob`` is a sequence state as ``llama_state_seq_get_data`` writes it, of one stream or of
+        several (llama-server's ``-np N``: one record per slot, all but one empty); it is read in
+        place, never copied.  It is parsed and checked against this engine's layout (with
+        ``check_values`` its float K/V values must also be finite:
+        :func:`engine.seq_state.check_finite`) before llama.cpp sees it, then given to
+        ``llama_attn_state_seq_set_data`` as pieces with this engine's stream count.  Raises
+        ``EngineError(BAD_STATE)`` for a blob this engine cannot take and
+        ``EngineError(CONTEXT_OVERFLOW)`` for more tokens than the context window (``n_ctx``).
         """
         try:
             parsed = seq_state.parse(blob, self.layout)
@@ -366,99 +344,71 @@ class Engine:
                 seq_state.check_finite(blob, parsed)
         except seq_state.BadStateError as exc:
             raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
-        self._place(seq, tokens, parsed.positions, blob)
-
-    def _place(
-        self, seq: int, tokens: Sequence[int], positions: np.ndarray, blob: bytes | bytearray | memoryview
-    ) -> None:
-        """Replace ``seq`` with ``tokens`` and the parsed, checked state ``blob``; ``seq`` is untouched on failure.
-
-        ``positions`` (``int32[n]``) is the position of each cell in the state's order; it must
-        be a permutation of ``0..n-1`` for ``n = len(tokens)``.  ``llama_state_seq_set_data``
-        writes the state into the empty scratch sequence, whose cells llama.cpp chooses as
-        :meth:`_restore_cells` names them; the scratch is then moved to ``seq``
-        (``llama_memory_seq_cp``: no copy of the K/V bytes).  Raises
-        ``EngineError(ErrorCode.BAD_STATE)`` (positions, tokens outside the vocabulary, a state
-        llama.cpp refuses) and ``EngineError(ErrorCode.CONTEXT_OVERFLOW)`` (more tokens than ``n_ctx``).
-        """
         n = len(tokens)
         if n > self.config.n_ctx:
             raise EngineError(ErrorCode.CONTEXT_OVERFLOW, f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
+        positions = parsed.positions
         if len(positions) != n or not np.array_equal(np.sort(positions), np.arange(n)):
             raise EngineError(ErrorCode.BAD_STATE, f"state holds positions that are not 0..{n - 1} for {n} tokens")
         ids = np.asarray(tokens, dtype=np.int64)
         if n and (ids.min() < 0 or ids.max() >= self.model.n_vocab):
             raise EngineError(ErrorCode.BAD_STATE, "state tokens outside the vocabulary")
-        s = self.scratch
-        self.erase(s)
-        if n:
-            cells = self._restore_cells(n)
-            data = np.frombuffer(blob, dtype=np.uint8)  # read in place, writable or not
-            src = ctypes.cast(data.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-            if llama.llama_state_seq_set_data(self.ctx, src, data.nbytes, s) != data.nbytes:
-                self.erase(s)
-                raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
-            if cells is not None:
-                pos2cell = np.empty(n, dtype=np.int32)
-                pos2cell[positions] = cells
-                self.cellmap.set(s, pos2cell)
-            self.tokens[s] = list(tokens)
         self.erase(seq)
-        if n:
-            llama.llama_memory_seq_cp(self.mem, s, seq, -1, -1)
-            self.cellmap.copy(s, seq)
-            self.tokens[seq] = list(tokens)
-        self.erase(s)
-
-    def _restore_cells(self, n: int) -> np.ndarray | None:
-        """The cells the next ``llama_state_seq_set_data`` of ``n`` cells gives them, in the blob's order.
-
-        llama.cpp's ``state_read_meta`` (``src/llama-kv-cache.cpp``) places a state's cells with
-        ``find_slot(ubatch, cont=false)``: the free cells met scanning from the cache's head,
-        wrapping at its end, in the blob's order.  ``seq_add`` on the empty scratch sequence
-        sets the head to cell 0 (``seq_add`` resets it when no cell moved), so they are the
-        first ``n`` free cells of the mirror.  ``None`` without capture (no mirror is kept).
-        Raises ``EngineError(ErrorCode.OOM)`` when fewer than ``n`` cells are free, and
-        ``EngineError(ErrorCode.INVALID_REQUEST)`` for a cache that cannot shift positions.
-        """
-        if not self.config.capture:
-            return None
-        if not llama.llama_memory_can_shift(self.mem):
-            raise EngineError(
-                ErrorCode.INVALID_REQUEST, "restoring with attention capture needs a KV cache that can shift"
-            )
-        free = np.flatnonzero(~self.cellmap.occupied())[:n]
-        if len(free) < n:
-            raise EngineError(ErrorCode.OOM, f"no room in the KV cache for a state of {n} cells")
-        llama.llama_memory_seq_add(self.mem, self.scratch, 0, -1, 1)
-        return free.astype(np.int32)
+        if not n:
+            return
+        view = memoryview(blob).cast("B")
+        start, end = parsed.record
+        data = np.frombuffer(view, dtype=np.uint8)
+        pieces = [
+            (data.ctypes.data, 8),  # io magic, source sequence
+            (ctypes.addressof(_COUNT[self.n_stream]), 4),
+            (data.ctypes.data + start, end - start),
+            (ctypes.addressof(_ZEROS), 4 * (self.n_stream - 1)),
+        ]
+        if len(_ZEROS) < 4 * (self.n_stream - 1):
+            raise EngineError(ErrorCode.INTERNAL, f"{self.n_stream} KV streams is more than llama.cpp allows")
+        ptrs = (ctypes.c_void_p * len(pieces))(*(p for p, _ in pieces))
+        sizes = (ctypes.c_size_t * len(pieces))(*(s for _, s in pieces))
+        want = sum(s for _, s in pieces)
+        got = native.lib.llama_attn_state_seq_set_data(self.ctx, ptrs, sizes, len(pieces), seq)
+        del data
+        if got != want:
+            self.erase(seq)
+            raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
+        cells = seq_cells(self.ctx, seq, 0, n)
+        if cells.min() < 0:
+            self.erase(seq)
+            raise EngineError(ErrorCode.INTERNAL, "llama.cpp restored a state without all of its positions")
+        self.cellmap.set(seq, cells)
+        self.tokens[seq] = list(tokens)
 
     # ------------------------------------------------------------------ start-up
 
     def _self_check(self) -> seq_state.StateLayout:
         """Check the capture on a real decode and learn this engine's state layout.
 
-        Decodes three tokens on the scratch sequence capturing the last row: every
-        ``kq_soft_max`` node must be seen with the expected shape and each row must sum
-        to 1.  Raises :class:`engine.ggml_ffi.GgmlLayoutError` otherwise.
+        Decodes three tokens on a spare sequence capturing the last row: every attention layer
+        must be captured and each of its heads' rows must sum to 1.  Raises :class:`CaptureError`
+        otherwise.
         """
-        s = self.scratch
+        s = self.config.n_seq_max - 1
         toks = self.model.tokenize("Hello world", False, False)[:3] or [0, 0, 0]
-        target = self.new_target(s, len(toks) - 1, None) if self.config.capture else None
+        target = self.new_target(s, len(toks) - 1) if self.capture is not None else None
         t0 = time.perf_counter()
         status = self.decode([BatchEntry(s, 0, toks, logits=True, target=target)])
         if status != 0:
-            raise g.GgmlLayoutError(f"self-check decode failed with status {status}")
-        seen = self.capture.n_softmax_seen
-        sums = target.out.sum(axis=-1) if target is not None and target.out is not None else np.ones(1)
-        if target is not None and (seen != self.model.n_layer or not np.allclose(sums, 1.0, atol=1e-3)):
-            raise g.GgmlLayoutError(
-                f"attention capture self-check failed: {seen} softmax nodes, row sums {sums.ravel()[:4]}"
-            )
-        blob = llama_state(self.ctx, s)
-        layout = seq_state.parse(blob).layout
-        if self.config.capture:
-            self.reader.enable(self.capture.k_cache, layout, self.n_cells, s, self.cellmap.cells(s))
+            raise CaptureError(f"self-check decode failed with status {status}")
+        if self.capture is not None and target is not None:
+            seen = self.capture.n_captured()
+            expect = len(self.capture.attention_layers)
+            rows = target.out[list(self.capture.attention_layers)] if target.out is not None else None
+            sums = rows.sum(axis=-1) if rows is not None else np.zeros(1)
+            if seen != expect or not np.allclose(sums, 1.0, atol=1e-3):
+                raise CaptureError(
+                    f"attention capture self-check failed: {seen} of {expect} layers captured, row sums {sums.ravel()[:4]}"
+                )
+        _, state = self.save_state(s)
+        layout = seq_state.parse(state).layout
         self.erase(s)
         self.self_check_ms = (time.perf_counter() - t0) * 1000
         return layout
@@ -469,3 +419,41 @@ class Engine:
             llama.llama_batch_free(self.batch)
             llama.llama_free(self.ctx)
             self.ctx = None
+
+
+def read_state(
+    ctx: llama.llama_context_p,
+    seq: int,
+    alloc: Callable[[int], State] = bytearray,
+    release: Callable[[State], None] = lambda _buf: None,
+) -> tuple[State, memoryview]:
+    """``(buffer, state)``: ``llama_state_seq_get_data`` of ``seq`` written into ``alloc(size)``, and
+    its one-stream form (:func:`engine.seq_state.one_stream`, a view of the buffer).  On failure the
+    buffer goes to ``release`` and ``EngineError(INTERNAL)`` is raised."""
+    size = llama.llama_state_seq_get_size(ctx, seq)
+    raw = alloc(size)
+    data = (ctypes.c_uint8 * size).from_buffer(raw)
+    got = llama.llama_state_seq_get_data(ctx, data, size, seq)
+    del data
+    try:
+        if got != size:
+            raise EngineError(ErrorCode.INTERNAL, f"llama_state_seq_get_data wrote {got} of {size} bytes")
+        return raw, seq_state.one_stream(raw)
+    except seq_state.BadStateError as exc:
+        release(raw)
+        raise EngineError(ErrorCode.INTERNAL, f"llama.cpp wrote a state slotserve cannot read: {exc}") from exc
+    except EngineError:
+        release(raw)
+        raise
+
+
+_MAX_STREAMS = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
+_COUNT = [ctypes.c_uint32(n) for n in range(_MAX_STREAMS + 1)]
+_ZEROS = (ctypes.c_char * (4 * _MAX_STREAMS))()
+
+
+def _owner_of(view: object) -> object:
+    """The object a (chain of) memoryview(s) views."""
+    while isinstance(view, memoryview):
+        view = view.obj
+    return view

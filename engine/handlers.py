@@ -74,9 +74,9 @@ class EngineHandlers:
         return handle
 
     def status(self, msg: proto.Status, _: list[bytearray]) -> None:
-        """Which sequences are offloaded and which generate."""
+        """Which sequences generate."""
         busy = sorted({j.seq for j in self.batcher.jobs.values() if not j.fork})
-        self.send(proto.EngineState(msg.req, sorted(self.engine.offloaded), busy), ())
+        self.send(proto.EngineState(msg.req, busy), ())
 
     def check_sampling(self, msg: proto.CheckSampling, _: list[bytearray]) -> None:
         """Build ``msg.params``' sampler chain and free it (``INVALID_GRAMMAR`` when it cannot be built)."""

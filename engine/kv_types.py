@@ -7,11 +7,9 @@ native, so the orchestrator can validate its command line without loading llama.
 
 from __future__ import annotations
 
-import typing
 from typing import Literal
 
 KvCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-VCacheType = Literal["f32", "f16", "bf16"]
 
 # name -> ggml_type id, in llama-server's order
 KV_CACHE_TYPES: dict[str, int] = {
@@ -25,7 +23,3 @@ KV_CACHE_TYPES: dict[str, int] = {
     "q5_0": 6,
     "q5_1": 7,
 }
-
-# A quantized V cache needs flash attention (``llama_init_from_model`` refuses it otherwise,
-# ``src/llama-context.cpp``), and the attention capture needs flash attention off.
-V_CACHE_TYPES: tuple[str, ...] = typing.get_args(VCacheType)

@@ -13,9 +13,11 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     ``devices``: ggml backend devices as ``NAME (description)``; ``backend``: the device
     type layers run on (``CPU``, ``GPU``); ``extra_bufts``: the CPU backend's extra buffer
     types on this host and ``use_extra_bufts`` whether the model uses them (llama-server's
-    ``--no-repack`` is False), with ``repack_reason``; ``eval_filter``: how attention rows
-    are read (``c``, ``python``, or ``off`` without capture); ``system_info``: llama.cpp's
-    ``llama_print_system_info`` line.
+    ``--no-repack`` is False), with ``repack_reason``; ``flash_attn``: whether llama.cpp computes
+    attention with flash attention (``--flash-attn auto`` lets it choose); ``kv_unified``: one KV
+    stream for every sequence (False: one per sequence); ``capture``: how attention rows are
+    produced (``graph``: as outputs of llama.cpp's graph, libllama/ in this repository; ``off``);
+    ``system_info``: llama.cpp's ``llama_print_system_info`` line.
     """
 
     backend: str
@@ -31,7 +33,7 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     kv_unified: bool
     n_threads: int
     n_seq_max: int
-    eval_filter: str
+    capture: str
     self_check_ms: float
     system_info: str
 
@@ -53,6 +55,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     n_ctx_train: int
     n_kv_cells: int
     n_slots: int
+    attention_layers: list[int]  # layers with attention rows (a recurrent layer has none)
     rope_freq_base: float
     rope_freq_scale: float
     bos_token_id: int

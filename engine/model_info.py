@@ -8,8 +8,8 @@ import llama_cpp as llama
 
 from engine import backend
 from engine.engine import Engine
-from engine.ggml_ffi import libggml
 from engine.model_facts import EngineRuntime, ModelInfo
+from engine.native import lib as libggml
 
 libggml.ggml_type_name.argtypes = [ctypes.c_int]
 libggml.ggml_type_name.restype = ctypes.c_char_p
@@ -34,13 +34,13 @@ def runtime_info(engine: Engine) -> EngineRuntime:
         extra_bufts=backend.cpu_extra_bufts(),
         use_extra_bufts=m.repack.use_extra_bufts,
         repack_reason=m.repack.reason,
-        flash_attn=False,
+        flash_attn=engine.flash_attn,
         type_k=libggml.ggml_type_name(engine.type_k).decode(),
         type_v=libggml.ggml_type_name(engine.type_v).decode(),
-        kv_unified=True,
+        kv_unified=False,
         n_threads=c.n_threads,
         n_seq_max=c.n_seq_max,
-        eval_filter="off" if not c.capture else ("c" if engine.capture.c is not None else "python"),
+        capture="graph" if engine.capture is not None else "off",
         self_check_ms=round(engine.self_check_ms, 1),
         system_info=llama.llama_print_system_info().decode("utf-8", "replace").strip(),
     )
@@ -76,6 +76,7 @@ def model_info(engine: Engine) -> ModelInfo:
         n_ctx_train=m.n_ctx_train,
         n_kv_cells=engine.n_cells,
         n_slots=engine.config.n_slots,
+        attention_layers=list(engine.attention_layers),
         rope_freq_base=float(m.meta(f"{m.meta('general.architecture')}.rope.freq_base") or 10000.0),
         rope_freq_scale=1.0,
         bos_token_id=m.bos,

@@ -405,10 +405,8 @@ class SamplingChecked(Message):
 
 
 class EngineState(Message):
-    """``offloaded``: sequences whose cells were moved to host memory (``--cache-idle-slots``);
-    ``generating``: sequences with an active generation."""
+    """``generating``: sequences with an active generation."""
 
-    offloaded: list[int]
     generating: list[int]
 
 

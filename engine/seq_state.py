@@ -5,7 +5,7 @@
 
     u32 io_magic (0xaf143cd8) | i32 source seq_id
     u32 n_stream
-    per stream with cells:
+    per stream (an empty one is its cell_count 0 alone):
       u32 cell_count
       cell_count x (i32 pos | u32 n_seq_id (=1) | i32 seq_id)          # cells in ascending cell order
       u32 v_trans | u32 n_layer
@@ -31,6 +31,7 @@ from typing import BinaryIO
 import numpy as np
 
 IO_MAGIC = 0xAF143CD8
+MAX_STREAMS = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h): a context has at most one stream per sequence
 
 # ggml_type ids (ggml/include/ggml.h) of the float K/V types -> (word size in bytes, exponent mask).
 # A value is NaN or infinite exactly when all its exponent bits are set.
@@ -54,9 +55,9 @@ class LayerLayout:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """What this engine's sequence states look like (learned at start-up)."""
+    """What this engine's sequence states look like (learned at start-up): whether V is transposed
+    (flash attention off) and each layer's K/V record headers."""
 
-    n_stream: int
     v_trans: int
     layers: tuple[LayerLayout, ...]
 
@@ -69,11 +70,15 @@ class StateLayout:
 
 @dataclass(frozen=True)
 class ParsedState:
-    """Result of :func:`parse`: positions in the blob's cell order."""
+    """Result of :func:`parse`: positions in the blob's cell order; ``record`` is the byte range
+    ``[start, end)`` of the stream record holding the cells (from its ``cell_count``), ``(0, 0)``
+    for an empty state; ``n_stream`` the blob's stream count."""
 
     positions: np.ndarray  # int32[cell_count]
     layout: StateLayout
     data: tuple[tuple[int, int, int], ...] = ()  # (ggml_type, byte offset, byte length) of each K/V record
+    record: tuple[int, int] = (0, 0)
+    n_stream: int = 1
 
 
 class _Reader:
@@ -142,11 +147,11 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None, io_header
 
     ``io_header=False``: ``blob`` lacks the first 8 bytes (io magic, source sequence), as a
     ``ggsq`` file holds the state (:mod:`storage.ggsq`); the offsets in the result are then
-    relative to where ``blob`` starts.  Only the header fields and cell records are read,
-    so a memory map of a file is parsed without reading its K/V data.  Raises
-    :class:`BadStateError` on a wrong magic, truncation, trailing bytes, cells that belong to
-    several sequences, or any layout field that differs from ``expect``.  An empty sequence
-    (no cells) parses to zero positions.
+    relative to where ``blob`` starts.  Any number of streams is accepted as long as at most one
+    holds cells.  Only the header fields and cell records are read, so a memory map of a file is
+    parsed without reading its K/V data.  Raises :class:`BadStateError` on a wrong magic,
+    truncation, trailing bytes, cells in several streams or belonging to several sequences, or any
+    layout field that differs from ``expect``.  An empty sequence (no cells) parses to zero positions.
     """
     r = _Reader(memoryview(blob).cast("B"))
     if io_header:
@@ -154,20 +159,27 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None, io_header
         if magic != IO_MAGIC:
             raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
     (n_stream,) = r.take("<I")
-    if expect is not None and n_stream != expect.n_stream:
-        raise BadStateError(f"state has {n_stream} KV streams, this engine has {expect.n_stream}")
-    if r.off == len(r.data):
-        return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
-    (cell_count,) = r.take("<I")
-    if cell_count == 0 and r.off == len(r.data):  # llama.cpp writes an empty stream as its count alone
-        return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(n_stream, 0, ()))
-    positions, v_trans, layers, data = _read_stream(r, cell_count)
+    if not 1 <= n_stream <= MAX_STREAMS:
+        raise BadStateError(f"implausible KV stream count {n_stream}")
+    found: ParsedState | None = None
+    for _ in range(n_stream):
+        if r.off == len(r.data) and found is None:
+            break  # a state of no cells may end after its stream count
+        start = r.off
+        (cell_count,) = r.take("<I")
+        if cell_count == 0:
+            continue
+        if found is not None:
+            raise BadStateError("the state's cells are spread over several KV streams")
+        positions, v_trans, layers, data = _read_stream(r, cell_count)
+        found = ParsedState(positions, StateLayout(v_trans, layers), data, (start, r.off), n_stream)
     if r.off != len(r.data):
         raise BadStateError(f"{len(r.data) - r.off} unexpected bytes after the state")
-    layout = StateLayout(n_stream, v_trans, layers)
-    if expect is not None and layout != expect:
-        raise BadStateError("state was written by another model, KV type or llama.cpp build")
-    return ParsedState(positions, layout, data)
+    if found is None:
+        return ParsedState(np.empty(0, dtype=np.int32), expect or StateLayout(0, ()), n_stream=n_stream)
+    if expect is not None and found.layout != expect:
+        raise BadStateError("state was written by another model, KV type, attention mode or llama.cpp build")
+    return found
 
 
 def parse_file(f: BinaryIO, start: int, expect: StateLayout | None = None) -> ParsedState:
@@ -187,34 +199,30 @@ def parse_file(f: BinaryIO, start: int, expect: StateLayout | None = None) -> Pa
     return parsed
 
 
-def single_stream(blob: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
-    """A state written by a context with several KV streams (llama-server's ``-np N`` without
-    ``--kv-unified``: one stream per slot), as the one stream that holds its cells.
+def one_stream(blob: bytearray | memoryview) -> memoryview:
+    """The one-stream form (``n_stream`` 1 and the record holding the cells) of a state as
+    ``llama_state_seq_get_data`` wrote it into the writable ``blob``, in place: the 12 header bytes
+    are written just before the record and the result is a view of ``blob`` (no copy).
 
-    A state with one stream comes back unchanged (the same object, not a copy).  Raises :class:`BadStateError` when the
-    cells are spread over several streams or the blob is malformed.
+    A state of no cells becomes ``magic | seq | 1 | 0``.  Raises :class:`BadStateError` when the
+    blob is malformed or its cells are spread over several streams.
     """
-    data = memoryview(blob).cast("B")
-    r = _Reader(data)
-    magic, src_seq = r.take("<Ii")
-    if magic != IO_MAGIC:
-        raise BadStateError(f"not a llama.cpp sequence state (magic {magic:#x})")
-    (n_stream,) = r.take("<I")
-    if n_stream <= 1:
-        return blob
-    records = []
-    for _ in range(n_stream):
-        start = r.off
-        (cell_count,) = r.take("<I")
-        if cell_count:
-            _read_stream(r, cell_count)
-            records.append(data[start : r.off])
-    if r.off != len(data):
-        raise BadStateError(f"{len(data) - r.off} unexpected bytes after the state")
-    if len(records) > 1:
-        raise BadStateError(f"the state's cells are spread over {len(records)} KV streams")
-    body = bytes(records[0]) if records else struct.pack("<I", 0)
-    return struct.pack("<IiI", magic, src_seq, 1) + body
+    view = memoryview(blob).cast("B")
+    parsed = parse(view)
+    magic, seq = struct.unpack_from("<Ii", view, 0)
+    start, end = parsed.record
+    if end == start:
+        struct.pack_into("<IiII", view, 0, magic, seq, 1, 0)
+        return view[:16]
+    struct.pack_into("<IiI", view, start - 12, magic, seq, 1)
+    return view[start - 12 : end]
+
+
+def single_stream(blob: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    """``blob`` itself once :func:`parse` accepts it (a state of several streams whose cells are in one:
+    every reader of states takes that form now).  Raises :class:`BadStateError` as :func:`parse`."""
+    parse(blob)
+    return blob
 
 
 def has_nonfinite(values: np.ndarray, ggml_type: int) -> bool:

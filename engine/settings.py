@@ -22,7 +22,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from engine.kv_types import KvCacheType, VCacheType
+from engine.kv_types import KvCacheType
+
+FlashAttn = Literal["auto", "on", "off"]
+FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type (include/llama.h)
 
 Positive = msgspec.Meta(ge=1)
 NonNegative = msgspec.Meta(ge=0)
@@ -54,9 +57,9 @@ def default_threads() -> int:
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How an engine worker runs: model, KV cache, batching, threads, capture (see module docstring).
 
-    The KV cache is one unified cache of :attr:`n_cells` cells shared by :attr:`n_seq_max`
-    sequences: ``n_slots`` slots, ``n_spare`` spares for previews (forks), one scratch
-    sequence for restores.
+    The KV cache holds :attr:`n_seq_max` sequences (``n_slots`` slots and ``n_spare`` spares for
+    previews), each in a KV stream of its own of :attr:`n_ctx_seq` cells (llama-server's default
+    layout, ``kv_unified=false``; docs/architecture.md, "KV layout").
     """
 
     model: Annotated[
@@ -71,17 +74,19 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     n_batch: Annotated[int, Positive, Flag("tokens per llama_decode (logical batch)", "--batch-size", "-b")] = 512
     n_ubatch: Annotated[int, Positive, Flag("tokens per physical micro-batch", "--ubatch-size", "-ub")] = 512
     n_gpu_layers: Annotated[int, Flag("layers to offload to the GPU", "--n-gpu-layers", "-ngl")] = 0
-    verify_cells: Annotated[bool, Flag("check the KV cell mirror against every captured mask", "--verify-cells")] = (
-        False
-    )
-    cache_idle_slots: Annotated[
-        bool,
+    verify_cells: Annotated[
+        bool, Flag("check the KV cell mirror against llama.cpp's KV cache for every captured row", "--verify-cells")
+    ] = False
+    flash_attn: Annotated[
+        FlashAttn,
         Flag(
-            "when a job starts, move idle slots' KV cells to host memory where that reads nothing "
-            "or the cache lacks room (llama-server's flag)",
-            "--cache-idle-slots",
+            "flash attention (llama-server's -fa; auto: on where the backend supports it); attention rows "
+            "then come from a side branch computed for the captured tokens only",
+            "--flash-attn",
+            "-fa",
+            metavar="auto|on|off",
         ),
-    ] = True
+    ] = "auto"
     type_k: Annotated[
         KvCacheType,
         Flag(
@@ -91,12 +96,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ),
     ] = "f16"
     type_v: Annotated[
-        VCacheType,
-        Flag(
-            "KV cache data type for V (a quantized V cache needs flash attention, which attention capture turns off)",
-            "--cache-type-v",
-            "-ctv",
-        ),
+        KvCacheType,
+        Flag("KV cache data type for V (a quantized type needs flash attention)", "--cache-type-v", "-ctv"),
     ] = "f16"
     repack: Annotated[
         bool | None,
@@ -107,9 +108,6 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             default_text="auto",
         ),
     ] = None
-    eval_filter: Annotated[
-        bool, Flag("read attention rows through the C eval-callback filter when it is built", "--eval-filter")
-    ] = True
     capture: Annotated[
         bool, Flag("attention capture (off: no eval callback, no attention)", "--capture", serve=False)
     ] = True
@@ -119,14 +117,14 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     @property
     def n_seq_max(self) -> int:
-        """llama.cpp sequences: slots, spares and the scratch sequence."""
-        return self.n_slots + self.n_spare + 1
+        """llama.cpp sequences (and KV streams): slots and spares."""
+        return self.n_slots + self.n_spare
 
     @property
-    def n_cells(self) -> int:
-        """KV cells of the unified cache: a window per slot plus one for forks and restores,
-        rounded up to 256 as ``llama_context`` rounds ``n_ctx`` (``src/llama-context.cpp``)."""
-        return -(-self.n_ctx * (self.n_slots + 1) // 256) * 256
+    def n_ctx_seq(self) -> int:
+        """KV cells of each sequence's stream: ``n_ctx`` rounded up to 256, as ``llama_context`` rounds
+        ``n_ctx_seq`` (``src/llama-context.cpp``)."""
+        return -(-self.n_ctx // 256) * 256
 
 
 def _fields() -> list[tuple[str, Any, Flag, Any]]:

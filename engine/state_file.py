@@ -17,13 +17,10 @@ does the same, so a slot's tens of MB never cross the worker's socket:
   buffer as the API's restore does (:meth:`engine.engine.Engine.restore_state`: every header
   field and the length checked, the K/V values tested for NaN/infinity, then
   ``llama_state_seq_set_data``).  llama.cpp never reads the file itself: its
-  ``llama_state_seq_load_file`` aborts the process on a file cut short, reads a transposed V
-  cache (flash attention off, which capture needs) in thousands of 4 KiB ``fread`` s (~17 ms for
-  46 MB here, against ~8 ms for ``llama_state_seq_set_data`` from memory), and leaves what it
+  ``llama_state_seq_load_file`` aborts the process on a file cut short, and leaves what it
   loaded in the cache before anything could test it (a NaN even in a free cell poisons every
   later decode: masked cells' V is multiplied by weight 0, and NaN * 0 is NaN).  A state of
-  several KV streams (llama-server ``-np N`` without ``--kv-unified``) is first converted by
-  :func:`engine.seq_state.single_stream`.
+  several KV streams (llama-server ``-np N`` without ``--kv-unified``) is taken as it is.
 """
 
 from __future__ import annotations
@@ -71,9 +68,8 @@ def load_seq_file(engine: Engine, seq: int, path: Path) -> tuple[int, int, float
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             parsed = engine.state_pool.fill(lambda take: read_seq_file(f, take))
-        try:
-            state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
-            engine.restore_state(seq, parsed.tokens, memoryview(state), check_values=True)
+        try:  # a file of llama-server -np N holds a record per KV stream: restore_state takes that form too
+            engine.restore_state(seq, parsed.tokens, memoryview(parsed.state), check_values=True)
         finally:
             engine.state_pool.give(parsed.state)
     except (FileNotFoundError, IsADirectoryError) as exc:

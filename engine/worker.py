@@ -267,10 +267,11 @@ def log_kv_cache(config: EngineSettings, model: Model) -> None:
     if config.n_ctx > model.n_ctx_train:
         log.warning("each slot's window (%d tokens) exceeds the trained context (%d)", config.n_ctx, model.n_ctx_train)
     log.info(
-        "KV cache: %d cells shared by %d sequences (unified); each slot's window is %d tokens (trained: %d)",
-        config.n_cells,
+        "KV cache: %d sequences (%d slots, %d spares), each in a KV stream of %d cells (trained context: %d)",
         config.n_seq_max,
-        config.n_ctx,
+        config.n_slots,
+        config.n_spare,
+        config.n_ctx_seq,
         model.n_ctx_train,
     )
 

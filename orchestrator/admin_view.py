@@ -60,8 +60,6 @@ class AdminView:
         s = self.services
         reg = s.registry
         eot = s.generation.info.eot_token_id
-        state = await s.engine.engine_state()
-        offloaded = set(state.offloaded)
         node = self.node_id()
         out: dict[str, SlotView] = {}
         if s.archive is not None:
@@ -91,7 +89,7 @@ class AdminView:
                 tokens = await reg.tokens(slot)
                 n_tokens, n_messages = len(tokens), len(message_boundaries(tokens, eot))
                 self.messages[slot.id] = (n_tokens, n_messages)
-            place = ("host" if slot.seq in offloaded else "kv_cache") if resident else slot.place
+            place = "kv_cache" if resident else slot.place
             out[slot.id] = SlotView(
                 id=slot.id,
                 place="store" if place == "parked" else place,

@@ -134,7 +134,8 @@ class WorkerClient:
             layers_offloaded=rt.n_layers_offloaded,
             repack=rt.use_extra_bufts,
             repack_reason=rt.repack_reason,
-            eval_filter=rt.eval_filter,
+            capture=rt.capture,
+            flash_attn=rt.flash_attn,
             threads=rt.n_threads,
         )
         return reply.info
@@ -403,7 +404,7 @@ class WorkerClient:
         await self._request(proto.CheckSampling(self.new_id(), params), proto.SamplingChecked)
 
     async def engine_state(self) -> proto.EngineState:
-        """Which sequences are offloaded to host memory and which are generating."""
+        """Which sequences are generating."""
         reply, _ = await self._request(proto.Status(self.new_id()), proto.EngineState)
         return reply
 

@@ -6,11 +6,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine import seq_state
 from engine.batcher import Batcher
-from engine.engine import BatchEntry, Engine
+from engine.engine import BatchEntry, Engine, read_state
 from engine.protocol import CaptureOptions, Done, Error, Generate, GenerateMode, SamplingParams, Tensor, Token
 
 _req = iter(range(1_000_000, 10_000_000))
+
+
+def llama_state(ctx: object, seq: int) -> bytes:
+    """llama.cpp's own read of ``seq``'s state (``llama_state_seq_get_data``) in the one-stream form,
+    into fresh memory: the reference the engine's kept copies are compared with."""
+    _, state = read_state(ctx, seq)  # type: ignore[arg-type]
+    return bytes(state)
+
+
+def same_kv(a: bytes | bytearray, b: bytes | bytearray) -> bool:
+    """Two states hold the same positions and K/V bytes (their sequence ids aside)."""
+    pa, pb = seq_state.parse(a), seq_state.parse(b)
+    if not np.array_equal(pa.positions, pb.positions):
+        return False
+    return all(a[o : o + n] == b[p : p + m] for (_, o, n), (_, p, m) in zip(pa.data, pb.data, strict=True))
 
 
 def tensor(t: Tensor, bufs: list[np.ndarray]) -> np.ndarray:

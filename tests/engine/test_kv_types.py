@@ -17,10 +17,9 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine, EngineError
-from engine.kv_io import llama_state
 from engine.settings import EngineSettings
 from tests.conftest import CHAT
-from tests.engine.enginekit import Result, Runner
+from tests.engine.enginekit import Result, Runner, llama_state
 
 N_NEW = 8
 

@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize(
-    "entry", ["engine.worker", "engine.ggml_ffi", "engine.engine", "engine.model", "engine.backend"]
+    "entry", ["engine.worker", "engine.native", "engine.engine", "engine.model", "engine.backend"]
 )
 def test_llama_cpp_loads_before_numpy(entry: str) -> None:
     code = (
@@ -35,6 +35,6 @@ def test_ggml_symbols_come_from_llamas_own_copy() -> None:
     """ggml functions are resolved through libllama's handle, not a second libggml opened by path."""
     import llama_cpp
 
-    from engine.ggml_ffi import libggml
+    from engine.native import lib as libggml
 
     assert libggml is llama_cpp.llama_cpp._lib

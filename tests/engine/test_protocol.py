@@ -18,12 +18,12 @@ from engine.model_facts import EngineRuntime, ModelInfo
 RUNTIME = EngineRuntime(
     backend="CPU", devices=["CPU (x86)"], n_gpu_layers=0, n_layers_offloaded=0, extra_bufts=[], use_extra_bufts=False,
     repack_reason="requested (--no-repack)", flash_attn=False, type_k="f16", type_v="f16", kv_unified=True,
-    n_threads=2, n_seq_max=6, eval_filter="c", self_check_ms=3.5, system_info="AVX2 = 1",
+    n_threads=2, n_seq_max=6, capture="graph", self_check_ms=3.5, system_info="AVX2 = 1",
 )  # fmt: skip
 INFO = ModelInfo(
     model_name="m", model_path="/m.gguf", architecture="llama", description="d", fingerprint="f" * 16,
     vocab_size=49152, num_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, n_ctx=512,
-    n_ctx_train=8192, n_kv_cells=1536, n_slots=2, rope_freq_base=1e5, rope_freq_scale=1.0, bos_token_id=1,
+    n_ctx_train=8192, n_kv_cells=1536, n_slots=2, attention_layers=[0, 1], rope_freq_base=1e5, rope_freq_scale=1.0, bos_token_id=1,
     eos_token_id=2, eot_token_id=2, eog_token_ids=[2], special_tokens={"bos": "<s>", "bos_id": 1},
     chat_template="{{ x }}", n_params=134_515_008, size_bytes=1 << 20, llama_cpp_version="0.3.36", runtime=RUNTIME,
 )  # fmt: skip
@@ -81,7 +81,7 @@ REPLIES: list[tuple[proto.Message, list[bytes]]] = [
     (proto.StateRestored(14, 2, 3, 7.5, 4096), []),
     (proto.FileSaved(13, 1, 3, 4096, 9.5), []),
     (proto.Classified(13, [4, 5], proto.Tensor.of(LOGITS, 0)), [LOGITS.tobytes()]),
-    (proto.EngineState(14, [2], [0]), []),
+    (proto.EngineState(14, [0]), []),
     (proto.Stopped(15), []),
     (proto.SamplingChecked(16), []),
 ]

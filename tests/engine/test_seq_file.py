@@ -12,10 +12,14 @@ import pytest
 from engine import seq_state
 from engine.engine import BatchEntry
 from storage.ggsq import pack_seq_file, unpack_seq_file
+from tests.engine.enginekit import llama_state, same_kv
 
 
-def test_file_equals_llama_cpp_save_file(engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    seq = 2
+def test_file_is_llama_cpp_save_file_in_the_one_stream_form(engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``llama_state_seq_save_file`` of this engine (one KV stream per sequence) writes a record per
+    stream; our file is the same file with the state in the one-stream form (what a unified cache
+    or llama-server ``-np 1`` writes), and both restore to the same sequence."""
+    seq, other = 2, 3
     toks = model.tokenize("The quick brown fox jumps over the lazy dog.", True, False)
     engine.erase(seq)
     assert engine.decode([BatchEntry(seq, 0, toks, logits=True)]) == 0
@@ -27,40 +31,48 @@ def test_file_equals_llama_cpp_save_file(engine, model, tmp_path: Path) -> None:
         words = (ctypes.c_int32 * n_words).from_buffer_copy(ours, 12)
         path = tmp_path / "ref.bin"
         written = llama.llama_state_seq_save_file(engine.ctx, str(path).encode(), seq, words, n_words)
-        assert written == len(ours) and path.read_bytes() == ours
-
+        theirs = path.read_bytes()
+        assert written == len(theirs)
+        head = 12 + 4 * n_words
+        assert theirs[:head] == ours[:head], "magic, version and token record"
+        mine = bytearray(bytes(state[:8]) + theirs[head:])  # with the io header a ggsq file leaves out
+        assert bytes(seq_state.one_stream(mine)[8:]) == ours[head:]
         parsed = unpack_seq_file(ours)
         assert parsed.tokens == tokens
+        engine.restore_state(other, tokens, bytes(state))
+        assert same_kv(llama_state(engine.ctx, other), llama_state(engine.ctx, seq))
         out = (ctypes.c_int32 * n_words)()
         n_out = ctypes.c_size_t(0)
-        scratch = engine.scratch
-        engine.erase(scratch)
-        read = llama.llama_state_seq_load_file(engine.ctx, str(path).encode(), scratch, out, n_words,
+        engine.erase(other)
+        read = llama.llama_state_seq_load_file(engine.ctx, str(path).encode(), other, out, n_words,
                                                ctypes.byref(n_out))  # fmt: skip
-        assert read == len(ours) and n_out.value == n_words
-        assert llama.llama_memory_seq_pos_max(engine.mem, scratch) == len(toks) - 1
+        assert read == len(theirs) and n_out.value == n_words
+        assert llama.llama_memory_seq_pos_max(engine.mem, other) == len(toks) - 1
     finally:
-        llama.llama_memory_seq_rm(engine.mem, engine.scratch, -1, -1)
+        engine.erase(other)
         engine.erase(seq)
 
 
-def test_state_of_several_streams_becomes_one(engine, model) -> None:  # type: ignore[no-untyped-def]
+def test_a_state_of_several_streams_is_read_as_it_is(engine, model) -> None:  # type: ignore[no-untyped-def]
     """llama-server with ``-np 3`` and no ``--kv-unified`` writes one record per stream; only its
-    slot's stream has cells.  ``single_stream`` keeps that record: the state this engine wrote."""
+    slot's stream has cells.  Such a state parses (and restores) as it is; cells in two streams do not."""
     seq = 2
     engine.erase(seq)
     assert engine.decode([BatchEntry(seq, 0, model.tokenize("Hello there", False, False), logits=True)]) == 0
     try:
-        _, state = engine.save_state(seq)
+        tokens, state = engine.save_state(seq)
         state = bytes(state)
         head, record = state[:8], state[12:]
         empty = (0).to_bytes(4, "little")
         three = head + (3).to_bytes(4, "little") + empty + record + empty
-        assert seq_state.single_stream(three) == state
-        assert seq_state.single_stream(state) == state
-        with pytest.raises(seq_state.BadStateError, match="spread over 2"):
-            seq_state.single_stream(head + (2).to_bytes(4, "little") + record + record)
+        parsed = seq_state.parse(three, engine.layout)
+        assert parsed.n_stream == 3 and len(parsed.positions) == len(tokens)
+        assert bytes(seq_state.one_stream(bytearray(three))) == state
+        engine.restore_state(seq, tokens, three, check_values=True)
+        assert bytes(engine.save_state(seq)[1]) == state
+        with pytest.raises(seq_state.BadStateError, match="spread over several"):
+            seq_state.parse(head + (2).to_bytes(4, "little") + record + record)
         with pytest.raises(seq_state.BadStateError):
-            seq_state.single_stream(three[:-5])
+            seq_state.parse(three[:-5])
     finally:
         engine.erase(seq)

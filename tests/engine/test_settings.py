@@ -40,10 +40,10 @@ FLAGS = [
     (["-b", "64", "-ub", "32"], {"n_batch": 64, "n_ubatch": 32}),
     (["-ngl", "99"], {"n_gpu_layers": 99}),
     (["--verify-cells"], {"verify_cells": True}),
-    (["--no-cache-idle-slots"], {"cache_idle_slots": False}),
     (["--repack"], {"repack": True}),
     (["--no-repack"], {"repack": False}),
-    (["--no-eval-filter"], {"eval_filter": False}),
+    (["-fa", "off"], {"flash_attn": "off"}),
+    (["--flash-attn", "on", "-ctv", "q8_0"], {"flash_attn": "on", "type_v": "q8_0"}),
 ]
 
 
@@ -93,7 +93,7 @@ def test_settings_json_is_checked() -> None:
         _worker("--settings", '{"n_ctx": "big"}')
     s = EngineSettings(n_ctx=300, n_slots=2, n_spare=1)
     assert settings.decode(settings.encode(s)) == s
-    assert (s.n_seq_max, s.n_cells) == (4, 1024)
+    assert (s.n_seq_max, s.n_ctx_seq) == (3, 512)
 
 
 def test_every_field_has_help_and_unique_flags() -> None:

@@ -13,12 +13,11 @@ import pytest
 from engine import seq_state
 from engine.engine import BatchEntry, EngineError
 from engine.errors import ErrorCode
-from engine.kv_io import llama_state
 from engine.state_file import load_seq_file, write_slot_file
 from storage.ggsq import pack_seq_file
 from tests.conftest import CHAT
-from tests.engine.enginekit import Runner
-from tests.engine.test_state_io import decode_together, same_kv
+from tests.engine.enginekit import Runner, llama_state, same_kv
+from tests.engine.test_state_io import decode_together
 
 
 def save_seq_file(engine, seq: int, path: Path) -> tuple[int, int]:  # type: ignore[no-untyped-def]
@@ -160,5 +159,6 @@ def test_a_lent_state_is_not_reused_while_its_writer_reads_it(runner: Runner, en
     engine.end_lend(lent)
     tokens2, unlent = engine.save_state(2)
     size = memoryview(unlent).nbytes
+    del unlent  # the pool reuses a buffer once no view of it is left
     engine.truncate(2, len(tokens2) - 1)  # not lent: its memory goes back to the pool
     assert engine.state_pool.held_bytes >= size

@@ -108,10 +108,10 @@ def model_info(n_slots: int, n_ctx: int = 4096) -> ModelInfo:
         flash_attn=False,
         type_k="f16",
         type_v="f16",
-        kv_unified=True,
+        kv_unified=False,
         n_threads=1,
         n_seq_max=n_slots + 2,
-        eval_filter="",
+        capture="graph",
         self_check_ms=0.0,
         system_info="",
     )
@@ -345,5 +345,5 @@ class FakeEngine:
             raise EngineRequestError(ErrorCode.INVALID_GRAMMAR, "no root rule")
 
     async def engine_state(self) -> proto.EngineState:
-        """Nothing offloaded; the generating sequences."""
-        return proto.EngineState(self.new_id(), [], sorted(self.generating))
+        """The generating sequences."""
+        return proto.EngineState(self.new_id(), sorted(self.generating))

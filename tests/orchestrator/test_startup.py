@@ -53,20 +53,17 @@ def check(options: WorkerOptions) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("repack", [True, False], ids=["repack", "no-repack"])
-@pytest.mark.parametrize("eval_filter", [True, False], ids=["c-filter", "python-filter"])
-def test_check_passes_in_every_configuration(repack: bool, eval_filter: bool) -> None:
-    from engine import evalfilter
-
+@pytest.mark.parametrize("flash_attn", ["on", "off"], ids=["fa-on", "fa-off"])
+def test_check_passes_in_every_configuration(repack: bool, flash_attn: str) -> None:
     code, out = check(
         WorkerOptions(
-            EngineSettings(n_slots=2, n_spare=1, n_ctx=512, n_threads=2, repack=repack, eval_filter=eval_filter)
+            EngineSettings(n_slots=2, n_spare=1, n_ctx=512, n_threads=2, repack=repack, flash_attn=flash_attn)  # type: ignore[arg-type]
         )
     )
     assert code == 0, out
     assert "verdict: PASS" in out
     assert f"repack {'on' if repack else 'off'} (requested" in out
-    expect_filter = "c" if eval_filter and evalfilter.available() else "python"
-    assert f"eval filter {expect_filter}," in out
+    assert f"capture graph, flash attention {flash_attn}," in out
     assert out.count("ok  ") >= 6, out
 
 

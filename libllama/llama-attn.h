@@ -1,0 +1,88 @@
+// slotserve's addition to libllama: post-softmax attention rows as graph outputs.
+//
+// Copied into llama.cpp's include/ by slotserve's set-up (libllama/README.md).  Nothing here changes
+// what llama.cpp computes: a context that never calls llama_attn_init runs exactly as upstream.
+//
+// Per llama_decode the caller names the batch tokens whose attention it wants (llama_attn_set_rows);
+// while the graph of each ubatch is built, every attention layer adds a few nodes that gather those
+// tokens' post-softmax rows (or, with flash attention, recompute them for those tokens only:
+// softmax(Q K^T * scale + mask) with the main path's soft-capping, ALiBi and sinks) and reduce them
+// as llama_attn_set_format asks; the result is one output tensor per KV cache, copied to host memory
+// once per ubatch.  Rows are indexed by KV *cell* of the token's sequence's stream (its own KV stream
+// when kv_unified is false); llama_attn_seq_cells maps positions to cells.
+#pragma once
+
+#include "llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ABI of this header; slotserve refuses a libllama whose llama_attn_abi() differs.
+#define LLAMA_ATTN_ABI 1
+
+enum llama_attn_format {
+    LLAMA_ATTN_PER_LAYER = 0, // [n_layer_sel, n_head, n_kv] per row and KV cache
+    LLAMA_ATTN_MEAN      = 1, // [n_kv]: sum over the selected layers and heads / (n_layer_sel_total * n_head)
+};
+
+struct llama_attn_row {
+    const void * data;       // host memory, valid until the next llama_attn_set_rows / llama_decode
+    int64_t      n_kv;       // cells of the row (the KV view of its ubatch; cells past the sequence are 0)
+    int32_t      n_layer;    // layers of this KV cache in the row (1 for LLAMA_ATTN_MEAN)
+    int32_t      n_head;     // heads per layer (1 for LLAMA_ATTN_MEAN)
+    int64_t      nb_layer;   // bytes between two layers
+    int64_t      nb_head;    // bytes between two heads
+    int32_t      type;       // GGML_TYPE_F32 or GGML_TYPE_F16; elements of a head's row are contiguous
+    int32_t      stream;     // the KV stream the cells belong to
+};
+
+LLAMA_API int32_t llama_attn_abi(void);
+
+// Arm capture on a context (before its first llama_decode).  Returns the number of KV caches whose
+// cells attention rows index (1, or 2 for a sliding-window model: 0 = global layers, 1 = sliding
+// layers), or -1 when the context's memory has no KV cache (a recurrent model).
+LLAMA_API int32_t llama_attn_init(struct llama_context * ctx);
+
+// Whether the context computes attention with flash attention (what llama.cpp chose for "auto").
+LLAMA_API bool llama_attn_flash_attn(const struct llama_context * ctx);
+
+// Apply the KV cache's pending updates now (llama_context::memory_update): the copy of a stream that
+// llama_memory_seq_cp across streams enqueued, the K-shift llama_memory_seq_add left; upstream does this
+// at the next llama_decode, so a state read before it would hold the stream's old bytes.
+LLAMA_API void llama_attn_memory_update(struct llama_context * ctx);
+
+// The KV cache of layer il's attention (see llama_attn_init), -1 for a layer without attention.
+LLAMA_API int32_t llama_attn_layer_cache(const struct llama_context * ctx, int32_t il);
+
+// What the next decodes compute: layers[il] != 0 selects layer il (layers == NULL: all), format is a
+// llama_attn_format, type GGML_TYPE_F32 or GGML_TYPE_F16.  Returns 0, or -1 for a bad argument.
+LLAMA_API int32_t llama_attn_set_format(struct llama_context * ctx, const uint8_t * layers, int32_t n_layers,
+                                        int32_t format, int32_t type);
+
+// The batch indices whose rows the next llama_decode captures (n == 0: none).  Clears the previous
+// decode's rows.  Returns 0, or -1 for a bad argument.
+LLAMA_API int32_t llama_attn_set_rows(struct llama_context * ctx, const int32_t * batch_idx, int32_t n);
+
+// After llama_decode: row i (the i-th index given to llama_attn_set_rows) in KV cache `cache`.
+// Returns 0, 1 when the row has no layer of that cache, -1 when it was not captured.
+LLAMA_API int32_t llama_attn_get_row(struct llama_context * ctx, int32_t i, int32_t cache, struct llama_attn_row * row);
+
+// Attention layers captured by the last llama_decode's graphs (a start-up check), or -1 after an error.
+LLAMA_API int32_t llama_attn_n_captured(const struct llama_context * ctx);
+
+// cells[p - p0] = the cell (within its stream) of position p of seq_id in KV cache `cache`, for
+// p0 <= p < p0 + n; -1 where the cache holds no such position.  Returns how many were found, or -1.
+LLAMA_API int32_t llama_attn_seq_cells(struct llama_context * ctx, int32_t cache, llama_seq_id seq_id, llama_pos p0,
+                                       int32_t n, int32_t * cells);
+
+// llama_state_seq_set_data of the n_pieces pieces of memory read in order as one buffer, without joining
+// them: a state whose stream counts differ from this context's (slotserve keeps a sequence's state as one
+// stream, a context with one KV stream per sequence reads one record per stream) is given as pieces with
+// its counts rewritten and empty records added.  Returns the bytes read, 0 on failure (as upstream).
+LLAMA_API size_t llama_attn_state_seq_set_data(struct llama_context * ctx, const uint8_t * const * pieces,
+                                               const size_t * sizes, int32_t n_pieces, llama_seq_id seq_id);
+
+#ifdef __cplusplus
+}
+#endif
