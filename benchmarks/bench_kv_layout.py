@@ -43,9 +43,9 @@ from servers import default_model, free_port
 
 from engine import seq_state
 from engine.engine import BatchEntry, Engine
-from tests.engine.enginekit import llama_state
 from engine.model import Model
 from engine.settings import EngineSettings
+from tests.engine.enginekit import llama_state
 
 SLOTS, SPARE = 4, 2
 N_SEQ = SLOTS + SPARE + 1

@@ -130,70 +130,82 @@ class Bench:
 
     def one_stream(self) -> None:
         a, t = self.args, self.table
-        ids = [common.build_prompt(self.tok, a.prompt)]
-        kinds = [("SSE, no attention", "sse"), ("WS, no attention", "ws-plain"), ("WS, full attention", "ws")]
+        kinds = [
+            ("SSE, no attention", "sse"),
+            ("WS, no attention", "ws-plain"),
+            ("WS, full per-layer attention", "ws"),
+            ("SSE, aggregated attention", "sse-agg"),
+        ]
         paths = self.paths(kinds)
-        tps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
-        ttft: dict[str, list[float]] = {name: [] for name, _, _ in paths}
-        gaps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
-        for r in range(a.reps + 1):
-            for name, kind, srv in paths:
-                if kind != "llama":
-                    settle(self.client, srv.base)
-                run, _ = measure_streams(self.quiet, kind, srv.base, ids, 1, a.new, self.shape, name, r == 0)
-                print(f"  rep {r} {name}: {run.tps:.1f} tok/s, ttft {run.ttft * 1000:.1f} ms", flush=True)
-                if r:
-                    tps[name].append(run.tps)
-                    ttft[name].append(run.ttft)
-                    gaps[name] += token_gaps(run.streams[0].times)
-        ref = median(tps["llama-server"]) if self.ls else float("nan")
-        ref_ttft = median(ttft["llama-server"]) * 1000 if self.ls else float("nan")
-        lt = f"{ref:.1f}" if self.ls else "-"
-        for name, _ in kinds:
-            m = median(tps[name])
-            t.add(f"one stream, decode tok/s: {name}", f"{m:.1f}", lt, f"{m / ref:.2f}")
-        plain, full = median(tps["WS, no attention"]), median(tps["WS, full attention"])
-        t.add("capture cost: WS full attention / WS no attention", f"{full / plain:.3f}")
-        s_plain, s_full = step_tps(gaps["WS, no attention"]), step_tps(gaps["WS, full attention"])
-        t.add(
-            "capture cost from the median token step: WS full attention / WS no attention",
-            f"{s_full:.1f} / {s_plain:.1f} = {s_full / s_plain:.3f}",
-        )
-        for name, _ in kinds:
-            m = median(ttft[name]) * 1000
-            t.add(f"first token ms (prompt cached): {name}", f"{m:.1f}", f"{ref_ttft:.1f}", f"{m / ref_ttft:.2f}")
+        for n_prompt in (int(x) for x in a.prompts.split(",")):
+            ids = [common.build_prompt(self.tok, n_prompt)]
+            tps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+            gaps: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+            for r in range(a.reps + 1):
+                for name, kind, srv in paths:
+                    if kind != "llama":
+                        settle(self.client, srv.base)
+                    run, _ = measure_streams(self.quiet, kind, srv.base, ids, 1, a.new, self.shape, name, r == 0)
+                    print(f"  rep {r} {n_prompt} tokens, {name}: {run.tps:.1f} tok/s", flush=True)
+                    if r:
+                        tps[name].append(run.tps)
+                        gaps[name] += token_gaps(run.streams[0].times)
+            ref = step_tps(gaps["llama-server"]) if self.ls else float("nan")
+            lt = f"{ref:.1f}" if self.ls else "-"
+            for name, _ in kinds:
+                m = step_tps(gaps[name])
+                t.add(f"one stream at {n_prompt} tokens, decode tok/s: {name}", f"{m:.1f}", lt, f"{m / ref:.2f}")
+            plain, full = step_tps(gaps["WS, no attention"]), step_tps(gaps["WS, full per-layer attention"])
+            agg, sse = step_tps(gaps["SSE, aggregated attention"]), step_tps(gaps["SSE, no attention"])
+            t.add(f"capture cost at {n_prompt} tokens: WS full / WS none; SSE aggregated / SSE none",
+                  f"{full / plain:.3f}; {agg / sse:.3f}")  # fmt: skip
 
     def streams(self) -> None:
+        """Four conversations of ``--stream-prompt`` tokens: one alone (the others erased), the four decoding
+        together, then one again right after them (the three others resident) with full per-layer attention
+        (WS) and with aggregated attention (SSE)."""
         a, t = self.args, self.table
         prompts = [common.build_prompt(self.tok, a.stream_prompt, variant=i + 1) for i in range(4)]
-        paths = self.paths([("slotserve SSE", "sse")])
-        agg: dict[tuple[str, int], list[float]] = {}
+        runs = [("x1", "sse", 1, True), ("x4", "sse", 4, False), ("after x4, WS full", "ws", 1, False),
+                ("after x4, SSE aggregated", "sse-agg", 1, False)]  # fmt: skip
+        agg: dict[tuple[str, str], list[float]] = {}
         saved: dict = {}
         for r in range(a.reps + 1):
-            for name, kind, srv in paths:
-                for n in (1, 2, 4):
-                    if n == 1:
+            for name, kind, srv in self.paths([("slotserve", "sse")]):
+                for label, skind, n, alone in runs:
+                    if kind == "llama" and label != "x4" and label != "x1":
+                        continue
+                    if alone:
                         self.erase(srv.base, ["1", "2", "3"])
                     if kind != "llama":
                         settle(self.client, srv.base)
-                    run, _ = measure_streams(self.quiet, kind, srv.base, prompts, n, a.new, self.shape, name, r == 0)
-                    print(f"  rep {r} {name} x{n}: {run.tps:.1f} tok/s", flush=True)
+                    kk = "llama" if kind == "llama" else skind
+                    run, _ = measure_streams(self.quiet, kk, srv.base, prompts, n, a.new, self.shape, name, r == 0)
+                    print(f"  rep {r} {name} {label}: {run.tps:.1f} tok/s", flush=True)
                     if r:
-                        agg.setdefault((name, n), []).append(run.tps)
-                    if n == 4 and kind != "llama" and r == a.reps:  # right away, before any settle
+                        agg.setdefault((name, label), []).append(run.tps)
+                    if label == "x4" and kind != "llama" and r == a.reps:  # right away, before any settle
                         t0 = time.perf_counter()
                         saved = check(
                             self.client.post(f"{srv.base}/slots/0", params={"action": "save-state", "wait": "true"}),
                             "save-state",
                         )
                         saved["wall_ms"] = (time.perf_counter() - t0) * 1000
-        for n in (1, 2, 4):
-            m = median(agg[("slotserve SSE", n)])
-            ll = median(agg[("llama-server", n)]) if self.ls else float("nan")
-            t.add(f"{n} stream(s) at once, aggregate tok/s", f"{m:.1f}", f"{ll:.1f}", f"{m / ll:.2f}")
-        sc = median(agg[("slotserve SSE", 4)]) / median(agg[("slotserve SSE", 1)])
-        lsc = median(agg[("llama-server", 4)]) / median(agg[("llama-server", 1)]) if self.ls else float("nan")
-        t.add("x4 / x1 scaling", f"{sc:.2f}", f"{lsc:.2f}", f"{sc / lsc:.2f}")
+        p = a.stream_prompt
+        ll = {k: median(agg[("llama-server", k)]) if self.ls else float("nan") for k in ("x1", "x4")}
+        ss = {label: median(agg[("slotserve", label)]) for label, *_ in runs}
+        t.add(f"4 conversations of {p} tokens decoding together, aggregate tok/s", f"{ss['x4']:.1f}", f"{ll['x4']:.1f}",
+              f"{ss['x4'] / ll['x4']:.2f}")  # fmt: skip
+        t.add(
+            f"1 conversation of {p} tokens alone, tok/s",
+            f"{ss['x1']:.1f}",
+            f"{ll['x1']:.1f}",
+            f"{ss['x1'] / ll['x1']:.2f}",
+        )
+        t.add("x4 / x1", f"{ss['x4'] / ss['x1']:.2f}", f"{ll['x4'] / ll['x1']:.2f}", "")
+        for label in ("after x4, WS full", "after x4, SSE aggregated"):
+            t.add(f"1 conversation, three others resident ({label}) vs llama-server x1 without attention",
+                  f"{ss[label]:.1f}", f"{ll['x1']:.1f}", f"{ss[label] / ll['x1']:.2f}")  # fmt: skip
         t.add(
             f"save-state of slot 0 after 4 streams ({saved['n_tokens']} tokens, {saved['n_bytes'] / 1e6:.1f} MB): "
             "worker t_ms / client round trip (JSON, base64)",
@@ -249,16 +261,16 @@ def main() -> int:
     sizes = {
         "threads": (2, "llama.cpp threads, both servers and the in-process engines"),
         "ctx-size": (4096, "context per slot, both servers"),
-        "prompt": (500, "one stream: prompt tokens"),
         "new": (64, "new tokens per stream"),
-        "stream-prompt": (100, "1/2/4 streams: prompt tokens per stream"),
+        "stream-prompt": (2000, "four conversations: prompt tokens each"),
         "big": (2000, "tokens of the slot saved, restored and previewed"),
         "append": (15, "preview: appended tokens"),
         "preview-new": (50, "preview: new tokens"),
         "reps": (2, "measured reps (+1 warm-up)"),
         "scratch-reps": (1, "prefill + generate runs (long)"),
-        "inproc-ctx": (1024, "in-process engines: context per slot"),
     }
+    ap.add_argument("--prompts", default="500,4000", help="one stream: prompt sizes, tokens")
+    ap.add_argument("--growth", default="500,2000,4000,8000", help="in process: context sizes, tokens")
     for flag, (default, text) in sizes.items():
         ap.add_argument("--" + flag, type=int, default=default, help=text)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: stream,streams,big,inproc")

@@ -95,15 +95,27 @@ def slotserve_body(ids: list[int], slot: int, new: int, attention: bool) -> dict
     }
 
 
-async def slotserve_sse(client: httpx.AsyncClient, base: str, ids: list[int], slot: int, new: int, m: Marks) -> Stream:
+async def slotserve_sse(
+    client: httpx.AsyncClient, base: str, ids: list[int], slot: int, new: int, m: Marks, aggregated: bool = False
+) -> Stream:
+    """One stream of KoboldCpp's SSE; ``aggregated``: with Halo Weave's attention (the mean over layers and
+    heads per token, ``float32[ctx]`` base64 in each event), checked for size."""
     s = Stream(t_send=time.perf_counter())
-    body = slotserve_body(ids, slot, new, False)
+    body = slotserve_body(ids, slot, new, aggregated)
+    if aggregated:
+        body["attention_format"] = "aggregated"
     async with client.stream("POST", base + "/api/extra/generate/stream", json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
             raise RuntimeError(f"slotserve SSE: HTTP {resp.status_code} {resp.text[:300]}")
         async for ev in sse_events(resp):
-            if ev.get("finish_reason") is None and "token" in ev:
+            if ev.get("type") == "token":
+                n = len(ev["attention"]["data"]) * 3 // 4 - ev["attention"]["data"].count("=")
+                if n != 4 * (len(ids) + len(s.times)):
+                    raise RuntimeError(f"slotserve SSE token {len(s.times)}: {n} attention bytes")
+                m.token(s)
+                s.text.append(ev["token"]["text"])
+            elif ev.get("finish_reason") is None and "token" in ev:
                 m.token(s)
                 s.text.append(ev["token"])
             elif "error" in ev or ev.get("type") == "error":
@@ -173,12 +185,13 @@ async def run_streams(
 ) -> Run:
     """``n`` concurrent streams, stream ``i`` on slot ``i`` with ``prompts[i]``, on the server at ``base``.
 
-    ``kind``: ``sse`` (slotserve SSE, no attention), ``ws`` (slotserve WS + full attention),
+    ``kind``: ``sse`` (slotserve SSE, no attention), ``sse-agg`` (the same with aggregated attention),
+    ``ws`` (slotserve WS + full attention),
     ``ws-plain`` (the same WebSocket without attention) or ``llama`` (llama-server ``/completion``).
     """
     async with httpx.AsyncClient(timeout=None) as client:
-        if kind == "sse":
-            coros = [slotserve_sse(client, base, prompts[i], i, new, m) for i in range(n)]
+        if kind in ("sse", "sse-agg"):
+            coros = [slotserve_sse(client, base, prompts[i], i, new, m, kind == "sse-agg") for i in range(n)]
         elif kind in ("ws", "ws-plain"):
             url = "ws" + base.removeprefix("http") + "/api/extra/generate/stream/ws"
             coros = [slotserve_ws(url, prompts[i], i, new, shape, m, kind == "ws") for i in range(n)]

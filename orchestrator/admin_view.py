@@ -3,8 +3,6 @@
 Places (``place``):
 
 * ``kv_cache``: the slot holds an engine sequence with its cells in the KV cache;
-* ``host``: it holds a sequence whose cells the worker moved to host memory
-  (``--cache-idle-slots``), restored in place when the slot is used;
 * ``store``: parked, only in the state store;
 * ``leased``: in the store and leased by another node (``owner`` names it);
 * ``empty``: known, no state.

@@ -263,7 +263,7 @@ class EngineClient(Protocol):
         ...
 
     async def engine_state(self) -> proto.EngineState:
-        """Which sequences' cells are in host memory (``--cache-idle-slots``) and which generate."""
+        """Which sequences generate."""
         ...
 
     async def check_sampling(self, params: proto.SamplingParams) -> None:

@@ -44,7 +44,7 @@ function fmtIdle(s) {
   return `${Math.round(s / 3600)} h ago`;
 }
 
-const PLACE = { kv_cache: "KV cache", host: "host memory", store: "parked (store)", leased: "leased elsewhere", empty: "empty" };
+const PLACE = { kv_cache: "KV cache", store: "parked (store)", leased: "leased elsewhere", empty: "empty" };
 
 function renderSlots() {
   const tbody = $("slots").querySelector("tbody");
