@@ -1,0 +1,110 @@
+"""The capture's cost in process: decode step time without attention and with full per-layer attention
+(and, where the engine has it, aggregated), on one sequence of the default model, at a few context
+sizes; optionally beside another checkout of slotserve run with its own interpreter (for example the
+last commit before the patched libllama, whose capture read the rows through llama.cpp's eval
+callback), in the same run.
+
+    .venv/bin/python benchmarks/bench_capture.py [--contexts 500,2000] [--other CHECKOUT --other-python PY]
+
+Each figure is the median of every decode step of ``--reps`` generations of ``--new`` tokens from the
+cached context (``Batcher.step`` timed around ``llama_decode`` and the capture; sampling included),
+reps of the modes interleaved.  The script only uses what both engines have (``Engine``,
+``EngineSettings``, ``tests.engine.enginekit.Runner``), so it runs unchanged in either checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = ("none", "full", "aggregated")
+
+
+def measure(contexts: list[int], new: int, reps: int, threads: int) -> dict[str, dict[str, float]]:
+    """``{context: {mode: median decode step ms}}`` in this process's checkout."""
+    import llama_cpp  # noqa: F401 - llama.cpp before numpy
+
+    from engine.engine import Engine
+    from engine.model import Model, default_model_path
+    from engine.protocol import CaptureOptions
+    from engine.settings import EngineSettings
+    from tests.engine.enginekit import Runner
+
+    model = Model(default_model_path())
+    eng = Engine(model, EngineSettings(n_ctx=max(contexts) + new + 256, n_slots=1, n_spare=1, n_threads=threads))
+    caps = {
+        "none": CaptureOptions(),
+        "full": CaptureOptions(attention=True),
+        "aggregated": CaptureOptions(attention=True, format="aggregated"),
+    }
+    words = ("the slot keeps its context and the model pays attention to every word of it " * 400).split()
+    out: dict[str, dict[str, float]] = {}
+    for n in contexts:
+        ids = model.tokenize(" ".join(words), True, False)[:n]
+        eng.erase(0)
+        Runner(eng).generate(0, ids, max_new_tokens=1, ignore_eos=True)
+        steps: dict[str, list[float]] = {m: [] for m in MODES}
+        for r in range(reps + 1):
+            for mode, cap in caps.items():
+                runner = Runner(eng)
+                runner.submit(0, ids, capture=cap, max_new_tokens=new, ignore_eos=True)
+                times = []
+                while runner.batcher.has_work():
+                    t0 = time.perf_counter()
+                    runner.batcher.step()
+                    times.append(time.perf_counter() - t0)
+                if r:
+                    steps[mode] += times[2:]  # past the re-decoded last prompt token and the first step
+        out[str(n)] = {m: round(statistics.median(v) * 1000, 3) for m, v in steps.items() if v}
+    eng.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="500,2000")
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--other", type=Path, default=None, help="another slotserve checkout to measure alike")
+    ap.add_argument("--other-python", type=Path, default=None, help="its interpreter (its own venv)")
+    ap.add_argument("--json", action="store_true", help="print this checkout's figures as JSON only")
+    a = ap.parse_args()
+    contexts = [int(x) for x in a.contexts.split(",")]
+    if a.json:
+        print(json.dumps(measure(contexts, a.new, a.reps, a.threads)))
+        return 0
+    here = Path(__file__).resolve().parent.parent
+    runs = [("this checkout", here, Path(sys.executable))]
+    if a.other:
+        runs.append((f"{a.other}", a.other.resolve(), a.other_python or Path(sys.executable)))
+    results = {}
+    for name, root, py in runs:
+        argv = [str(py), str(here / "benchmarks" / "bench_capture.py"), "--json", "--contexts", a.contexts,
+                "--new", str(a.new), "--reps", str(a.reps), "--threads", str(a.threads)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            print(f"{name}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"machine: {os.cpu_count()} cores; {a.threads} threads; {a.new} new tokens x {a.reps} reps")
+    print("| checkout | context | decode ms/token: none / full / aggregated | full / none | aggregated / none |")
+    print("|---|---|---|---|---|")
+    for name, res in results.items():
+        for n, ms in res.items():
+            agg = ms.get("aggregated")
+            cells = f"{ms['none']:.2f} / {ms['full']:.2f} / " + (f"{agg:.2f}" if agg else "-")
+            ratio_agg = f"{ms['none'] / agg:.3f}" if agg else "-"
+            print(f"| {name} | {n} | {cells} | {ms['none'] / ms['full']:.3f} | {ratio_agg} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
