@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import llama_cpp as llama
 import numpy as np
 
+from engine import native
 from engine.engine import EngineError
 from engine.errors import ErrorCode
 from engine.model import Model, ModelLoadError, file_fingerprint
@@ -68,6 +69,10 @@ class Classifier:
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
         self.self_check_ms = 0.0  # no attention capture to check
+        self.attention_layers: tuple[int, ...] = ()  # no attention rows are captured
+        self.capture = None
+        native.require_patch()
+        self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp chose for "auto"
         self.batch = llama.llama_batch_init(self.n_ctx, 0, 1)
 
     def _label(self, i: int) -> str:

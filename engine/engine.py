@@ -405,7 +405,8 @@ class Engine:
             sums = rows.sum(axis=-1) if rows is not None else np.zeros(1)
             if seen != expect or not np.allclose(sums, 1.0, atol=1e-3):
                 raise CaptureError(
-                    f"attention capture self-check failed: {seen} of {expect} layers captured, row sums {sums.ravel()[:4]}"
+                    f"attention capture self-check failed: {seen} of {expect} layers captured, "
+                    f"row sums {sums.ravel()[:4]}"
                 )
         _, state = self.save_state(s)
         layout = seq_state.parse(state).layout

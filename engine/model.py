@@ -57,9 +57,8 @@ _log_state = {"threshold": logging.WARNING, "last": logging.INFO}
 
 
 # llama.cpp lines that say something else in slotserve's setting, replaced by our own log line.
-# A unified KV cache makes llama_context's n_ctx_seq the size of the whole cache (every slot's
-# window together), so its "n_ctx_seq > n_ctx_train" warning (src/llama-context.cpp) does not
-# mean that one sequence may outgrow the trained context; the worker logs what does.
+# llama_context's "n_ctx_seq > n_ctx_train" warning (src/llama-context.cpp) is replaced by the
+# worker's own log line, which says what one sequence may hold.
 _REPLACED = (b"n_ctx_seq (",)
 
 
@@ -94,7 +93,9 @@ def _meta(model: llama.llama_model_p, key: str) -> str:
 def file_fingerprint(path: Path, type_k: int, type_v: int) -> str:
     """A fingerprint of the model file and the KV layout that state blobs depend on.
 
-    sha256 over the file size, its first and last MiB, the llama-cpp-python version
+    sha256 over the file size, its first and last MiB, the llama-cpp-python release (without
+    the ``+slotserve.<key>`` of slotserve's own build: libllama/'s patch does not change the
+    sequence-state format, so a rebuild, or a CUDA build beside a CPU one, keeps the stored states)
     and the K/V cache types.  Two files that differ only in the middle would collide;
     GGUF headers (metadata, tensor table) and the tail make that unlikely in practice.
     """
@@ -105,7 +106,7 @@ def file_fingerprint(path: Path, type_k: int, type_v: int) -> str:
         h.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))
         h.update(f.read(1 << 20))
-    h.update(llama.__version__.encode())
+    h.update(llama.__version__.split("+")[0].encode())
     h.update(f"k{type_k}v{type_v}".encode())
     return h.hexdigest()[:32]
 

@@ -111,11 +111,18 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ),
     ] = None
     capture: Annotated[
-        bool, Flag("attention capture (off: no eval callback, no attention)", "--capture", serve=False)
+        bool, Flag("attention capture (off: no attention rows in the graph, no attention)", "--capture", serve=False)
     ] = True
     classifier: Annotated[
         bool, Flag("serve the model as a sequence classifier (pooling rank)", "--classifier", serve=False)
     ] = False
+
+    def __post_init__(self) -> None:
+        """Refuse what llama.cpp would refuse only when it creates the context: a quantized V cache
+        needs flash attention (``llama_init_from_model``, ``src/llama-context.cpp``); msgspec turns
+        the ``ValueError`` into a ``msgspec.ValidationError``."""
+        if self.flash_attn == "off" and self.type_v not in ("f32", "f16", "bf16"):
+            raise ValueError(f"--cache-type-v {self.type_v} needs flash attention: drop --flash-attn off")
 
     @property
     def n_seq_max(self) -> int:

@@ -44,9 +44,10 @@ class BuildError(RuntimeError):
 def key() -> str:
     """12 hex digits naming this patch and build configuration."""
     h = hashlib.sha256()
-    for name in [*sorted(NEW_FILES), "hooks.patch", "build.py"]:
+    for name in [*sorted(NEW_FILES), "hooks.patch"]:
         h.update(name.encode() + b"\0" + (HERE / name).read_bytes())
-    h.update(os.environ.get("CMAKE_ARGS", "").encode())
+    for part in (VERSION, BASE_CMAKE_ARGS, os.environ.get("CMAKE_ARGS", "")):
+        h.update(part.encode() + b"\0")
     return h.hexdigest()[:12]
 
 
@@ -64,7 +65,19 @@ def run(cmd: list[str], **kw: object) -> None:
 def sdist(tmp: Path) -> Path:
     """llama-cpp-python's sdist from the package index (pip's cache keeps it)."""
     run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={VERSION}", "-d", str(tmp)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"llama-cpp-python=={VERSION}",
+            "-d",
+            str(tmp),
+        ],
         stdout=subprocess.DEVNULL,
     )
     found = sorted(tmp.glob("llama_cpp_python-*.tar.gz"))
@@ -83,7 +96,9 @@ def apply_patch(src: Path, k: str) -> None:
         ["patch", "-p1", "-R", "--dry-run", "-s", "-f", "-d", str(llama)], input=patch, capture_output=True
     )
     if applied.returncode != 0:
-        done = subprocess.run(["patch", "-p1", "--forward", "-s", "-f", "-d", str(llama)], input=patch, capture_output=True)
+        done = subprocess.run(
+            ["patch", "-p1", "--forward", "-s", "-f", "-d", str(llama)], input=patch, capture_output=True
+        )
         if done.returncode != 0:
             raise BuildError(
                 "libllama/hooks.patch no longer applies to llama-cpp-python "

@@ -5,7 +5,7 @@ then checks, one printed line each:
 
 1. start-up: the worker reached ``Ready`` (its own self-check decodes and verifies the
    attention capture); the configuration in force (devices, offloaded layers, CPU weight
-   repacking, eval filter);
+   repacking, flash attention, KV types);
 2. a short greedy generation with full per-layer attention: every row is finite and
    sums to 1 over the context;
 3. recomputation: each generated token's attention is computed again by a fresh

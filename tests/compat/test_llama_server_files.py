@@ -2,8 +2,8 @@
 
 Needs a ``llama-server`` binary built from the llama.cpp that llama-cpp-python vendors
 (docs/benchmarks.md says how); set ``LLAMA_SERVER_BIN`` to it, otherwise these tests skip.
-llama-server runs with flash attention off (``-fa off``: slotserve's KV layout, V transposed)
-and one KV stream (``-kvu``), the conditions under which a file is exchangeable (docs/api.md).
+Both run with their default flags (flash attention ``auto``, llama-server's ``-np`` auto: one KV
+stream shared by its slots), the conditions under which a file moves both ways (docs/api.md).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class LlamaServer:
 
     def __init__(self, model: Path, save_dir: Path, log: Path) -> None:
         self.port = free_port()
-        args = [BIN, "-m", str(model), "--port", str(self.port), "-c", "2048", "-np", "2", "-kvu", "-fa", "off",
-                "-t", "2", "--slot-save-path", str(save_dir) + "/", "--temp", "0"]  # fmt: skip
+        args = [BIN, "-m", str(model), "--port", str(self.port), "-c", "2048", "-t", "2",
+                "--slot-save-path", str(save_dir) + "/", "--temp", "0"]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -125,7 +125,7 @@ def prefill_row(engine: Engine, seq: int, ids: list[int]) -> np.ndarray:
 
 
 # Tolerance for comparing attention rows computed with the KV cells laid out differently.
-# Same tokens, same positions, but the cells sit at other indices of the unified cache, so the
+# Same tokens, same positions, but the cells sit at other indices of the KV stream, so the
 # softmax and V-sum reductions run in another order.  Layer 0 agrees to float rounding; deeper
 # layers drift because Q4_1 matmuls quantize their activations to 8 bits and a rounding flip
 # there is amplified (measured on SmolLM2 Q4_1: layers 0-16 within 1e-7, then max abs diff up

@@ -17,9 +17,7 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.mark.parametrize(
-    "entry", ["engine.worker", "engine.native", "engine.engine", "engine.model", "engine.backend"]
-)
+@pytest.mark.parametrize("entry", ["engine.worker", "engine.native", "engine.engine", "engine.model", "engine.backend"])
 def test_llama_cpp_loads_before_numpy(entry: str) -> None:
     code = (
         f"import sys, {entry}; m = list(sys.modules); "

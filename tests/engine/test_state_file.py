@@ -130,8 +130,7 @@ def test_damaged_and_missing_files_are_refused(runner: Runner, engine, model, tm
 
 def test_a_file_of_several_kv_streams_goes_the_general_way(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """llama-server ``-np 3`` without ``--kv-unified`` writes a record per stream (only its slot's
-    holds cells); llama.cpp cannot load that into a unified cache, so it is read into a buffer and
-    restored as one stream."""
+    holds cells); its record is restored into this engine's stream of the sequence."""
     ids = model.tokenize(CHAT.format("Name four rivers."), False, True)
     runner.generate(0, ids, max_new_tokens=3)
     runner.batcher.flush()

@@ -56,7 +56,7 @@ def test_restore_after_a_context_shift_learns_its_cells(runner: Runner, engine, 
     mirror takes from the cache; the restored copy attends as the original does."""
     decode_together(runner, model)
     engine.context_shift(2, 3, 5)
-    grown = runner.generate(2, list(engine.tokens[2]) + [13, 14, 15], max_new_tokens=2, ignore_eos=True)
+    grown = runner.generate(2, [*engine.tokens[2], 13, 14, 15], max_new_tokens=2, ignore_eos=True)
     assert grown.done is not None
     runner.batcher.flush()
     cells = engine.cellmap.cells(2)
@@ -64,8 +64,8 @@ def test_restore_after_a_context_shift_learns_its_cells(runner: Runner, engine, 
     tokens, blob = engine.save_state(2)
     engine.restore_state(1, tokens, bytes(blob))  # read-only: restored in place all the same
     assert same_kv(llama_state(engine.ctx, 1), llama_state(engine.ctx, 2))
-    a = runner.generate(1, tokens + [16], max_new_tokens=3, ignore_eos=True)
-    b = runner.generate(2, tokens + [16], max_new_tokens=3, ignore_eos=True)
+    a = runner.generate(1, [*tokens, 16], max_new_tokens=3, ignore_eos=True)
+    b = runner.generate(2, [*tokens, 16], max_new_tokens=3, ignore_eos=True)
     assert a.tokens == b.tokens
     for k, (x, y) in enumerate(zip(a.attention, b.attention, strict=True)):
         np.testing.assert_allclose(x, y, atol=1e-6, err_msg=f"token {k}")
@@ -80,10 +80,10 @@ def test_a_state_restores_into_an_engine_with_another_stream_count(runner: Runne
     try:
         other.restore_state(0, tokens, blob, check_values=True)
         assert bytes(other.save_state(0)[1]) == blob[:4] + (0).to_bytes(4, "little") + blob[8:], "seq 0's state"
-        mine = Runner(other).generate(0, tokens + [42], max_new_tokens=3, ignore_eos=True)
+        mine = Runner(other).generate(0, [*tokens, 42], max_new_tokens=3, ignore_eos=True)
     finally:
         other.close()
-    theirs = runner.generate(0, tokens + [42], max_new_tokens=3, ignore_eos=True)
+    theirs = runner.generate(0, [*tokens, 42], max_new_tokens=3, ignore_eos=True)
     assert mine.tokens == theirs.tokens
     for k, (x, y) in enumerate(zip(mine.attention, theirs.attention, strict=True)):
         assert_attention_close(x, y, f"token {k}")

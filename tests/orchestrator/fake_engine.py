@@ -130,6 +130,7 @@ def model_info(n_slots: int, n_ctx: int = 4096) -> ModelInfo:
         n_ctx_train=n_ctx,
         n_kv_cells=n_ctx,
         n_slots=n_slots,
+        attention_layers=[0, 1],
         rope_freq_base=10000.0,
         rope_freq_scale=1.0,
         bos_token_id=0,

@@ -1,7 +1,7 @@
 """Start-up in every configuration the engine can choose, with the worker a subprocess as ``serve`` starts it.
 
-Configurations: CPU weight repacking (llama.cpp's extra buffer types) on and off, the
-C eval filter present and absent; a worker that crashes during start-up (retried once
+Configurations: CPU weight repacking (llama.cpp's extra buffer types) on and off, flash
+attention on and off; a worker that crashes during start-up (retried once
 without repacking, or reported with its stage and signal); ``slotserve check``; the
 engine configuration reported by ``/health`` and ``GET /api/v1/model``; ``/health``
 while the model loads.
@@ -136,8 +136,8 @@ def test_serve_reports_engine_configuration(server) -> None:  # type: ignore[no-
     health = httpx.get(server.url + "/health").json()
     cfg = health["engine_config"]
     assert cfg["backend"] == "CPU" and cfg["n_layers_offloaded"] == 0
-    assert cfg["flash_attn"] is False and cfg["type_k"] == "f16" and cfg["type_v"] == "f16"
-    assert cfg["n_threads"] == 2 and cfg["kv_unified"] is True
+    assert cfg["flash_attn"] is True and cfg["type_k"] == "f16" and cfg["type_v"] == "f16"  # auto: on, on a CPU
+    assert cfg["n_threads"] == 2 and cfg["kv_unified"] is False
     assert cfg["repack_reason"].startswith("auto:")
     assert cfg["extra_bufts"] == backend_extra_bufts_here()
     expect = backend.choose_repack(None, cfg["extra_bufts"]).use_extra_bufts
@@ -200,11 +200,20 @@ def test_check_with_an_f32_kv_cache() -> None:
     assert "KV f32/f32," in out
 
 
-def test_quantized_v_cache_is_refused_on_the_command_line() -> None:
-    """A quantized V cache needs flash attention, which the capture turns off: refused before anything starts."""
+def test_quantized_v_cache_without_flash_attention_is_refused_on_the_command_line() -> None:
+    """A quantized V cache needs flash attention: with ``--flash-attn off`` it is refused before anything starts."""
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "check", "--cache-type-v", "q8_0"],
+        [sys.executable, "-m", "orchestrator.cli", "check", "--cache-type-v", "q8_0", "--flash-attn", "off"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 2
-    assert "--cache-type-v" in out.stderr and "invalid choice: 'q8_0'" in out.stderr
+    assert "--cache-type-v q8_0 needs flash attention" in out.stderr
+
+
+def test_check_with_a_quantized_v_cache() -> None:
+    """``-ctv q8_0`` with flash attention (the default): V stored by rows, the capture still exact enough to pass."""
+    code, out = check(
+        WorkerOptions(EngineSettings(n_slots=1, n_spare=1, n_ctx=256, n_threads=2, type_k="q8_0", type_v="q8_0"))
+    )
+    assert code == 0, out
+    assert "KV q8_0/q8_0," in out
