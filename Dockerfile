@@ -12,8 +12,15 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 WORKDIR /app
 
-# The slow step (about 6-8 minutes) in its own layer, so code changes do not rebuild it.
-RUN pip install --no-cache-dir llama-cpp-python==0.3.36
+# The slow step (a few minutes) in its own layer, so code changes do not rebuild it: llama-cpp-python
+# 0.3.36 built from its vendored llama.cpp with libllama/'s patch (libllama/README.md); PyPI's build
+# has no patch and the worker refuses it. CUDA: pass CMAKE_ARGS (docs/gpu.md).
+ARG CMAKE_ARGS=""
+COPY libllama libllama
+RUN apt-get update && apt-get install -y --no-install-recommends patch && rm -rf /var/lib/apt/lists/* \
+    && CMAKE_ARGS="$CMAKE_ARGS" SLOTSERVE_CACHE=/tmp/slotserve-build pip install --no-cache-dir \
+       "$(python libllama/build.py)" \
+    && rm -rf /tmp/slotserve-build
 
 COPY pyproject.toml README.md ./
 COPY engine engine

@@ -11,9 +11,8 @@ For each context size (``--sizes``, default 500, 1500, 3000 tokens), on one ``sl
    ``POST /api/v1/generate``, ``max_new_tokens`` ``--new``, temperature 0 (both stop at an end of
    generation token, a preview always does), then the fresh slot is erased (not timed);
 4. optionally (``--empty-scratch``, on by default) **scratch, cache empty**: the same, before the
-   slot of step 1 exists. In llama.cpp's unified KV cache every sequence's attention spans every used
-   cell (masked), so a scratch run next to the resident slot also pays for the slot's cells; this
-   column shows the cost without them.
+   slot of step 1 exists (with a KV stream per sequence the resident slot should cost the scratch run
+   nothing; the column shows whether it does).
 
 Preview and scratch reps alternate (``--reps`` previews after a warm-up, ``--scratch-reps`` scratch
 runs: they take tens of seconds; the server is warmed up once at the start), each after an

@@ -10,15 +10,15 @@ its own slot (``id_slot`` 0..N-1) with its own prompt (different from the first 
   attention as a binary frame (a token counts once its binary frame arrived);
 - ``llama-server``: ``POST /completion`` with the prompt as token ids, ``stream``, ``id_slot``,
   ``cache_prompt``, ``n_predict``, ``temperature: 0``, ``ignore_eos`` (one llama-server per
-  ``--llama-args``, e.g. ``--llama-args "" --llama-args "-fa off -kvu"``: slotserve's engine runs
-  without flash attention, which hides the softmax it captures, and with a unified KV cache).
+  ``--llama-args``, e.g. ``--llama-args "" --llama-args "-kvu"``: llama-server with a unified KV cache,
+  which makes every token attend over every resident slot's cells).
 
 llama-server's ``ignore_eos`` bans the end-of-generation tokens (logit bias -inf), slotserve's only
 keeps going after one, so slotserve requests also send them as ``banned_tokens``: the same load.
 
 Loads: 1, 2 and 4 streams (``--streams``); "1" runs with the other slots erased, and "1+" once more
-after the 4-stream load, while the other slots still hold their conversations (in llama.cpp's unified
-KV cache, which slotserve uses, every decode's attention spans the cells of every slot). The scaling
+after the 4-stream load, while the other slots still hold their conversations (each in a KV stream of its
+own, so they should cost the one stream no attention work). The scaling
 ratio is x4 / x1 (alone).
 
 Every path streams, and tok/s is measured the same way for all of them: the client timestamps each

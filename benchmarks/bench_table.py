@@ -1,28 +1,29 @@
-"""Issue 9's table in one run: slotserve beside llama-server (built from the same llama.cpp) on this machine.
+"""slotserve beside llama-server (built from the same llama.cpp) on this machine, in one run.
 
-Both servers run side by side (``slotserve serve`` with its default flags: ``--parallel 4``, persistence to
-an embedded store, ``--cache-idle-slots``; ``llama-server -np 4`` with its defaults and ``--slot-save-path``),
+Both servers run side by side (``slotserve serve`` with its default flags: ``--parallel 4``, flash attention
+``auto``, persistence to an embedded store; ``llama-server -np 4`` with its defaults and ``--slot-save-path``),
 both with ``--threads`` and ``--n-gpu-layers``. Rows, each with its ratio:
 
-1. **one stream** (``--prompt`` tokens, ``--new`` new, greedy, ``ignore_eos``, the prompt cached after the
-   warm-up): decode tok/s and time to the first token of slotserve's SSE without attention, its WebSocket
-   without attention, the same WebSocket with full per-layer attention (``float32[L, H, ctx]`` per token),
-   and llama-server's ``/completion`` stream. WS with / without attention is the capture's cost.
-2. **1, 2 and 4 streams at once** (``--stream-prompt`` tokens each, distinct prompts, one slot each):
-   aggregate decode tok/s, slotserve SSE vs llama-server (``bench_slots.py``'s measurement);
-3. **save-state** of slot 0 (JSON, the worker's ``t_ms`` and the client's round trip) right after the last
-   4-stream run;
-4. **a ``--big``-token slot** (``big_slot.py``): prefill, ``save-state`` / ``restore-state`` (octet-stream
+1. **one stream** at each of ``--prompts`` tokens of context (``--new`` new, greedy, ``ignore_eos``, the
+   prompt cached after the warm-up): decode tok/s of slotserve's SSE without attention, its WebSocket
+   without attention, the WebSocket with full per-layer attention (``float32[L, H, ctx]`` per token) and SSE
+   with aggregated attention (Halo Weave's path), beside llama-server's ``/completion`` stream; WS full / WS
+   none and SSE aggregated / SSE none are the capture's cost;
+2. **four conversations** of ``--stream-prompt`` tokens (distinct prompts, one slot each): one alone (the
+   others erased), the four decoding together (aggregate tok/s, x4 / x1, beside llama-server), then one
+   again right after them, the three others resident, with full per-layer (WS) and aggregated (SSE)
+   attention, beside llama-server's one alone without attention; then ``save-state`` of slot 0;
+3. **a ``--big``-token slot** (``big_slot.py``): prefill, ``save-state`` / ``restore-state`` (octet-stream
    bodies, moved with ``http.client``) through the API and slotserve's own slot files vs llama-server's prefill
    and slot-file ``save`` / ``restore`` (``POST /slots/0?action=save``), and the HTTP floor (the same bytes
    through Litestar + uvicorn alone);
-5. **preview** of that slot (append ``--append`` tokens, ``--preview-new`` new) ÷ prefill + generate of the
+4. **preview** of that slot (append ``--append`` tokens, ``--preview-new`` new) / prefill + generate of the
    same tokens on a fresh slot (``bench_preview.py``'s requests);
-6. **in-process engine** (the servers stopped first): decode tok/s without the eval callback, with full
-   attention captured (f16 KV cache), and with an f32 KV cache (``-ctk f32 -ctv f32``); the state read
-   (``llama_state_seq_get_data``) of a slot after 4 sequences decoded together vs the same slot decoded alone;
-   attention vs transformers' eager float32 reference (``tests/engine/hf_reference.py``; skipped without
-   torch/transformers): min per-head correlation and worst head mean abs diff, f16 vs f32 cache.
+5. **in-process engine** (the servers stopped first, ``engine_rows.py``): decode tok/s and attention bytes per
+   token without attention, aggregated and full per-layer at each of ``--growth`` tokens of context; attention
+   vs transformers' eager float32 reference (``tests/engine/hf_reference.py``; skipped without
+   torch/transformers): min per-head correlation and worst head mean abs diff, f16 and f32 KV cache, flash
+   attention on and off.
 
 Each measured call waits for an idle machine (``--wait-idle``) and is redone once while other processes used
 more than ``--max-other`` cores; the load average is printed at the start and the end.

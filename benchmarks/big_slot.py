@@ -5,8 +5,8 @@ Big bodies are moved with ``http.client`` (the standard library's client, one ke
 client's own cost is part of every API figure, and httpx's is several times the server's for tens of MB
 (measured: ~160 ms to download 46 MB, vs ~35 ms with ``http.client``). The floor row moves the same
 number of bytes through a server that does nothing else (``http_floor.py``: the same Litestar + uvicorn
-stack), with the same client.  With ``--llama-server``, the slot-file rows also compare with a second
-llama-server started with ``-fa off`` (:func:`start_llama_fa_off`): slotserve's KV layout.
+stack), with the same client.  Both servers run with their default flags (flash attention ``auto``,
+V stored by rows), so their slot files hold the same KV layout.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from common import median
-from servers import ServerProc, default_model, free_port, llama_server_cmd, settle
+from servers import ServerProc, free_port, settle
 
 OCTET = "application/octet-stream"
 
@@ -64,26 +64,6 @@ def start_floor(tmp: Path, httpx_mod: Any) -> ServerProc:
     return srv
 
 
-def start_llama_fa_off(bench: Any, ctx: list[int]) -> ServerProc | None:
-    """A second llama-server with flash attention off (``-fa off``: slotserve's KV layout, V transposed,
-    which attention capture needs), its slot 0 prefilled with ``ctx``; ``None`` without ``--llama-server``.
-    llama-server's default (flash attention on where it can) stores V untransposed, whose state
-    files read and write in fewer, larger pieces: the two rows separate that from our own cost."""
-    a = bench.args
-    if not a.llama_server:
-        return None
-    port = free_port()
-    cmd = llama_server_cmd(
-        a.llama_server, a.model or default_model(), port, parallel=4, ctx_size=a.ctx_size, threads=a.threads,
-        n_gpu_layers=a.n_gpu_layers, slot_dir=bench.tmp / "llama-slots-fa-off", extra=f"{a.llama_args} -fa off",
-    )  # fmt: skip
-    srv = ServerProc("llama-server -fa off", cmd, port, bench.tmp / "llama-server-fa-off.log")
-    srv.wait_ready(bench.httpx)
-    body = {"prompt": ctx, "n_predict": 1, "temperature": 0, "id_slot": 0, "cache_prompt": True}
-    RawClient(srv.base).json("/completion", body, "llama-server -fa off prefill")
-    return srv
-
-
 def big_slot(bench: Any, ctx: list[int]) -> None:
     """Prefill slot ``big`` with ``ctx``; its save/restore rows (see the module docstring)."""
     from bench_preview import generate_sample
@@ -103,8 +83,6 @@ def big_slot(bench: Any, ctx: list[int]) -> None:
         if d["timings"]["prompt_n"] < len(ctx) - 1:
             raise RuntimeError(f"llama-server prefill: only {d['timings']['prompt_n']} tokens evaluated")
     ss, ls = RawClient(base), RawClient(bench.ls.base) if bench.ls else None
-    fa_off = start_llama_fa_off(bench, ctx)
-    lf = RawClient(fa_off.base) if fa_off is not None else None
     floor = start_floor(bench.tmp, bench.httpx)
     fc = RawClient(floor.base)
     fig: dict[str, list[float]] = {}
@@ -114,7 +92,7 @@ def big_slot(bench: Any, ctx: list[int]) -> None:
             settle(bench.client, base)
             blob = _expect(ss.request("POST", "/slots/big?action=save-state&wait=true", headers={"Accept": OCTET}))
             size = len(blob)
-            steps = _steps(ss, ls, lf, fc, blob, r)
+            steps = _steps(ss, ls, fc, blob, r)
             times = []
             for name, fn, after in steps:
                 if after is None:
@@ -133,8 +111,6 @@ def big_slot(bench: Any, ctx: list[int]) -> None:
         fc.close()
         if ls is not None:
             ls.close()
-        if fa_off is not None:
-            fa_off.stop()
         floor.stop()
     m = {k: median(v) for k, v in fig.items()}
     nan = float("nan")
@@ -154,13 +130,6 @@ def big_slot(bench: Any, ctx: list[int]) -> None:
             f"{file:.1f}",
             f"{ref:.1f}",
             f"{file / ref:.2f}",
-        )
-        same = m.get(f"llama fa-off {op}", nan)
-        t.add(
-            f"{n}: {op} ms, slotserve slot file | llama-server -fa off slot file (the same KV layout)",
-            f"{file:.1f}",
-            f"{same:.1f}",
-            f"{file / same:.2f}",
         )
     t.add(
         f"{n}: restore through the API / prefill",
@@ -183,7 +152,7 @@ def _expect(got: tuple[int, bytes]) -> bytes:
 Step = tuple[str, Any, "str | bool | None"]
 
 
-def _steps(ss: RawClient, ls: RawClient | None, lf: RawClient | None, fc: RawClient, blob: bytes, r: int) -> list[Step]:
+def _steps(ss: RawClient, ls: RawClient | None, fc: RawClient, blob: bytes, r: int) -> list[Step]:
     """One rep's measured calls: ``(name, fn, after)``; ``after``: a slot to erase after the call, or
     ``None`` to let slotserve settle before it, or False for neither."""
     body = {"filename": "big.bin"}
@@ -199,11 +168,6 @@ def _steps(ss: RawClient, ls: RawClient | None, lf: RawClient | None, fc: RawCli
         steps += [
             ("llama save", lambda: ls.json("/slots/0?action=save", body, "llama save"), False),
             ("llama restore", lambda: ls.json("/slots/1?action=restore", body, "llama restore"), False),
-        ]
-    if lf is not None:
-        steps += [
-            ("llama fa-off save", lambda: lf.json("/slots/0?action=save", body, "llama -fa off save"), False),
-            ("llama fa-off restore", lambda: lf.json("/slots/1?action=restore", body, "llama -fa off restore"), False),
         ]
     steps.append(("floor down", lambda: fc.request("GET", f"/blob/{len(blob)}"), False))
     steps.append(("floor up", lambda: fc.request("POST", "/sink", blob, {"Content-Type": OCTET}), False))
