@@ -271,6 +271,9 @@ def main() -> int:
         "scratch-reps": (1, "prefill + generate runs (long)"),
     }
     ap.add_argument("--prompts", default="500,4000", help="one stream: prompt sizes, tokens")
+    ap.add_argument(
+        "--flash-attn", default="auto", choices=("auto", "on", "off"), help="slotserve's (server and in process)"
+    )
     ap.add_argument("--growth", default="500,2000,4000,8000", help="in process: context sizes, tokens")
     for flag, (default, text) in sizes.items():
         ap.add_argument("--" + flag, type=int, default=default, help=text)
@@ -289,8 +292,9 @@ def main() -> int:
         if {"stream", "streams", "big"} - skip:
             port = free_port()
             cmd = slotserve_cmd(
-                port, tmp / "state", parallel=4, spare=4, ctx_size=args.ctx_size, threads=args.threads, model=model,
-                n_gpu_layers=args.n_gpu_layers, extra=["--slot-save-path", str(tmp / "slotserve-slots")],
+                port, tmp / "state", parallel=4, spare=2, ctx_size=args.ctx_size, threads=args.threads, model=model,
+                n_gpu_layers=args.n_gpu_layers,
+                extra=["--slot-save-path", str(tmp / "slotserve-slots"), "--flash-attn", args.flash_attn],
             )  # fmt: skip
             servers.append(ServerProc("slotserve", cmd, port, tmp / "slotserve.log"))
             if args.llama_server:

@@ -7,7 +7,8 @@ weights repacked for wider SIMD; ``AMX``: Intel AMX tiles), chosen per model loa
 on how ggml was built; ``ggml_backend_dev_get_extra_bufts`` (``ggml/src/ggml-cpu/ggml-cpu.cpp``)
 lists them.  The functions here read that list and the devices through the ggml
 library llama.cpp itself uses (:data:`engine.native.lib`: ggml's symbols through libllama), without loading
-a model, and decide whether the engine keeps repacking on (see docs/hardware.md).
+a model, and decide whether the engine keeps repacking on and what ``--flash-attn auto`` means here
+(see docs/hardware.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+from engine.kv_types import FLOAT_KV_TYPES
 from engine.native import lib as libggml
 
 # enum ggml_backend_dev_type (ggml/include/ggml-backend.h)
@@ -126,3 +128,30 @@ def choose_repack(requested: bool | None, extra_bufts: list[str]) -> RepackChoic
     if not extra_bufts:
         return RepackChoice(False, "auto: the CPU backend offers no extra buffer types")
     return RepackChoice(True, f"auto: on ({', '.join(extra_bufts)})")
+
+
+@dataclass(frozen=True)
+class FlashAttnChoice:
+    """The flash attention setting to create the context with (``auto``: llama.cpp decides, as
+    ``LLAMA_FLASH_ATTN_TYPE_AUTO`` in ``include/llama.h``; ``on``; ``off``), and why."""
+
+    setting: str
+    reason: str
+
+
+def choose_flash_attn(requested: str, n_gpu_layers: int, type_v: str) -> FlashAttnChoice:
+    """Resolve ``--flash-attn``: ``on``/``off`` win; ``auto`` is llama.cpp's own choice where layers run on a
+    GPU, and off on a CPU-only engine unless a quantized V cache needs flash attention.
+
+    Why off on a CPU: without flash attention the attention rows are gathered from the softmax the model
+    computes anyway, while with it they are recomputed (a second Q·Kᵀ per layer), and llama.cpp's CPU
+    decode is no slower without it (docs/benchmarks.md, "Issue 25": at 4,000 tokens of context aggregated
+    attention 0.99 of llama-server's speed with flash attention off, 0.71 with it on).
+    """
+    if requested != "auto":
+        return FlashAttnChoice(requested, f"requested (--flash-attn {requested})")
+    if type_v not in FLOAT_KV_TYPES:
+        return FlashAttnChoice("on", f"auto: on (a {type_v} V cache needs flash attention)")
+    if n_gpu_layers > 0 and any(d.type in ("GPU", "IGPU") for d in devices()):
+        return FlashAttnChoice("auto", "auto: llama.cpp's choice (layers on a GPU)")
+    return FlashAttnChoice("off", "auto: off on a CPU (rows from the softmax the model computes; docs/hardware.md)")

@@ -23,6 +23,7 @@ import llama_cpp as llama
 import numpy as np
 
 from engine import native
+from engine.backend import FlashAttnChoice
 from engine.engine import EngineError
 from engine.errors import ErrorCode
 from engine.model import Model, ModelLoadError, file_fingerprint
@@ -73,6 +74,7 @@ class Classifier:
         self.capture = None
         native.require_patch()
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp chose for "auto"
+        self.flash_choice = FlashAttnChoice("auto", "llama.cpp's choice (classifier context)")
         self.batch = llama.llama_batch_init(self.n_ctx, 0, 1)
 
     def _label(self, i: int) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import llama_cpp as llama
 import numpy as np
 
-from engine import native, seq_state
+from engine import backend, native, seq_state
 from engine.buffers import BufferPool
 from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
 from engine.cellmap import CellMap, CellMapError
@@ -88,7 +88,8 @@ class Engine:
         cp.n_threads = config.n_threads
         cp.n_threads_batch = config.n_threads
         cp.kv_unified = False
-        cp.flash_attn_type = FLASH_ATTN_TYPES[config.flash_attn]
+        self.flash_choice = backend.choose_flash_attn(config.flash_attn, config.n_gpu_layers, config.type_v)
+        cp.flash_attn_type = FLASH_ATTN_TYPES[self.flash_choice.setting]
         cp.type_k, cp.type_v = KV_CACHE_TYPES[config.type_k], KV_CACHE_TYPES[config.type_v]
         cp.no_perf = True
         report("creating_context")
@@ -117,7 +118,7 @@ class Engine:
                     "attention capture does not support this model's sliding-window KV cache yet; "
                     "start with --no-capture to serve it without attention",
                 )
-        self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp chose for "auto"
+        self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
         # seq -> its current state (one-stream form), kept until the sequence changes so that saving

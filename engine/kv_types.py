@@ -23,3 +23,7 @@ KV_CACHE_TYPES: dict[str, int] = {
     "q5_0": 6,
     "q5_1": 7,
 }
+
+# The types that are not quantized: a V cache of any other type needs flash attention (llama.cpp refuses
+# it without, src/llama-context.cpp)
+FLOAT_KV_TYPES = frozenset({"f32", "f16", "bf16"})

@@ -14,7 +14,8 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     type layers run on (``CPU``, ``GPU``); ``extra_bufts``: the CPU backend's extra buffer
     types on this host and ``use_extra_bufts`` whether the model uses them (llama-server's
     ``--no-repack`` is False), with ``repack_reason``; ``flash_attn``: whether llama.cpp computes
-    attention with flash attention (``--flash-attn auto`` lets it choose); ``kv_unified``: one KV
+    attention with flash attention, with ``flash_attn_reason`` (what ``--flash-attn auto`` chose here:
+    :func:`engine.backend.choose_flash_attn`); ``kv_unified``: one KV
     stream for every sequence (False: one per sequence); ``capture``: how attention rows are
     produced (``graph``: as outputs of llama.cpp's graph, libllama/ in this repository; ``off``);
     ``system_info``: llama.cpp's ``llama_print_system_info`` line.
@@ -28,6 +29,7 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     use_extra_bufts: bool
     repack_reason: str
     flash_attn: bool
+    flash_attn_reason: str = ""
     type_k: str
     type_v: str
     kv_unified: bool

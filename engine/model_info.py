@@ -35,6 +35,7 @@ def runtime_info(engine: Engine) -> EngineRuntime:
         use_extra_bufts=m.repack.use_extra_bufts,
         repack_reason=m.repack.reason,
         flash_attn=engine.flash_attn,
+        flash_attn_reason=engine.flash_choice.reason,
         type_k=libggml.ggml_type_name(engine.type_k).decode(),
         type_v=libggml.ggml_type_name(engine.type_v).decode(),
         kv_unified=False,

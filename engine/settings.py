@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from engine.kv_types import KvCacheType
+from engine.kv_types import FLOAT_KV_TYPES, KvCacheType
 
 FlashAttn = Literal["auto", "on", "off"]
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type (include/llama.h)
@@ -82,8 +82,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     flash_attn: Annotated[
         FlashAttn,
         Flag(
-            "flash attention (llama-server's -fa; auto: on where the backend supports it); attention rows "
-            "then come from a side branch computed for the captured tokens only",
+            "flash attention (llama-server's -fa; auto: llama.cpp's choice where layers run on a GPU, off on a "
+            "CPU unless a quantized V cache needs it); with it on, attention rows come from a side branch "
+            "computed for the captured tokens only",
             "--flash-attn",
             "-fa",
             metavar="auto|on|off",
@@ -121,7 +122,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """Refuse what llama.cpp would refuse only when it creates the context: a quantized V cache
         needs flash attention (``llama_init_from_model``, ``src/llama-context.cpp``); msgspec turns
         the ``ValueError`` into a ``msgspec.ValidationError``."""
-        if self.flash_attn == "off" and self.type_v not in ("f32", "f16", "bf16"):
+        if self.flash_attn == "off" and self.type_v not in FLOAT_KV_TYPES:
             raise ValueError(f"--cache-type-v {self.type_v} needs flash attention: drop --flash-attn off")
 
     @property

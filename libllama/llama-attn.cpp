@@ -191,6 +191,18 @@ public:
         return idx_m;
     }
 
+    // the mask rows of the captured tokens, gathered once per mask (per KV cache), not per layer
+    ggml_tensor * get_mask_rows(ggml_context * ctx, ggml_tensor * kq_mask) {
+        for (auto & [m, t] : mask_rows) {
+            if (m == kq_mask) {
+                return t;
+            }
+        }
+        ggml_tensor * t = ggml_get_rows(ctx, kq_mask, get_idx_m(ctx));
+        mask_rows.emplace_back(kq_mask, t);
+        return t;
+    }
+
     llama_attn_cap * cap;
     const bool kv_unified;
     const uint32_t serial;
@@ -199,6 +211,7 @@ public:
 
     std::vector<std::pair<int64_t, ggml_tensor *>> idx_h;
     ggml_tensor * idx_m = nullptr;
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> mask_rows;
 
     // per KV cache: the running sum (MEAN) or set chain (PER_LAYER), then the finished output
     ggml_tensor * acc[ATTN_MAX_CACHES] = {nullptr, nullptr};
@@ -228,12 +241,12 @@ llm_graph_input_attn_cap * attn_input_of(const llm_graph_context & g, llama_attn
 
 // the rows of the captured tokens, [n_kv, n_q, n_head, n_stream], recomputed as build_attn_mha's
 // non-flash path computes kq (src/llama-graph.cpp): mul_mat in F32 precision, Grok's and Gemma 2's
-// soft-capping, soft_max_ext with the mask, scale and ALiBi bias, then the sinks
+// soft-capping, soft_max_ext with the mask rows (gathered once per mask), scale and ALiBi bias, then the sinks
 ggml_tensor * attn_recompute_rows(const llm_graph_context & g, llm_graph_input_attn_cap * inp, ggml_tensor * q,
                              ggml_tensor * k, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale) {
     ggml_context * ctx0 = g.ctx0;
     const auto & hp = g.hparams;
-    ggml_tensor * qs = ggml_get_rows(ctx0, q, inp->get_idx_h(ctx0, q->ne[2]));
+    ggml_tensor * qs = ggml_get_rows(ctx0, q, inp->get_idx_h(ctx0, q->ne[2])); // [d, n_q, n_head, n_stream]
     ggml_tensor * kq = ggml_mul_mat(ctx0, k, qs);
     ggml_prec_set_acc(kq, GGML_PREC_F32);
     if (g.arch == LLM_ARCH_GROK) {
@@ -245,8 +258,7 @@ ggml_tensor * attn_recompute_rows(const llm_graph_context & g, llm_graph_input_a
         kq = ggml_tanh(ctx0, kq);
         kq = ggml_scale(ctx0, kq, hp.f_attn_logit_softcapping);
     }
-    ggml_tensor * mask = ggml_get_rows(ctx0, kq_mask, inp->get_idx_m(ctx0));
-    kq = ggml_soft_max_ext(ctx0, kq, mask, kq_scale, hp.f_max_alibi_bias);
+    kq = ggml_soft_max_ext(ctx0, kq, inp->get_mask_rows(ctx0, kq_mask), kq_scale, hp.f_max_alibi_bias);
     ggml_soft_max_add_sinks(kq, sinks);
     return kq;
 }

@@ -122,7 +122,7 @@ async def run_check(options: WorkerOptions, console: Console) -> int:
             "configuration",
             f"backend {rt.backend}, {rt.n_layers_offloaded}/{info.num_layers} layers offloaded, "
             f"repack {'on' if rt.use_extra_bufts else 'off'} ({rt.repack_reason}), extra bufts {rt.extra_bufts}, "
-            f"capture {rt.capture}, flash attention {'on' if rt.flash_attn else 'off'}, "
+            f"capture {rt.capture}, flash attention {'on' if rt.flash_attn else 'off'} ({rt.flash_attn_reason}), "
             f"KV {rt.type_k}/{rt.type_v}, {rt.n_threads} threads",
         )
         await _check_attention(engine, report, fresh_seq=min(1, info.n_slots - 1))

@@ -50,6 +50,9 @@ class ServerProc:
     def start_process(self) -> None:
         """Start ``slotserve serve`` without waiting for it."""
         cmd = [sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(self.port), *self.args]
+        if "--state-dir" not in self.args and "--redis-url" not in self.args:
+            # never the user's own embedded store (~/.local/state/slotserve): this test's directory
+            cmd += ["--state-dir", str(self.workdir / f"state-{self.port}")]
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
 
@@ -106,12 +109,17 @@ def model(model_path: Path):  # type: ignore[no-untyped-def]
     m.close()
 
 
-@pytest.fixture(scope="session")
-def engine(model):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="session", params=["off", "on"], ids=["fa-off", "fa-on"])
+def engine(model, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The engine of the engine tests, once with flash attention off (V transposed, rows from the softmax:
+    the CPU default) and once on (V stored by rows, rows from the side branch: the GPU default)."""
     from engine.engine import Engine
     from engine.settings import EngineSettings
 
-    eng = Engine(model, EngineSettings(n_ctx=2048, n_slots=4, n_spare=2, n_threads=2, verify_cells=True))
+    settings = EngineSettings(
+        n_ctx=2048, n_slots=4, n_spare=2, n_threads=2, verify_cells=True, flash_attn=request.param
+    )
+    eng = Engine(model, settings)
     yield eng
     eng.close()
 

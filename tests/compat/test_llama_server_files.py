@@ -2,8 +2,9 @@
 
 Needs a ``llama-server`` binary built from the llama.cpp that llama-cpp-python vendors
 (docs/benchmarks.md says how); set ``LLAMA_SERVER_BIN`` to it, otherwise these tests skip.
-Both run with their default flags (flash attention ``auto``, llama-server's ``-np`` auto: one KV
-stream shared by its slots), the conditions under which a file moves both ways (docs/api.md).
+llama-server runs with ``-fa off`` (slotserve's ``--flash-attn auto`` on a CPU: V stored transposed) and
+its default ``-np`` auto (one KV stream shared by its slots), the conditions under which a file moves both
+ways (docs/api.md).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class LlamaServer:
 
     def __init__(self, model: Path, save_dir: Path, log: Path) -> None:
         self.port = free_port()
-        args = [BIN, "-m", str(model), "--port", str(self.port), "-c", "2048", "-t", "2",
+        args = [BIN, "-m", str(model), "--port", str(self.port), "-c", "2048", "-t", "2", "-fa", "off",
                 "--slot-save-path", str(save_dir) + "/", "--temp", "0"]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
