@@ -115,8 +115,8 @@ class Engine:
                 llama.llama_free(ctx)
                 raise EngineError(
                     ErrorCode.NO_MODEL,
-                    "attention capture does not support this model's sliding-window KV cache yet; "
-                    "start with --no-capture to serve it without attention",
+                    "this model keeps a second KV cache for its sliding-window layers (llama_kv_cache_iswa), "
+                    "whose attention rows slotserve does not map to positions yet: it cannot be served",
                 )
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
