@@ -118,6 +118,7 @@ def test_a_stream_not_read_holds_its_generation() -> None:
         tokens, done = await collect(stream)  # each ask acknowledges the token before it
         assert done.finish_reason == "length" and 1 + len(tokens) == 24
         assert [t.token.index for t in tokens] == list(range(1, 24))
+        await stream.aclose()
         # a held stream whose consumer leaves is cancelled at once
         held = await c.generate(1, ids, params, proto.CaptureOptions())
         await anext(held)
