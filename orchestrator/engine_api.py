@@ -65,6 +65,16 @@ class GenerationStream:
     its first event was asked for (the events' own clean-up has not started then).  An
     engine failure mid-way raises :class:`EngineRequestError` or :class:`EngineDeadError`
     from the iteration.
+
+    Flow control: asking for the next event says that the consumer has taken every token
+    it was given so far (it has handed the token to its client: the wire layers send a
+    frame, and the server's transport applies backpressure on that send, before they ask
+    again), so ``ack(n)`` is awaited first, ``n`` being the count of tokens taken
+    (``Token.index + 1`` of the latest).  The engine runs at most its flow-control window
+    (``engine.protocol.Generate.window``; :data:`orchestrator.engine_client.STREAM_WINDOW`)
+    ahead of that count, so a slow client holds its own generation, not the server's
+    memory.  Without ``ack`` (an in-process engine that decodes only as it is iterated)
+    nothing is sent.
     """
 
     def __init__(
@@ -72,18 +82,31 @@ class GenerationStream:
         req: int,
         events: AsyncGenerator[EngineEvent, None],
         abandon: Callable[[], Awaitable[None]] | None = None,
+        ack: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.req = req
         self._events = events
         self._abandon = abandon
+        self._ack = ack
         self._started = False
+        self.taken = 0  # tokens handed to the consumer (the count the next ``ack`` reports)
+        self._acked = 0
+        self._ended = False  # ``Done`` was handed out: nothing left to acknowledge
 
     def __aiter__(self) -> GenerationStream:
         return self
 
     async def __anext__(self) -> EngineEvent:
         self._started = True
-        return await self._events.__anext__()
+        if self._ack is not None and self.taken > self._acked and not self._ended:
+            self._acked = self.taken
+            await self._ack(self.taken)
+        event = await self._events.__anext__()
+        if isinstance(event, TokenOutput):
+            self.taken = event.token.index + 1
+        elif isinstance(event, proto.Done):
+            self._ended = True
+        return event
 
     async def aclose(self) -> None:
         """Stop iterating (cancels the generation unless it is done)."""
@@ -179,7 +202,8 @@ class EngineClient(Protocol):
         tokens.  With ``progress``, ``Progress`` events come while prefilling.  The request
         is with the engine when this returns (later requests are applied after it).
         Errors (``SLOT_BUSY``, ``CONTEXT_OVERFLOW``, ``INVALID_REQUEST``, ``OOM``) are
-        raised by the stream's iteration.
+        raised by the stream's iteration.  The engine may run only a few tokens ahead of
+        the stream's consumer (:class:`GenerationStream`, "Flow control").
         """
         ...
 

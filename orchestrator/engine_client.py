@@ -9,6 +9,11 @@ protocol's messages.
 If the worker dies, every pending request fails with ``EngineDeadError`` (an error
 event for streams) and, when ``restart`` is on, a new worker is started; its
 sequences are empty, so slots must come back from the store (``on_restart`` hook).
+
+Flow control: every ``Generate`` carries ``window=``:data:`STREAM_WINDOW`, and the stream
+sends ``Ack(target=req, n)`` as its consumer takes tokens
+(:class:`orchestrator.engine_api.GenerationStream`), so a request's reply queue holds at most
+that many tokens (with their attention bytes) however slowly its client reads.
 """
 
 from __future__ import annotations
@@ -44,13 +49,24 @@ R = TypeVar("R", bound=proto.Message)
 
 Event = tuple[proto.Reply, list[bytes]]
 
+STREAM_WINDOW = 4
+"""Tokens a generation may run ahead of what its client has taken (``engine.protocol.Generate.window``).
+
+Past that the worker holds the sequence (engine/batcher.py, ``Batcher.held``; the other
+sequences go on) until an ``Ack`` or a cancel.  The orchestrator's memory per stream is then
+at most this many tokens with their tensors (per-layer float32 attention is
+``4 * n_layers * n_heads * n_ctx`` bytes a token: 2.2 MB for SmolLM2-135M at 2,000 tokens of
+context) plus the frame being sent.  Four is enough for a client that keeps up: an ``Ack``
+crosses the socket in well under one decode step.  docs/operations.md, "Memory"."""
+
 
 class WorkerClient:
     """Async client of one engine worker, an :class:`orchestrator.engine_api.EngineClient` (see module docstring)."""
 
-    def __init__(self, options: WorkerOptions, restart: bool = True) -> None:
+    def __init__(self, options: WorkerOptions, restart: bool = True, window: int = STREAM_WINDOW) -> None:
         self.options = options
         self.restart = restart
+        self.window = window  # flow-control window of every generation (0: unbounded, no Ack sent)
         self.info: proto.ModelInfo | None = None
         self.pieces: list[bytes] = []
         self.generation = 0  # incremented on every (re)start: sequences of older generations are gone
@@ -262,7 +278,15 @@ class WorkerClient:
         except BaseException:
             self._waiters.pop(msg.req, None)
             raise
-        return GenerationStream(msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q))
+        ack = (lambda n: self._ack(msg.req, n)) if msg.window > 0 else None
+        return GenerationStream(msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q), ack)
+
+    async def _ack(self, req: int, n: int) -> None:
+        """Tell the worker the client of generation ``req`` has taken its first ``n`` tokens.
+
+        A dead worker is not an error here: the stream's next event reports it."""
+        with contextlib.suppress(EngineDeadError):
+            await self._send(proto.Ack(self.new_id(), req, n))
 
     async def _events(self, req: int, q: asyncio.Queue[Event | None]) -> AsyncGenerator[EngineEvent, None]:
         finished = False
@@ -314,7 +338,9 @@ class WorkerClient:
         progress: bool = False,
     ) -> GenerationStream:
         """See :meth:`orchestrator.engine_api.EngineClient.generate`."""
-        msg = proto.Generate(self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress)
+        msg = proto.Generate(
+            self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress, window=self.window
+        )
         return await self._open_stream(msg)
 
     async def preview(
@@ -327,7 +353,9 @@ class WorkerClient:
     ) -> GenerationStream:
         """See :meth:`orchestrator.engine_api.EngineClient.preview`."""
         at = -1 if seq is None else seq
-        msg = proto.Generate(self.new_id(), at, "preview", list(input_ids), params, capture, list(append))
+        msg = proto.Generate(
+            self.new_id(), at, "preview", list(input_ids), params, capture, list(append), window=self.window
+        )
         return await self._open_stream(msg)
 
     async def cancel(self, req: int) -> None:

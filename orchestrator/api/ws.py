@@ -13,12 +13,18 @@ stays open for the next request.
 On both, ``{"type":"cancel"}`` stops the running generation within one decode step
 (its ``done`` says ``cancelled``) and a client that goes away cancels it too.
 Messages over the size limit get a ``PAYLOAD_TOO_LARGE`` error and the socket closes.
+
+Memory per socket is bounded both ways: the generation runs only a few tokens ahead of the
+frames this socket has sent (``orchestrator.engine_client.STREAM_WINDOW``; each send waits
+while uvicorn's transport buffer is full), and the client's messages wait in a bounded
+:class:`Inbox` (past it the server stops reading the socket).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,23 +52,38 @@ class _Closed(Exception):
 
 _CLOSED = object()
 
+INBOX_MESSAGES = 16
+"""Client messages one socket may have waiting (read, not yet served) before the server stops reading it."""
+
 
 class Inbox:
-    """All client messages of one socket, read by one task into a queue.
+    """All client messages of one socket, read by one task into a bounded queue.
 
     A message that arrives while a generation runs is looked at (``cancel``) and, if it
     is anything else, kept for the next request: nothing a client sends is lost.
+
+    Bounded: once :data:`INBOX_MESSAGES` messages, or ``limit`` bytes (``len`` of the text or
+    bytes; one message is at most ``limit``), wait to be served, the reader stops reading the
+    socket until the handler takes one.  The server then reads nothing more (uvicorn pauses the
+    transport, and TCP pushes back on the client), so a socket holds at most 16 messages and
+    under ``2 * limit`` bytes of them, however many it sends during one generation.  A message
+    over ``limit`` is not kept: it becomes a ``PAYLOAD_TOO_LARGE`` error in its place.
     """
 
     def __init__(self, socket: WebSocket[Any, Any, Any], limit: int) -> None:
         self.socket = socket
         self.limit = limit
-        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.items: deque[tuple[object, int]] = deque()  # (message, error or _CLOSED; its size)
+        self.size = 0  # bytes (or characters) of the messages waiting
+        self._arrived = asyncio.Event()  # set while ``items`` is not empty
+        self._room = asyncio.Event()  # set while another message may be read
+        self._room.set()
         self.task = asyncio.create_task(self._pump())
 
     async def _pump(self) -> None:
         try:
             while True:
+                await self._room.wait()
                 msg = await self.socket.receive()
                 if msg["type"] == "websocket.disconnect":
                     break
@@ -71,30 +92,48 @@ class Inbox:
                     data = msg.get("bytes") or b""
                 if len(data) > self.limit:
                     big = f"message of {len(data)} bytes exceeds the {self.limit} byte limit"
-                    await self.queue.put(ApiError(ErrorCode.PAYLOAD_TOO_LARGE, big))
+                    self._push(ApiError(ErrorCode.PAYLOAD_TOO_LARGE, big), 0)
                     continue
-                await self.queue.put(data)
+                self._push(data, len(data))
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass
-        await self.queue.put(_CLOSED)
+        self._push(_CLOSED, 0)
+
+    def _push(self, item: object, size: int, front: bool = False) -> None:
+        if front:
+            self.items.appendleft((item, size))
+        else:
+            self.items.append((item, size))
+        self.size += size
+        self._arrived.set()
+        self._update_room()
+
+    def _update_room(self) -> None:
+        if len(self.items) < INBOX_MESSAGES and self.size < self.limit:
+            self._room.set()
+        else:
+            self._room.clear()
 
     async def get(self) -> str | bytes:
-        """Next message; raises :class:`_Closed` on disconnect, ``PAYLOAD_TOO_LARGE`` for a big one."""
-        item = await self.queue.get()
+        """Next message; raises :class:`_Closed` on disconnect, ``PAYLOAD_TOO_LARGE`` for a big one.
+
+        Cancelling a pending ``get`` leaves the inbox as it was."""
+        while not self.items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item, size = self.items[0]
         if item is _CLOSED:
-            self.queue.put_nowait(_CLOSED)  # stays closed for every later get
-            raise _Closed
+            raise _Closed  # it stays in: closed for every later get
+        self.items.popleft()
+        self.size -= size
+        self._update_room()
         if isinstance(item, ApiError):
             raise item
         return item  # type: ignore[return-value]
 
     def put_back(self, data: str | bytes) -> None:
-        """Return a message to the front of the queue."""
-        rest = []
-        while not self.queue.empty():
-            rest.append(self.queue.get_nowait())
-        for item in (data, *rest):
-            self.queue.put_nowait(item)
+        """Return a message to the front of the queue (it may go over the bound by this one)."""
+        self._push(data, len(data), front=True)
 
     async def close(self) -> None:
         """Stop reading."""

@@ -7,7 +7,9 @@
   ``input_ids`` (``n_cached``), then yields ``max_new_tokens`` deterministic tokens
   (:func:`next_token`), one per ``step_s`` seconds; a ``Cancel`` (or leaving the stream)
   ends it with ``finish_reason="cancelled"`` and the tokens generated so far stay in the sequence,
-  as in the worker;
+  as in the worker.  It decodes a token only when the stream is asked for one, so it never runs
+  ahead of its consumer (the worker's flow control, ``Generate.window`` and ``Ack``, with nothing
+  to acknowledge: its streams take no ``ack``);
 * ``fork`` copies a sequence's tokens; ``erase``, ``context_shift`` and ``tokens`` act on them;
 * ``save_state`` returns a blob that encodes the tokens (``b"FAKE"`` + u32 count + i32 ids,
   little-endian) and ``restore_state`` refuses one whose tokens differ (``BAD_STATE``);
