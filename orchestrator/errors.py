@@ -197,6 +197,7 @@ TO_API_ERROR: dict[type[Exception], Callable[[Any], ApiError]] = {
     ValidationException: _validation_exception,
     HTTPException: _http_exception,
     RecursionError: _recursion_error,
+    UnicodeDecodeError: lambda exc: ApiError(ErrorCode.INVALID_REQUEST, f"the request body is not UTF-8: {exc}"),
     Exception: _internal,
 }
 """How each exception type becomes an :class:`ApiError` (the most derived type in the MRO wins)."""

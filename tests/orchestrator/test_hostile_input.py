@@ -54,9 +54,15 @@ def test_huge_seed_is_a_400_everywhere(server: ServerProc, ids: list[int]) -> No
 
 def test_invalid_utf8_is_a_400(server: ServerProc) -> None:
     raw = b'{"prompt": "caf\xc3\x28 \xff", "text": "\xff", "conversation_id": "\xc3\x28", "max_new_tokens": 1}'
-    for path in ("/api/v1/generate", "/api/v1/tokenize", "/api/v1/generate/preview"):
-        r = httpx.post(server.url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
-        assert_400(r)
+    compat = b'{"prompt": "caf\xc3\x28", "messages": [{"role": "user", "content": "\xff"}], "max_tokens": 1}'
+    paths = {"/api/v1/generate": raw, "/api/v1/tokenize": raw, "/api/v1/generate/preview": raw}
+    # OpenAI's and llama-server's paths decode with Litestar's own (lenient) conversion: the same refusal
+    for path in ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/completion", "/completions"):
+        paths[path] = compat
+    for path, body in paths.items():
+        r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        assert "INVALID_REQUEST" in r.text and "utf-8" in r.text.lower(), (path, r.text)
     with connect(server.ws_url + "/api/extra/generate/stream/ws", close_timeout=2) as ws:
         ws.send(raw)  # a binary frame: the bytes reach the JSON decoder as they are
         ev = json.loads(ws.recv(timeout=60))
