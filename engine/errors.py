@@ -22,6 +22,7 @@ class ErrorCode(StrEnum):
     NO_CACHED_CONTEXT = "NO_CACHED_CONTEXT"  # the slot holds no context to continue or preview
     BAD_STATE = "BAD_STATE"  # a saved state this engine cannot take
     UNAUTHORIZED = "UNAUTHORIZED"  # missing or wrong API key
+    FORBIDDEN = "FORBIDDEN"  # the request's Origin (a web page) is not allowed
     NOT_FOUND = "NOT_FOUND"  # no such route or resource
     SLOT_NOT_FOUND = "SLOT_NOT_FOUND"  # no such slot (nor a stored state of it)
     METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"  # the route exists, the method does not

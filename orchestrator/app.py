@@ -36,7 +36,7 @@ from orchestrator.engine_client import WorkerClient
 from orchestrator.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.generation import GenerationService
 from orchestrator.lease_keeper import LeaseKeeper
-from orchestrator.origins import websocket_origin_middleware
+from orchestrator.origins import origin_middleware
 from orchestrator.services import Services, provide_services, provide_slot_ops
 from orchestrator.slots import SlotRegistry
 
@@ -110,7 +110,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         structlog.contextvars.clear_contextvars()
 
     cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
-    middleware = [websocket_origin_middleware(cors)]
+    middleware = [origin_middleware(cors)]
     if settings.api_key:
         middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
     prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)

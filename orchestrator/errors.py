@@ -42,6 +42,7 @@ STATUS_OF_CODE: dict[ErrorCode, int] = {
     ErrorCode.NO_CACHED_CONTEXT: 400,
     ErrorCode.BAD_STATE: 400,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.SLOT_NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,

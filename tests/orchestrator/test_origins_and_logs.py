@@ -39,6 +39,21 @@ def test_http_cors_follows_the_allow_list(guarded: ServerProc) -> None:
         assert (r.headers.get("access-control-allow-origin") == origin) is allowed
 
 
+def test_a_simple_request_from_another_origin_is_refused_before_it_runs(guarded: ServerProc) -> None:
+    """A cross-origin ``text/plain`` POST needs no preflight: CORS would only hide its answer."""
+    r = httpx.post(guarded.url + "/api/v1/generate", json={"prompt": "Hi", "max_new_tokens": 1, "id_slot": "o"},
+                   headers=AUTH, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    evil = {"Origin": "http://evil.example", "Content-Type": "text/plain", **AUTH}
+    r = httpx.post(guarded.url + "/slots/o", params={"action": "erase"}, content=b"", headers=evil)
+    assert r.status_code == 403 and r.json()["error_code"] == "FORBIDDEN", r.text
+    assert httpx.post(guarded.url + "/slots/o", params={"action": "tokens"}, headers=AUTH).status_code == 200
+    own = {"Origin": guarded.url, **AUTH}  # the admin page's own requests
+    assert httpx.post(guarded.url + "/slots/o", params={"action": "tokens"}, headers=own).status_code == 200
+    good = {"Origin": GOOD, **AUTH}
+    assert httpx.post(guarded.url + "/slots/o", params={"action": "erase"}, headers=good).status_code == 200
+
+
 def test_websockets_follow_the_allow_list(guarded: ServerProc) -> None:
     url = guarded.ws_url + f"/api/extra/generate/stream/ws?api_key={KEY}"
     with pytest.raises(InvalidStatus) as refused:
