@@ -17,11 +17,10 @@ from urllib.parse import parse_qs
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from orchestrator.errors import ApiError
+from engine.errors import ErrorCode
+from orchestrator.errors import ApiError, send_error
 
 PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js")
-# OpenAI's and llama-server's paths answer errors as {"error": {"code", "message", "type"}} (docs/api.md "Errors")
-NESTED_ERROR_PATHS = ("/v1/", "/chat/", "/completion", "/models", "/props", "/slots", "/tokenize", "/detokenize")
 
 
 def _presented_keys(scope: Scope) -> list[str]:
@@ -57,23 +56,14 @@ def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ign
             if _matches(_presented_keys(scope), api_key, admin_key):
                 await app(scope, receive, send)
                 return
-            message = "Invalid or missing API key"
-            body: dict[str, object] = {"error": message, "error_code": "UNAUTHORIZED"}
+            err = ApiError(ErrorCode.UNAUTHORIZED, "Invalid or missing API key")
             if kind == "http":
-                if scope["path"].startswith(NESTED_ERROR_PATHS):
-                    body["error"] = {"code": 401, "message": message, "type": "authentication_error"}
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
-                    }
-                )
-                await send({"type": "http.response.body", "body": msgspec.json.encode(body)})
+                await send_error(send, scope["path"], err, [(b"www-authenticate", b"Bearer")])
                 return
             await receive()  # websocket.connect
             await send({"type": "websocket.accept"})
-            await send({"type": "websocket.send", "text": msgspec.json.encode({"type": "error", **body}).decode()})
+            frame = msgspec.json.encode({"type": "error", **err.body()}).decode()
+            await send({"type": "websocket.send", "text": frame})
             await send({"type": "websocket.close", "code": 1008})
 
         return middleware

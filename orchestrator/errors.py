@@ -18,7 +18,7 @@ logs the refusal (:func:`report`: one info line for a 4xx, a traceback for a 5xx
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -27,6 +27,7 @@ from litestar import MediaType, Request, Response
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
+from litestar.types import Send
 
 from engine.errors import ErrorCode
 from orchestrator.engine_api import EngineDeadError, EngineRequestError
@@ -247,3 +248,40 @@ def exception_handlers(render: Callable[[ApiError], Any]) -> dict[type[Exception
 
 EXCEPTION_HANDLERS = exception_handlers(ApiError.body)
 """The app's handlers: every error as ``{"error", "error_code"}`` JSON."""
+
+ERROR_TYPE_OF_STATUS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+COMPAT_ERROR_PATHS = ("/v1/", "/chat/", "/completion", "/models", "/props", "/slots", "/tokenize", "/detokenize")
+"""Paths of OpenAI's and llama-server's APIs, whose errors take :func:`compat_error_body`'s shape
+(docs/api.md, "Errors")."""
+
+
+def compat_error_body(err: ApiError) -> dict[str, Any]:
+    """``{"error": {"code": <HTTP status>, "message", "type"}, "error_code", ...}``: the error shape OpenAI and
+    llama-server clients read (llama-server ``tools/server/server-common.cpp`` ``format_error_response``; OpenAI's
+    API reference, "Error codes"), plus slotserve's ``error_code``."""
+    if err.code is ErrorCode.CONTEXT_OVERFLOW:
+        kind = "exceed_context_size_error"
+    else:
+        kind = ERROR_TYPE_OF_STATUS.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    inner: dict[str, Any] = {"code": err.status, "message": err.message, "type": kind}
+    if err.code is ErrorCode.CONTEXT_OVERFLOW:
+        inner["n_prompt_tokens"] = err.extra.get("context_length")
+        inner["n_ctx"] = err.extra.get("n_ctx")
+    return {"error": inner, "error_code": err.code, **err.extra}
+
+
+async def send_error(send: Send, path: str, err: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Answer an HTTP request with ``err`` from ASGI middleware, before Litestar routes it (so before its
+    exception handlers): JSON in the shape of ``path``'s API (:func:`compat_error_body` on
+    :data:`COMPAT_ERROR_PATHS`, else :meth:`ApiError.body`), with ``headers`` added."""
+    body = msgspec.json.encode(compat_error_body(err) if path.startswith(COMPAT_ERROR_PATHS) else err.body())
+    start = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    await send({"type": "http.response.start", "status": err.status, "headers": start})
+    await send({"type": "http.response.body", "body": body})

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-import msgspec
 from litestar.config.cors import CORSConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import ErrorCode
+from orchestrator.errors import ApiError, send_error
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -55,11 +55,8 @@ def origin_middleware(cors: CORSConfig) -> Callable[[ASGIApp], ASGIApp]:
                         await receive()  # websocket.connect
                         await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
                         return
-                    message = f"origin {origin!r} is not allowed (--allowed-origins)"
-                    body = msgspec.json.encode({"error": message, "error_code": ErrorCode.FORBIDDEN})
-                    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-                    await send({"type": "http.response.start", "status": 403, "headers": headers})
-                    await send({"type": "http.response.body", "body": body})
+                    err = ApiError(ErrorCode.FORBIDDEN, f"origin {origin!r} is not allowed (--allowed-origins)")
+                    await send_error(send, scope["path"], err)
                     return
             await app(scope, receive, send)
 

@@ -1,8 +1,7 @@
 """Shared pieces of the client-compatible APIs (OpenAI, llama-server, KoboldCpp).
 
-* the error shape OpenAI and llama-server clients read, ``{"error": {"code", "message",
-  "type"}}`` (llama-server ``tools/server/server-common.cpp`` ``format_error_response``;
-  OpenAI's API reference "Error codes"), plus slotserve's ``error_code``;
+* :data:`COMPAT_ERRORS`: errors in the shape OpenAI and llama-server clients read
+  (:func:`orchestrator.errors.compat_error_body`);
 * :func:`collect`: run a non-streaming generation, cancelled when the client leaves;
 * :func:`started_run`: start a streamed generation (a client that leaves while it waits
   for its slot ends it with ``CLIENT_GONE``);
@@ -21,34 +20,12 @@ from litestar.response import Stream
 
 from engine.errors import ErrorCode
 from orchestrator.api.generate import cancelled_on_disconnect
-from orchestrator.errors import ApiError, exception_handlers
+from orchestrator.errors import ApiError, compat_error_body, exception_handlers
 from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import CanonicalRequest
 from orchestrator.services import Services
 
 _json = msgspec.json.Encoder()
-
-ERROR_TYPE_OF_STATUS = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    501: "not_supported_error",
-    503: "unavailable_error",
-}
-
-
-def compat_error_body(err: ApiError) -> dict[str, Any]:
-    """``{"error": {"code": <HTTP status>, "message", "type"}, "error_code", ...}`` (llama-server/OpenAI)."""
-    if err.code is ErrorCode.CONTEXT_OVERFLOW:
-        kind = "exceed_context_size_error"
-    else:
-        kind = ERROR_TYPE_OF_STATUS.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
-    inner: dict[str, Any] = {"code": err.status, "message": err.message, "type": kind}
-    if err.code is ErrorCode.CONTEXT_OVERFLOW:
-        inner["n_prompt_tokens"] = err.extra.get("context_length")
-        inner["n_ctx"] = err.extra.get("n_ctx")
-    return {"error": inner, "error_code": err.code, **err.extra}
-
 
 COMPAT_ERRORS = exception_handlers(compat_error_body)
 """Litestar exception handlers for the OpenAI and llama-server paths (errors in their shape)."""

@@ -27,7 +27,6 @@ from orchestrator.api.compat import (
     COMPAT_ERRORS,
     EventStream,
     collect,
-    compat_error_body,
     one_prompt,
     piece_text,
     prompt_ids,
@@ -37,7 +36,7 @@ from orchestrator.api.compat import (
 )
 from orchestrator.api.generate import cancelled_on_disconnect
 from orchestrator.compat_responses import DefaultSettings, LlamaCompletion, Modalities, Props, streamable
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, report, route_of
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.generation import DoneOut, TokenOut, sampling_params
 from orchestrator.schemas import (
     INT32_MAX,

@@ -33,7 +33,6 @@ from orchestrator.api.compat import (
     COMPAT_ERRORS,
     EventStream,
     collect,
-    compat_error_body,
     one_prompt,
     piece_text,
     prompt_ids,
@@ -43,7 +42,7 @@ from orchestrator.api.compat import (
 )
 from orchestrator.chat_template import ChatTemplate
 from orchestrator.compat_responses import ChatCompletion, ModelCard, ModelList, ModelMeta, TextCompletion, streamable
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, report, route_of
+from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.generation import DoneOut, TokenOut
 from orchestrator.schemas import (
     AttentionDtype,
