@@ -134,7 +134,7 @@ class Batcher:
             common = common_prefix(eng.tokens.get(req.seq, []), req.input_ids)
             if common == len(req.input_ids) and p.max_new_tokens > 0:
                 common -= 1  # the last token is decoded again for its logits
-            eng.truncate(req.seq, common)
+            common = eng.keep(req.seq, common)  # less (0) where the memory cannot continue from there
             seq, fork, pending, history = req.seq, False, list(req.input_ids[common:]), req.input_ids
         else:  # preview
             base: list[int] = []
@@ -159,9 +159,8 @@ class Batcher:
                 # Nothing appended: the fork decodes the slot's last token again for its
                 # logits (llama-server does the same when the whole prompt is cached).
                 # seq_rm on the fork alone drops its reference; the slot keeps the cell.
-                common -= 1
-                eng.truncate(seq, common)
-                pending = [base[-1]]
+                common = eng.keep(seq, common - 1)  # a recurrent state: 0, the whole base again
+                pending = base[common:]
         chain.accept_history(history)
         return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
 

@@ -62,9 +62,10 @@ class RowTarget:
     out: np.ndarray | None = None
 
     @classmethod
-    def of(cls, seq: int, pos: int, cap: CaptureOptions, n_layer: int) -> RowTarget:
-        """The target of ``cap`` for the token of ``seq`` at ``pos`` (batch index set by the decode)."""
-        layers = tuple(range(n_layer)) if cap.layers is None else tuple(cap.layers)
+    def of(cls, seq: int, pos: int, cap: CaptureOptions, attention_layers: Sequence[int]) -> RowTarget:
+        """The target of ``cap`` for the token of ``seq`` at ``pos`` (batch index set by the decode);
+        ``cap.layers`` None: every layer of ``attention_layers`` (the model's layers with attention)."""
+        layers = tuple(attention_layers) if cap.layers is None else tuple(cap.layers)
         return cls(-1, seq, pos, layers, cap.format, cap.dtype)
 
 
@@ -132,7 +133,7 @@ class AttentionCapture:
             cells = self.cellmap.cells(tg.seq, tg.pos + 1)
             if self.verify:
                 self._verify(tg.seq, cells)
-            rows = self._rows(i, cells)  # [len(layers), H, pos+1] or [pos+1]
+            rows = self._rows(i, tg, cells)  # [len(layers), H, pos+1] or [pos+1]
             native_format = "aggregated" if fmt == native.MEAN else "per_layer"
             exact = (native_format, "float16" if typ == native.GGML_TYPE_F16 else "float32") == (tg.format, tg.dtype)
             if exact and tuple(sorted(set(tg.layers))) == layers:
@@ -142,12 +143,17 @@ class AttentionCapture:
             else:
                 tg.out = shape_attention(rows[[layers.index(il) for il in tg.layers]], tg.format, tg.dtype)
 
-    def _rows(self, i: int, cells: np.ndarray) -> np.ndarray:
-        """Row ``i`` of the last decode, gathered into position order: ``[n_layers, H, n]`` with the
-        layers of every KV cache in ascending order (``per_layer``), or their sum ``[n]`` (``aggregated``)."""
+    def _rows(self, i: int, tg: RowTarget, cells: np.ndarray) -> np.ndarray:
+        """Row ``i`` of the last decode (``tg``'s), gathered into position order: ``[n_layers, H, n]``
+        with the layers of every KV cache in ascending order (``per_layer``), or their sum ``[n]``
+        (``aggregated``).  ``cells``: the global KV cache's cells of positions ``0..n-1`` (the mirror's);
+        a sliding-window cache's come from llama.cpp's cell metadata (``llama_attn_seq_cells``), which
+        holds only the recent positions: the row is 0 where it holds none."""
         fmt, _, layers = self._format
         out: np.ndarray | None = None
         for cache in range(max(1, self.n_caches)):
+            if cache:
+                cells = seq_cells(self.ctx, tg.seq, 0, len(cells), cache)
             status = native.lib.llama_attn_get_row(self.ctx, i, cache, ctypes.byref(self._row))
             if status == 1:
                 continue  # no selected layer in this cache
@@ -158,9 +164,9 @@ class AttentionCapture:
             n = r.n_layer * r.n_head * r.n_kv
             src = np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(r.data), dtype=dtype)
             src = src.reshape(r.n_layer, r.n_head, r.n_kv)
-            if len(cells) and (cells.min() < 0 or cells.max() >= r.n_kv):
+            if len(cells) and (cells.min() < -cache or cells.max() >= r.n_kv):
                 raise CellMapError(f"row {i}: cells outside the {r.n_kv} cells of its KV view")
-            part = _gather(src, cells)
+            part = _gather(src, cells) if not cache else _gather_held(src, cells)
             if fmt == native.MEAN:
                 out = part[0, 0] if out is None else out + part[0, 0]
                 continue
@@ -190,6 +196,14 @@ def _gather(src: np.ndarray, cells: np.ndarray) -> np.ndarray:
     if n and int(cells[-1]) - int(cells[0]) == n - 1 and (n == 1 or bool(np.all(cells[1:] > cells[:-1]))):
         return src[..., int(cells[0]) : int(cells[0]) + n].copy()
     return np.take(src, cells, axis=-1)
+
+
+def _gather_held(src: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """``src[..., cells]`` with 0 where ``cells`` is -1 (a position the KV cache no longer holds)."""
+    held = cells >= 0
+    out = np.take(src, np.where(held, cells, 0), axis=-1)
+    out[..., ~held] = 0
+    return out
 
 
 def seq_cells(ctx: int, seq: int, p0: int, n: int, cache: int = 0) -> np.ndarray:

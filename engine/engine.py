@@ -34,6 +34,7 @@ from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
 from engine.cellmap import CellMap, CellMapError
 from engine.errors import ErrorCode
 from engine.kv_types import KV_CACHE_TYPES
+from engine.memory import UnsupportedMemoryError, memory_of
 from engine.model import Model, file_fingerprint
 from engine.protocol import CaptureOptions
 from engine.settings import FLASH_ATTN_TYPES, EngineSettings
@@ -88,6 +89,7 @@ class Engine:
         cp.n_threads = config.n_threads
         cp.n_threads_batch = config.n_threads
         cp.kv_unified = False
+        cp.swa_full = config.swa_full  # llama.cpp's default is true, llama-server's false
         self.flash_choice = backend.choose_flash_attn(config.flash_attn, config.n_gpu_layers, config.type_v)
         cp.flash_attn_type = FLASH_ATTN_TYPES[self.flash_choice.setting]
         cp.type_k, cp.type_v = KV_CACHE_TYPES[config.type_k], KV_CACHE_TYPES[config.type_v]
@@ -107,17 +109,17 @@ class Engine:
                 ErrorCode.NO_MODEL, f"llama.cpp made {self.n_cells} KV cells per sequence, need {config.n_ctx}"
             )
         self.n_stream = n_seq
+        try:
+            self.memory = memory_of(ctx, model)
+        except UnsupportedMemoryError as exc:
+            llama.llama_free(ctx)
+            raise EngineError(ErrorCode.NO_MODEL, str(exc)) from exc
+        self.shape = self.memory.shape
+        self.n_swa = llama.llama_model_n_swa(model.ptr) if self.shape.n_caches > 1 else 0
         self.cellmap = CellMap(self.n_cells)
         self.capture: AttentionCapture | None = None
-        if config.capture:
+        if config.capture and self.shape.n_caches:
             self.capture = AttentionCapture(ctx, self.cellmap, model.n_layer, verify=config.verify_cells)
-            if self.capture.n_caches > 1:
-                llama.llama_free(ctx)
-                raise EngineError(
-                    ErrorCode.NO_MODEL,
-                    "this model keeps a second KV cache for its sliding-window layers (llama_kv_cache_iswa), "
-                    "whose attention rows slotserve does not map to positions yet: it cannot be served",
-                )
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
@@ -132,6 +134,7 @@ class Engine:
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
         report("self_check")
+        self.layout = seq_state.StateLayout(())
         self.layout = self._self_check()
 
     # ------------------------------------------------------------------ facts
@@ -142,8 +145,14 @@ class Engine:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """Layers with an attention row (all of a transformer's; none without capture)."""
+        """Layers with an attention row (all of a transformer's, a hybrid model's attention layers, none of a
+        recurrent model's; none without capture)."""
         return self.capture.attention_layers if self.capture is not None else ()
+
+    def layer_window(self, il: int) -> int:
+        """Tokens layer ``il`` attends back over: llama.cpp's ``n_swa`` for a sliding-window layer (its
+        row is 0 before the window), 0 for a global one."""
+        return self.n_swa if self.capture is not None and self.capture.layer_cache[il] == 1 else 0
 
     # ------------------------------------------------------------------ decode
 
@@ -185,7 +194,7 @@ class Engine:
             return status
         try:
             for e in ordered:
-                if len(e.tokens):
+                if len(e.tokens) and self.shape.n_caches:
                     cells = seq_cells(self.ctx, e.seq, e.pos0, len(e.tokens))
                     if cells.min() < 0:
                         raise CellMapError(f"seq {e.seq}: llama.cpp holds no cell for a decoded position")
@@ -203,7 +212,9 @@ class Engine:
 
     def _rollback(self, entries: Sequence[BatchEntry]) -> None:
         for e in entries:
-            llama.llama_memory_seq_rm(self.mem, e.seq, e.pos0, -1)
+            if not llama.llama_memory_seq_rm(self.mem, e.seq, e.pos0, -1):
+                self.erase(e.seq)  # a recurrent state cannot be taken back to an earlier position
+                continue
             self.cellmap.truncate(e.seq, e.pos0)
 
     def set_embeddings(self, on: bool) -> None:
@@ -222,18 +233,50 @@ class Engine:
 
     def new_target(self, seq: int, pos: int, cap: CaptureOptions | None = None) -> RowTarget:
         """A capture target for the token of ``seq`` at ``pos`` (``cap``: the request's format, dtype and
-        layers; default every layer per head in float32): its ``out`` is filled by :meth:`decode`."""
-        return RowTarget.of(seq, pos, cap or CaptureOptions(attention=True), self.model.n_layer)
+        layers; default every attention layer per head in float32): its ``out`` is filled by :meth:`decode`."""
+        return RowTarget.of(seq, pos, cap or CaptureOptions(attention=True), self.attention_layers)
 
     # ------------------------------------------------------------------ sequence operations
 
     def truncate(self, seq: int, n: int) -> None:
-        """Keep the first ``n`` tokens of ``seq`` (``seq_rm(seq, n, -1)``)."""
+        """Keep the first ``n`` tokens of ``seq`` (``seq_rm(seq, n, -1)``).  Raises
+        ``EngineError(INVALID_REQUEST)``, ``seq`` unchanged, where the model's memory cannot continue
+        from there (:meth:`can_keep`)."""
         if n < self.seq_len(seq):
-            self._drop_state(seq)
-            llama.llama_memory_seq_rm(self.mem, seq, n, -1)
-            self.cellmap.truncate(seq, n)
-            del self.tokens[seq][n:]
+            if not self.can_keep(seq, n):
+                raise EngineError(ErrorCode.INVALID_REQUEST, self.memory.no_partial_reason)
+            self.keep(seq, n)
+
+    def can_keep(self, seq: int, n: int) -> bool:
+        """Whether ``seq`` can be cut to its first ``n`` tokens and continued exactly: always for a KV
+        cache; for a sliding-window model only while its sliding cache still holds the window before
+        position ``n`` (its cells are reused as the sequence moves on: llama-server re-processes the
+        prompt then too); for a recurrent state only at its end or at 0."""
+        have = self.seq_len(seq)
+        if n >= have or n == 0:
+            return True
+        if self.shape.recurrent:
+            return False
+        if self.shape.n_caches > 1:
+            lo = max(0, n - self.n_swa)
+            return bool(seq_cells(self.ctx, seq, lo, n - lo, cache=1).min() >= 0)
+        return True
+
+    def keep(self, seq: int, n: int) -> int:
+        """Cut ``seq`` to its first ``n`` tokens where that can be continued exactly (:meth:`can_keep`),
+        else to none (the caller prefills again); returns the tokens kept."""
+        if n >= self.seq_len(seq):
+            return self.seq_len(seq)
+        if not self.can_keep(seq, n) or n == 0:
+            self.erase(seq)
+            return 0
+        self._drop_state(seq)
+        if not llama.llama_memory_seq_rm(self.mem, seq, n, -1):
+            self.erase(seq)
+            return 0
+        self.cellmap.truncate(seq, n)
+        del self.tokens[seq][n:]
+        return n
 
     def erase(self, seq: int) -> None:
         """Drop every cell of ``seq`` (and any copy of its state)."""
@@ -245,7 +288,8 @@ class Engine:
     def fork(self, src: int, dst: int) -> None:
         """Copy of ``src`` into ``dst`` (``seq_cp`` across streams: llama.cpp copies the stream's K/V
         buffers, cell for cell, so ``dst``'s cells are ``src``'s; done now rather than at the next
-        decode, so that ``dst``'s state can be read at once)."""
+        decode, so that ``dst``'s state can be read at once; a recurrent state is copied when ``dst``
+        first decodes)."""
         self.erase(dst)
         if self.seq_len(src):
             llama.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
@@ -267,13 +311,16 @@ class Engine:
     def context_shift(self, seq: int, n_keep: int, n_discard: int) -> int:
         """Remove ``n_discard`` tokens after ``n_keep`` and shift the rest down (llama-server's shift).
 
-        Returns the new token count.  Raises ``EngineError(INVALID_REQUEST)`` for bad bounds or a
-        KV cache that cannot shift positions (``llama_memory_can_shift``).
+        Returns the new token count.  Raises ``EngineError(INVALID_REQUEST)`` for bad bounds, a KV
+        cache that cannot shift positions (``llama_memory_can_shift``) or a recurrent state (it
+        holds the whole sequence: nothing can be removed from its middle).
         """
         n = self.seq_len(seq)
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"need n_keep >= 0, n_discard > 0, n_keep + n_discard <= {n}")
-        if not llama.llama_memory_can_shift(self.mem):
+        if self.shape.recurrent:
+            raise EngineError(ErrorCode.INVALID_REQUEST, self.memory.no_partial_reason)
+        if not self.memory.can_shift:
             raise EngineError(ErrorCode.INVALID_REQUEST, "this model's KV cache cannot shift positions")
         self._drop_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
@@ -320,7 +367,7 @@ class Engine:
         """
         state = self.states.get(seq)
         if state is None:
-            raw, state = read_state(self.ctx, seq, self.state_pool.take, self.state_pool.give)
+            raw, state = read_state(self.ctx, seq, self.state_pool.take, self.state_pool.give, self.shape)
             self.states[seq] = state
             self._raw[seq] = raw
         return list(self.tokens.get(seq, ())), state
@@ -348,72 +395,109 @@ class Engine:
         n = len(tokens)
         if n > self.config.n_ctx:
             raise EngineError(ErrorCode.CONTEXT_OVERFLOW, f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
-        positions = parsed.positions
-        if len(positions) != n or not np.array_equal(np.sort(positions), np.arange(n)):
-            raise EngineError(ErrorCode.BAD_STATE, f"state holds positions that are not 0..{n - 1} for {n} tokens")
+        self._check_positions(parsed, n)
         ids = np.asarray(tokens, dtype=np.int64)
         if n and (ids.min() < 0 or ids.max() >= self.model.n_vocab):
             raise EngineError(ErrorCode.BAD_STATE, "state tokens outside the vocabulary")
         self.erase(seq)
         if not n:
             return
-        view = memoryview(blob).cast("B")
-        start, end = parsed.record
-        data = np.frombuffer(view, dtype=np.uint8)
-        pieces = [
-            (data.ctypes.data, 8),  # io magic, source sequence
-            (ctypes.addressof(_COUNT[self.n_stream]), 4),
-            (data.ctypes.data + start, end - start),
-            (ctypes.addressof(_ZEROS), 4 * (self.n_stream - 1)),
-        ]
-        if len(_ZEROS) < 4 * (self.n_stream - 1):
+        if self.n_stream > _MAX_STREAMS:
             raise EngineError(ErrorCode.INTERNAL, f"{self.n_stream} KV streams is more than llama.cpp allows")
+        data = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
+        base = data.ctypes.data
+        pieces = [(base, 8)]  # io magic, source sequence
+        for start, end in parsed.records:  # each KV cache: this engine's stream count, the record, empty streams
+            pieces += [(ctypes.addressof(_COUNT[self.n_stream]), 4), (base + start, end - start)]
+            pieces.append((ctypes.addressof(_ZEROS), 4 * (self.n_stream - 1)))
+        pieces.append((base + parsed.tail[0], parsed.tail[1] - parsed.tail[0]))  # the recurrent part as it is
         ptrs = (ctypes.c_void_p * len(pieces))(*(p for p, _ in pieces))
-        sizes = (ctypes.c_size_t * len(pieces))(*(s for _, s in pieces))
-        want = sum(s for _, s in pieces)
+        sizes = (ctypes.c_size_t * len(pieces))(*(size for _, size in pieces))
+        want = sum(size for _, size in pieces)
         got = native.lib.llama_attn_state_seq_set_data(self.ctx, ptrs, sizes, len(pieces), seq)
         del data
         if got != want:
             self.erase(seq)
             raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
-        cells = seq_cells(self.ctx, seq, 0, n)
-        if cells.min() < 0:
-            self.erase(seq)
-            raise EngineError(ErrorCode.INTERNAL, "llama.cpp restored a state without all of its positions")
-        self.cellmap.set(seq, cells)
+        if self.shape.n_caches:
+            cells = seq_cells(self.ctx, seq, 0, n)
+            if cells.min() < 0:
+                self.erase(seq)
+                raise EngineError(ErrorCode.INTERNAL, "llama.cpp restored a state without all of its positions")
+            self.cellmap.set(seq, cells)
         self.tokens[seq] = list(tokens)
+
+    def _check_positions(self, parsed: seq_state.ParsedState, n: int) -> None:
+        """Refuse (``BAD_STATE``) a state whose cells do not hold the positions of ``n`` tokens: the
+        global KV cache ``0..n-1`` each once, a sliding-window cache distinct positions among them, a
+        recurrent state one cell at ``n-1``."""
+        caches = parsed.cache_positions
+        if (caches or not self.shape.recurrent) and (
+            len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n))
+        ):
+            raise EngineError(ErrorCode.BAD_STATE, f"state holds positions that are not 0..{n - 1} for {n} tokens")
+        for extra in caches[1:]:
+            if len(extra) and (extra.min() < 0 or extra.max() >= n or len(np.unique(extra)) != len(extra)):
+                raise EngineError(ErrorCode.BAD_STATE, f"the sliding-window cache holds positions outside 0..{n - 1}")
+        if self.shape.recurrent and not caches and n and (len(parsed.positions) != 1 or parsed.positions[0] != n - 1):
+            raise EngineError(ErrorCode.BAD_STATE, f"the recurrent state is not at position {n - 1} of {n} tokens")
 
     # ------------------------------------------------------------------ start-up
 
     def _self_check(self) -> seq_state.StateLayout:
-        """Check the capture on a real decode and learn this engine's state layout.
+        """Check the capture and the states on real decodes; learn this engine's state layout.
 
-        Decodes three tokens on a spare sequence capturing the last row: every attention layer
-        must be captured and each of its heads' rows must sum to 1.  Raises :class:`CaptureError`
-        otherwise.
+        While another sequence holds cells (when there are two), decodes a prompt on a spare
+        sequence (past the sliding window of a sliding-window model, when ``n_ctx`` goes past it),
+        capturing its last row: every attention layer must be captured, each head's row must sum to
+        1 and a sliding layer's must be 0 before its window (rows mapped through the wrong KV cache's
+        cells would not be).  Then saves the sequence's state (every part of the model's memory),
+        restores it and decodes one token more from it, capturing again.  Raises
+        :class:`CaptureError` when a check fails.
         """
         s = self.config.n_seq_max - 1
-        toks = self.model.tokenize("Hello world", False, False)[:3] or [0, 0, 0]
-        target = self.new_target(s, len(toks) - 1) if self.capture is not None else None
         t0 = time.perf_counter()
-        status = self.decode([BatchEntry(s, 0, toks, logits=True, target=target)])
-        if status != 0:
-            raise CaptureError(f"self-check decode failed with status {status}")
-        if self.capture is not None and target is not None:
-            seen = self.capture.n_captured()
-            expect = len(self.capture.attention_layers)
-            rows = target.out[list(self.capture.attention_layers)] if target.out is not None else None
-            sums = rows.sum(axis=-1) if rows is not None else np.zeros(1)
-            if seen != expect or not np.allclose(sums, 1.0, atol=1e-3):
-                raise CaptureError(
-                    f"attention capture self-check failed: {seen} of {expect} layers captured, "
-                    f"row sums {sums.ravel()[:4]}"
-                )
+        seed = self.model.tokenize("Hello world", False, False) or [0]
+        # past the window where the context allows it (a window >= n_ctx never cuts a row off)
+        n = self.n_swa + 4 if self.n_swa > 0 and self.n_swa + 4 < self.config.n_ctx else 3
+        toks = (seed * (n // len(seed) + 1))[:n]
+        if s > 0:
+            self._check_decode(s - 1, 0, seed[:2])
+        self._check_decode(s, 0, toks)
         _, state = self.save_state(s)
-        layout = seq_state.parse(state).layout
+        own = bytearray(state)
+        layout = seq_state.parse(own, shape=self.shape).layout
+        self.layout = layout
+        self.restore_state(s, toks, own)
+        self._check_decode(s, len(toks), seed[:1])
         self.erase(s)
+        if s > 0:
+            self.erase(s - 1)
         self.self_check_ms = (time.perf_counter() - t0) * 1000
         return layout
+
+    def _check_decode(self, seq: int, pos0: int, toks: list[int]) -> None:
+        """Decode ``toks`` on ``seq`` from ``pos0`` capturing the last row, and check it (:meth:`_self_check`)."""
+        pos = pos0 + len(toks) - 1
+        target = self.new_target(seq, pos) if self.capture is not None else None
+        status = self.decode([BatchEntry(seq, pos0, toks, logits=True, target=target)])
+        if status != 0:
+            raise CaptureError(f"self-check decode failed with status {status}")
+        if self.capture is None or target is None:
+            return
+        seen, expect = self.capture.n_captured(), len(self.attention_layers)
+        rows = target.out if target.out is not None else np.zeros((1, 1, 1), dtype=np.float32)
+        sums = rows.sum(axis=-1)
+        outside = [
+            float(rows[k, :, : max(0, pos + 1 - self.layer_window(il))].sum(axis=-1).max())
+            for k, il in enumerate(self.attention_layers)
+            if self.layer_window(il)
+        ]
+        if seen != expect or not np.allclose(sums, 1.0, atol=1e-3) or max(outside, default=0.0) > 1e-3:
+            raise CaptureError(
+                f"attention capture self-check failed: {seen} of {expect} layers captured, "
+                f"row sums {sums.ravel()[:4]}, largest weight before a sliding window {max(outside, default=0.0):.3g}"
+            )
 
     def close(self) -> None:
         """Free the context and batch."""
@@ -428,10 +512,12 @@ def read_state(
     seq: int,
     alloc: Callable[[int], State] = bytearray,
     release: Callable[[State], None] = lambda _buf: None,
+    shape: seq_state.StateShape | None = None,
 ) -> tuple[State, memoryview]:
     """``(buffer, state)``: ``llama_state_seq_get_data`` of ``seq`` written into ``alloc(size)``, and
-    its one-stream form (:func:`engine.seq_state.one_stream`, a view of the buffer).  On failure the
-    buffer goes to ``release`` and ``EngineError(INTERNAL)`` is raised."""
+    its one-stream form (:func:`engine.seq_state.one_stream`, a view of the buffer; ``shape``: the parts
+    of the model's states, default one KV cache).  On failure the buffer goes to ``release`` and
+    ``EngineError(INTERNAL)`` is raised."""
     size = llama.llama_state_seq_get_size(ctx, seq)
     raw = alloc(size)
     data = (ctypes.c_uint8 * size).from_buffer(raw)
@@ -440,7 +526,7 @@ def read_state(
     try:
         if got != size:
             raise EngineError(ErrorCode.INTERNAL, f"llama_state_seq_get_data wrote {got} of {size} bytes")
-        return raw, seq_state.one_stream(raw)
+        return raw, seq_state.one_stream(raw, shape)
     except seq_state.BadStateError as exc:
         release(raw)
         raise EngineError(ErrorCode.INTERNAL, f"llama.cpp wrote a state slotserve cannot read: {exc}") from exc

@@ -40,6 +40,24 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     system_info: str
 
 
+class MemoryInfo(msgspec.Struct, kw_only=True):
+    """What the model keeps per sequence (``GET /api/v1/model``'s ``memory``; docs/models.md).
+
+    ``type``: ``kv`` (one KV cache), ``iswa`` (a KV cache for the global layers and one for the
+    sliding-window layers, llama.cpp's ``llama_kv_cache_iswa``), ``hybrid`` (KV cache and a recurrent
+    state per sequence) or ``recurrent`` (a recurrent state only); ``kv_caches``: how many KV caches
+    a sequence state holds; ``sliding_window``: tokens a sliding-window layer attends back over (0:
+    none); ``context_shift`` and ``partial_reuse``: whether ``context-shift`` and reusing a prefix of
+    a cached sequence (cutting it at an earlier position) are possible.
+    """
+
+    type: str = "kv"
+    kv_caches: int = 1
+    sliding_window: int = 0
+    context_shift: bool = True
+    partial_reuse: bool = True
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
     """Model and engine facts; fields as docs/api.md lists them for ``GET /api/v1/model``, llama.cpp's names."""
 
@@ -58,6 +76,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     n_kv_cells: int
     n_slots: int
     attention_layers: list[int]  # layers with attention rows (a recurrent layer has none)
+    attention_windows: list[int] = []  # per attention layer: its sliding window in tokens, 0 for a global one
+    memory: MemoryInfo = msgspec.field(default_factory=MemoryInfo)
     rope_freq_base: float
     rope_freq_scale: float
     bos_token_id: int

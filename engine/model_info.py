@@ -8,11 +8,23 @@ import llama_cpp as llama
 
 from engine import backend
 from engine.engine import Engine
-from engine.model_facts import EngineRuntime, ModelInfo
+from engine.model_facts import EngineRuntime, MemoryInfo, ModelInfo
 from engine.native import lib as libggml
 
 libggml.ggml_type_name.argtypes = [ctypes.c_int]
 libggml.ggml_type_name.restype = ctypes.c_char_p
+
+
+def memory_info(engine: Engine) -> MemoryInfo:
+    """What ``engine``'s model keeps per sequence (:class:`engine.memory.Memory`)."""
+    mem = engine.memory
+    return MemoryInfo(
+        type=mem.kind,
+        kv_caches=mem.shape.n_caches,
+        sliding_window=engine.n_swa,
+        context_shift=mem.can_shift and not mem.shape.recurrent,
+        partial_reuse=not mem.shape.recurrent,
+    )
 
 
 def runtime_info(engine: Engine) -> EngineRuntime:
@@ -78,6 +90,10 @@ def model_info(engine: Engine) -> ModelInfo:
         n_kv_cells=engine.n_cells,
         n_slots=engine.config.n_slots,
         attention_layers=list(engine.attention_layers),
+        attention_windows=[engine.layer_window(il) for il in engine.attention_layers]
+        if isinstance(engine, Engine)
+        else [],
+        memory=memory_info(engine) if isinstance(engine, Engine) else MemoryInfo(),
         rope_freq_base=float(m.meta(f"{m.meta('general.architecture')}.rope.freq_base") or 10000.0),
         rope_freq_scale=1.0,
         bos_token_id=m.bos,

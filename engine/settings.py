@@ -102,6 +102,15 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         KvCacheType,
         Flag("KV cache data type for V (a quantized type needs flash attention)", "--cache-type-v", "-ctv"),
     ] = "f16"
+    swa_full: Annotated[
+        bool,
+        Flag(
+            "full-size KV cache for a sliding-window model's local layers (llama-server's --swa-full): more "
+            "memory; without it their cache holds the window plus a ubatch, and a prompt cut further back "
+            "than that is prefilled again (docs/models.md)",
+            "--swa-full",
+        ),
+    ] = False
     repack: Annotated[
         bool | None,
         Flag(

@@ -125,13 +125,24 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
     )
 
 
-def capture_options(req: CanonicalRequest, n_layers: int) -> proto.CaptureOptions:
-    """Validated capture options (``attention_layers`` within ``[0, n_layers)``)."""
+def require_attention(wanted: bool, attention_layers: list[int]) -> None:
+    """Refuse (``INVALID_REQUEST``) attention ``wanted`` from a model without attention layers (recurrent)."""
+    if wanted and not attention_layers:
+        raise ApiError("INVALID_REQUEST", "this model has no attention layers (recurrent): no attention to return")
+
+
+def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto.CaptureOptions:
+    """Validated capture options: ``attention_layers`` distinct layers among the model's layers with
+    attention (``GET /api/v1/model``'s ``attention_layers``; a recurrent model has none, and asking
+    it for attention is an ``INVALID_REQUEST``)."""
     layers = req.attention_layers
+    require_attention(req.attention, attention_layers)
     if layers is not None and (
-        not layers or any(not 0 <= il < n_layers for il in layers) or len(set(layers)) != len(layers)
+        not layers or any(il not in attention_layers for il in layers) or len(set(layers)) != len(layers)
     ):
-        raise ApiError("INVALID_REQUEST", f"attention_layers must be distinct layer indices in 0..{n_layers - 1}")
+        raise ApiError(
+            "INVALID_REQUEST", f"attention_layers must be distinct layers with attention, among {attention_layers}"
+        )
     return proto.CaptureOptions(
         attention=req.attention,
         format=req.attention_format,
@@ -285,7 +296,7 @@ class GenerationService:
         info = self.info
         ids = await self.input_ids(req)
         params = await self.checked_params(req)
-        capture = capture_options(req, info.num_layers)
+        capture = capture_options(req, info.attention_layers)
         hooks = control.hooks if control is not None else None
         async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
@@ -370,6 +381,7 @@ class GenerationService:
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
         slot_id = check_slot_id(str(named if named is not None else "0"))
         params = await self.checked_params(req.canonical(slot_id))
+        require_attention(req.output_attentions, info.attention_layers)
         capture = proto.CaptureOptions(
             attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
         )

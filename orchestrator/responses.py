@@ -81,7 +81,9 @@ def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
 class ModelResponse(msgspec.Struct, kw_only=True):
     """``GET /api/v1/model`` and ``/api/v1/model/info`` (docs/api.md, "Model"): the GGUF's facts
     under both seeds' names (``result``/``model_name``, ``max_context_length``/``context_length``...);
-    ``engine`` the worker's runtime settings (threads, batch sizes, KV cache type)."""
+    ``attention_layers`` the layers attention tensors cover, ``attention_windows`` each one's sliding
+    window (0: global), ``memory`` what the model keeps per sequence (docs/models.md); ``engine`` the
+    worker's runtime settings (threads, batch sizes, KV cache type)."""
 
     result: str
     model_name: str
@@ -113,6 +115,9 @@ class ModelResponse(msgspec.Struct, kw_only=True):
     size_bytes: int
     n_slots: int
     n_kv_cells: int
+    attention_layers: list[int]
+    attention_windows: list[int]
+    memory: dict[str, Any]
     llama_cpp_python: str
     engine: dict[str, Any]
 

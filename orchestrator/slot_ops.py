@@ -111,6 +111,13 @@ class SlotOps:
             raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
         return info.vocab_size
 
+    def _shape(self) -> seq_state.StateShape:
+        """The parts of this model's sequence states (its ``memory``, as the worker reported it)."""
+        info = self.registry.engine.info
+        if info is None:
+            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
+        return seq_state.StateShape(info.memory.kv_caches, info.memory.type in ("hybrid", "recurrent"))
+
     # ------------------------------------------------------------------ reads
 
     async def tokens(self, slot: Slot) -> list[int]:
@@ -217,7 +224,7 @@ class SlotOps:
         a slot or a sequence.  Raises ``INVALID_REQUEST`` for a bad file name too."""
         path = confined_path(self.save_path, filename)
         try:
-            tokens = await asyncio.to_thread(_check_seq_file, path)
+            tokens = await asyncio.to_thread(_check_seq_file, path, self._shape())
         except (FileNotFoundError, IsADirectoryError) as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
         except (BadStateError, seq_state.BadStateError) as exc:
@@ -243,6 +250,7 @@ class SlotOps:
         or one this engine cannot take (``BAD_STATE``) changes nothing.
         """
         path = confined_path(self.save_path, filename)
+        shape = self._shape()
         try:
             parsed, size = await asyncio.to_thread(_read_seq_file, path, pool)
         except (FileNotFoundError, IsADirectoryError) as exc:
@@ -250,22 +258,20 @@ class SlotOps:
         except BadStateError as exc:
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         try:
-            state = seq_state.single_stream(parsed.state)  # llama-server -np N keeps a KV stream per slot
-            seq_state.parse(state)  # its structure and length (header fields only), before a slot is taken
+            state = seq_state.single_stream(parsed.state, shape)  # llama-server -np N keeps a KV stream per slot
+            seq_state.parse(state, shape=shape)  # its structure and length (header fields only), before a slot is taken
         except seq_state.BadStateError as exc:
             pool.give(parsed.state)
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         return SeqFile(parsed.tokens, state), parsed.state, size
 
 
-def _check_seq_file(path: Path) -> list[int]:
-    """The tokens of the ``ggsq`` file ``path`` once its header, token record and (for a state of one
-    KV stream) the state's structure check out."""
+def _check_seq_file(path: Path, shape: seq_state.StateShape) -> list[int]:
+    """The tokens of the ``ggsq`` file ``path`` once its header, token record and the state's structure
+    (of ``shape``'s parts) check out."""
     with open(path, "rb") as f:
-        tokens, state_size = read_seq_head(f)
-        start = f.tell()
-        if state_size >= 4 and int.from_bytes(f.read(4), "little") == 1:
-            seq_state.parse_file(f, start)
+        tokens, _state_size = read_seq_head(f)
+        seq_state.parse_file(f, f.tell(), shape=shape)
         return tokens
 
 

@@ -33,6 +33,9 @@ script = Path(sys.argv[1])
 sys.path[:0] = [str(script.parent), str(script.parent / "gguf-py")]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+import conversion.gemma as gemma, conversion.phi as phi
+# a locally trained byte-level BPE vocabulary, as Gemma 3's and Phi-4's without a tokenizer.model
+gemma.Gemma2Model.set_vocab = phi.Phi3MiniModel.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv = [str(script), *sys.argv[2:]]
 runpy.run_path(str(script), run_name="__main__")
 """

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from tests.classifier_model import _PATCHED_RUN, converter_script
+
+MIN_HEAD_CORR = 0.9999
+"""Smallest per-head correlation of a row with transformers' at f32 (measured: 0.99999+)."""
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -45,17 +50,99 @@ def _tokenizer(out: Path):  # type: ignore[no-untyped-def]
     return fast
 
 
+_COMMON = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+}  # fmt: skip
+
+_TIED = {**_COMMON, "tie_word_embeddings": True}  # Gemma's converter writes no output matrix of its own
+
+SLIDING_WINDOW = 8
+"""Window (tokens) of the sliding-window families' local layers: shorter than the tests' prompts."""
+
+
 def _llama(vocab: int):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, num_hidden_layers=3, **_COMMON))
+
+
+def _qwen2(vocab: int):  # type: ignore[no-untyped-def]
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # its tokenizer class adds <|endoftext|> past the trained vocabulary
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab + 8, num_hidden_layers=3, **_COMMON))
+
+
+def _qwen3(vocab: int):  # type: ignore[no-untyped-def]
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, num_hidden_layers=3, head_dim=16, **_COMMON))
+
+
+def _phi3(vocab: int):  # type: ignore[no-untyped-def]
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(vocab_size=vocab, num_hidden_layers=3, pad_token_id=1, **_COMMON)
+    return Phi3ForCausalLM(cfg)
+
+
+def _gpt2(vocab: int):  # type: ignore[no-untyped-def]
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=vocab, n_embd=64, n_layer=3, n_head=4, n_positions=512, n_ctx=512, bos_token_id=0, eos_token_id=1
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _gemma2(vocab: int):  # type: ignore[no-untyped-def]
+    # interleaved sliding window (even layers local), attention logit soft-capping
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(
+        vocab_size=vocab, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=1, **_TIED,
     )  # fmt: skip
-    return LlamaForCausalLM(cfg)
+    return Gemma2ForCausalLM(cfg)
 
 
-ARCHITECTURES: dict[str, Callable[[int], object]] = {"llama": _llama}
+def _gemma3(vocab: int):  # type: ignore[no-untyped-def]
+    # five local layers to one global, local and global RoPE bases, QK norm
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab, num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW,
+        pad_token_id=1, **_TIED,
+    )  # fmt: skip
+    return Gemma3ForCausalLM(cfg)
+
+
+def _lfm2(vocab: int):  # type: ignore[no-untyped-def]
+    # hybrid: short-convolution layers (a recurrent state each) between attention layers
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    cfg = Lfm2Config(
+        vocab_size=vocab, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+        block_auto_adjust_ff_dim=False, conv_L_cache=3, pad_token_id=1, **_COMMON,
+    )  # fmt: skip
+    return Lfm2ForCausalLM(cfg)
+
+
+def _mamba(vocab: int):  # type: ignore[no-untyped-def]
+    # recurrent: no attention at all
+    from transformers import MambaConfig, MambaForCausalLM
+
+    # the converter pads the vocabulary to a multiple of 8 (pad_vocab_size_multiple) and not the weights
+    cfg = MambaConfig(vocab_size=-(-vocab // 8) * 8, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False)  # fmt: skip
+    return MambaForCausalLM(cfg)
+
+
+ARCHITECTURES: dict[str, Callable[[int], object]] = {
+    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3, "gpt2": _gpt2,
+    "gemma2": _gemma2, "gemma3": _gemma3, "lfm2": _lfm2, "mamba": _mamba,
+}  # fmt: skip
 """Architecture name -> a builder of a randomly initialised ``*ForCausalLM`` of that vocabulary size."""
 
 
@@ -88,3 +175,49 @@ def load_hf(out: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(out / "hf", attn_implementation="eager").float().eval()
+
+
+class Reference:
+    """transformers' eager float32 forward of the tiny model: attention ``[L_attn, H, n, n]`` of its attention
+    layers and the argmax of each position's logits."""
+
+    def __init__(self, out: Path) -> None:
+        self.hf = load_hf(out)
+
+    def __call__(self, ids: list[int]) -> tuple[np.ndarray | None, np.ndarray]:
+        import torch
+
+        with torch.no_grad():
+            try:
+                res = self.hf(torch.tensor([ids]), output_attentions=True)
+            except (TypeError, ValueError):  # a recurrent model has no attention to output
+                res = self.hf(torch.tensor([ids]))
+        maps = [a[0] for a in (getattr(res, "attentions", None) or ()) if a is not None]
+        att = torch.stack(maps).numpy() if maps else None
+        return att, res.logits[0].argmax(-1).numpy()
+
+
+def assert_matches(
+    ref: Reference, what: str, ids: list[int], tokens: list[int], attention: list[np.ndarray], layers: Sequence[int]
+) -> float:
+    """``tokens`` generated greedily after ``ids``, with ``attention`` (each token's ``[L, H, n]`` rows over the
+    model's attention ``layers``), match transformers: the tokens are its argmax, each head's row correlates at
+    >= :data:`MIN_HEAD_CORR` and is within 5e-3.  Returns the smallest per-head correlation."""
+    att, argmax = ref([*ids, *tokens])
+    n = len(ids)
+    np.testing.assert_array_equal(tokens, argmax[n - 1 : n - 1 + len(tokens)], err_msg=f"{what}: tokens")
+    if not layers:
+        assert attention == [] and att is None, what
+        return 1.0
+    assert att is not None and att.shape[0] == len(layers), (what, None if att is None else att.shape, layers)
+    worst = 1.0
+    for k, rows in enumerate(attention):
+        q = n - 1 + k
+        want = att[:, :, q, : q + 1]
+        assert rows.shape == want.shape, (what, k, rows.shape, want.shape)
+        for layer in range(rows.shape[0]):
+            for head in range(rows.shape[1]):
+                worst = min(worst, float(np.corrcoef(rows[layer, head], want[layer, head])[0, 1]))
+        np.testing.assert_allclose(rows, want, atol=5e-3, err_msg=f"{what} token {k}")  # float rounding: up to ~1e-3
+    assert worst >= MIN_HEAD_CORR, (what, worst)
+    return worst

@@ -60,6 +60,9 @@ def model_payload(s: Services) -> ModelResponse:
         size_bytes=i.size_bytes,
         n_slots=i.n_slots,
         n_kv_cells=i.n_kv_cells,
+        attention_layers=i.attention_layers,
+        attention_windows=i.attention_windows,
+        memory=msgspec.to_builtins(i.memory),
         llama_cpp_python=i.llama_cpp_version,
         engine=msgspec.to_builtins(i.runtime),
     )
