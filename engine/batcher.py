@@ -119,6 +119,8 @@ class Batcher:
         p = req.params
         if req.capture.attention and not eng.config.capture:
             raise EngineError(ErrorCode.INVALID_REQUEST, "this engine runs without attention capture")
+        if req.capture.attention and not eng.attention_layers:
+            raise EngineError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent)")
         if req.mode == "generate":
             if not 0 <= req.seq < eng.config.n_slots:
                 raise EngineError(ErrorCode.INVALID_REQUEST, f"no engine sequence {req.seq}")
@@ -132,6 +134,8 @@ class Batcher:
                 raise EngineError(ErrorCode.INVALID_REQUEST, "input_ids is empty")
             self.flush(req.seq)
             common = common_prefix(eng.tokens.get(req.seq, []), req.input_ids)
+            reuse = eng.config.cache_reuse if req.cache_reuse is None else req.cache_reuse
+            common = eng.reuse_chunks(req.seq, req.input_ids, common, reuse)
             if common == len(req.input_ids) and p.max_new_tokens > 0:
                 common -= 1  # the last token is decoded again for its logits
             common = eng.keep(req.seq, common)  # less (0) where the memory cannot continue from there

@@ -12,6 +12,7 @@ from the stream's head.  So every operation the engine issues on the cache is mi
 * ``seq_cp`` (fork): the destination's stream is a copy of the source's, cell for cell;
 * ``seq_rm``: truncation of a sequence's tail, or removal of the whole sequence;
 * context shift: ``seq_rm(n_keep, n_keep+n_discard)`` + ``seq_add(..., -n_discard)``;
+* cache reuse: runs of positions moved down the same way (``move``), the rest dropped;
 * restore: the cells llama.cpp reports after ``llama_state_seq_set_data``.
 
 Our sequences always hold positions ``0..n-1`` exactly once, so the mirror is an ``int32[n]``
@@ -82,6 +83,12 @@ class CellMap:
         """``seq_rm(seq, -1, -1)``."""
         self._cells.pop(seq, None)
         self._len.pop(seq, None)
+
+    def move(self, seq: int, src: int, dst: int, n: int) -> None:
+        """Positions ``src..src+n-1`` shifted down to ``dst..`` (``seq_add(src, src+n, dst-src)`` after
+        ``seq_rm(dst, src)``: cache reuse); positions from ``dst+n`` on are the caller's to drop."""
+        arr = self._cells[seq]
+        arr[dst : dst + n] = arr[src : src + n].copy()
 
     def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Context shift: positions ``n_keep..n_keep+n_discard-1`` removed, the rest moved down."""

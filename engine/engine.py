@@ -285,6 +285,46 @@ class Engine:
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
 
+    def reuse_chunks(self, seq: int, ids: Sequence[int], n_past: int, min_chunk: int) -> int:
+        """llama-server's cache reuse (``n_cache_reuse``, ``tools/server/server-context.cpp``): after the
+        first ``n_past`` tokens ``seq`` shares with ``ids``, every run of at least ``min_chunk`` tokens
+        that ``ids`` continues with and the cache holds further on is moved into place by shifting
+        its KV positions (``seq_rm`` of the cached tokens skipped before it, ``seq_add`` of the run),
+        instead of being prefilled again.  Returns the tokens of ``ids`` the sequence now holds (its
+        cells past them are dropped); ``n_past`` where the memory cannot shift (a recurrent state,
+        two KV caches of different sizes), as llama-server disables it there.
+
+        A moved run's K/V were computed under the old context (the tokens before it differ), so
+        what follows attends to them as they were: fidelity figures in docs/api.md.
+        """
+        cached = self.tokens.get(seq, [])
+        if min_chunk <= 0 or not self.memory.can_shift or self.shape.recurrent or n_past >= len(cached):
+            return n_past
+        head_c = head_p = n_past
+        moved = False
+        while head_c < len(cached) and head_p < len(ids):
+            n = 0
+            while head_c + n < len(cached) and head_p + n < len(ids) and cached[head_c + n] == ids[head_p + n]:
+                n += 1
+            if n < min_chunk:
+                head_c += 1
+                continue
+            if not moved:
+                self._drop_state(seq)
+                moved = True
+            llama.llama_memory_seq_rm(self.mem, seq, head_p, head_c)
+            llama.llama_memory_seq_add(self.mem, seq, head_c, head_c + n, head_p - head_c)
+            self.cellmap.move(seq, head_c, head_p, n)
+            cached[head_p : head_p + n] = cached[head_c : head_c + n]
+            head_c += n
+            head_p += n
+        if not moved:
+            return n_past
+        llama.llama_memory_seq_rm(self.mem, seq, head_p, -1)
+        self.cellmap.truncate(seq, head_p)
+        del cached[head_p:]
+        return head_p
+
     def fork(self, src: int, dst: int) -> None:
         """Copy of ``src`` into ``dst`` (``seq_cp`` across streams: llama.cpp copies the stream's K/V
         buffers, cell for cell, so ``dst``'s cells are ``src``'s; done now rather than at the next

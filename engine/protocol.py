@@ -128,6 +128,10 @@ class Generate(Message):
     capture: CaptureOptions
     append: list[int] = []
     progress: bool = False  # send ``Progress`` while prefilling (llama-server's ``return_progress``)
+    # llama-server's ``n_cache_reuse``: runs of at least this many tokens after the common prefix that the
+    # sequence's cache holds further on are moved into place instead of prefilled (Engine.reuse_chunks);
+    # 0: off; None: the engine's ``--cache-reuse``
+    cache_reuse: NonNegInt | None = None
     # Flow control: at most ``window`` tokens emitted ahead of what the orchestrator acknowledged
     # (``Ack``); past that the worker holds this sequence (other jobs go on).  0: unbounded.
     window: int = 0

@@ -102,6 +102,16 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         KvCacheType,
         Flag("KV cache data type for V (a quantized type needs flash attention)", "--cache-type-v", "-ctv"),
     ] = "f16"
+    cache_reuse: Annotated[
+        int,
+        NonNegative,
+        Flag(
+            "llama-server's --cache-reuse: runs of at least N tokens that a slot's cache holds after its common "
+            "prefix with a request are moved into place (KV shift) instead of prefilled; 0: off (exact); a "
+            "request's n_cache_reuse overrides it (docs/api.md)",
+            "--cache-reuse",
+        ),
+    ] = 0
     swa_full: Annotated[
         bool,
         Flag(

@@ -125,7 +125,10 @@ async def run_check(options: WorkerOptions, console: Console) -> int:
             f"capture {rt.capture}, flash attention {'on' if rt.flash_attn else 'off'} ({rt.flash_attn_reason}), "
             f"KV {rt.type_k}/{rt.type_v}, {rt.n_threads} threads",
         )
-        await _check_attention(engine, report, fresh_seq=min(1, info.n_slots - 1))
+        if info.attention_layers:
+            await _check_attention(engine, report, fresh_seq=min(1, info.n_slots - 1))
+        else:
+            report.line(True, "attention", f"none to check: a {info.memory.type} model has no attention layers")
     except (EngineRequestError, OSError, RuntimeError) as exc:
         report.line(False, "engine", f"{type(exc).__name__}: {exc}")
     finally:

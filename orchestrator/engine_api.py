@@ -194,11 +194,14 @@ class EngineClient(Protocol):
         params: proto.SamplingParams,
         capture: proto.CaptureOptions,
         progress: bool = False,
+        cache_reuse: int | None = None,
     ) -> GenerationStream:
         """Generate on sequence ``seq`` from the context ``input_ids``.
 
-        The sequence's KV cache is reused for the longest common prefix with its tokens,
-        the rest is prefilled; afterwards the sequence holds ``input_ids`` + the generated
+        The sequence's KV cache is reused for the longest common prefix with its tokens (and,
+        with ``cache_reuse`` N > 0, runs of at least N tokens it holds further on, moved into
+        place: llama-server's ``n_cache_reuse``; None: the engine's ``--cache-reuse``), the rest
+        is prefilled; afterwards the sequence holds ``input_ids`` + the generated
         tokens.  With ``progress``, ``Progress`` events come while prefilling.  The request
         is with the engine when this returns (later requests are applied after it).
         Errors (``SLOT_BUSY``, ``CONTEXT_OVERFLOW``, ``INVALID_REQUEST``, ``OOM``) are

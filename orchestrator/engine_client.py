@@ -336,11 +336,13 @@ class WorkerClient:
         params: proto.SamplingParams,
         capture: proto.CaptureOptions,
         progress: bool = False,
+        cache_reuse: int | None = None,
     ) -> GenerationStream:
         """See :meth:`orchestrator.engine_api.EngineClient.generate`."""
         msg = proto.Generate(
-            self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress, window=self.window
-        )
+            self.new_id(), seq, "generate", list(input_ids), params, capture,
+            progress=progress, window=self.window, cache_reuse=cache_reuse,
+        )  # fmt: skip
         return await self._open_stream(msg)
 
     async def preview(

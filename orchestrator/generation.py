@@ -308,7 +308,9 @@ class GenerationService:
             texts: list[str] = []
             n_out = 0
             finished = False
-            events = await self.engine.generate(slot.seq, ids, params, capture, progress=req.progress)
+            events = await self.engine.generate(
+                slot.seq, ids, params, capture, progress=req.progress, cache_reuse=req.n_cache_reuse
+            )
             took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
             try:
                 if control is not None:

@@ -67,6 +67,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     logit_bias: LogitBias | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    n_cache_reuse: TokenCount | None = None  # not a sampler: llama-server's prompt cache reuse (docs/api.md)
 
     def sampler_fields(self) -> dict[str, Any]:
         """These fields as keyword arguments (to pass them on to a :class:`GenerateRequest`)."""
@@ -76,7 +77,10 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         """These fields for a :class:`CanonicalRequest`: a missing value is taken from ``defaults``
         (:class:`engine.protocol.SamplingParams`'s own unless an API has others); ``logit_bias`` as
         pairs, ``json_schema`` as JSON text."""
-        out = {name: getattr(defaults, name) if v is None else v for name, v in self.sampler_fields().items()}
+        fields = self.sampler_fields()
+        reuse = fields.pop("n_cache_reuse")  # not a sampler: no default in SamplingParams
+        out = {name: getattr(defaults, name) if v is None else v for name, v in fields.items()}
+        out["n_cache_reuse"] = reuse
         breakers = self.dry_sequence_breakers
         out.update(
             dry_sequence_breakers=list(defaults.dry_sequence_breakers) if breakers is None else dry_breakers(breakers),
@@ -278,6 +282,7 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     logit_bias: BiasPairs = []
     grammar: str = ""
     json_schema: str = ""
+    n_cache_reuse: int | None = None  # None: the server's --cache-reuse
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

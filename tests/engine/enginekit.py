@@ -76,13 +76,15 @@ class Runner:
         mode: GenerateMode = "generate",
         append: list[int] | None = None,
         capture: CaptureOptions | None = None,
+        cache_reuse: int | None = None,
         **params: object,
     ) -> int:
         req = next(_req)
         params.setdefault("temperature", 0.0)
         params.setdefault("max_new_tokens", 8)
         cap = capture if capture is not None else CaptureOptions(attention=True)
-        self.batcher.submit(Generate(req, seq, mode, ids, SamplingParams(**params), cap, append or []))  # type: ignore[arg-type]
+        sampling = SamplingParams(**params)  # type: ignore[arg-type]
+        self.batcher.submit(Generate(req, seq, mode, ids, sampling, cap, append or [], cache_reuse=cache_reuse))
         return req
 
     def run(self) -> None:

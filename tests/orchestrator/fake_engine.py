@@ -268,9 +268,10 @@ class FakeEngine:
         params: proto.SamplingParams,
         capture: proto.CaptureOptions,
         progress: bool = False,
+        cache_reuse: int | None = None,
     ) -> GenerationStream:
         """Prefill (prefix reuse) and ``max_new_tokens`` deterministic tokens, then ``Done``
-        (:class:`TokenOutput` per token)."""
+        (:class:`TokenOutput` per token); ``cache_reuse`` is not modelled."""
         msg = proto.Generate(self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress)
         return self._start(msg, lambda ev: TokenOutput(ev) if isinstance(ev, proto.Token) else ev)
 
