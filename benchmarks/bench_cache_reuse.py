@@ -90,7 +90,8 @@ def llama_turn(client: httpx.Client, base: str, ids: list[int], new: int) -> dic
             "stream": True, "id_slot": 0}  # fmt: skip
     t0 = time.perf_counter()
     ttft, timings = None, {}
-    with client.stream("POST", base + "/completion", json=body, timeout=600) as r:
+    # a connection per request: llama-server drops idle keep-alive connections after 5 s
+    with client.stream("POST", base + "/completion", json=body, timeout=600, headers={"Connection": "close"}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:"):
@@ -104,16 +105,26 @@ def llama_turn(client: httpx.Client, base: str, ids: list[int], new: int) -> dic
 
 
 def run_server(name: str, cmd: list[str], port: int, tmp: Path, turn, first: list[int], prompts) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
-    """Start the server, cache ``first`` (one token generated), run ``turn`` for each prompt, stop it."""
-    srv = ServerProc(name, cmd, port, tmp / f"{name}.log")
+    """Start the server, cache ``first`` (one token generated), run ``turn`` for each prompt, stop it; print
+    each turn as it ends.  A server that fails mid-way: its log's tail is printed and its turns so far kept."""
+    log = tmp / f"{name.replace(' ', '_')}.log"
+    srv = ServerProc(name, cmd, port, log)
+    rows: list[dict] = []  # type: ignore[type-arg]
     try:
         srv.wait_ready(httpx)
         base = f"http://127.0.0.1:{port}"
         with httpx.Client() as client:
             turn(client, base, first, 1)
-            return [turn(client, base, ids, NEW) for ids in prompts]
+            for ids in prompts:
+                rows.append(turn(client, base, ids, NEW))
+                r = rows[-1]
+                print(f"{name}: turn {len(rows) - 1} ttft {r['ttft']:.0f} ms, prefilled {r['prefilled']}, "
+                      f"cached {r['cached']}", flush=True)  # fmt: skip
+    except httpx.HTTPError as exc:
+        print(f"{name} failed after {len(rows)} turns: {exc}\n{log.read_text(errors='replace')[-3000:]}", flush=True)
     finally:
         srv.stop()
+    return rows
 
 
 NEW = 32
@@ -129,6 +140,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--reuse", type=int, default=256, help="n_cache_reuse / --cache-reuse (tokens)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-slotserve", action="store_true", help="run llama-server's two configurations only")
     a = ap.parse_args()
     NEW = a.new
     ctx_size = a.context + 1024
@@ -141,7 +153,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {}  # type: ignore[type-arg]
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
-        for name, reuse in (("slotserve", 0), (f"slotserve n_cache_reuse {a.reuse}", a.reuse)):
+        ours = (("slotserve", 0), (f"slotserve n_cache_reuse {a.reuse}", a.reuse))
+        for name, reuse in ours[: 0 if a.skip_slotserve else 2]:
             port = free_port()
             cmd = slotserve_cmd(port, tmp / name.replace(" ", "_"), parallel=1, ctx_size=ctx_size, threads=a.threads)
 
@@ -162,16 +175,19 @@ def main() -> None:
         f"trace: {a.context} tokens, {a.turns} turns, 3 x {a.chunk} tokens pruned per turn, {MESSAGE}-token "
         f"message, {a.new} new; --threads {a.threads}; per turn: ttft ms / prefilled / cached"
     )
+    results = {name: rows for name, rows in results.items() if len(rows) == len(prompts)}
     for name, rows in results.items():
         cells = "  ".join(f"{r['ttft']:6.0f}/{r['prefilled']:4d}/{r['cached']:4d}" for r in rows)
         print(f"{name:<34} {cells}  | ttft {sum(r['ttft'] for r in rows):7.0f} ms, prefilled "
               f"{sum(r['prefilled'] for r in rows)}")  # fmt: skip
     for name in results:
         base = "llama-server" if name.startswith("llama-server") else "slotserve"
+        if base not in results:
+            continue
         ttft = sum(r["ttft"] for r in results[name]) / sum(r["ttft"] for r in results[base])
         pre = sum(r["prefilled"] for r in results[name]) / max(1, sum(r["prefilled"] for r in results[base]))
         print(f"{name:<34} / {base}: ttft {ttft:.3f}, prefilled tokens {pre:.3f}")
-    on, off = results[f"slotserve n_cache_reuse {a.reuse}"], results["slotserve"]
+    on, off = results.get(f"slotserve n_cache_reuse {a.reuse}", []), results.get("slotserve", [])
     for k, (r1, r0) in enumerate(zip(on, off, strict=True)):
         corr = float(np.corrcoef(r1["att"], r0["att"])[0, 1])
         mad = float(np.abs(r1["att"] - r0["att"]).mean())
