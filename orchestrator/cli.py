@@ -15,6 +15,7 @@ from engine.heap import keep_heap_mapped
 from engine.settings import EngineSettings
 from orchestrator.config import Settings
 from orchestrator.logfilter import uvicorn_log_config
+from orchestrator.read_limits import ReadLimits, limited_protocol
 from orchestrator.worker_options import WorkerOptions
 
 
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--no-slots", action="store_true", help="turn off the GET /slots listing (llama-server's)")
     s.add_argument("--max-body", type=int, default=64 << 20, help="max JSON body / WebSocket message, bytes")
+    s.add_argument("--max-header-bytes", type=int, default=64 << 10, help="max request line + headers, bytes (431)")
+    s.add_argument("--header-timeout", type=float, default=30.0, help="seconds a request's headers may take (408)")
+    s.add_argument("--body-timeout", type=float, default=60.0, help="longest pause within a request body, s (408)")
     s.add_argument(
         "--allowed-origins",
         "--cors-origin",
@@ -102,6 +106,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         admin_key=a.admin_key or None,
         slots_endpoint=not a.no_slots,
         max_body_bytes=a.max_body,
+        read_limits=ReadLimits(a.max_header_bytes, a.header_timeout, a.body_timeout),
         allowed_origins=tuple(o.strip() for v in a.allowed_origins or ["*"] for o in v.split(",") if o.strip()),
         slot_save_path=a.slot_save_path,
         state_dir=a.state_dir,
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         log_level=args.log_level,
         log_config=uvicorn_log_config(),  # no query strings (api_key) in its log lines
+        http=limited_protocol(settings.read_limits),  # header size, header and body read timeouts
         ws_max_size=4 * settings.max_body_bytes + (1 << 20),  # we answer PAYLOAD_TOO_LARGE ourselves
         timeout_graceful_shutdown=30,
         # Attention frames are float32 noise to deflate (ratio ~0.96 at ~27 ms per 540 KB frame):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.read_limits import ReadLimits
 from orchestrator.worker_options import WorkerOptions
 
 
@@ -28,6 +29,7 @@ class Settings:
     admin_key: str | None = None  # guards /admin and every slot-changing action
     slots_endpoint: bool = True  # GET /slots (llama-server's --no-slots turns it off)
     max_body_bytes: int = 64 << 20
+    read_limits: ReadLimits = field(default_factory=ReadLimits)  # how a request may arrive (uvicorn's protocol)
     allowed_origins: tuple[str, ...] = ("*",)
     slot_save_path: Path | None = None
     state_dir: Path | None = None
