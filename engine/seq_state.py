@@ -146,7 +146,7 @@ def parse(blob: bytes | memoryview, expect: StateLayout | None = None, io_header
     """Parse a sequence state; check it against ``expect`` when given.
 
     ``io_header=False``: ``blob`` lacks the first 8 bytes (io magic, source sequence), as a
-    ``ggsq`` file holds the state (:mod:`storage.ggsq`); the offsets in the result are then
+    ``ggsq`` file holds the state (:mod:`engine.ggsq`); the offsets in the result are then
     relative to where ``blob`` starts.  Any number of streams is accepted as long as at most one
     holds cells.  Only the header fields and cell records are read, so a memory map of a file is
     parsed without reading its K/V data.  Raises :class:`BadStateError` on a wrong magic,

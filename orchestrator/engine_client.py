@@ -31,7 +31,7 @@ import structlog
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from engine.framing import FrameStream, open_frame_stream, parse_address
+from engine.framing import RECEIVE_POOL, FrameStream, open_frame_stream, parse_address
 from orchestrator.engine_api import (
     Classification,
     EngineDeadError,
@@ -390,6 +390,10 @@ class WorkerClient:
         """Tokens and llama.cpp sequence state of ``seq``."""
         reply, bufs = await self._request(proto.SaveState(self.new_id(), seq), proto.StateBlob)
         return SequenceState(reply.tokens, reply.state.take(bufs), reply.t_ms)
+
+    def release_state(self, state: proto.Buffer) -> None:
+        """Give the receive buffer of a :meth:`save_state` reply back to the frame reader's pool."""
+        RECEIVE_POOL.give(state)
 
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
         """Replace ``seq`` from tokens + llama.cpp state bytes; returns the worker's time in ms."""
