@@ -86,7 +86,7 @@ class AdmissionQueue(Generic[S]):
     ``RATE_LIMITED``.  ``retry_after_s``: the ``Retry-After`` a refused client is told.
     """
 
-    def __init__(self, max_waiting: int = 64, max_wait_s: float = 300.0, retry_after_s: int = 1) -> None:
+    def __init__(self, max_waiting: int, max_wait_s: float, retry_after_s: int = 1) -> None:
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
@@ -97,7 +97,7 @@ class AdmissionQueue(Generic[S]):
 
     def refusal(self, message: str) -> ApiError:
         """``RATE_LIMITED`` with ``retry_after`` (seconds; HTTP answers carry it as ``Retry-After``)."""
-        return ApiError("RATE_LIMITED", message, retry_after=self.retry_after_s)
+        return ApiError(ErrorCode.RATE_LIMITED, message, retry_after=self.retry_after_s)
 
     def enter(self, slot: S) -> Ticket[S]:
         """Join the back of the queue; ``RATE_LIMITED`` when it is full."""

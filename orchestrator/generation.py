@@ -80,7 +80,9 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
     for t in ids:
         if not 0 <= t < vocab_size:
             raise ApiError(
-                "INVALID_TOKEN", f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}", token_id=t
+                ErrorCode.INVALID_TOKEN,
+                f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}",
+                token_id=t,
             )
 
 
@@ -131,7 +133,9 @@ def capture_options(req: CanonicalRequest, n_layers: int) -> proto.CaptureOption
     if layers is not None and (
         not layers or any(not 0 <= il < n_layers for il in layers) or len(set(layers)) != len(layers)
     ):
-        raise ApiError("INVALID_REQUEST", f"attention_layers must be distinct layer indices in 0..{n_layers - 1}")
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"attention_layers must be distinct layer indices in 0..{n_layers - 1}"
+        )
     return proto.CaptureOptions(
         attention=req.attention,
         format=req.attention_format,
@@ -218,7 +222,7 @@ class GenerationService:
     def info(self) -> proto.ModelInfo:
         """The loaded model's facts (``NO_MODEL`` while no worker is up)."""
         if self.engine.info is None:
-            raise ApiError("NO_MODEL", "No model loaded")
+            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
         return self.engine.info
 
     async def input_ids(self, req: CanonicalRequest) -> list[int]:
@@ -229,13 +233,13 @@ class GenerationService:
         elif req.prompt is not None:
             ids = (await self.engine.tokenize(req.prompt, False, True)).ids
         else:
-            raise ApiError("INVALID_REQUEST", "give input_ids (token ids) or prompt (text)")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "give input_ids (token ids) or prompt (text)")
         if not ids:
-            raise ApiError("INVALID_REQUEST", "the context is empty")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "the context is empty")
         check_tokens(ids, info.vocab_size, "input_ids")
         if len(ids) + req.max_new_tokens > info.n_ctx:
             raise ApiError(
-                "CONTEXT_OVERFLOW",
+                ErrorCode.CONTEXT_OVERFLOW,
                 f"context of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds n_ctx {info.n_ctx}",
                 n_ctx=info.n_ctx,
                 context_length=len(ids),

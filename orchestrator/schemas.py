@@ -20,6 +20,9 @@ from engine.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionForm
 from orchestrator.errors import ApiError
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
+# A preview's defaults: the same sampler, a little more conservative (docs/api.md, "Preview"), no
+# repetition penalty; only these four differ from DEFAULT.
+PREVIEW = msgspec.structs.replace(DEFAULT, max_new_tokens=50, temperature=0.7, top_p=0.9, min_p=0.0)
 
 # Value ranges, checked when a body is decoded (HTTP and WebSocket alike) and published in
 # the OpenAPI schema.  Sampler values reach llama.cpp as C ``float`` / ``int32_t`` /
@@ -310,12 +313,12 @@ class PreviewRequest(SamplerFields, kw_only=True):
     generation routes' further sampler fields (:class:`SamplerFields`)."""
 
     append_tokens: list[AppendToken | int] = []
-    max_tokens: PreviewTokens = 50
-    temperature: Float32 = 0.7
-    top_p: Probability = 0.9
-    top_k: TopK = 40
-    min_p: Probability = 0.0
-    seed: Seed = -1
+    max_tokens: PreviewTokens = PREVIEW.max_new_tokens
+    temperature: Float32 = PREVIEW.temperature
+    top_p: Probability = PREVIEW.top_p
+    top_k: TopK = PREVIEW.top_k
+    min_p: Probability = PREVIEW.min_p
+    seed: Seed = PREVIEW.seed
     stop_tokens: list[int] = []
     use_cached_context: bool = True
     input_ids: list[int] | None = None
@@ -331,7 +334,7 @@ class PreviewRequest(SamplerFields, kw_only=True):
         return CanonicalRequest(
             request_id=None, input_ids=None, prompt=None, max_new_tokens=self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repeat_penalty=DEFAULT.repeat_penalty, repeat_last_n=DEFAULT.repeat_last_n, seed=self.seed,
+            repeat_penalty=PREVIEW.repeat_penalty, repeat_last_n=PREVIEW.repeat_last_n, seed=self.seed,
             stop_tokens=list(self.stop_tokens), banned_tokens=[], stop_strings=[], ignore_eos=False,
             attention=self.output_attentions, attention_format=self.attention_format,
             attention_dtype=self.attention_dtype, attention_layers=None, hidden_state=False, n_probs=0,

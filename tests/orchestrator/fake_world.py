@@ -72,7 +72,13 @@ class World:
         self.engine = FakeEngine(n_seqs, step_s)
         self.store = store or CountingStore(root)
         engine = self.engine
-        self.archive = SlotArchive(self.store, lambda: engine.info.fingerprint)  # type: ignore[union-attr]
+        self.archive = SlotArchive(
+            self.store,
+            lambda: engine.info.fingerprint,  # type: ignore[union-attr]
+            codec="auto",
+            level=3,
+            store_timeout_s=3.0,
+        )
         self.leases = LeaseKeeper(self.archive, node, lease_ms=3000)
         self.registry = SlotRegistry(
             engine,  # type: ignore[arg-type]
