@@ -142,7 +142,9 @@ def _positions(r: _Reader, cell_count: int) -> np.ndarray:
     return cells[:, 0].astype(np.int32)
 
 
-def parse(blob: bytes | memoryview, expect: StateLayout | None = None, io_header: bool = True) -> ParsedState:
+def parse(
+    blob: bytes | bytearray | memoryview, expect: StateLayout | None = None, io_header: bool = True
+) -> ParsedState:
     """Parse a sequence state; check it against ``expect`` when given.
 
     ``io_header=False``: ``blob`` lacks the first 8 bytes (io magic, source sequence), as a

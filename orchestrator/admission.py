@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from engine.errors import ErrorCode
 from orchestrator import metrics
@@ -68,8 +68,9 @@ class Ticket(Generic[S]):
         ``interrupt`` being set.  Raises the error passed to :meth:`fail`."""
         self.moved.clear()
         watchers = [asyncio.ensure_future(e.wait()) for e in (self.moved, interrupt) if e is not None]
+        waited: set[asyncio.Future[Any]] = {self.outcome, *watchers}
         try:
-            await asyncio.wait({self.outcome, *watchers}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in watchers:
                 w.cancel()

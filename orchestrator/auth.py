@@ -63,10 +63,10 @@ def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ign
                 await send_error(send, scope["path"], err, [(b"www-authenticate", b"Bearer")])
                 return
             await receive()  # websocket.connect
-            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.accept", "subprotocol": None, "headers": []})
             frame = msgspec.json.encode({"type": "error", **err.body()}).decode()
-            await send({"type": "websocket.send", "text": frame})
-            await send({"type": "websocket.close", "code": 1008})
+            await send({"type": "websocket.send", "bytes": None, "text": frame})
+            await send({"type": "websocket.close", "code": 1008, "reason": None})
 
         return middleware
 

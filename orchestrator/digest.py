@@ -21,9 +21,9 @@ import http_sf
 from engine.errors import ErrorCode
 from orchestrator.errors import ApiError
 
-ALGORITHMS: dict[str, Callable[[bytes], hashlib._Hash]] = {"sha-256": hashlib.sha256, "sha-512": hashlib.sha512}
-
 Buffer = bytes | bytearray | memoryview
+
+ALGORITHMS: dict[str, Callable[[Buffer], hashlib._Hash]] = {"sha-256": hashlib.sha256, "sha-512": hashlib.sha512}
 
 
 def repr_digest(*chunks: Buffer) -> str:
@@ -48,8 +48,11 @@ def check_repr_digest(value: str, data: Buffer, what: str) -> None:
         members = http_sf.parse(value.encode("ascii"), tltype="dictionary")
     except (ValueError, UnicodeEncodeError) as exc:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"Repr-Digest is not a structured-field dictionary: {exc}") from exc
+    if not isinstance(members, dict):  # what tltype="dictionary" parses to
+        raise ApiError(ErrorCode.INVALID_REQUEST, "Repr-Digest is not a structured-field dictionary")
     checked = 0
-    for algorithm, (expected, _params) in members.items():
+    for algorithm, member in members.items():
+        expected = member[0] if isinstance(member, tuple) else member  # (value, parameters)
         hasher = ALGORITHMS.get(algorithm)
         if hasher is None:
             continue

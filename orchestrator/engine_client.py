@@ -47,7 +47,7 @@ log = structlog.get_logger("slotserve.engine")
 R = TypeVar("R", bound=proto.Message)
 
 
-Event = tuple[proto.Reply, list[bytes]]
+Event = tuple[proto.Reply, list[bytearray]]
 
 STREAM_WINDOW = 4
 """Tokens a generation may run ahead of what its client has taken (``engine.protocol.Generate.window``).
@@ -251,7 +251,7 @@ class WorkerClient:
 
     async def _request(
         self, msg: proto.Message, answer: type[R], buffers: Sequence[proto.Buffer] = ()
-    ) -> tuple[R, list[bytes]]:
+    ) -> tuple[R, list[bytearray]]:
         """Send ``msg`` and return its single reply, an ``answer``; raise :class:`EngineRequestError` on ``Error``."""
         q: asyncio.Queue[Event | None] = asyncio.Queue()
         self._waiters[msg.req] = q
@@ -441,7 +441,7 @@ class WorkerClient:
         return reply
 
 
-def token_output(msg: proto.Token, bufs: list[bytes]) -> TokenOutput:
+def token_output(msg: proto.Token, bufs: list[bytearray]) -> TokenOutput:
     """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
     attention = msg.attention.take(bufs) if msg.attention is not None else None
     hidden = msg.hidden.take(bufs) if msg.hidden is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -275,7 +275,7 @@ class GenerationService:
 
     async def run(
         self, req: CanonicalRequest, control: RunControl | None = None
-    ) -> AsyncIterator[Started | TokenOut | proto.Progress | DoneOut]:
+    ) -> AsyncGenerator[Started | TokenOut | proto.Progress | DoneOut, None]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
         With ``req.progress``, ``engine.protocol.Progress`` events come before the first

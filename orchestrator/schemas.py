@@ -151,7 +151,7 @@ class GenerateRequest(SamplerFields, kw_only=True):
         """Merge aliases (first given wins, slotserve's own names first) into one canonical request;
         a field no alias gives is taken from ``defaults`` (KoboldCpp's routes pass KoboldCpp's)."""
 
-        def first(*vals: object, default: object) -> object:
+        def first(*vals: Any, default: Any) -> Any:
             return next((v for v in vals if v is not None), default)
 
         stops: list[str] = []
@@ -173,16 +173,16 @@ class GenerateRequest(SamplerFields, kw_only=True):
                     self.n_predict,
                     default=defaults.max_new_tokens,
                 )
-            ),  # type: ignore[call-overload]
-            temperature=float(first(self.temperature, default=defaults.temperature)),  # type: ignore[arg-type]
-            top_p=float(first(self.top_p, default=defaults.top_p)),  # type: ignore[arg-type]
-            top_k=int(first(self.top_k, default=defaults.top_k)),  # type: ignore[call-overload]
-            min_p=float(first(self.min_p, default=defaults.min_p)),  # type: ignore[arg-type]
+            ),
+            temperature=float(first(self.temperature, default=defaults.temperature)),
+            top_p=float(first(self.top_p, default=defaults.top_p)),
+            top_k=int(first(self.top_k, default=defaults.top_k)),
+            min_p=float(first(self.min_p, default=defaults.min_p)),
             repeat_penalty=float(
                 first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=defaults.repeat_penalty)
-            ),  # type: ignore[arg-type]
-            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),  # type: ignore[call-overload]
-            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),  # type: ignore[call-overload]
+            ),
+            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),
+            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),
             stop_tokens=list(self.stop_tokens or []),
             banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
             stop_strings=[s for s in stops if s],
@@ -192,7 +192,7 @@ class GenerateRequest(SamplerFields, kw_only=True):
             attention_dtype=self.attention_dtype,
             attention_layers=self.attention_layers,
             hidden_state=self.output_hidden_states,
-            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),  # type: ignore[call-overload]
+            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),
             slot="0" if slot is None else str(slot),
             wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
             progress=self.return_progress,
