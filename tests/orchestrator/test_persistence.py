@@ -29,7 +29,7 @@ def toks(out: dict) -> list[int]:  # type: ignore[type-arg]
 
 
 def listing(srv: ServerProc) -> dict[object, dict]:  # type: ignore[type-arg]
-    return {s["id"]: s for s in httpx.get(srv.url + "/slots").json()}
+    return {s["id"]: s for s in httpx.get(srv.url + "/slots", timeout=60).json()}
 
 
 def saved(srv: ServerProc, slot: object) -> dict | None:  # type: ignore[type-arg]
@@ -88,23 +88,28 @@ def test_slot_api_on_parked_slots(start_server, tmp_path) -> None:  # type: igno
     gen(srv, "p2", p)  # parks p1
     assert listing(srv)["p1"]["place"] == "parked"
     want = p + toks(out)
-    r = httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}).json()
+    r = httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}, timeout=60).json()
     assert r["tokens"] == want
     assert listing(srv)["p1"]["place"] == "parked", "reading tokens must not restore the slot"
     blob = httpx.post(
-        srv.url + "/slots/p1", params={"action": "save-state"}, headers={"Accept": "application/octet-stream"}
+        srv.url + "/slots/p1",
+        params={"action": "save-state"},
+        headers={"Accept": "application/octet-stream"},
+        timeout=60,
     )
     assert blob.status_code == 200 and blob.content[:4] == b"SES1"
-    info = httpx.get(srv.url + "/v1/slots/p1/info").json()
+    info = httpx.get(srv.url + "/v1/slots/p1/info", timeout=60).json()
     assert info["n_tokens"] == len(want)
     pv = httpx.post(srv.url + "/api/v1/generate/preview", json={"append_tokens": tokenize(srv.url, "\nMore?"),
-                                                                 "id_slot": "p1", "max_tokens": 4, "temperature": 0})  # fmt: skip
+                                                                 "id_slot": "p1", "max_tokens": 4, "temperature": 0}, timeout=60)  # fmt: skip
     assert pv.status_code == 200 and pv.json()["cache_hit"] is True
-    fk = httpx.post(srv.url + "/slots/p1", params={"action": "fork"}, json={"target": "p1-copy"})
+    fk = httpx.post(srv.url + "/slots/p1", params={"action": "fork"}, json={"target": "p1-copy"}, timeout=60)
     assert fk.status_code == 200 and fk.json()["n_tokens"] == len(want), fk.text
-    cs = httpx.post(srv.url + "/slots/p2", params={"action": "context-shift"}, json={"n_keep": 2, "n_discard": 3})
+    cs = httpx.post(
+        srv.url + "/slots/p2", params={"action": "context-shift"}, json={"n_keep": 2, "n_discard": 3}, timeout=60
+    )
     assert cs.status_code == 200 and cs.json()["new_n_tokens"] == len(want) - 3
-    assert httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}).json()["tokens"] == want
+    assert httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}, timeout=60).json()["tokens"] == want
 
 
 def test_restart_resumes_conversations(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
