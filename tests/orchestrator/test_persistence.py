@@ -11,7 +11,7 @@ import httpx
 
 from tests.conftest import CHAT, ServerProc
 from tests.orchestrator.client import assert_same_greedy, iter_sse_events, tokenize
-from tests.waiting import wait_until
+from tests.waiting import DEADLINE_S, wait_until
 
 QUESTIONS = ["Name a red fruit.", "What is 3+4?", "Say hello in French.", "Name a planet.", "What colour is grass?",
              "Name a big cat."]  # fmt: skip
@@ -38,8 +38,8 @@ def saved(srv: ServerProc, slot: object) -> dict | None:  # type: ignore[type-ar
     return s if s and s.get("stored") and not s.get("dirty") else None
 
 
-def wait_saved(srv: ServerProc, slot: object) -> dict:  # type: ignore[type-arg]
-    return wait_until(lambda: saved(srv, slot), f"slot {slot} persisted", interval=0.1)
+def wait_saved(srv: ServerProc, slot: object, timeout: float = DEADLINE_S) -> dict:  # type: ignore[type-arg]
+    return wait_until(lambda: saved(srv, slot), f"slot {slot} persisted", timeout, interval=0.1)
 
 
 def healthy(srv: ServerProc) -> bool:
