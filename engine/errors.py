@@ -27,7 +27,8 @@ class ErrorCode(StrEnum):
     SLOT_NOT_FOUND = "SLOT_NOT_FOUND"  # no such slot (nor a stored state of it)
     METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"  # the route exists, the method does not
     SLOT_BUSY = "SLOT_BUSY"  # another request or node holds the slot
-    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"  # body or message over the size limit
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"  # body, headers or message over the size limit
+    REQUEST_TIMEOUT = "REQUEST_TIMEOUT"  # the request's headers or body did not arrive in time
     RATE_LIMITED = "RATE_LIMITED"  # the admission queue or the spare sequences are full
     CLIENT_GONE = "CLIENT_GONE"  # the client left while its request waited
     INTERNAL = "INTERNAL"  # a bug of ours

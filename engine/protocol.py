@@ -228,7 +228,7 @@ class RestoreState(SeqRequest):
 
 class SaveFile(SeqRequest):
     """Write the sequence to ``path`` as llama-server's slot file (llama.cpp's ``ggsq`` sequence
-    state file: :mod:`storage.ggsq`), beside it first and renamed over it (reply ``FileSaved``).
+    state file: :mod:`engine.ggsq`), beside it first and renamed over it (reply ``FileSaved``).
 
     ``path`` is absolute, on a file system the worker shares with the orchestrator (which
     confined it to ``--slot-save-path``).  The sequence is only read.

@@ -251,13 +251,16 @@ def _read_tail(r: _Reader) -> tuple[tuple[int, int], np.ndarray]:
 
 
 def parse(
-    blob: bytes | memoryview, expect: StateLayout | None = None, io_header: bool = True, shape: StateShape | None = None
+    blob: bytes | bytearray | memoryview,
+    expect: StateLayout | None = None,
+    io_header: bool = True,
+    shape: StateShape | None = None,
 ) -> ParsedState:
     """Parse a sequence state of ``shape``'s parts (``expect``'s when given, else one KV cache part);
     check it against ``expect`` when given.
 
     ``io_header=False``: ``blob`` lacks the first 8 bytes (io magic, source sequence), as a
-    ``ggsq`` file holds the state (:mod:`storage.ggsq`); the offsets in the result are then
+    ``ggsq`` file holds the state (:mod:`engine.ggsq`); the offsets in the result are then
     relative to where ``blob`` starts.  Any number of streams is accepted in each KV cache part as
     long as at most one holds cells.  Only the header fields and cell records are read, so a memory
     map of a file is parsed without reading its K/V data.  Raises :class:`BadStateError` on a wrong

@@ -10,7 +10,11 @@ from it (:func:`add_arguments`), with llama-server's flag names and short aliase
 
 ``Flag(help, *flags, serve=False)`` keeps a flag off ``slotserve serve`` (worker only).  A
 ``bool`` that defaults to False becomes a switch (``--verify-cells``), any other ``bool`` a
-``--x``/``--no-x`` pair; a ``Literal`` field offers its values as choices.
+``--x``/``--no-x`` pair; a ``Literal`` field offers its values as choices; a ``tuple[str, ...]``
+takes a comma-separated, repeatable flag; ``Flag(env=NAME)`` reads the environment variable
+``NAME`` when the flag is not given.  The same machinery (:func:`add_arguments` and
+:func:`from_args` with ``cls``) generates the server's own flags from its settings Struct
+(``orchestrator/config.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import typing
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -36,17 +41,25 @@ class Flag:
 
     ``serve``: the flag is also on ``slotserve serve``/``check`` (not only on the worker's
     command line); ``default_text`` shows in the help instead of the default's value;
-    ``metavar`` names the value in the help.
+    ``metavar`` names the value in the help; ``env``: an environment variable that gives the
+    value when the flag does not.
     """
 
     def __init__(
-        self, help: str, *flags: str, serve: bool = True, default_text: str | None = None, metavar: str = "N"
+        self,
+        help: str,
+        *flags: str,
+        serve: bool = True,
+        default_text: str | None = None,
+        metavar: str = "N",
+        env: str | None = None,
     ) -> None:
         self.help = help
         self.flags = flags
         self.serve = serve
         self.default_text = default_text
         self.metavar = metavar
+        self.env = env
 
 
 def default_threads() -> int:
@@ -156,12 +169,15 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return -(-self.n_ctx // 256) * 256
 
 
-def _fields() -> list[tuple[str, Any, Flag, Any]]:
-    """``(name, type, flag, default)`` of every field that has flags, in declaration order."""
-    hints = typing.get_type_hints(EngineSettings, include_extras=True)
-    defaults = EngineSettings()
+S = typing.TypeVar("S", bound=msgspec.Struct)
+
+
+def _fields(cls: type[msgspec.Struct] = EngineSettings) -> list[tuple[str, Any, Flag, Any]]:
+    """``(name, type, flag, default)`` of every field of ``cls`` that has flags, in declaration order."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    defaults = cls()
     out = []
-    for f in msgspec.structs.fields(EngineSettings):
+    for f in msgspec.structs.fields(cls):
         hint = hints[f.name]
         flag = next((m for m in typing.get_args(hint)[1:] if isinstance(m, Flag)), None)
         if flag is not None:
@@ -169,16 +185,22 @@ def _fields() -> list[tuple[str, Any, Flag, Any]]:
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, serve: bool = False) -> None:
-    """Add every engine flag (with ``serve``: only those ``slotserve serve`` offers) to ``parser``.
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    serve: bool = False,
+    cls: type[msgspec.Struct] = EngineSettings,
+) -> None:
+    """Add every flag of ``cls``'s fields (with ``serve``: only those ``slotserve serve`` offers) to ``parser``.
 
     Flags that are not given leave no attribute, so :func:`from_args` applies only what
     the command line says.
     """
-    for name, kind, flag, default in _fields():
+    for name, kind, flag, default in _fields(cls):
         if serve and not flag.serve:
             continue
         shown = flag.default_text if flag.default_text is not None else default
+        if flag.env is not None:
+            shown = f"${flag.env} or {shown}"
         kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": f"{flag.help} (default: {shown})"}
         args = typing.get_args(kind)
         if kind is bool and default is False:
@@ -187,18 +209,43 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, ser
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
             kw["choices"] = args
+        elif typing.get_origin(kind) is tuple:
+            kw.update(action="append", metavar=flag.metavar)
         else:
             kw.update(type=next((a for a in args if a is not type(None)), kind), metavar=flag.metavar)
         parser.add_argument(*flag.flags, **kw)
 
 
-def from_args(ns: argparse.Namespace, base: EngineSettings | None = None) -> EngineSettings:
-    """``base`` (default: the defaults) with the flags given in ``ns`` applied, checked.
+def _given(ns: argparse.Namespace, name: str, kind: Any, flag: Flag) -> tuple[bool, Any]:
+    """Whether the command line (or the flag's environment variable) sets field ``name``, and to what."""
+    if hasattr(ns, name):
+        value = getattr(ns, name)
+        if typing.get_origin(kind) is tuple:  # repeated, each comma-separated
+            value = [part.strip() for v in value for part in v.split(",") if part.strip()]
+        return True, value
+    if flag.env is not None and os.environ.get(flag.env):
+        return True, os.environ[flag.env]
+    return False, None
+
+
+def _decode_path(kind: type, value: Any) -> Any:
+    if kind is Path:
+        return Path(value)
+    raise NotImplementedError(kind)
+
+
+def from_args(ns: argparse.Namespace, base: S | None = None, cls: type[S] = EngineSettings) -> S:  # type: ignore[assignment]
+    """``base`` (default: ``cls``'s defaults) with the flags given in ``ns`` applied, checked.
 
     Raises ``msgspec.ValidationError`` for a value out of range (e.g. ``--ctx-size 0``).
     """
-    given = {name: getattr(ns, name) for name, *_ in _fields() if hasattr(ns, name)}
-    return msgspec.convert({**msgspec.to_builtins(base or EngineSettings()), **given}, EngineSettings)
+    given = {}
+    for name, kind, flag, _default in _fields(cls):
+        is_given, value = _given(ns, name, kind, flag)
+        if is_given:
+            given[name] = value
+    current = msgspec.to_builtins(base if base is not None else cls(), enc_hook=str)
+    return msgspec.convert({**current, **given}, cls, dec_hook=_decode_path)
 
 
 def encode(settings: EngineSettings) -> str:

@@ -2,7 +2,7 @@
 
 llama-server's ``POST /slots/{id}?action=save|restore`` (``tools/server/README.md``) writes and
 reads ``--slot-save-path/FILENAME`` with ``llama_state_seq_save_file`` /
-``llama_state_seq_load_file`` (``include/llama.h``); the format is :mod:`storage.ggsq`'s.
+``llama_state_seq_load_file`` (``include/llama.h``); the format is :mod:`engine.ggsq`'s.
 When the worker shares the orchestrator's file system (it spawned the worker), the worker
 does the same, so a slot's tens of MB never cross the worker's socket:
 
@@ -32,8 +32,7 @@ from pathlib import Path
 from engine import seq_state
 from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
-from storage.errors import BadStateError
-from storage.ggsq import read_seq_file, write_seq_file
+from engine.ggsq import read_seq_file, write_seq_file
 
 
 def write_slot_file(path: Path, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
@@ -48,7 +47,7 @@ def write_slot_file(path: Path, tokens: list[int], state: bytes | bytearray | me
         return write_seq_file(path, tokens, state)
     except IsADirectoryError as exc:
         raise EngineError(ErrorCode.INVALID_REQUEST, f"invalid filename {path.name!r}: it names a directory") from exc
-    except (OSError, BadStateError) as exc:
+    except (OSError, seq_state.BadStateError) as exc:
         raise EngineError(ErrorCode.INTERNAL, f"could not write the slot file {path.name!r}: {exc}") from exc
 
 
@@ -74,7 +73,7 @@ def load_seq_file(engine: Engine, seq: int, path: Path) -> tuple[int, int, float
             engine.state_pool.give(parsed.state)
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise EngineError(ErrorCode.INVALID_REQUEST, f"no saved slot file {path.name!r}") from exc
-    except (BadStateError, seq_state.BadStateError) as exc:
+    except seq_state.BadStateError as exc:
         raise EngineError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
     except OSError as exc:
         raise EngineError(ErrorCode.INTERNAL, f"could not read the slot file {path.name!r}: {exc}") from exc

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from engine.errors import ErrorCode
 from orchestrator import metrics
@@ -68,8 +68,9 @@ class Ticket(Generic[S]):
         ``interrupt`` being set.  Raises the error passed to :meth:`fail`."""
         self.moved.clear()
         watchers = [asyncio.ensure_future(e.wait()) for e in (self.moved, interrupt) if e is not None]
+        waited: set[asyncio.Future[Any]] = {self.outcome, *watchers}
         try:
-            await asyncio.wait({self.outcome, *watchers}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in watchers:
                 w.cancel()
@@ -86,7 +87,7 @@ class AdmissionQueue(Generic[S]):
     ``RATE_LIMITED``.  ``retry_after_s``: the ``Retry-After`` a refused client is told.
     """
 
-    def __init__(self, max_waiting: int = 64, max_wait_s: float = 300.0, retry_after_s: int = 1) -> None:
+    def __init__(self, max_waiting: int, max_wait_s: float, retry_after_s: int = 1) -> None:
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
@@ -97,7 +98,7 @@ class AdmissionQueue(Generic[S]):
 
     def refusal(self, message: str) -> ApiError:
         """``RATE_LIMITED`` with ``retry_after`` (seconds; HTTP answers carry it as ``Retry-After``)."""
-        return ApiError("RATE_LIMITED", message, retry_after=self.retry_after_s)
+        return ApiError(ErrorCode.RATE_LIMITED, message, retry_after=self.retry_after_s)
 
     def enter(self, slot: S) -> Ticket[S]:
         """Join the back of the queue; ``RATE_LIMITED`` when it is full."""

@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from litestar import Litestar, Request
 from litestar.config.cors import CORSConfig
+from litestar.data_extractors import ResponseExtractorField
 from litestar.di import Provide
 from litestar.logging.config import StructLoggingConfig
 from litestar.middleware.logging import LoggingMiddlewareConfig
@@ -38,9 +39,12 @@ from orchestrator.generation import GenerationService
 from orchestrator.lease_keeper import LeaseKeeper
 from orchestrator.origins import origin_middleware
 from orchestrator.services import Services, provide_services, provide_slot_ops
-from orchestrator.slots import SlotRegistry
+from orchestrator.slots import Slot, SlotRegistry
 
 log = structlog.get_logger("slotserve")
+
+# Never log bodies (attention, SES1 states, conversations) or query strings (api_key).
+RESPONSE_LOG_FIELDS: tuple[ResponseExtractorField, ...] = ("status_code",)
 
 
 def build_services(settings: Settings) -> Services:
@@ -58,7 +62,7 @@ def build_services(settings: Settings) -> Services:
         # Stable across restarts of the same node, so a restarted node takes its leases back.
         node_id = settings.node_id or f"{socket.gethostname()}:{settings.port}"
         leases = LeaseKeeper(archive, node_id, settings.lease_ms)
-    queue = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
+    queue: AdmissionQueue[Slot] = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
     registry = SlotRegistry(
         engine, settings.worker.engine.n_slots, archive, leases, queue, park_idle_s=settings.park_idle_s or None
     )
@@ -158,7 +162,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
                     # Never log bodies (attention, SES1 states, conversations) or query strings (api_key).
                     middleware_logging_config=LoggingMiddlewareConfig(
                         request_log_fields=("path", "method", "content_type", "path_params"),
-                        response_log_fields=("status_code",),
+                        response_log_fields=RESPONSE_LOG_FIELDS,
                     ),
                 )
             )

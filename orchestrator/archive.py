@@ -62,9 +62,9 @@ class SlotArchive:
         store: SlotStore,
         fingerprint: Callable[[], str],
         *,
-        codec: str = "auto",
-        level: int = 3,
-        store_timeout_s: float = 3.0,
+        codec: str,
+        level: int,
+        store_timeout_s: float,
         breaker_s: float = 2.0,
     ) -> None:
         self.store: SlotStore = TimeoutStore(store, store_timeout_s)  # type: ignore[assignment]

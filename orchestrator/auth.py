@@ -41,7 +41,9 @@ def _matches(keys: list[str], *wanted: str | None) -> bool:
 def require_admin(scope: Scope, admin_key: str | None) -> None:
     """Raise ``UNAUTHORIZED`` (401) unless ``admin_key`` is unset or presented (see module docstring)."""
     if admin_key and not _matches(_presented_keys(scope), admin_key):
-        raise ApiError("UNAUTHORIZED", "this needs the admin key (--admin-key): X-Admin-Key header or ?admin_key=")
+        raise ApiError(
+            ErrorCode.UNAUTHORIZED, "this needs the admin key (--admin-key): X-Admin-Key header or ?admin_key="
+        )
 
 
 def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ignore[no-untyped-def]
@@ -61,10 +63,10 @@ def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ign
                 await send_error(send, scope["path"], err, [(b"www-authenticate", b"Bearer")])
                 return
             await receive()  # websocket.connect
-            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.accept", "subprotocol": None, "headers": []})
             frame = msgspec.json.encode({"type": "error", **err.body()}).decode()
-            await send({"type": "websocket.send", "text": frame})
-            await send({"type": "websocket.close", "code": 1008})
+            await send({"type": "websocket.send", "bytes": None, "text": frame})
+            await send({"type": "websocket.close", "code": 1008, "reason": None})
 
         return middleware
 

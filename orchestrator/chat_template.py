@@ -16,6 +16,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.errors import ErrorCode
 from orchestrator.errors import ApiError
 
 
@@ -40,10 +41,10 @@ def message_text(content: Any) -> str:
         out = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError("INVALID_REQUEST", "message content parts must be {'type': 'text', 'text': str}")
+                raise ApiError(ErrorCode.INVALID_REQUEST, "message content parts must be {'type': 'text', 'text': str}")
             out.append(part["text"])
         return "".join(out)
-    raise ApiError("INVALID_REQUEST", "message content must be a string or a list of text parts")
+    raise ApiError(ErrorCode.INVALID_REQUEST, "message content must be a string or a list of text parts")
 
 
 class ChatTemplate:
@@ -51,13 +52,13 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
         if not source:
-            raise ApiError("INVALID_REQUEST", "this model has no chat template (tokenizer.chat_template)")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "this model has no chat template (tokenizer.chat_template)")
         env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as exc:
-            raise ApiError("INVALID_REQUEST", f"the model's chat template does not compile: {exc}") from exc
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"the model's chat template does not compile: {exc}") from exc
         self.bos_token = bos_token
         self.eos_token = eos_token
 
@@ -70,11 +71,11 @@ class ChatTemplate:
         (``raise_exception``, e.g. roles out of order).
         """
         if not messages:
-            raise ApiError("INVALID_REQUEST", "messages must not be empty")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "messages must not be empty")
         clean = []
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError("INVALID_REQUEST", "each message needs a string 'role'")
+                raise ApiError(ErrorCode.INVALID_REQUEST, "each message needs a string 'role'")
             clean.append({**m, "content": message_text(m.get("content"))})
         try:
             return self.template.render(
@@ -85,4 +86,4 @@ class ChatTemplate:
                 tools=tools,
             )
         except jinja2.TemplateError as exc:
-            raise ApiError("INVALID_REQUEST", f"chat template error: {exc}") from exc
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"chat template error: {exc}") from exc

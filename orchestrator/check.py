@@ -58,9 +58,9 @@ async def generate(engine: EngineClient, seq: int, ids: list[int], n: int) -> li
     capture = proto.CaptureOptions(attention=True, format="per_layer", dtype="float32")
     out: list[Generated] = []
     async for ev in await engine.generate(seq, ids, params, capture):
-        if isinstance(ev, TokenOutput) and ev.token.attention is not None:
+        if isinstance(ev, TokenOutput) and (shape := ev.token.attention) is not None:
             t = ev.token
-            att = np.frombuffer(ev.attention or b"", dtype=t.attention.dtype).reshape(t.attention.shape)
+            att = np.frombuffer(ev.attention or b"", dtype=shape.dtype).reshape(shape.shape)
             out.append(Generated(t.token_id, t.logprob or 0.0, list(t.top), att.astype(np.float32)))
     return out
 

@@ -1,49 +1,145 @@
-"""Server settings (the ``slotserve serve`` command line)."""
+"""Server settings, declared once: every field with its default, its check and its ``slotserve serve`` flags.
+
+:class:`Settings` is declared as :class:`engine.settings.EngineSettings` is, one line a field
+(``Annotated[type, check, Flag(help, *flags)] = default``), and ``slotserve serve``'s own flags
+are generated from it by the same functions (:func:`engine.settings.add_arguments` and
+:func:`engine.settings.from_args` with ``cls=Settings``); docs/operations.md documents each
+flag. The engine's settings ride along in :attr:`Settings.worker`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
+import msgspec
+
+from engine.settings import EngineSettings, Flag, NonNegative, Positive
+from orchestrator.read_limits import ReadLimits
 from orchestrator.worker_options import WorkerOptions
 
+Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
+_limits = ReadLimits()
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything the orchestrator needs to start.
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the orchestrator needs to start (see the module docstring; units in the names:
+    ``_s`` seconds, ``_ms`` milliseconds, ``_bytes`` bytes).
 
     ``max_body_bytes`` caps HTTP bodies and WebSocket messages (``PAYLOAD_TOO_LARGE``).
     ``state_dir`` is the embedded store's directory, used when ``redis_url`` is unset.
-    ``allowed_origins``: web origins (``https://host:port``) allowed to use the API, by CORS
-    on HTTP and by the ``Origin`` header of a WebSocket handshake; ``*`` allows any.
-    ``queue_size`` / ``queue_timeout_s``: requests that may wait for a free engine sequence,
-    and for how long (seconds); see :mod:`orchestrator.admission`.  ``store_timeout_s``:
-    deadline of one state-store call (seconds; :class:`storage.timeouts.TimeoutStore`).
+    ``allowed_origins``: web origins (``https://host:port``) allowed to use the API
+    (``orchestrator/origins.py``); ``*`` allows any.  ``queue_size`` / ``queue_timeout_s``:
+    requests that may wait for a free engine sequence, and for how long; see
+    :mod:`orchestrator.admission`.  ``store_timeout_s``: deadline of one state-store call
+    (:class:`storage.timeouts.TimeoutStore`).
     """
 
-    worker: WorkerOptions = field(default_factory=WorkerOptions)
-    host: str = "127.0.0.1"
-    port: int = 5001
-    api_key: str | None = None
-    admin_key: str | None = None  # guards /admin and every slot-changing action
-    slots_endpoint: bool = True  # GET /slots (llama-server's --no-slots turns it off)
-    max_body_bytes: int = 64 << 20
-    allowed_origins: tuple[str, ...] = ("*",)
-    slot_save_path: Path | None = None
-    state_dir: Path | None = None
-    redis_url: str | None = None
-    key_prefix: str = "slotserve:"
-    state_ttl_s: int | None = None
-    chunk_bytes: int = 64 << 20
-    codec: str = "auto"
-    codec_level: int = 3
-    persist: bool = True
-    node_id: str = ""
-    lease_ms: int = 6_000
-    park_idle_s: float = 600.0
-    n_predict: int = -1  # llama-server's -n: tokens a /completion generates without n_predict (-1: to the window)
-    slot_wait_s: float = 300.0  # longest wait for a busy slot (KoboldCpp/OpenAI clients queue)
-    classifier: WorkerOptions | None = None  # a second worker serving a classifier GGUF
-    queue_size: int = 64
-    queue_timeout_s: float = 300.0
-    store_timeout_s: float = 3.0
+    worker: WorkerOptions = msgspec.field(default_factory=WorkerOptions)
+    host: Annotated[str, Flag("where to listen", "--host", metavar="HOST")] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535), Flag("where to listen", "--port")] = 5001
+    api_key: Annotated[
+        str | None, Flag("require this key (Bearer, X-Api-Key)", "--api-key", env="SLOTSERVE_API_KEY", metavar="KEY")
+    ] = None
+    admin_key: Annotated[
+        str | None,
+        Flag("guards /admin and slot-changing actions", "--admin-key", env="SLOTSERVE_ADMIN_KEY", metavar="KEY"),
+    ] = None
+    slots_endpoint: Annotated[bool, Flag("the GET /slots listing (llama-server's --no-slots)", "--slots")] = True
+    max_body_bytes: Annotated[
+        int, Positive, Flag("largest JSON body / WebSocket message, bytes", "--max-body", metavar="BYTES")
+    ] = 64 << 20
+    max_header_bytes: Annotated[
+        int, Positive, Flag("largest request line + headers, bytes (431)", "--max-header-bytes", metavar="BYTES")
+    ] = _limits.max_header_bytes
+    header_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0), Flag("seconds a request's headers may take (408)", "--header-timeout", metavar="S")
+    ] = _limits.header_timeout_s
+    body_timeout_s: Annotated[
+        float,
+        msgspec.Meta(gt=0),
+        Flag("longest pause within a request body, seconds (408)", "--body-timeout", metavar="S"),
+    ] = _limits.body_timeout_s
+    allowed_origins: Annotated[
+        tuple[str, ...],
+        Flag(
+            "web origins allowed to call the API, HTTP (CORS) and WebSocket alike; comma-separated or repeated"
+            " (*: any page)",
+            "--allowed-origins",
+            "--cors-origin",
+            metavar="LIST",
+        ),
+    ] = ("*",)
+    slot_save_path: Annotated[
+        Path | None, Flag("directory of the save/restore file actions", "--slot-save-path", metavar="DIR")
+    ] = None
+    state_dir: Annotated[
+        Path | None,
+        Flag("embedded store directory", "--state-dir", default_text="~/.local/state/slotserve", metavar="DIR"),
+    ] = None
+    redis_url: Annotated[
+        str | None,
+        Flag(
+            "redis://, rediss://, sentinel, cluster, file://", "--redis-url", env="SLOTSERVE_REDIS_URL", metavar="URL"
+        ),
+    ] = None
+    key_prefix: Annotated[str, Flag("store key prefix", "--key-prefix", metavar="P")] = "slotserve:"
+    state_ttl_s: Annotated[int | None, Flag("expire stored slots N seconds after their last save", "--state-ttl")] = (
+        None
+    )
+    chunk_bytes: Annotated[
+        int, Positive, Flag("split stored blobs into chunks of this size, bytes", "--chunk-bytes")
+    ] = 64 << 20
+    codec: Annotated[Codec, Flag("state compression", "--codec")] = "auto"
+    codec_level: Annotated[int, Flag("zstd level", "--codec-level")] = 3
+    persist: Annotated[bool, Flag("a store (--no-persist: slots live only in the engine)", "--persist")] = True
+    node_id: Annotated[
+        str, Flag("this node's name in slot leases", "--node-id", default_text="host:port", metavar="NAME")
+    ] = ""
+    lease_ms: Annotated[
+        int, Positive, Flag("slot lease time-to-live, ms (renewed every third)", "--lease-ms", metavar="MS")
+    ] = 6_000
+    park_idle_s: Annotated[
+        float, msgspec.Meta(ge=0), Flag("park slots idle this many seconds (0: never)", "--park-idle", metavar="S")
+    ] = 600.0
+    n_predict: Annotated[
+        int,
+        msgspec.Meta(ge=-1),
+        Flag("tokens a /completion generates without n_predict (-1: to the window)", "--n-predict", "-n"),
+    ] = -1
+    slot_wait_s: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        Flag("seconds a request waits for a busy slot (then SLOT_BUSY)", "--slot-wait", metavar="S"),
+    ] = 300.0
+    queue_size: Annotated[
+        int, NonNegative, Flag("requests that may wait for a free engine sequence (0: 429 at once)", "--queue-size")
+    ] = 64
+    queue_timeout_s: Annotated[
+        float, msgspec.Meta(ge=0), Flag("longest wait for an engine sequence, seconds", "--queue-timeout", metavar="S")
+    ] = 300.0
+    store_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0), Flag("deadline of one state-store call, seconds", "--store-timeout", metavar="S")
+    ] = 3.0
+    classifier_model: Annotated[
+        str | None,
+        Flag("classifier GGUF (pooling rank) served by POST /classify", "--classifier-model", metavar="PATH"),
+    ] = None
+    log_level: Annotated[str, Flag("uvicorn log level", "--log-level", metavar="L")] = "info"
+
+    @property
+    def read_limits(self) -> ReadLimits:
+        """How a request may arrive (uvicorn's protocol, :mod:`orchestrator.read_limits`)."""
+        return ReadLimits(self.max_header_bytes, self.header_timeout_s, self.body_timeout_s)
+
+    @property
+    def classifier(self) -> WorkerOptions | None:
+        """The second worker's options with ``--classifier-model`` (the first's threads and repacking)."""
+        if self.classifier_model is None:
+            return None
+        engine = self.worker.engine
+        return WorkerOptions(
+            EngineSettings(
+                model=self.classifier_model, n_threads=engine.n_threads, repack=engine.repack, classifier=True
+            )
+        )

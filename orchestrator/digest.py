@@ -18,11 +18,12 @@ from collections.abc import Callable
 
 import http_sf
 
+from engine.errors import ErrorCode
 from orchestrator.errors import ApiError
 
-ALGORITHMS: dict[str, Callable[[bytes], hashlib._Hash]] = {"sha-256": hashlib.sha256, "sha-512": hashlib.sha512}
-
 Buffer = bytes | bytearray | memoryview
+
+ALGORITHMS: dict[str, Callable[[Buffer], hashlib._Hash]] = {"sha-256": hashlib.sha256, "sha-512": hashlib.sha512}
 
 
 def repr_digest(*chunks: Buffer) -> str:
@@ -46,17 +47,22 @@ def check_repr_digest(value: str, data: Buffer, what: str) -> None:
     try:
         members = http_sf.parse(value.encode("ascii"), tltype="dictionary")
     except (ValueError, UnicodeEncodeError) as exc:
-        raise ApiError("INVALID_REQUEST", f"Repr-Digest is not a structured-field dictionary: {exc}") from exc
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"Repr-Digest is not a structured-field dictionary: {exc}") from exc
+    if not isinstance(members, dict):  # what tltype="dictionary" parses to
+        raise ApiError(ErrorCode.INVALID_REQUEST, "Repr-Digest is not a structured-field dictionary")
     checked = 0
-    for algorithm, (expected, _params) in members.items():
+    for algorithm, member in members.items():
+        expected = member[0] if isinstance(member, tuple) else member  # (value, parameters)
         hasher = ALGORITHMS.get(algorithm)
         if hasher is None:
             continue
         if not isinstance(expected, bytes):
-            raise ApiError("INVALID_REQUEST", f"Repr-Digest {algorithm} must be a byte sequence (:base64:)")
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"Repr-Digest {algorithm} must be a byte sequence (:base64:)")
         if hasher(data).digest() != expected:
-            raise ApiError("BAD_STATE", f"{what} does not match its {algorithm} digest (damaged in transit or on disk)")
+            raise ApiError(
+                ErrorCode.BAD_STATE, f"{what} does not match its {algorithm} digest (damaged in transit or on disk)"
+            )
         checked += 1
     if not checked:
         known = ", ".join(ALGORITHMS)
-        raise ApiError("INVALID_REQUEST", f"Repr-Digest names no supported algorithm ({known})")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"Repr-Digest names no supported algorithm ({known})")

@@ -257,6 +257,12 @@ class EngineClient(Protocol):
         """The tokens and llama.cpp sequence state of ``seq`` (``SLOT_BUSY`` while it generates)."""
         ...
 
+    def release_state(self, state: proto.Buffer) -> None:
+        """Hand back the buffer a :meth:`save_state` reply's ``state`` arrived in, once nothing reads it
+        any more: the client may receive the next state into it.  Anything else is left alone, and a
+        state never handed back is simply freed."""
+        ...
+
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
         """Replace ``seq`` with ``tokens`` and their llama.cpp sequence ``state``; returns ms taken.
 

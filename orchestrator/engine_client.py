@@ -31,7 +31,7 @@ import structlog
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from engine.framing import FrameStream, open_frame_stream, parse_address
+from engine.framing import RECEIVE_POOL, FrameStream, open_frame_stream, parse_address
 from orchestrator.engine_api import (
     Classification,
     EngineDeadError,
@@ -47,7 +47,7 @@ log = structlog.get_logger("slotserve.engine")
 R = TypeVar("R", bound=proto.Message)
 
 
-Event = tuple[proto.Reply, list[bytes]]
+Event = tuple[proto.Reply, list[bytearray]]
 
 STREAM_WINDOW = 4
 """Tokens a generation may run ahead of what its client has taken (``engine.protocol.Generate.window``).
@@ -251,7 +251,7 @@ class WorkerClient:
 
     async def _request(
         self, msg: proto.Message, answer: type[R], buffers: Sequence[proto.Buffer] = ()
-    ) -> tuple[R, list[bytes]]:
+    ) -> tuple[R, list[bytearray]]:
         """Send ``msg`` and return its single reply, an ``answer``; raise :class:`EngineRequestError` on ``Error``."""
         q: asyncio.Queue[Event | None] = asyncio.Queue()
         self._waiters[msg.req] = q
@@ -393,6 +393,10 @@ class WorkerClient:
         reply, bufs = await self._request(proto.SaveState(self.new_id(), seq), proto.StateBlob)
         return SequenceState(reply.tokens, reply.state.take(bufs), reply.t_ms)
 
+    def release_state(self, state: proto.Buffer) -> None:
+        """Give the receive buffer of a :meth:`save_state` reply back to the frame reader's pool."""
+        RECEIVE_POOL.give(state)
+
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
         """Replace ``seq`` from tokens + llama.cpp state bytes; returns the worker's time in ms."""
         msg = proto.RestoreState(self.new_id(), seq, list(tokens), proto.Tensor.raw(state))
@@ -439,7 +443,7 @@ class WorkerClient:
         return reply
 
 
-def token_output(msg: proto.Token, bufs: list[bytes]) -> TokenOutput:
+def token_output(msg: proto.Token, bufs: list[bytearray]) -> TokenOutput:
     """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
     attention = msg.attention.take(bufs) if msg.attention is not None else None
     hidden = msg.hidden.take(bufs) if msg.hidden is not None else None

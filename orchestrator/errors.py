@@ -27,7 +27,7 @@ from litestar import MediaType, Request, Response
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
-from litestar.types import Send
+from litestar.types import ExceptionHandlersMap, Send
 
 from engine.errors import ErrorCode
 from orchestrator.engine_api import EngineDeadError, EngineRequestError
@@ -47,6 +47,7 @@ STATUS_OF_CODE: dict[ErrorCode, int] = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.SLOT_NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.SLOT_BUSY: 409,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.RATE_LIMITED: 429,
@@ -232,7 +233,7 @@ def route_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
     return f"{connection.scope.get('method', 'WS')} {connection.scope.get('path', '')}"
 
 
-def exception_handlers(render: Callable[[ApiError], Any]) -> dict[type[Exception], Any]:
+def exception_handlers(render: Callable[[ApiError], Any]) -> ExceptionHandlersMap:
     """Litestar's ``exception_handlers`` for every type of :data:`TO_API_ERROR`: the error,
     reported (:func:`report`), answered as ``render(err)`` JSON, with ``Retry-After`` when the
     error carries ``retry_after``."""
@@ -284,4 +285,4 @@ async def send_error(send: Send, path: str, err: ApiError, headers: Sequence[tup
     body = msgspec.json.encode(compat_error_body(err) if path.startswith(COMPAT_ERROR_PATHS) else err.body())
     start = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     await send({"type": "http.response.start", "status": err.status, "headers": start})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -80,7 +80,9 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
     for t in ids:
         if not 0 <= t < vocab_size:
             raise ApiError(
-                "INVALID_TOKEN", f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}", token_id=t
+                ErrorCode.INVALID_TOKEN,
+                f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}",
+                token_id=t,
             )
 
 
@@ -128,7 +130,7 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
 def require_attention(wanted: bool, attention_layers: list[int]) -> None:
     """Refuse (``INVALID_REQUEST``) attention ``wanted`` from a model without attention layers (recurrent)."""
     if wanted and not attention_layers:
-        raise ApiError("INVALID_REQUEST", "this model has no attention layers (recurrent): no attention to return")
+        raise ApiError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent): no attention")
 
 
 def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto.CaptureOptions:
@@ -141,7 +143,7 @@ def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto
         not layers or any(il not in attention_layers for il in layers) or len(set(layers)) != len(layers)
     ):
         raise ApiError(
-            "INVALID_REQUEST", f"attention_layers must be distinct layers with attention, among {attention_layers}"
+            ErrorCode.INVALID_REQUEST, f"attention_layers must be distinct layers with attention: {attention_layers}"
         )
     return proto.CaptureOptions(
         attention=req.attention,
@@ -229,7 +231,7 @@ class GenerationService:
     def info(self) -> proto.ModelInfo:
         """The loaded model's facts (``NO_MODEL`` while no worker is up)."""
         if self.engine.info is None:
-            raise ApiError("NO_MODEL", "No model loaded")
+            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
         return self.engine.info
 
     async def input_ids(self, req: CanonicalRequest) -> list[int]:
@@ -240,13 +242,13 @@ class GenerationService:
         elif req.prompt is not None:
             ids = (await self.engine.tokenize(req.prompt, False, True)).ids
         else:
-            raise ApiError("INVALID_REQUEST", "give input_ids (token ids) or prompt (text)")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "give input_ids (token ids) or prompt (text)")
         if not ids:
-            raise ApiError("INVALID_REQUEST", "the context is empty")
+            raise ApiError(ErrorCode.INVALID_REQUEST, "the context is empty")
         check_tokens(ids, info.vocab_size, "input_ids")
         if len(ids) + req.max_new_tokens > info.n_ctx:
             raise ApiError(
-                "CONTEXT_OVERFLOW",
+                ErrorCode.CONTEXT_OVERFLOW,
                 f"context of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds n_ctx {info.n_ctx}",
                 n_ctx=info.n_ctx,
                 context_length=len(ids),
@@ -282,7 +284,7 @@ class GenerationService:
 
     async def run(
         self, req: CanonicalRequest, control: RunControl | None = None
-    ) -> AsyncIterator[Started | TokenOut | proto.Progress | DoneOut]:
+    ) -> AsyncGenerator[Started | TokenOut | proto.Progress | DoneOut, None]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
         With ``req.progress``, ``engine.protocol.Progress`` events come before the first

@@ -33,7 +33,7 @@ class LeaseKeeper:
     the slots this node holds to their lease tokens.
     """
 
-    def __init__(self, archive: SlotArchive, node_id: str = "", lease_ms: int = 6_000) -> None:
+    def __init__(self, archive: SlotArchive, node_id: str, lease_ms: int) -> None:
         self.archive = archive
         self.node_id = node_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.lease_ms = lease_ms

@@ -53,7 +53,7 @@ def origin_middleware(cors: CORSConfig) -> Callable[[ASGIApp], ASGIApp]:
                 if origin is not None:
                     if kind == "websocket":
                         await receive()  # websocket.connect
-                        await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+                        await send({"type": "websocket.close", "code": 1008, "reason": None})  # before accept: HTTP 403
                         return
                     err = ApiError(ErrorCode.FORBIDDEN, f"origin {origin!r} is not allowed (--allowed-origins)")
                     await send_error(send, scope["path"], err)

@@ -53,7 +53,7 @@ class Residency(ABC):
         self.engine = engine
         self.n_seqs = n_seqs
         self.can_park = can_park
-        self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue()
+        self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue(0, 0.0)  # none: 429 at once
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
 

@@ -20,6 +20,9 @@ from engine.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionForm
 from orchestrator.errors import ApiError
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
+# A preview's defaults: the same sampler, a little more conservative (docs/api.md, "Preview"), no
+# repetition penalty; only these four differ from DEFAULT.
+PREVIEW = msgspec.structs.replace(DEFAULT, max_new_tokens=50, temperature=0.7, top_p=0.9, min_p=0.0)
 
 # Value ranges, checked when a body is decoded (HTTP and WebSocket alike) and published in
 # the OpenAPI schema.  Sampler values reach llama.cpp as C ``float`` / ``int32_t`` /
@@ -152,7 +155,7 @@ class GenerateRequest(SamplerFields, kw_only=True):
         """Merge aliases (first given wins, slotserve's own names first) into one canonical request;
         a field no alias gives is taken from ``defaults`` (KoboldCpp's routes pass KoboldCpp's)."""
 
-        def first(*vals: object, default: object) -> object:
+        def first(*vals: Any, default: Any) -> Any:
             return next((v for v in vals if v is not None), default)
 
         stops: list[str] = []
@@ -174,16 +177,16 @@ class GenerateRequest(SamplerFields, kw_only=True):
                     self.n_predict,
                     default=defaults.max_new_tokens,
                 )
-            ),  # type: ignore[call-overload]
-            temperature=float(first(self.temperature, default=defaults.temperature)),  # type: ignore[arg-type]
-            top_p=float(first(self.top_p, default=defaults.top_p)),  # type: ignore[arg-type]
-            top_k=int(first(self.top_k, default=defaults.top_k)),  # type: ignore[call-overload]
-            min_p=float(first(self.min_p, default=defaults.min_p)),  # type: ignore[arg-type]
+            ),
+            temperature=float(first(self.temperature, default=defaults.temperature)),
+            top_p=float(first(self.top_p, default=defaults.top_p)),
+            top_k=int(first(self.top_k, default=defaults.top_k)),
+            min_p=float(first(self.min_p, default=defaults.min_p)),
             repeat_penalty=float(
                 first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=defaults.repeat_penalty)
-            ),  # type: ignore[arg-type]
-            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),  # type: ignore[call-overload]
-            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),  # type: ignore[call-overload]
+            ),
+            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),
+            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),
             stop_tokens=list(self.stop_tokens or []),
             banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
             stop_strings=[s for s in stops if s],
@@ -193,7 +196,7 @@ class GenerateRequest(SamplerFields, kw_only=True):
             attention_dtype=self.attention_dtype,
             attention_layers=self.attention_layers,
             hidden_state=self.output_hidden_states,
-            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),  # type: ignore[call-overload]
+            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),
             slot="0" if slot is None else str(slot),
             wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
             progress=self.return_progress,
@@ -315,12 +318,12 @@ class PreviewRequest(SamplerFields, kw_only=True):
     generation routes' further sampler fields (:class:`SamplerFields`)."""
 
     append_tokens: list[AppendToken | int] = []
-    max_tokens: PreviewTokens = 50
-    temperature: Float32 = 0.7
-    top_p: Probability = 0.9
-    top_k: TopK = 40
-    min_p: Probability = 0.0
-    seed: Seed = -1
+    max_tokens: PreviewTokens = PREVIEW.max_new_tokens
+    temperature: Float32 = PREVIEW.temperature
+    top_p: Probability = PREVIEW.top_p
+    top_k: TopK = PREVIEW.top_k
+    min_p: Probability = PREVIEW.min_p
+    seed: Seed = PREVIEW.seed
     stop_tokens: list[int] = []
     use_cached_context: bool = True
     input_ids: list[int] | None = None
@@ -336,7 +339,7 @@ class PreviewRequest(SamplerFields, kw_only=True):
         return CanonicalRequest(
             request_id=None, input_ids=None, prompt=None, max_new_tokens=self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repeat_penalty=DEFAULT.repeat_penalty, repeat_last_n=DEFAULT.repeat_last_n, seed=self.seed,
+            repeat_penalty=PREVIEW.repeat_penalty, repeat_last_n=PREVIEW.repeat_last_n, seed=self.seed,
             stop_tokens=list(self.stop_tokens), banned_tokens=[], stop_strings=[], ignore_eos=False,
             attention=self.output_attentions, attention_format=self.attention_format,
             attention_dtype=self.attention_dtype, attention_layers=None, hidden_state=False, n_probs=0,

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine import protocol as proto
+from engine.errors import ErrorCode
 from orchestrator.admission import WaitHooks
 from orchestrator.errors import ApiError
 
@@ -65,5 +66,7 @@ class Slot:
 def check_slot_id(slot_id: str) -> str:
     """Validate a slot id (1..256 printable characters); raise ``INVALID_REQUEST``."""
     if not slot_id or len(slot_id) > MAX_SLOT_ID or not slot_id.isprintable():
-        raise ApiError("INVALID_REQUEST", f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters")
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters"
+        )
     return slot_id

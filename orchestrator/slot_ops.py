@@ -18,12 +18,12 @@ from pathlib import Path
 from engine import seq_state
 from engine.buffers import BufferPool
 from engine.errors import ErrorCode
-from engine.framing import RECEIVE_POOL, Buffer
+from engine.framing import Buffer
+from engine.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
 from orchestrator.errors import ApiError
 from orchestrator.generation import check_tokens
 from orchestrator.slots import Slot, SlotRegistry
 from storage.errors import BadStateError
-from storage.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
 from storage.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
 
 
@@ -132,6 +132,10 @@ class SlotOps:
             raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {slot.id!r} holds no state")
         return SavedState(got[0], got[1], (time.perf_counter() - t0) * 1000)
 
+    def release(self, saved: SavedState) -> None:
+        """``saved``'s state is no longer read: its receive buffer may serve the engine client's next state."""
+        self.registry.engine.release_state(saved.state)
+
     # ------------------------------------------------------------------ writes
 
     async def restore_state(self, slot: Slot, blob: Buffer, created: bool) -> float:
@@ -197,7 +201,7 @@ class SlotOps:
 
     async def save_file(self, slot: Slot, filename: str) -> FileResult:
         """Write the slot to ``--slot-save-path/filename`` as llama.cpp's sequence-state file
-        (``ggsq``, what llama-server writes: :mod:`storage.ggsq`), beside the target first and
+        (``ggsq``, what llama-server writes: :mod:`engine.ggsq`), beside the target first and
         renamed over it.  A resident slot is written by the worker when it shares this file
         system (``worker_files``); a parked one (or any, with a standalone worker) from its
         state here, off the event loop.  Raises ``INVALID_REQUEST`` for a bad file name."""
@@ -213,7 +217,7 @@ class SlotOps:
         except IsADirectoryError as exc:  # made a directory meanwhile
             raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory") from exc
         finally:
-            RECEIVE_POOL.give(saved.state)  # written (or not): its receive buffer serves the next state
+            self.release(saved)  # written (or not)
         return FileResult(len(saved.tokens), n, (time.perf_counter() - t0) * 1000)
 
     async def saved_file(self, filename: str) -> Path:
@@ -227,7 +231,7 @@ class SlotOps:
             tokens = await asyncio.to_thread(_check_seq_file, path, self._shape())
         except (FileNotFoundError, IsADirectoryError) as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
-        except (BadStateError, seq_state.BadStateError) as exc:
+        except seq_state.BadStateError as exc:
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         self._check_state_tokens(tokens)
         return path
@@ -255,7 +259,7 @@ class SlotOps:
             parsed, size = await asyncio.to_thread(_read_seq_file, path, pool)
         except (FileNotFoundError, IsADirectoryError) as exc:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
-        except BadStateError as exc:
+        except seq_state.BadStateError as exc:
             raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         try:
             state = seq_state.single_stream(parsed.state, shape)  # llama-server -np N keeps a KV stream per slot

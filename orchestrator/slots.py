@@ -34,7 +34,6 @@ import structlog
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from engine.framing import RECEIVE_POOL
 from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue, WaitHooks
 from orchestrator.archive import SlotArchive
@@ -287,8 +286,10 @@ class SlotRegistry(Residency):
 
     async def _read_state(self, slot: Slot) -> tuple[list[int], bytes]:
         saved = await self.engine.save_state(slot.seq)  # type: ignore[arg-type]
-        ses1 = pack_ses1(saved.tokens, saved.state)
-        RECEIVE_POOL.give(saved.state)  # copied into the blob: its receive buffer serves the next state
+        try:
+            ses1 = await asyncio.to_thread(pack_ses1, saved.tokens, saved.state)  # a copy of megabytes
+        finally:
+            self.engine.release_state(saved.state)  # copied into the blob: its receive buffer serves the next state
         return saved.tokens, ses1
 
     async def restore(self, slot: Slot, tokens: list[int], state: proto.Buffer, created: bool) -> None:
@@ -377,8 +378,10 @@ class SlotRegistry(Residency):
                 raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {src.id!r} holds no state") from exc
             self.archive.check_up()
             dst.dirty = False
-            ses1 = pack_ses1(got[0], got[1])
-            RECEIVE_POOL.give(got[1])
+            try:
+                ses1 = await asyncio.to_thread(pack_ses1, got[0], got[1])
+            finally:
+                self.engine.release_state(got[1])
             await self._write(dst, got[0], ses1, self.archive.next_version())
             return dst.n_tokens
         dst.n_tokens = len(await self.engine.fork(src_seq, dst_seq))

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from engine import settings
 from engine.framing import FrameStream
@@ -103,8 +104,9 @@ class WorkerProcess:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = await asyncio.create_subprocess_exec(*self.options.argv(f"unix:{path}"), env=env)
         try:
+            waited: list[asyncio.Future[Any]] = [accepted, asyncio.ensure_future(self.proc.wait())]
             done, _ = await asyncio.wait(
-                [accepted, asyncio.ensure_future(self.proc.wait())],
+                waited,
                 timeout=timeout,
                 return_when=asyncio.FIRST_COMPLETED,
             )

@@ -32,7 +32,7 @@ import random
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from redis import exceptions as rexc
@@ -302,7 +302,7 @@ class RedisStore:
             log.debug("could not drop temporary chunks: %r", exc)
 
     async def _read_meta(self, meta_key: bytes) -> SlotMeta | None:
-        fields = await self.redis.hmget(meta_key, ["gen", "n", "created", "body"])
+        fields = cast("list[bytes | None]", await self.redis.hmget(meta_key, ["gen", "n", "created", "body"]))
         return self._meta_from(fields)
 
     @staticmethod
@@ -324,7 +324,7 @@ class RedisStore:
             for attempt in range(_OPTIMISTIC_READS):
                 if attempt:
                     await asyncio.sleep(random.uniform(0, 0.002 * 2**attempt))
-                fields = await self.redis.hmget(meta_key, fields_cmd)
+                fields = cast("list[bytes | None]", await self.redis.hmget(meta_key, fields_cmd))
                 meta = self._meta_from(fields)
                 if meta is None:
                     return None
@@ -398,7 +398,7 @@ class RedisStore:
         async with _unavailable("acquire_lease"):
             if await self.redis.set(key, token, nx=True, px=ttl_ms):
                 return token
-            current = await self.redis.get(key)
+            current = cast("bytes | None", await self.redis.get(key))  # no decode_responses: bytes
             if current is None:
                 # expired between the two commands: one more plain attempt
                 return token if await self.redis.set(key, token, nx=True, px=ttl_ms) else None
@@ -424,5 +424,5 @@ class RedisStore:
         """Owner part of the current lease token, or None."""
         key = self.lease_key(slot_id)
         async with _unavailable("lease_owner"):
-            current = await self.redis.get(key)
+            current = cast("bytes | None", await self.redis.get(key))  # no decode_responses: bytes
         return None if current is None else token_owner(current.decode("utf-8", "replace"))

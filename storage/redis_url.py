@@ -119,8 +119,8 @@ def connect(
         raise ValueError(f"unsupported store URL scheme {parts.scheme!r}")
     user, password, hostlist = _split_netloc(parts.netloc)
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    auth = {"username": user, "password": password}
-    tls = {"ssl": True} if base == "rediss" else {}
+    auth: dict[str, Any] = {"username": user, "password": password}
+    tls: dict[str, Any] = {"ssl": True} if base == "rediss" else {}
 
     if mode == "cluster":
         hosts = parse_hosts(hostlist, 6379)

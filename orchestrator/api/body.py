@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def decode_json_body(raw: bytes | str, kind: type[T]) -> T:
+def decode_json_body(raw: bytes | bytearray | memoryview | str, kind: type[T]) -> T:
     """``raw`` JSON decoded into ``kind`` (an empty body is ``{}``).
 
     Raises ``ApiError(ErrorCode.INVALID_REQUEST)`` for malformed JSON, text that is not UTF-8,
@@ -58,4 +58,4 @@ def json_route(model: type[Any], responses: dict[int, Any] = ERROR_RESPONSES) ->
     """Options of a route whose ``data`` is a ``model`` body: :class:`StrictJson`, documented errors
     (``responses``: :data:`orchestrator.errors.ERROR_RESPONSES`, or ``COMPAT_ERROR_RESPONSES`` on
     llama-server's and OpenAI's paths)."""
-    return {"dto": StrictJson[model], "return_dto": None, "responses": responses}
+    return {"dto": StrictJson[model], "return_dto": None, "responses": responses}  # type: ignore[valid-type]

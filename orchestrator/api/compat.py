@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,7 @@ async def collect(
 
 async def started_run(
     services: Services, req: CanonicalRequest, request: Request[Any, Any, Any], control: RunControl | None = None
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """The events of ``req`` after :class:`orchestrator.generation.Started`: validated, slot held,
     generation begun, so errors up to here are plain 4xx answers.  A client that leaves while
     the request waits (for a busy slot or an engine sequence) ends it with ``CLIENT_GONE``;

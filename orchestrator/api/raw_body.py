@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from litestar import Request, Response
 from litestar.response.base import ASGIResponse
@@ -51,7 +51,8 @@ class _BuffersASGIResponse(ASGIResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         while buffers:
             body = buffers.pop(0)  # no reference left here once sent
-            await send({"type": "http.response.body", "body": body, "more_body": bool(buffers)})  # type: ignore[typeddict-item]
+            # a memoryview, not bytes as the type says: the server writes any buffer to its transport as is
+            await send({"type": "http.response.body", "body": cast("bytes", body), "more_body": bool(buffers)})
             del body
         if self.sent is not None:
             self.sent()

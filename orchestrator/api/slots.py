@@ -12,7 +12,7 @@ import asyncio
 import base64
 import binascii
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -24,7 +24,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from engine.errors import ErrorCode
-from engine.framing import RECEIVE_POOL, Buffer
+from engine.framing import Buffer
 from orchestrator.api.body import decode_json_body
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.generate import cancelled_on_disconnect
@@ -124,15 +124,17 @@ async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
         saved = await call.ops.save_state(slot)
     chunks = saved.ses1_chunks()
     digest = await asyncio.to_thread(repr_digest, *chunks)
-    state_buf = saved.state
 
-    def sent() -> None:  # the state arrived in a buffer of the worker connection's pool
-        RECEIVE_POOL.give(state_buf)
+    def sent() -> None:  # the state arrived in a buffer of the engine client's
+        call.ops.release(saved)
 
     if OCTET in call.request.headers.get("accept", ""):
         headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
         return BuffersResponse(chunks, OCTET, headers, sent)
-    state = base64.b64encode(b"".join(chunks)).decode("ascii")
+    try:
+        state = await asyncio.to_thread(_base64, chunks)  # tens of MB: off the event loop
+    finally:
+        sent()
     return SaveStateResponse(
         id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),
         state=state, digest=digest,
@@ -144,20 +146,32 @@ async def _restore_state(call: ActionCall) -> RestoreStateResponse:
         return await _restore_body(call, raw)
 
 
+def _base64(chunks: Sequence[Buffer]) -> str:
+    return base64.b64encode(b"".join(chunks)).decode("ascii")
+
+
+def _restore_blob(raw: Buffer, digest_header: str | None, octets: bool) -> Buffer:
+    """The SES1 blob of a ``restore-state`` body (``octets``: the body itself, else the JSON form's
+    base64 ``state``), its digests checked.  Hashes and decodes up to gigabytes: call it in a thread.
+    Raises ``ApiError`` (``INVALID_REQUEST``, ``BAD_STATE``)."""
+    if digest_header is not None:
+        check_repr_digest(digest_header, raw, "the request body")
+    if octets:
+        return raw
+    body = decode_json_body(raw, RestoreStateRequest)
+    try:
+        blob = base64.b64decode(body.state, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(ErrorCode.BAD_STATE, f"state is not valid base64: {exc}") from exc
+    if body.digest is not None:
+        check_repr_digest(body.digest, blob, "the state")
+    return blob
+
+
 async def _restore_body(call: ActionCall, raw: Buffer) -> RestoreStateResponse:
-    header = call.request.headers.get("repr-digest")
-    if header is not None:
-        check_repr_digest(header, raw, "the request body")
-    if call.request.headers.get("content-type", "").startswith(OCTET):
-        blob = raw
-    else:
-        body = decode_json_body(raw, RestoreStateRequest)
-        try:
-            blob = base64.b64decode(body.state, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ApiError(ErrorCode.BAD_STATE, f"state is not valid base64: {exc}") from exc
-        if body.digest is not None:
-            check_repr_digest(body.digest, blob, "the state")
+    headers = call.request.headers
+    octets = headers.get("content-type", "").startswith(OCTET)
+    blob = await asyncio.to_thread(_restore_blob, raw, headers.get("repr-digest"), octets)
     created = await call.is_new()
     async with call.use(create=True) as slot:
         t_ms = await call.ops.restore_state(slot, blob, created)

@@ -87,9 +87,8 @@ class Inbox:
                 msg = await self.socket.receive()
                 if msg["type"] == "websocket.disconnect":
                     break
-                data = msg.get("text")
-                if data is None:
-                    data = msg.get("bytes") or b""
+                text, raw = msg.get("text"), msg.get("bytes")
+                data: str | bytes = text if isinstance(text, str) else raw if isinstance(raw, bytes) else b""
                 if len(data) > self.limit:
                     big = f"message of {len(data)} bytes exceeds the {self.limit} byte limit"
                     self._push(ApiError(ErrorCode.PAYLOAD_TOO_LARGE, big), 0)

@@ -11,7 +11,7 @@ import pytest
 
 from engine import seq_state
 from engine.engine import BatchEntry
-from storage.ggsq import pack_seq_file, unpack_seq_file
+from engine.ggsq import pack_seq_file, unpack_seq_file
 from tests.engine.enginekit import llama_state, same_kv
 
 

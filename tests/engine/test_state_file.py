@@ -13,8 +13,8 @@ import pytest
 from engine import seq_state
 from engine.engine import BatchEntry, EngineError
 from engine.errors import ErrorCode
+from engine.ggsq import pack_seq_file
 from engine.state_file import load_seq_file, write_slot_file
-from storage.ggsq import pack_seq_file
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, llama_state, same_kv
 from tests.engine.test_state_io import decode_together

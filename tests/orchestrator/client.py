@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,11 @@ def decode_attention(att: dict[str, Any]) -> np.ndarray:
 
 def sse_events(base: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """POST the SSE endpoint and parse ``event: message`` / ``data:`` frames (split on blank lines)."""
-    out: list[dict[str, Any]] = []
+    return list(iter_sse_events(base, body, headers))
+
+
+def iter_sse_events(base: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """:func:`sse_events`, each event yielded as soon as it arrives."""
     with httpx.stream("POST", base + "/api/extra/generate/stream", json=body, headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -34,8 +39,7 @@ def sse_events(base: str, body: dict[str, Any], headers: dict[str, str] | None =
                 lines = frame.split("\n")
                 assert lines[0] == "event: message", frame[:80]
                 data = "".join(line[6:] for line in lines if line.startswith("data: "))
-                out.append(json.loads(data))
-    return out
+                yield json.loads(data)
 
 
 @dataclass

@@ -235,6 +235,9 @@ class FakeEngine:
         toks = list(self._idle(seq, "save_state"))
         return SequenceState(toks, state_blob(toks), 0.0)
 
+    def release_state(self, state: proto.Buffer) -> None:
+        """Nothing to hand back: the fake's states are plain bytes."""
+
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
         """Replace ``seq``; ``BAD_STATE`` (sequence unchanged) unless ``state`` encodes ``tokens``."""
         self._idle(seq, "restore")

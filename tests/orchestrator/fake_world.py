@@ -8,8 +8,6 @@ wires them.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from storage.base import SlotMeta
 from storage.directory import DirectoryStore
 from storage.errors import StoreUnavailableError
 from tests.orchestrator.fake_engine import FakeEngine, next_token
+from tests.waiting import DEADLINE_S, async_wait_until
 
 PROMPT = [5, 17, 42, 8]
 
@@ -73,7 +72,13 @@ class World:
         self.engine = FakeEngine(n_seqs, step_s)
         self.store = store or CountingStore(root)
         engine = self.engine
-        self.archive = SlotArchive(self.store, lambda: engine.info.fingerprint)  # type: ignore[union-attr]
+        self.archive = SlotArchive(
+            self.store,
+            lambda: engine.info.fingerprint,  # type: ignore[union-attr]
+            codec="auto",
+            level=3,
+            store_timeout_s=3.0,
+        )
         self.leases = LeaseKeeper(self.archive, node, lease_ms=3000)
         self.registry = SlotRegistry(
             engine,  # type: ignore[arg-type]
@@ -143,12 +148,9 @@ def greedy(ids: list[int], n: int) -> list[int]:
     return out[len(ids) :]
 
 
-async def wait_for(cond: Any, timeout: float = 3.0) -> None:
-    """Poll ``cond()`` until true (fails after ``timeout`` seconds)."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "condition not reached in time"
-        await asyncio.sleep(0.01)
+async def wait_for(cond: Any, timeout: float = DEADLINE_S) -> None:
+    """Poll ``cond()`` until true (fails as hung after ``timeout`` seconds)."""
+    await async_wait_until(cond, "condition", timeout)
 
 
 async def saved(w: World, slot_id: str) -> None:

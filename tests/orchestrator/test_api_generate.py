@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -13,6 +12,7 @@ from websockets.sync.client import connect
 
 from tests.conftest import CHAT, ServerProc
 from tests.orchestrator.client import decode_attention, sse_events, tokenize, ws_binary, ws_v1
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +199,15 @@ def test_cancel_message_stops_generation(server: ServerProc, ids: list[int]) -> 
         assert n < 50
 
 
+def slot_listing(server: ServerProc) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {s["id"]: s for s in httpx.get(server.url + "/slots").json()}
+
+
+def processing(server: ServerProc, slot: str) -> bool:
+    """Whether ``slot`` exists and serves a request now (``GET /slots``' ``is_processing``)."""
+    return bool(slot_listing(server).get(slot, {}).get("is_processing"))
+
+
 def _slot_free(server: ServerProc, slot: str, ids: list[int]) -> bool:
     r = httpx.post(server.url + "/api/v1/generate", json=gen_body(ids, slot, max_new_tokens=1), timeout=60)
     return r.status_code == 200
@@ -216,14 +225,8 @@ def test_client_disconnect_cancels(server: ServerProc, ids: list[int]) -> None:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        slots = {s["id"]: s for s in httpx.get(server.url + "/slots").json()}
-        if not slots["d1"]["is_processing"] and not slots["d2"]["is_processing"]:
-            break
-        time.sleep(0.2)
-    assert not slots["d1"]["is_processing"] and not slots["d2"]["is_processing"]
-    assert slots["d1"]["n_tokens"] < len(ids) + 200  # stopped long before 1500 tokens
+    wait_until(lambda: not processing(server, "d1") and not processing(server, "d2"), "both generations stop")
+    assert slot_listing(server)["d1"]["n_tokens"] < len(ids) + 200  # stopped long before 1500 tokens
     assert _slot_free(server, "d1", ids) and _slot_free(server, "d2", ids)
 
 
@@ -236,9 +239,9 @@ def test_concurrent_requests_on_one_slot(server: ServerProc, ids: list[int]) -> 
         )
 
     threads = [threading.Thread(target=call) for _ in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.3)
+    threads[0].start()
+    wait_until(lambda: processing(server, "busy") or results, "the first request runs")
+    threads[1].start()
     for t in threads:
         t.join()
     codes = sorted(r.status_code for r in results)
@@ -250,7 +253,7 @@ def test_concurrent_requests_on_one_slot(server: ServerProc, ids: list[int]) -> 
     t = threading.Thread(target=lambda: waited.append(httpx.post(server.url + "/api/v1/generate",
                                                                  json=gen_body(ids, "busy", max_new_tokens=40), timeout=120)))  # fmt: skip
     t.start()
-    time.sleep(0.3)
+    wait_until(lambda: processing(server, "busy") or waited, "the request that does not wait runs")
     r2 = httpx.post(
         server.url + "/api/v1/generate", json=gen_body(ids, "busy", max_new_tokens=4, wait=True), timeout=120
     )
@@ -281,12 +284,6 @@ def test_non_streaming_extras_and_disconnect(server: ServerProc, ids: list[int])
     # a client that gives up: the generation stops instead of running to 1500 tokens
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/api/v1/generate", json=gen_body(ids, "x2", max_new_tokens=1500), timeout=2)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        slot = {s["id"]: s for s in httpx.get(server.url + "/slots").json()}["x2"]
-        if not slot["is_processing"]:
-            break
-        time.sleep(0.2)
-    assert not slot["is_processing"]
+    wait_until(lambda: not processing(server, "x2"), "the generation of the client that left stops")
     toks = httpx.post(server.url + "/slots/x2", params={"action": "tokens"}).json()["n_tokens"]
     assert toks < len(ids) + 1000

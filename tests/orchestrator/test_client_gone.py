@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 from tests.conftest import CHAT, ServerProc
 from tests.orchestrator.client import tokenize
 from tests.orchestrator.test_admission import LONG, RECV_S, WsClient
+from tests.waiting import wait_until
 
 HOLDER = "7"  # numeric, so llama-server's id_slot can name it too
 
@@ -35,13 +35,6 @@ def waiting(srv: ServerProc) -> int:
     return int(r.json()["queue"])
 
 
-def until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def tokens_of(srv: ServerProc, slot: str) -> list[int]:
     r = httpx.post(f"{srv.url}/slots/{slot}", params={"action": "tokens"}, timeout=RECV_S)
     assert r.status_code == 200, r.text
@@ -56,10 +49,10 @@ def leave_while_waiting(srv: ServerProc, path: str, body: dict[str, Any]) -> Non
     sock = socket.create_connection(("127.0.0.1", srv.port))
     try:
         sock.sendall(head.encode() + data)
-        until(lambda: waiting(srv) == 1, f"{path} did not wait")
+        wait_until(lambda: waiting(srv) == 1, f"{path} did not wait")
     finally:
         sock.close()
-    until(lambda: waiting(srv) == 0, f"{path} still waits after its client left", timeout=10)
+    wait_until(lambda: waiting(srv) == 0, f"{path} still waits after its client left")
 
 
 def hold(srv: ServerProc, slot: str) -> WsClient:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import httpx
@@ -11,6 +9,7 @@ import pytest
 
 from tests.conftest import CHAT, ServerProc
 from tests.orchestrator.client import assert_same_greedy, tokenize
+from tests.waiting import wait_until
 
 
 def gen(server: ServerProc, slot: str, ids: list[int], n: int) -> dict:  # type: ignore[type-arg]
@@ -26,10 +25,11 @@ def slot_tokens(server: ServerProc, slot: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (``/proc/PID/stat`` fields 14 and 15, in clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def main_thread(pid: int) -> tuple[str, int]:
+    """State letter (``S``: asleep) and user + system CPU clock ticks of a process's main thread
+    (``/proc/PID/task/PID/stat`` fields 3, 14 and 15, proc(5))."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[11]) + int(fields[12])
 
 
 def test_preview_with_nothing_to_append_matches_a_generation(server: ServerProc) -> None:
@@ -68,10 +68,18 @@ def test_idle_worker_blocks(server: ServerProc) -> None:
         )
         assert r.status_code == 200, r.text
     pid = server.worker_pid()
-    time.sleep(0.5)  # let the write-behind save and any commit finish
-    before = cpu_seconds(pid)
-    time.sleep(2.0)
-    assert cpu_seconds(pid) - before < 0.5  # a spinning loop burns ~2 s of CPU here
+    asleep: list[int] = []  # CPU ticks of consecutive observations of the main thread asleep
+
+    def asleep_for_a_while() -> bool:
+        state, ticks = main_thread(pid)
+        if state != "S" or asleep[-1:] not in ([], [ticks]):
+            asleep.clear()  # running (a spinning loop is never seen asleep twice with the same CPU time)
+        if state == "S":
+            asleep.append(ticks)
+        return len(asleep) >= 20
+
+    # once the write-behind save is done the worker waits in its inbox: asleep, its CPU time still
+    wait_until(asleep_for_a_while, "the idle worker's main thread blocks")
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +97,16 @@ def test_preview_is_cancelled_when_its_client_leaves(one_spare: ServerProc) -> N
     srv = one_spare
     ids = tokenize(srv.url, CHAT.format("Write a very long story about a dragon who learns to bake bread."))
     body = {"input_ids": ids, "max_tokens": 256, "temperature": 0, "use_cached_context": False}
-    t0 = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.url + "/api/v1/generate/preview", json=body, timeout=1.0)
     # The only spare sequence is free again within a few decode steps, long before 256 tokens.
     quick = {**body, "max_tokens": 1}
-    while True:
+
+    def served() -> httpx.Response | None:
         r = httpx.post(srv.url + "/api/v1/generate/preview", json=quick, timeout=60)
-        if r.status_code != 429 or time.monotonic() - t0 > 30:
-            break
-        time.sleep(0.1)
+        return None if r.status_code == 429 else r
+
+    r = wait_until(served, "the spare sequence is free again", interval=0.1)
     assert r.status_code == 200, r.text
     log = srv.log()
     assert "preview done" in log and "cancelled" in log, log[-2000:]

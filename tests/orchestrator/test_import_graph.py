@@ -89,3 +89,35 @@ def test_a_cycle_would_be_found() -> None:
     except CycleError:
         return
     raise AssertionError("the cycle a -> b -> a was not found")
+
+
+def names_imported(path: Path) -> set[str]:
+    """Every ``module`` and ``module.name`` a source file imports (``import m``, ``from m import n``)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def test_the_engine_does_not_import_storage() -> None:
+    """The worker's package owns llama.cpp's formats; the store's package is the orchestrator's."""
+    offenders = {
+        str(f.relative_to(ROOT)): sorted(n for n in names_imported(f) if n == "storage" or n.startswith("storage."))
+        for f in sorted((ROOT / "engine").rglob("*.py"))
+    }
+    assert {f: n for f, n in offenders.items() if n} == {}
+
+
+def test_only_the_engine_client_touches_its_receive_buffers() -> None:
+    """The transport's buffer pool is the worker client's: the rest hands states back through
+    ``EngineClient.release_state``, so another client implementation gets them too."""
+    users = [
+        str(f.relative_to(ROOT))
+        for f in sorted((ROOT / PACKAGE).rglob("*.py"))
+        if "engine.framing.RECEIVE_POOL" in names_imported(f)
+    ]
+    assert users == ["orchestrator/engine_client.py"]

@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import ServerProc
 from tests.orchestrator.client import sse_events
+from tests.waiting import wait_until
 
 STORY = "The knight rode to the castle. "
 
@@ -86,15 +87,13 @@ def test_lite_polled_generation_check_and_abort(server: ServerProc) -> None:
         target=lambda: result.append(httpx.post(server.url + "/api/v1/generate", json=body, timeout=120))
     )
     t.start()
-    text = ""
-    for _ in range(200):
-        text = httpx.post(server.url + "/api/extra/generate/check", json={"genkey": "KCPP2002"}).json()["results"][0][
-            "text"
-        ]
-        if len(text) > 5:
-            break
-        time.sleep(0.05)
-    assert text, "generate/check never showed partial text"
+
+    def partial() -> str:
+        check = httpx.post(server.url + "/api/extra/generate/check", json={"genkey": "KCPP2002"})
+        text: str = check.json()["results"][0]["text"]
+        return text if len(text) > 5 else ""
+
+    text = wait_until(partial, "generate/check shows partial text")
     assert httpx.post(server.url + "/api/extra/generate/check", json={"genkey": "KCPP-other"}).json() == {
         "results": [{"text": ""}]
     }
@@ -148,10 +147,13 @@ def test_default_slot_requests_queue(server: ServerProc) -> None:
         httpx.post(server.url + "/api/v1/generate", json=body, timeout=120))) for _ in range(2)]  # fmt: skip
     for t in threads:
         t.start()
-        time.sleep(0.2)
     for t in threads:
         t.join()
     assert [r.status_code for r in results] == [200, 200], [r.text[:200] for r in results]
+
+
+def slot_zero_busy(srv: ServerProc) -> bool:
+    return any(s["id"] == 0 and s["is_processing"] for s in httpx.get(srv.url + "/slots").json())
 
 
 @pytest.mark.slow
@@ -160,7 +162,7 @@ def test_queue_wait_is_bounded(start_server) -> None:  # type: ignore[no-untyped
     long = {"prompt": STORY, "max_length": 500, "ignore_eos": True}
     t = threading.Thread(target=lambda: httpx.post(srv.url + "/api/v1/generate", json=long, timeout=120))
     t.start()
-    time.sleep(0.5)
+    wait_until(lambda: slot_zero_busy(srv), "the long generation runs")
     t0 = time.monotonic()
     r = httpx.post(srv.url + "/api/v1/generate", json={"prompt": STORY, "max_length": 2}, timeout=120)
     waited = time.monotonic() - t0

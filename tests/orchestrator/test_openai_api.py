@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ServerProc
+from tests.waiting import wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -94,14 +95,10 @@ def test_completions_legacy_logprobs_and_stop(client) -> None:  # type: ignore[n
 def _settled(server: ServerProc) -> None:
     """Wait until every slot's state is saved (no write-behind pending), so the engine's idle-slot
     moves at the next job start do not depend on the write-behind's timing."""
-    import time
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if not any(s.get("dirty") for s in httpx.get(server.url + "/slots", timeout=10).json()):
-            return
-        time.sleep(0.05)
-    raise AssertionError("slots still dirty after 30 s")
+    wait_until(
+        lambda: not any(s.get("dirty") for s in httpx.get(server.url + "/slots", timeout=10).json()),
+        "every slot saved",
+    )
 
 
 def test_completion_stream_seeded_sampling_repeats(client, server: ServerProc) -> None:  # type: ignore[no-untyped-def]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-import time
 
 import httpx
 
 from tests.conftest import CHAT, ServerProc
-from tests.orchestrator.client import assert_same_greedy, sse_events, tokenize
+from tests.orchestrator.client import assert_same_greedy, iter_sse_events, tokenize
+from tests.waiting import DEADLINE_S, wait_until
 
 QUESTIONS = ["Name a red fruit.", "What is 3+4?", "Say hello in French.", "Name a planet.", "What colour is grass?",
              "Name a big cat."]  # fmt: skip
@@ -28,17 +29,31 @@ def toks(out: dict) -> list[int]:  # type: ignore[type-arg]
 
 
 def listing(srv: ServerProc) -> dict[object, dict]:  # type: ignore[type-arg]
-    return {s["id"]: s for s in httpx.get(srv.url + "/slots").json()}
+    return {s["id"]: s for s in httpx.get(srv.url + "/slots", timeout=60).json()}
 
 
-def wait_saved(srv: ServerProc, slot: object, timeout: float = 30) -> dict:  # type: ignore[type-arg]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = listing(srv).get(slot)
-        if s and s.get("stored") and not s.get("dirty"):
-            return s
-        time.sleep(0.1)
-    raise AssertionError(f"slot {slot} was not persisted: {listing(srv).get(slot)}")
+def saved(srv: ServerProc, slot: object) -> dict | None:  # type: ignore[type-arg]
+    """The slot's listing once the store holds its current state, else None."""
+    s = listing(srv).get(slot)
+    return s if s and s.get("stored") and not s.get("dirty") else None
+
+
+def wait_saved(srv: ServerProc, slot: object, timeout: float = DEADLINE_S) -> dict:  # type: ignore[type-arg]
+    return wait_until(lambda: saved(srv, slot), f"slot {slot} persisted", timeout, interval=0.1)
+
+
+def healthy(srv: ServerProc) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    return False
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def test_parking_six_conversations_on_two_sequences(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -73,23 +88,28 @@ def test_slot_api_on_parked_slots(start_server, tmp_path) -> None:  # type: igno
     gen(srv, "p2", p)  # parks p1
     assert listing(srv)["p1"]["place"] == "parked"
     want = p + toks(out)
-    r = httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}).json()
+    r = httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}, timeout=60).json()
     assert r["tokens"] == want
     assert listing(srv)["p1"]["place"] == "parked", "reading tokens must not restore the slot"
     blob = httpx.post(
-        srv.url + "/slots/p1", params={"action": "save-state"}, headers={"Accept": "application/octet-stream"}
+        srv.url + "/slots/p1",
+        params={"action": "save-state"},
+        headers={"Accept": "application/octet-stream"},
+        timeout=60,
     )
     assert blob.status_code == 200 and blob.content[:4] == b"SES1"
-    info = httpx.get(srv.url + "/v1/slots/p1/info").json()
+    info = httpx.get(srv.url + "/v1/slots/p1/info", timeout=60).json()
     assert info["n_tokens"] == len(want)
     pv = httpx.post(srv.url + "/api/v1/generate/preview", json={"append_tokens": tokenize(srv.url, "\nMore?"),
-                                                                 "id_slot": "p1", "max_tokens": 4, "temperature": 0})  # fmt: skip
+                                                                 "id_slot": "p1", "max_tokens": 4, "temperature": 0}, timeout=60)  # fmt: skip
     assert pv.status_code == 200 and pv.json()["cache_hit"] is True
-    fk = httpx.post(srv.url + "/slots/p1", params={"action": "fork"}, json={"target": "p1-copy"})
+    fk = httpx.post(srv.url + "/slots/p1", params={"action": "fork"}, json={"target": "p1-copy"}, timeout=60)
     assert fk.status_code == 200 and fk.json()["n_tokens"] == len(want), fk.text
-    cs = httpx.post(srv.url + "/slots/p2", params={"action": "context-shift"}, json={"n_keep": 2, "n_discard": 3})
+    cs = httpx.post(
+        srv.url + "/slots/p2", params={"action": "context-shift"}, json={"n_keep": 2, "n_discard": 3}, timeout=60
+    )
     assert cs.status_code == 200 and cs.json()["new_n_tokens"] == len(want) - 3
-    assert httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}).json()["tokens"] == want
+    assert httpx.post(srv.url + "/slots/p1", params={"action": "tokens"}, timeout=60).json()["tokens"] == want
 
 
 def test_restart_resumes_conversations(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -104,15 +124,8 @@ def test_restart_resumes_conversations(start_server, tmp_path) -> None:  # type:
     wait_saved(srv, "r1")
     worker = srv.worker_pid()
     srv.stop(signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # the orphaned worker follows its parent (PR_SET_PDEATHSIG)
-        try:
-            os.kill(worker, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("worker survived its orchestrator")
+    # the orphaned worker follows its parent (PR_SET_PDEATHSIG)
+    wait_until(lambda: gone(worker), "the worker ends with its orchestrator", interval=0.1)
     srv2 = start_server(*args)
     assert listing(srv2)["r1"]["place"] == "parked"
     t2 = gen(srv2, "r1", follow)
@@ -129,18 +142,18 @@ def test_worker_crash_is_survived(start_server, tmp_path) -> None:  # type: igno
     events: list[dict] = []  # type: ignore[type-arg]
 
     def stream() -> None:
-        events.extend(sse_events(srv.url, {"input_ids": p, "max_new_tokens": 900, "temperature": 0,
-                                           "ignore_eos": True, "id_slot": "w2", "output_attentions": True}))  # fmt: skip
+        events.extend(iter_sse_events(srv.url, {"input_ids": p, "max_new_tokens": 900, "temperature": 0,
+                                                "ignore_eos": True, "id_slot": "w2", "output_attentions": True}))  # fmt: skip
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(3)
+    wait_until(lambda: events, "the stream's first token")  # the generation runs: kill its worker mid-way
+    assert events[0]["type"] != "error", events
     os.kill(srv.worker_pid(), signal.SIGKILL)
-    t.join(60)
-    assert events and events[-1]["type"] == "error" and events[-1]["error_code"] == "NO_MODEL"
-    deadline = time.monotonic() + 60
-    while httpx.get(srv.url + "/health").status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.3)
+    t.join(120)
+    assert not t.is_alive(), "the stream did not end"
+    assert events[-1]["type"] == "error" and events[-1]["error_code"] == "NO_MODEL", events[-1]
+    wait_until(lambda: healthy(srv), "a new worker serves", interval=0.3)
     t2 = gen(srv, "w1", follow)
     assert t2["cached_tokens"] == len(p) + 8, "slot w1 came back from the store"
 
@@ -193,10 +206,12 @@ def test_redis_store_outage_and_restart(start_server, own_redis, tmp_path) -> No
     r = httpx.post(srv.url + "/api/v1/generate", json={"input_ids": p, "max_new_tokens": 2, "id_slot": "rd1"})
     assert r.status_code == 503 and r.json()["error_code"] == "STORE_UNAVAILABLE"
     own_redis.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(srv.url + "/health").json()["status"] != "ok" and time.monotonic() < deadline:
+
+    def store_back() -> bool:
         httpx.get(srv.url + "/slots")
-        time.sleep(0.5)
+        return httpx.get(srv.url + "/health").json()["status"] == "ok"
+
+    wait_until(store_back, "the store is back", interval=0.5)
     wait_saved(srv, "rd3")  # the turn completed during the outage was written after it
     t1b = gen(srv, "rd1", p + toks(t1) + tokenize(srv.url, "\nWhy?"))
     assert t1b["cached_tokens"] == len(p) + 8
@@ -237,17 +252,16 @@ def test_crashed_node_conversation_moves_to_another_node(start_server, redis_ser
     assert b.port != a.port
     body = {"input_ids": follow, "max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "id_slot": "moving",
             "n_probs": 5}  # fmt: skip
-    t0 = time.monotonic()
-    refusals = []
-    while True:
+
+    def served() -> httpx.Response | None:
         r = httpx.post(b.url + "/api/v1/generate", json=body, timeout=180)
         if r.status_code != 409:
-            break
+            return r
         assert r.json()["error_code"] == "SLOT_BUSY" and r.json()["owner"].endswith(f":{a.port}")
         assert int(r.headers["Retry-After"]) >= 1
-        refusals.append(r)
-        assert time.monotonic() - t0 < 20, "the dead node's lease did not lapse"
-        time.sleep(0.5)
+        return None
+
+    r = wait_until(served, "the dead node's lease lapses", interval=0.5)
     assert r.status_code == 200, r.text
     t2 = r.json()
     assert t2["cached_tokens"] == len(p) + 8, "resumed from Redis, not re-prefilled"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -56,9 +57,11 @@ async def test_eviction_parks_the_least_recently_used_idle_slot(world: World) ->
 async def test_park_idle_parks_only_slots_idle_long_enough(world: World) -> None:
     reg = world.registry
     await world.gen("old", PROMPT)
-    await asyncio.sleep(0.3)
     await world.gen("new", PROMPT)
-    assert await reg.park_idle(0.2) == 1
+    old, new = reg.slots["old"].last_used, reg.slots["new"].last_used
+    assert old < new
+    # idle longer than "new", shorter than "old" (park_idle reads the clock before its first await)
+    assert await reg.park_idle(time.monotonic() - (old + new) / 2) == 1
     assert reg.slots["old"].place == "parked" and reg.slots["new"].place == "resident"
     assert await reg.park_idle(0.0) == 1
     assert reg.slots["new"].place == "parked"

@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import CHAT, ServerProc
 from tests.engine.enginekit import assert_attention_close
 from tests.orchestrator.client import assert_same_greedy, decode_attention, tokenize
+from tests.waiting import wait_until
 
 
 def gen(server: ServerProc, slot: str, ids: list[int], n: int = 6, **kw: object) -> dict:  # type: ignore[type-arg]
@@ -244,14 +245,12 @@ def test_busy_slot(server: ServerProc, convo: list[int]) -> None:
     done: list[dict] = []  # type: ignore[type-arg]
     t = threading.Thread(target=lambda: done.append(gen(server, "busy-slot", convo, n=80, return_attention=False)))
     t.start()
-    import time
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def running() -> bool:
         listing = {s["id"]: s for s in httpx.get(server.url + "/slots").json()}
-        if listing.get("busy-slot", {}).get("is_processing"):
-            break
-        time.sleep(0.05)
+        return bool(listing.get("busy-slot", {}).get("is_processing"))
+
+    wait_until(running, "the generation on busy-slot runs")
     r = action(server, "busy-slot", "save-state")
     t.join()
     assert r.status_code == 409 and r.json()["error_code"] == "SLOT_BUSY"

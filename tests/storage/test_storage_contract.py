@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from storage.base import SlotMeta
+from storage.base import SlotMeta, SlotStore
 from storage.directory import DirectoryStore
 from storage.errors import BadStateError, FingerprintMismatchError
 from storage.ses1 import pack_ses1
 from storage.slot_codec import load_slot, save_slot
+from tests.waiting import async_wait_until
 
 if TYPE_CHECKING:
     from conftest import StoreHarness
@@ -198,19 +199,22 @@ async def test_concurrent_writers_each_get_a_generation(harness: StoreHarness) -
         assert await harness.artifacts(harness.make(), "w") == {"meta"} | {f"blob:30:{i}" for i in range(meta.n_chunks)}
 
 
+async def absent(store: SlotStore, slot_id: str) -> bool:
+    return await store.get_meta(slot_id) is None
+
+
 async def test_ttl_expiry_and_refresh(harness: StoreHarness) -> None:
-    store = harness.make(ttl_s=0.8)
+    store, lasting = harness.make(ttl_s=0.8), harness.make(ttl_s=3600)  # one data set, two TTLs
     await store.put(meta_for("t", b"x", 1), b"x")
     await store.put(meta_for("keep", b"y", 1), b"y")
-    await asyncio.sleep(0.5)
-    await store.put(meta_for("t", b"x2", 2), b"x2")  # refreshes the TTL of "t" only
-    await asyncio.sleep(0.5)  # 1.0 s after the first puts: "keep" has expired, "t" has not
+    await lasting.put(meta_for("t", b"x2", 2), b"x2")  # a later save sets the TTL of "t" anew, "keep"'s stays
+    await async_wait_until(lambda: absent(store, "keep"), '"keep" expires')
     assert await store.get("keep") is None
-    assert await store.get_meta("keep") is None
     got = await store.get("t")
-    assert got is not None and got[1] == b"x2"
+    assert got is not None and got[1] == b"x2", "the second save refreshed the TTL of t"
     assert [m.slot_id for m in await store.list_meta()] == ["t"]
-    await asyncio.sleep(0.8)
+    await store.put(meta_for("t", b"x3", 3), b"x3")
+    await async_wait_until(lambda: absent(store, "t"), '"t" expires')
     assert await store.get("t") is None
     assert await store.list_meta() == []
     if isinstance(store, DirectoryStore):
@@ -378,6 +382,10 @@ async def test_invalid_slot_ids(harness: StoreHarness) -> None:
         await store.get(0)  # type: ignore[arg-type]
 
 
+async def no_owner(store: SlotStore, slot_id: str) -> bool:
+    return await store.lease_owner(slot_id) is None
+
+
 async def test_leases(harness: StoreHarness) -> None:
     node_a, node_b = harness.make(), harness.make()
     token_a = await node_a.acquire_lease("s", "node#A", 5000)
@@ -391,12 +399,11 @@ async def test_leases(harness: StoreHarness) -> None:
     assert await node_a.release_lease("s", token_a) is True
     assert await node_a.lease_owner("s") is None
     assert await node_a.release_lease("s", token_a) is False
-    token_b = await node_b.acquire_lease("s", "node-B", 400)
+    token_b = await node_b.acquire_lease("s", "node-B", 1000)
     assert token_b is not None and token_b != token_a
     assert await node_a.lease_owner("s") == "node-B"
     assert await node_a.acquire_lease("other-slot", "node#A", 5000) is not None  # leases are per slot
-    await asyncio.sleep(0.5)  # node-B's lease expires
-    assert await node_a.lease_owner("s") is None
+    await async_wait_until(lambda: no_owner(node_a, "s"), "node-B's lease expires")
     assert await node_b.renew_lease("s", token_b, 5000) is False
     assert await node_a.acquire_lease("s", "node#A", 5000) is not None
     with pytest.raises(ValueError):

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from storage.errors import BadStateError
-from storage.ggsq import GGSQ_MAGIC, IO_MAGIC, pack_seq_file, unpack_seq_file
+from engine.ggsq import GGSQ_MAGIC, IO_MAGIC, pack_seq_file, unpack_seq_file
+from engine.seq_state import BadStateError
 
 STATE = struct.pack("<Ii", IO_MAGIC, 3) + b"\x01\x00\x00\x00kv-bytes"
 
