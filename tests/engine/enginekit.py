@@ -82,7 +82,8 @@ class Runner:
         req = next(_req)
         params.setdefault("temperature", 0.0)
         params.setdefault("max_new_tokens", 8)
-        cap = capture if capture is not None else CaptureOptions(attention=True)
+        # by default every attention layer's rows, where the model has any (a recurrent one has none)
+        cap = capture if capture is not None else CaptureOptions(attention=bool(self.engine.attention_layers))
         sampling = SamplingParams(**params)  # type: ignore[arg-type]
         self.batcher.submit(Generate(req, seq, mode, ids, sampling, cap, append or [], cache_reuse=cache_reuse))
         return req
