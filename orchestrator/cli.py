@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--queue-timeout", type=float, default=300.0, help="longest wait for an engine sequence, seconds")
     s.add_argument("--store-timeout", type=float, default=3.0, help="deadline of one state-store call, seconds")
+    s.add_argument(
+        "--durability",
+        choices=("strict", "write-behind"),
+        default="strict",
+        help="strict: a turn is answered once its state is stored; write-behind: answered at once, stored after"
+        " --write-delay-ms (a crash loses the turns of that window)",
+    )
+    s.add_argument("--write-delay-ms", type=int, default=200, help="write-behind: wait this long to coalesce saves, ms")
     s.add_argument("--classifier-model", default=None, help="classifier GGUF (pooling rank) served by POST /classify")
     s.add_argument("--log-level", default="info")
     return p
@@ -120,6 +128,8 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         queue_size=a.queue_size,
         queue_timeout_s=a.queue_timeout,
         store_timeout_s=a.store_timeout,
+        durability=a.durability,
+        write_delay_ms=a.write_delay_ms,
     )
 
 

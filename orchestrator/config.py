@@ -19,6 +19,8 @@ class Settings:
     ``queue_size`` / ``queue_timeout_s``: requests that may wait for a free engine sequence,
     and for how long (seconds); see :mod:`orchestrator.admission`.  ``store_timeout_s``:
     deadline of one state-store call (seconds; :class:`storage.timeouts.TimeoutStore`).
+    ``durability``: ``strict`` (a turn is answered once its state is stored) or
+    ``write-behind`` (answered at once, stored ``write_delay_ms`` later; docs/operations.md).
     """
 
     worker: WorkerOptions = field(default_factory=WorkerOptions)
@@ -47,3 +49,5 @@ class Settings:
     queue_size: int = 64
     queue_timeout_s: float = 300.0
     store_timeout_s: float = 3.0
+    durability: str = "strict"
+    write_delay_ms: int = 200

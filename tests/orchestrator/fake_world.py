@@ -34,9 +34,9 @@ class CountingStore(DirectoryStore):
         super().__init__(root)
         self.puts: dict[str, int] = {}
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
         self.puts[meta.slot_id] = self.puts.get(meta.slot_id, 0) + 1
-        return await super().put(meta, blob)
+        return await super().put(meta, blob, lease=lease)
 
 
 class FlakyStore(CountingStore):
@@ -48,7 +48,7 @@ class FlakyStore(CountingStore):
         attr = super().__getattribute__(name)
         if name in ("put", "get", "get_meta", "list_meta", "delete", "acquire_lease", "ping") and self.down:
 
-            async def fail(*_: object) -> None:
+            async def fail(*_: object, **__: object) -> None:
                 raise StoreUnavailableError("the test took the store down")
 
             return fail
@@ -69,12 +69,14 @@ class World:
         step_s: float = 0.001,
         queue_size: int = 8,
         park_idle_s: float | None = None,
+        strict: bool = False,
+        lease_ms: int = 3000,
     ) -> None:
         self.engine = FakeEngine(n_seqs, step_s)
         self.store = store or CountingStore(root)
         engine = self.engine
         self.archive = SlotArchive(self.store, lambda: engine.info.fingerprint)  # type: ignore[union-attr]
-        self.leases = LeaseKeeper(self.archive, node, lease_ms=3000)
+        self.leases = LeaseKeeper(self.archive, node, lease_ms=lease_ms)
         self.registry = SlotRegistry(
             engine,  # type: ignore[arg-type]
             n_seqs,
@@ -84,6 +86,7 @@ class World:
             write_delay_s=write_delay_s,
             park_idle_s=park_idle_s,
             upkeep_s=0.05,
+            strict=strict,
         )
         self.registry.wait_s = 5.0
         self.service = GenerationService(engine, self.registry)  # type: ignore[arg-type]
