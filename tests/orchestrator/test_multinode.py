@@ -79,14 +79,16 @@ def reference(srv: ServerProc, ids: list[int], n: int = 8) -> dict:  # type: ign
     return gen(srv, f"fresh-{time.monotonic_ns()}", ids, n=n)
 
 
-def until_served(srv: ServerProc, slot: str, ids: list[int], n: int = 8) -> tuple[dict, int]:  # type: ignore[type-arg]
-    """Ask until the node serves the slot (another node's lease lapses); the answer and the 409s seen."""
+def until_served(srv: ServerProc, slot: str, ids: list[int], n: int = 8) -> tuple[dict, int, float]:  # type: ignore[type-arg]
+    """Ask until the node serves the slot (another node's lease lapses): the answer, the 409s seen
+    before it, and when (``time.monotonic()``) the request that was served was sent."""
     refusals = 0
     while True:
+        sent = time.monotonic()
         r = post(srv, slot, ids, n)
         if r.status_code != 409:
             assert r.status_code == 200, r.text
-            return r.json(), refusals
+            return r.json(), refusals, sent
         assert r.json()["error_code"] == "SLOT_BUSY" and int(r.headers["Retry-After"]) >= 1
         refusals += 1
         assert refusals < 200, "the lease never lapsed"
@@ -170,9 +172,11 @@ def test_kill_9_of_the_owner_moves_the_conversation_with_every_answered_turn(
     a.stop(signal.SIGKILL)  # at once: no graceful flush, the lease stays until it lapses
     t0 = time.monotonic()
     follow = ids + tokenize(b.url, "\nThanks")
-    out, refusals = until_served(b, "kill", follow)
-    took = time.monotonic() - t0
-    print(f"\ntakeover after kill -9: {took:.2f} s ({refusals} x 409 first; lease {LEASE_MS} ms)")
+    out, refusals, sent = until_served(b, "kill", follow)
+    print(
+        f"\ntakeover after kill -9: the other node accepted the conversation {sent - t0:.2f} s after the kill"
+        f" ({refusals} x 409 first; lease {LEASE_MS} ms); that turn answered {time.monotonic() - t0:.2f} s after it"
+    )
     assert out["cached_tokens"] == len(ids), "every answered turn was in the store"
     assert_same_greedy(reference(b, follow), out)
 
@@ -194,7 +198,7 @@ def test_a_paused_owner_cannot_overwrite_the_new_owner(
     os.kill(a.proc.pid, signal.SIGSTOP)
     try:
         follow = ids + tokenize(b.url, "\nAnother?")
-        out_b, _ = until_served(b, "pause", follow)  # once a's lease lapsed: b continues from turn 1
+        out_b, _, _ = until_served(b, "pause", follow)  # once a's lease lapsed: b continues from turn 1
         assert out_b["cached_tokens"] == len(ids)
         b_ids = follow + toks(out_b)
         assert stored(own_redis, "pause")[1] == b_ids  # type: ignore[index]

@@ -1,0 +1,97 @@
+"""``--durability``: what kill -9 right after an answered turn loses, against each setting's promise
+(docs/operations.md, "Durability").  Real engine, real model, a redis-server started by the test.
+
+* ``strict``: the turn was stored before it was answered: a restarted node (same node id, so it
+  takes its leases back) or a restarted worker continues from it, every time.
+* ``write-behind``: a turn answered within the write delay may be lost, never more than that: the
+  state found after the crash is the turn's or the one before it (never older, never empty), and a
+  turn whose save the node reported done is never lost.
+
+Figures (turns lost, the strict commit's cost per turn) are printed (``pytest -s``), never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+
+from tests.conftest import CHAT, ServerProc
+from tests.orchestrator.client import tokenize
+from tests.orchestrator.test_multinode import metric, tokens_of
+from tests.orchestrator.test_persistence import gen, toks, wait_saved
+from tests.redis_server import RedisServer
+
+QUESTIONS = ["Name a planet.", "What is 3+4?", "Name a red fruit."]
+
+
+def serve(start_server: Callable[..., ServerProc], redis: RedisServer, durability: str) -> ServerProc:
+    return start_server(
+        "--parallel", "2", "--ctx-size", "1024", "--redis-url", redis.url, "--key-prefix", f"{durability}:",
+        "--node-id", f"node-{durability}", "--durability", durability,
+    )  # fmt: skip
+
+
+def healthy(srv: ServerProc) -> None:
+    """Wait until the node answers 200 on /health again (its worker restarted)."""
+    while httpx.get(srv.url + "/health", timeout=30).status_code != 200:
+        time.sleep(0.2)
+
+
+def test_strict_loses_no_answered_turn_to_kill_9(
+    start_server: Callable[..., ServerProc], own_redis: RedisServer
+) -> None:
+    srv = serve(start_server, own_redis, "strict")
+    slot_ids: dict[str, list[int]] = {}
+    for round_, question in enumerate(QUESTIONS):
+        slot = f"s{round_}"
+        ids = tokenize(srv.url, CHAT.format(question))
+        ids += toks(gen(srv, slot, ids))
+        slot_ids[slot] = ids
+        if round_ == 1:  # the worker, right after the answer: the server restarts it
+            os.kill(srv.worker_pid(), signal.SIGKILL)
+            healthy(srv)
+        else:  # the whole node, right after the answer
+            srv.stop(signal.SIGKILL)
+            srv = serve(start_server, own_redis, "strict")
+        for s, want in slot_ids.items():
+            assert tokens_of(srv, s) == want, f"round {round_}: slot {s} lost an answered turn"
+    ids = slot_ids["s0"] + tokenize(srv.url, "\nWhy?")
+    out = gen(srv, "s0", ids)
+    assert out["cached_tokens"] == len(slot_ids["s0"]), "continued from the stored state"
+    commits = metric(srv, "slotserve_durable_commit_seconds_count")
+    took = metric(srv, "slotserve_durable_commit_seconds_sum")
+    assert commits >= 1
+    print(
+        f"\nstrict: a turn waited {1000 * took / commits:.1f} ms on average for its state to be stored ({commits:.0f} turns)"
+    )
+
+
+def test_write_behind_loses_at_most_the_turns_of_its_window(
+    start_server: Callable[..., ServerProc], own_redis: RedisServer
+) -> None:
+    srv = serve(start_server, own_redis, "write-behind")
+    p = tokenize(srv.url, CHAT.format("Say hello in French."))
+    ids = p + toks(gen(srv, "w", p))
+    wait_saved(srv, "w")
+    saved_ids = ids
+    lost = 0
+    for round_ in range(2):
+        ids = ids + tokenize(srv.url, "\nAgain?")
+        ids += toks(gen(srv, "w", ids))
+        srv.stop(signal.SIGKILL)  # right after the answer, inside the write delay
+        srv = serve(start_server, own_redis, "write-behind")
+        found = tokens_of(srv, "w")
+        assert found in (ids, saved_ids), f"round {round_}: the state is neither the turn's nor the one before"
+        lost += found != ids
+        ids = saved_ids = found
+    ids = ids + tokenize(srv.url, "\nOnce more?")
+    ids += toks(gen(srv, "w", ids))
+    wait_saved(srv, "w")  # past the window: the node reports the save done
+    srv.stop(signal.SIGKILL)
+    srv = serve(start_server, own_redis, "write-behind")
+    assert tokens_of(srv, "w") == ids, "a turn saved before the crash is never lost"
+    print(f"\nwrite-behind: kill -9 right after the answer lost {lost} of 2 turns")
