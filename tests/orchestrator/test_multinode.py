@@ -47,11 +47,11 @@ def tokens_of(srv: ServerProc, slot: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def stored(redis: RedisServer, slot: str) -> tuple[int, list[int]] | None:
+def stored(redis: RedisServer, slot: str, prefix: str = "mn:") -> tuple[int, list[int]] | None:
     """``(generation, tokens)`` of the slot's state in Redis, read by the test itself."""
 
     async def read() -> tuple[int, list[int]] | None:
-        store = RedisStore.from_url(redis.url, prefix="mn:")
+        store = RedisStore.from_url(redis.url, prefix=prefix)
         try:
             meta = await store.get_meta(slot)
         finally:
