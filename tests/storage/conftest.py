@@ -21,6 +21,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import pytest_asyncio
@@ -32,27 +33,28 @@ from storage.directory import DirectoryStore
 from storage.redis_store import RedisStore
 from tests.redis_server import RedisCluster3, SentinelSetup
 
+T = TypeVar("T", RedisCluster3, SentinelSetup)
+
+
+def _running(servers: T) -> Iterator[T]:
+    """Start ``servers`` (a :class:`RedisCluster3` or :class:`SentinelSetup`), yield them, stop them."""
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()
+
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster3]:
     """A three-master Redis Cluster shared by the session."""
-    cluster = RedisCluster3(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _running(RedisCluster3(tmp_path_factory.mktemp("redis-cluster")))
 
 
 @pytest.fixture(scope="session")
 def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSetup]:
     """A master, its replica and a sentinel, shared by the session."""
-    setup = SentinelSetup(tmp_path_factory.mktemp("redis-sentinel"))
-    try:
-        setup.start()
-        yield setup
-    finally:
-        setup.stop()
+    yield from _running(SentinelSetup(tmp_path_factory.mktemp("redis-sentinel")))
 
 
 class StoreHarness:
