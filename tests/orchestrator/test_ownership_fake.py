@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from orchestrator.errors import ApiError
-from tests.orchestrator.fake_world import PROMPT, World, greedy
+from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, wait_for
 
 REFUSED = "slotserve_stale_writes_refused_total"
 
@@ -121,3 +121,26 @@ async def test_write_behind_answers_before_storing(tmp_path: Path) -> None:
     finally:
         await w.registry.shutdown()
     assert await stored_tokens(w, "s") == [*PROMPT, *greedy(PROMPT, 2)], "a graceful stop stores it"
+
+
+async def test_strict_durability_does_not_answer_a_turn_it_cannot_store(tmp_path: Path) -> None:
+    """Under ``strict`` a store outage makes a turn ``STORE_UNAVAILABLE`` instead of an answer a crash
+    could lose; the turn's state is kept (dirty) and written once the store is back."""
+    store = FlakyStore(tmp_path / "state")
+    w = World(tmp_path / "state", store=store, strict=True)
+    await w.registry.start()
+    try:
+        await w.gen("s", PROMPT, n=2)
+        store.down = True
+        ids = [*PROMPT, *greedy(PROMPT, 2), 6]
+        with pytest.raises(ApiError) as refused:
+            await w.gen("s", ids, n=2)
+        assert refused.value.code == "STORE_UNAVAILABLE"
+        assert w.registry.slots["s"].dirty and w.seq_tokens("s") == [*ids, *greedy(ids, 2)]
+        store.down = False
+        await wait_for(lambda: not w.registry.slots["s"].dirty, timeout=5)
+        await w.archive.settled("s")
+        assert await stored_tokens(w, "s") == [*ids, *greedy(ids, 2)]
+    finally:
+        store.down = False
+        await w.registry.shutdown()
