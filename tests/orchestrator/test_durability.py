@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -41,9 +42,16 @@ def until_stored(redis: RedisServer, slot: str, ids: list[int]) -> None:
         time.sleep(0.05)
 
 
-def healthy(srv: ServerProc) -> None:
-    """Wait until the node answers 200 on /health again (its worker restarted)."""
-    while httpx.get(srv.url + "/health", timeout=30).status_code != 200:
+def kill_worker(srv: ServerProc) -> None:
+    """kill -9 the node's engine worker; return once a new worker serves (``/health`` 200 again)."""
+    old = srv.worker_pid()
+    os.kill(old, signal.SIGKILL)
+    while True:
+        # the node notices the death (503 "Engine down"), starts a new worker, loads the model, then 200
+        out = subprocess.run(["pgrep", "-P", str(srv.proc.pid), "-f", "engine.worker"], capture_output=True, text=True)  # type: ignore[union-attr]
+        pids = [int(p) for p in out.stdout.split()]
+        if pids and old not in pids and httpx.get(srv.url + "/health", timeout=30).status_code == 200:
+            return
         time.sleep(0.2)
 
 
@@ -58,8 +66,7 @@ def test_strict_loses_no_answered_turn_to_kill_9(
         ids += toks(gen(srv, slot, ids))
         slot_ids[slot] = ids
         if round_ == 1:  # the worker, right after the answer: the server restarts it
-            os.kill(srv.worker_pid(), signal.SIGKILL)
-            healthy(srv)
+            kill_worker(srv)
         else:  # the whole node, right after the answer
             srv.stop(signal.SIGKILL)
             srv = serve(start_server, own_redis, "strict")
@@ -89,8 +96,7 @@ def test_write_behind_loses_at_most_the_turns_of_its_window(
         ids = ids + tokenize(srv.url, "\nAgain?")
         ids += toks(gen(srv, "w", ids))
         if round_ == 2:  # the worker, right after the answer: its cells are gone before the save reads them
-            os.kill(srv.worker_pid(), signal.SIGKILL)
-            healthy(srv)
+            kill_worker(srv)
         else:  # the whole node, right after the answer, inside the write delay
             srv.stop(signal.SIGKILL)
             srv = serve(start_server, own_redis, "write-behind")
