@@ -219,13 +219,17 @@ class SlotRegistry(Residency):
     # ------------------------------------------------------------------ ownership
 
     @staticmethod
-    def _take_meta(slot: Slot, meta: SlotMeta | None) -> None:
+    def _version(meta: SlotMeta | None) -> tuple[int, str]:
+        """The stored version ``meta`` describes, as ``Slot.synced`` records it."""
+        return (meta.generation, meta.digest) if meta is not None else (0, "")
+
+    def _take_meta(self, slot: Slot, meta: SlotMeta | None) -> None:
         """Know of ``slot`` what the store's ``meta`` says (None: nothing stored)."""
         slot.stored = meta is not None
         slot.n_tokens = meta.n_tokens if meta is not None else 0
         slot.stored_bytes = meta.stored_size if meta is not None else 0
         slot.raw_bytes = meta.raw_size if meta is not None else 0
-        slot.synced = (meta.generation, meta.digest) if meta is not None else (0, "")
+        slot.synced = self._version(meta)
 
     async def _sync(self, slot: Slot) -> None:
         """The lease of ``slot`` (lock held) was just taken: unless the store still holds the
@@ -237,7 +241,7 @@ class SlotRegistry(Residency):
         except BaseException:
             await self.leases.release(slot.id)
             raise
-        seen = (meta.generation, meta.digest) if meta is not None else (0, "")
+        seen = self._version(meta)
         if seen == slot.synced:
             return
         if slot.synced is not None or self.is_resident(slot):
@@ -257,10 +261,31 @@ class SlotRegistry(Residency):
         if grant:
             self._grant_free()
 
-    def _fence(self, slot: Slot) -> str | None:
-        """The lease token that fences writes of ``slot`` (None without leases: one node);
-        ``OwnershipLost`` when this node no longer holds its lease."""
-        return None if self.leases is None else self.leases.token(slot.id)
+    async def _fence(self, slot: Slot) -> str | None:
+        """The lease token that fences writes of ``slot`` (lock held; None without leases: one
+        node).  A lease that lapsed while this node held the slot (a pause, a store outage
+        longer than the lease) is taken back when no other node took it and the store still
+        holds the version this node's copy comes from; else ``OwnershipLost`` (refused, counted).
+        ``STORE_UNAVAILABLE`` when the store cannot be asked."""
+        if self.leases is None:
+            return None
+        if not self.leases.holds(slot.id) and slot.synced is not None:
+            assert self.archive is not None
+            try:
+                retaken = await self.leases.claim(slot.id)
+            except ApiError as exc:
+                if exc.code != ErrorCode.SLOT_BUSY:
+                    raise
+                retaken = False  # another node holds it: refused below
+            if retaken:
+                try:
+                    unchanged = self._version(await self.archive.lookup(slot.id)) == slot.synced
+                except BaseException:
+                    await self.leases.release(slot.id)
+                    raise
+                if not unchanged:
+                    await self.leases.release(slot.id)
+        return self.leases.token(slot.id)
 
     def _disown(self, slot: Slot) -> None:
         """A write of ``slot`` was refused: it is another node's now.  Its lease is forgotten and
@@ -422,7 +447,7 @@ class SlotRegistry(Residency):
             await self.engine.erase(slot.seq)  # type: ignore[arg-type]
         if slot.stored and self.archive is not None:
             try:
-                await self.archive.delete(slot.id, self._fence(slot))
+                await self.archive.delete(slot.id, await self._fence(slot))
             except OwnershipLost:
                 self._disown(slot)
                 await self._drop_copy(slot)
@@ -453,7 +478,7 @@ class SlotRegistry(Residency):
             dst.dirty = False
             ses1 = pack_ses1(got[0], got[1])
             RECEIVE_POOL.give(got[1])
-            await self._write(dst, got[0], ses1, self.archive.next_version(), self._fence(dst))
+            await self._write(dst, got[0], ses1, self.archive.next_version(), await self._fence(dst))
             return dst.n_tokens
         dst.n_tokens = len(await self.engine.fork(src_seq, dst_seq))
         self.schedule(dst)
@@ -511,7 +536,7 @@ class SlotRegistry(Residency):
         it is not ours."""
         assert self.archive is not None
         try:
-            lease = self._fence(slot)
+            lease = await self._fence(slot)
         except OwnershipLost:
             self._disown(slot)
             raise
@@ -568,7 +593,7 @@ class SlotRegistry(Residency):
                     self._dirty.discard(slot_id)
                     continue
                 try:
-                    lease = self._fence(slot)
+                    lease = await self._fence(slot)
                 except OwnershipLost:
                     self._disown(slot)
                     await self._drop_copy(slot)

@@ -144,3 +144,21 @@ async def test_strict_durability_does_not_answer_a_turn_it_cannot_store(tmp_path
     finally:
         store.down = False
         await w.registry.shutdown()
+
+
+async def test_a_lapsed_lease_nobody_took_is_taken_back_for_the_write(tmp_path: Path) -> None:
+    """A lease that lapsed while its node held the slot (a store outage or a pause longer than the
+    lease) is taken back when no other node took it and the store is unchanged: the turn is kept."""
+    a = World(tmp_path / "state", node="node-a", lease_ms=200)  # never started: no heartbeat
+    await a.gen("p", PROMPT, n=2)
+    await a.registry.flush()
+    ids = [*PROMPT, *greedy(PROMPT, 2), 4]
+    await a.gen("p", ids, n=2)  # dirty, not yet written
+    while await a.store.lease_owner("p") is not None:  # a lease lapses by time: nothing to wait on
+        await asyncio.sleep(0.05)
+    a.leases.forget("p")  # as the heartbeat does when it finds the lease gone
+    before = refused_writes()
+    assert await a.registry.flush() == 1
+    assert refused_writes() == before, "taken back, not refused"
+    assert await stored_tokens(a, "p") == [*ids, *greedy(ids, 2)] and a.leases.holds("p")
+    await a.registry.shutdown()
