@@ -64,7 +64,14 @@ def build_services(settings: Settings) -> Services:
         leases = LeaseKeeper(archive, node_id, settings.lease_ms)
     queue: AdmissionQueue[Slot] = AdmissionQueue(settings.queue_size, settings.queue_timeout_s)
     registry = SlotRegistry(
-        engine, settings.worker.engine.n_slots, archive, leases, queue, park_idle_s=settings.park_idle_s or None
+        engine,
+        settings.worker.engine.n_slots,
+        archive,
+        leases,
+        queue,
+        write_delay_s=settings.write_delay_ms / 1000,
+        park_idle_s=settings.park_idle_s or None,
+        strict=settings.durability == "strict",
     )
     registry.wait_s = settings.slot_wait_s
     classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None

@@ -9,7 +9,10 @@
 * :meth:`SlotArchive.load` fetches, refuses another model's state (``BAD_STATE``, before
   llama.cpp sees it), decompresses and checks it (:func:`storage.slot_codec.load_slot`).
 * Leases (``SET NX PX`` and token-checked renew/release, :mod:`storage.leases`) pass through
-  for :class:`orchestrator.lease_keeper.LeaseKeeper`.
+  for :class:`orchestrator.lease_keeper.LeaseKeeper`.  Writes and deletes carry the writer's
+  lease token: the store commits them only while that token holds the slot's lease, checked in
+  the same atomic step (:meth:`storage.base.SlotStore.put`).  A refused write is logged, counted
+  (``slotserve_stale_writes_refused_total``) and raised as :class:`OwnershipLost`.
 
 Storage errors become API errors here, once: ``STORE_UNAVAILABLE`` (HTTP 503) when the store
 fails or misses its deadline (``--store-timeout``, :class:`storage.timeouts.TimeoutStore`),
@@ -29,11 +32,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+import structlog
+
 from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.errors import ApiError
 from storage.base import SlotMeta, SlotStore
-from storage.errors import BadStateError, FingerprintMismatchError, StoreUnavailableError
+from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError, StoreUnavailableError
 from storage.factory import open_store
 from storage.slot_codec import load_slot, save_slot
 from storage.timeouts import TimeoutStore
@@ -42,6 +47,23 @@ if TYPE_CHECKING:
     from orchestrator.config import Settings
 
 T = TypeVar("T")
+
+log = structlog.get_logger("slotserve.archive")
+
+
+class OwnershipLost(ApiError):
+    """This node wrote (or was about to write) a slot whose lease it does not hold: the write was
+    refused and the node must drop its copy (``SLOT_BUSY``, HTTP 409: another node owns it)."""
+
+    def __init__(self, slot_id: str, why: str) -> None:
+        super().__init__(ErrorCode.SLOT_BUSY, f"slot {slot_id!r}: {why}; this node dropped its copy", slot_id=slot_id)
+
+
+def refused_write(slot_id: str, why: str) -> OwnershipLost:
+    """Log and count a refused stale write of ``slot_id``; the error to raise."""
+    log.warning("stale write refused", slot_id=slot_id, reason=why)
+    metrics.STALE_WRITES_REFUSED.inc()
+    return OwnershipLost(slot_id, why)
 
 
 def default_state_dir() -> Path:
@@ -110,6 +132,9 @@ class SlotArchive:
             raise ApiError(ErrorCode.BAD_STATE, f"slot {slot_id!r} was saved by another model: {exc}") from exc
         except BadStateError as exc:
             raise ApiError(ErrorCode.BAD_STATE, f"stored state of slot {slot_id!r} is damaged: {exc}") from exc
+        except LeaseLostError as exc:
+            self.healthy, self._down_until = True, 0.0
+            raise refused_write(slot_id, "the store refused the write: another node holds its lease") from exc
         self.healthy = True
         self._down_until = 0.0
         return result
@@ -171,19 +196,23 @@ class SlotArchive:
     def _write_lock(self, slot_id: str) -> asyncio.Lock:
         return self._write_locks.setdefault(slot_id, asyncio.Lock())
 
-    async def write(self, slot_id: str, tokens: Sequence[int], ses1: bytes, version: int) -> SlotMeta | None:
-        """Compress and store ``ses1`` (a SES1 blob of ``tokens``) as ``slot_id``'s state.
+    async def write(
+        self, slot_id: str, tokens: Sequence[int], ses1: bytes, version: int, lease: str | None = None
+    ) -> SlotMeta | None:
+        """Compress and store ``ses1`` (a SES1 blob of ``tokens``) as ``slot_id``'s state, fenced by
+        the lease token ``lease`` (None: unfenced).
 
         Returns the stored metadata, or None when a newer snapshot (higher ``version``) is
-        already stored.  ``STORE_UNAVAILABLE`` when the store fails.
+        already stored.  ``STORE_UNAVAILABLE`` when the store fails; :class:`OwnershipLost`
+        when ``lease`` no longer holds the slot's lease (nothing stored).
         """
         async with self._write_lock(slot_id):
             if version < self._written.get(slot_id, 0):
                 return None
-            meta = await self._call(
-                save_slot(self.store, slot_id, self.fingerprint(), tokens, ses1, codec=self.codec, level=self.level),
-                slot_id,
+            save = save_slot(
+                self.store, slot_id, self.fingerprint(), tokens, ses1, codec=self.codec, level=self.level, lease=lease
             )
+            meta = await self._call(save, slot_id)
             self._written[slot_id] = version
         metrics.SAVES.inc()
         return meta
@@ -201,13 +230,14 @@ class SlotArchive:
         self.check_up()
         return await self._call(load_slot(self.store, slot_id, self.fingerprint()), slot_id)
 
-    async def delete(self, slot_id: str) -> bool:
-        """Remove a slot's stored state (a write of an older snapshot still in flight is dropped)."""
+    async def delete(self, slot_id: str, lease: str | None = None) -> bool:
+        """Remove a slot's stored state (a write of an older snapshot still in flight is dropped),
+        fenced by ``lease`` as :meth:`write` is (:class:`OwnershipLost`)."""
         self.check_up()
         version = self.next_version()
         async with self._write_lock(slot_id):
             self._written[slot_id] = version
-            return await self._call(self.store.delete(slot_id), slot_id)
+            return await self._call(self.store.delete(slot_id, lease=lease), slot_id)
 
     # ------------------------------------------------------------------ leases
 

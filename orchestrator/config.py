@@ -19,6 +19,7 @@ from orchestrator.read_limits import ReadLimits
 from orchestrator.worker_options import WorkerOptions
 
 Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
+Durability = Literal["strict", "write-behind"]
 _limits = ReadLimits()
 
 
@@ -32,7 +33,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     (``orchestrator/origins.py``); ``*`` allows any.  ``queue_size`` / ``queue_timeout_s``:
     requests that may wait for a free engine sequence, and for how long; see
     :mod:`orchestrator.admission`.  ``store_timeout_s``: deadline of one state-store call
-    (:class:`storage.timeouts.TimeoutStore`).
+    (:class:`storage.timeouts.TimeoutStore`).  ``durability``: ``strict`` (a turn is answered once
+    its state is stored) or ``write-behind`` (answered at once, stored ``write_delay_ms`` later;
+    docs/operations.md).
     """
 
     worker: WorkerOptions = msgspec.field(default_factory=WorkerOptions)
@@ -121,6 +124,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     store_timeout_s: Annotated[
         float, msgspec.Meta(gt=0), Flag("deadline of one state-store call, seconds", "--store-timeout", metavar="S")
     ] = 3.0
+    durability: Annotated[
+        Durability,
+        Flag(
+            "strict: a turn is answered once its state is stored; write-behind: answered at once, stored after"
+            " --write-delay-ms (a crash loses the turns of that window)",
+            "--durability",
+            metavar="strict|write-behind",
+        ),
+    ] = "strict"
+    write_delay_ms: Annotated[
+        int, NonNegative, Flag("write-behind: wait this long to coalesce saves, ms", "--write-delay-ms", metavar="MS")
+    ] = 200
     classifier_model: Annotated[
         str | None,
         Flag("classifier GGUF (pooling rank) served by POST /classify", "--classifier-model", metavar="PATH"),

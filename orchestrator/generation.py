@@ -346,6 +346,9 @@ class GenerationService:
                         )
                         metrics.record_generation(event)
                         self.registry.generation_done(slot, event)
+                        if self.registry.strict:  # stored before answered (--durability strict)
+                            await events.aclose()  # the engine is done with the sequence
+                            await self.registry.commit_turn(slot)
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)

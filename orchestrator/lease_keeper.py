@@ -7,6 +7,12 @@ time-to-live (``--lease-ms``), and releases it when the slot is parked or the no
 crashed node renews nothing, so its leases lapse within one TTL and any node can then take its
 conversations from the store.  The node id (``--node-id``, default ``host:port``) is stable
 across restarts, so a restarted node takes its own leases back at once.
+
+The lease token is also the fencing token of the node's writes (:meth:`LeaseKeeper.token`):
+the store commits a slot's state only while the writer's token holds its lease, so a node
+that lost its lease (a pause longer than the lease, a partition) cannot overwrite what the
+new owner wrote.  :meth:`LeaseKeeper.claim` says when a lease is newly taken: the registry
+then reads what it knows of the slot from the store again.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import uuid
 import structlog
 
 from engine.errors import ErrorCode
-from orchestrator.archive import SlotArchive
+from orchestrator.archive import SlotArchive, refused_write
 from orchestrator.errors import ApiError
 
 log = structlog.get_logger("slotserve.leases")
@@ -44,15 +50,16 @@ class LeaseKeeper:
         """True while this node holds ``slot_id``'s lease."""
         return slot_id in self.leases
 
-    async def claim(self, slot_id: str) -> None:
-        """Hold ``slot_id``'s lease (acquired once, then renewed by the heartbeat).
+    async def claim(self, slot_id: str) -> bool:
+        """Hold ``slot_id``'s lease (acquired once, then renewed by the heartbeat); True when it
+        was taken now (this node did not hold it: what it saw of the slot may be stale).
 
         Raises ``SLOT_BUSY`` with ``owner`` (the holder's node id) and ``retry_after`` (the
         lease TTL in seconds, rounded up: by then a dead owner's lease has lapsed) when
         another node holds it; ``STORE_UNAVAILABLE`` when the store cannot be asked.
         """
         if slot_id in self.leases:
-            return
+            return False
         token = await self.archive.acquire_lease(slot_id, self.node_id, self.lease_ms)
         if token is None:
             owner = await self.archive.lease_owner(slot_id)
@@ -64,6 +71,20 @@ class LeaseKeeper:
                 retry_after=max(1, -(-self.lease_ms // 1000)),
             )
         self.leases[slot_id] = token
+        return True
+
+    def token(self, slot_id: str) -> str:
+        """The lease token fencing this node's writes of ``slot_id``; :class:`OwnershipLost` (logged
+        and counted as a refused write) when this node no longer holds the lease."""
+        token = self.leases.get(slot_id)
+        if token is None:
+            raise refused_write(slot_id, "this node lost its lease before the write")
+        return token
+
+    def forget(self, slot_id: str) -> None:
+        """Drop ``slot_id``'s lease from this node's table without asking the store (the store
+        refused a write with it: it is not ours any more)."""
+        self.leases.pop(slot_id, None)
 
     async def release(self, slot_id: str) -> None:
         """Give up ``slot_id``'s lease (a store failure is ignored: the lease then lapses)."""

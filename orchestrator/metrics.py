@@ -13,6 +13,15 @@ GENERATIONS = Counter("slotserve_generations_total", "Finished generations", ["f
 GENERATION_SECONDS = Histogram("slotserve_generation_seconds", "Wall time of a generation")
 SAVES = Counter("slotserve_slot_saves_total", "Slot states written to the store (parking and write-behind)")
 RESTORES = Counter("slotserve_slot_restores_total", "Slots restored from the store")
+STALE_WRITES_REFUSED = Counter(
+    "slotserve_stale_writes_refused_total",
+    "Slot state writes refused because this node no longer held the slot's lease (its copy was dropped)",
+)
+DURABLE_COMMIT_SECONDS = Histogram(
+    "slotserve_durable_commit_seconds",
+    "Time a turn's answer waited for its state to be stored (--durability strict)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 ENGINE_RESTARTS = Counter("slotserve_engine_restarts_total", "Engine worker restarts")
 QUEUE_WAIT_SECONDS = Histogram(
     "slotserve_queue_wait_seconds",

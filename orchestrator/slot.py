@@ -29,6 +29,9 @@ class Slot:
     copy; ``dirty``: that copy is older than the engine's.  ``stored_bytes`` /
     ``raw_bytes``: compressed and SES1 sizes of the stored copy (bytes).  ``requests``:
     client requests holding or waiting for ``lock`` (background saves do not count).
+    ``synced``: the stored version this node's knowledge of the slot comes from, as
+    ``(generation, digest)`` of its metadata (``(0, "")``: nothing stored; None: unknown, the
+    store must be asked before the slot is used).
     """
 
     id: str
@@ -49,6 +52,7 @@ class Slot:
     n_prompt_tokens_cache: int = 0
     requests: int = 0
     holder_hooks: WaitHooks | None = None  # the holding request's (its client's departure ends its waits)
+    synced: tuple[int, str] | None = None
 
     @property
     def busy(self) -> bool:

@@ -19,7 +19,14 @@ report back through its methods (:meth:`SlotRegistry.generated`, :meth:`SlotRegi
   :class:`orchestrator.background.WriteBehind`); the slot's lock is held only while its
   state is read from the engine, so a slow store never blocks its next turn.  Idle slots
   are parked after ``--park-idle`` seconds;
-* notices a restarted worker (sequences gone) and reloads slots from the store.
+* notices a restarted worker (sequences gone) and reloads slots from the store;
+* owns a slot only under its lease: whenever it takes the lease anew, what it knows of the
+  slot is checked against the store's metadata (``Slot.synced``) and replaced by it when
+  another node wrote meanwhile (a stale resident copy is erased, never served); every write
+  and delete carries the lease token as a fencing token, and a refused one drops this node's
+  copy (:class:`orchestrator.archive.OwnershipLost`, logged and counted);
+* with ``strict`` durability, a turn's answer waits until its state is stored
+  (:meth:`SlotRegistry.commit_turn`); otherwise only the write-behind stores it.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue, WaitHooks
-from orchestrator.archive import SlotArchive
+from orchestrator.archive import OwnershipLost, SlotArchive
 from orchestrator.background import WriteBehind, every, stop
 from orchestrator.engine_api import EngineClient
 from orchestrator.errors import ApiError
@@ -57,7 +64,8 @@ class SlotRegistry(Residency):
     ``archive`` (None: nothing is stored, slots cannot be parked) and ``leases`` (None: one
     node) are the store's two faces; ``write_delay_s``: how long the write-behind waits to
     coalesce saves; ``park_idle_s``: park slots idle this long (None: never), looked for every
-    ``upkeep_s`` seconds.
+    ``upkeep_s`` seconds; ``strict``: a turn's answer waits for its state to be stored
+    (``--durability strict``, docs/operations.md).
     """
 
     def __init__(
@@ -71,8 +79,10 @@ class SlotRegistry(Residency):
         write_delay_s: float = 0.2,
         park_idle_s: float | None = None,
         upkeep_s: float = 5.0,
+        strict: bool = False,
     ) -> None:
         super().__init__(engine, n_seqs, queue, can_park=archive is not None)
+        self.strict = strict and archive is not None
         self.archive = archive
         self.leases = leases
         self.slots: dict[str, Slot] = {}
@@ -138,8 +148,7 @@ class SlotRegistry(Residency):
             meta = await self.archive.lookup(slot_id)
             if meta is not None:
                 slot = self.slots.setdefault(slot_id, Slot(slot_id))
-                slot.stored, slot.n_tokens = True, meta.n_tokens
-                slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+                self._take_meta(slot, meta)
         if slot is None:
             if not create:
                 raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
@@ -181,8 +190,8 @@ class SlotRegistry(Residency):
             try:
                 hooks.check(f"slot {slot_id!r}")
                 slot.holder_hooks = hooks
-                if self.leases is not None:
-                    await self.leases.claim(slot.id)
+                if self.leases is not None and await self.leases.claim(slot.id):
+                    await self._sync(slot)
                 if resident:
                     await self.ensure_resident(slot)
                     hooks.check("an engine sequence")
@@ -206,6 +215,85 @@ class SlotRegistry(Residency):
         finally:
             slot.requests -= 1
 
+    # ------------------------------------------------------------------ ownership
+
+    @staticmethod
+    def _version(meta: SlotMeta | None) -> tuple[int, str]:
+        """The stored version ``meta`` describes, as ``Slot.synced`` records it."""
+        return (meta.generation, meta.digest) if meta is not None else (0, "")
+
+    def _take_meta(self, slot: Slot, meta: SlotMeta | None) -> None:
+        """Know of ``slot`` what the store's ``meta`` says (None: nothing stored)."""
+        slot.stored = meta is not None
+        slot.n_tokens = meta.n_tokens if meta is not None else 0
+        slot.stored_bytes = meta.stored_size if meta is not None else 0
+        slot.raw_bytes = meta.raw_size if meta is not None else 0
+        slot.synced = self._version(meta)
+
+    async def _sync(self, slot: Slot) -> None:
+        """The lease of ``slot`` (lock held) was just taken: unless the store still holds the
+        version this node's copy comes from, drop the copy and take the store's metadata.  On
+        failure the lease is given up again, so the next claim syncs anew."""
+        assert self.archive is not None and self.leases is not None
+        try:
+            meta = await self.archive.lookup(slot.id)
+        except BaseException:
+            await self.leases.release(slot.id)
+            raise
+        seen = self._version(meta)
+        if seen == slot.synced:
+            return
+        if slot.synced is not None or self.is_resident(slot):
+            log.info("slot changed in the store since this node saw it", slot_id=slot.id, stored=seen)
+        await self._drop_copy(slot)
+        self._take_meta(slot, meta)
+
+    async def _drop_copy(self, slot: Slot, grant: bool = True) -> None:
+        """Forget this node's copy of ``slot`` (lock held): erase its cells, free its sequence
+        (handed to the queue unless not ``grant``: the caller takes it); what it holds is then
+        unknown (``synced`` None) until the store is asked."""
+        if self.is_resident(slot):
+            await self.engine.erase(slot.seq)  # type: ignore[arg-type]
+        self._release_seq(slot)
+        self._dirty.discard(slot.id)
+        slot.dirty, slot.stored, slot.n_tokens, slot.synced = False, False, 0, None
+        if grant:
+            self._grant_free()
+
+    async def _fence(self, slot: Slot) -> str | None:
+        """The lease token that fences writes of ``slot`` (lock held; None without leases: one
+        node).  A lease that lapsed while this node held the slot (a pause, a store outage
+        longer than the lease) is taken back when no other node took it and the store still
+        holds the version this node's copy comes from; else ``OwnershipLost`` (refused, counted).
+        ``STORE_UNAVAILABLE`` when the store cannot be asked."""
+        if self.leases is None:
+            return None
+        if not self.leases.holds(slot.id) and slot.synced is not None:
+            assert self.archive is not None
+            try:
+                retaken = await self.leases.claim(slot.id)
+            except ApiError as exc:
+                if exc.code != ErrorCode.SLOT_BUSY:
+                    raise
+                retaken = False  # another node holds it: refused below
+            if retaken:
+                try:
+                    unchanged = self._version(await self.archive.lookup(slot.id)) == slot.synced
+                except BaseException:
+                    await self.leases.release(slot.id)
+                    raise
+                if not unchanged:
+                    await self.leases.release(slot.id)
+        return self.leases.token(slot.id)
+
+    def _disown(self, slot: Slot) -> None:
+        """A write of ``slot`` was refused: it is another node's now.  Its lease is forgotten and
+        its copy marked unknown (the caller erases the cells under the slot's lock)."""
+        if self.leases is not None:
+            self.leases.forget(slot.id)
+        self._dirty.discard(slot.id)
+        slot.dirty, slot.synced = False, None
+
     # ------------------------------------------------------------------ residency (Residency's hooks)
 
     async def _fill(self, slot: Slot, seq: int, load: bool) -> None:
@@ -215,11 +303,11 @@ class SlotRegistry(Residency):
                 meta, raw = got
                 ses1 = unpack_ses1(raw)
                 await self.engine.restore_state(seq, ses1.tokens, ses1.state)
-                slot.n_tokens, slot.dirty = meta.n_tokens, False
-                slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+                self._take_meta(slot, meta)
+                slot.dirty = False
                 metrics.RESTORES.inc()
                 return
-            slot.stored = False  # expired or deleted meanwhile: an empty slot
+            slot.stored, slot.synced = False, (0, "")  # expired or deleted meanwhile: an empty slot
         await self.engine.erase(seq)
         if load:
             slot.n_tokens = 0
@@ -230,7 +318,11 @@ class SlotRegistry(Residency):
             return
         if self.archive is None:
             raise ApiError(ErrorCode.RATE_LIMITED, "no store configured to park slots in")
-        await self.ensure_saved(slot)
+        try:
+            await self.ensure_saved(slot)
+        except OwnershipLost:  # another node's now: its sequence is free all the same
+            await uncancellable(self._drop_copy(slot, grant=False))
+            return
         await uncancellable(self._drop(slot))
         log.info("slot parked", slot_id=slot.id, n_tokens=slot.n_tokens)
 
@@ -355,9 +447,16 @@ class SlotRegistry(Residency):
         if self.is_resident(slot):
             await self.engine.erase(slot.seq)  # type: ignore[arg-type]
         if slot.stored and self.archive is not None:
-            await self.archive.delete(slot.id)
+            try:
+                await self.archive.delete(slot.id, await self._fence(slot))
+            except OwnershipLost:
+                self._disown(slot)
+                await self._drop_copy(slot)
+                raise
         self._dirty.discard(slot.id)
         slot.stored, slot.dirty, slot.n_tokens = False, False, 0
+        if self.archive is not None:
+            slot.synced = (0, "")
 
     async def fork(self, src: Slot, dst: Slot) -> int:
         """Make ``dst`` a copy-on-write copy of ``src`` (shared cells); returns its token count.
@@ -382,7 +481,7 @@ class SlotRegistry(Residency):
                 ses1 = await asyncio.to_thread(pack_ses1, got[0], got[1])
             finally:
                 self.engine.release_state(got[1])
-            await self._write(dst, got[0], ses1, self.archive.next_version())
+            await self._write(dst, got[0], ses1, self.archive.next_version(), await self._fence(dst))
             return dst.n_tokens
         dst.n_tokens = len(await self.engine.fork(src_seq, dst_seq))
         self.schedule(dst)
@@ -406,8 +505,24 @@ class SlotRegistry(Residency):
         slot.n_prompt_tokens_cache, slot.n_decoded = done.n_cached, done.n_generated
 
     def generation_ended(self, slot: Slot) -> None:
-        """The slot's generation is over (done, cancelled or failed): save it (write-behind)."""
-        self.schedule(slot)
+        """The slot's generation is over (done, cancelled or failed): save it (write-behind)
+        unless :meth:`commit_turn` stored it already."""
+        if slot.dirty:
+            self.schedule(slot)
+
+    async def commit_turn(self, slot: Slot) -> None:
+        """With ``strict`` durability, store the slot's state (lock held) before its turn is
+        answered: ``STORE_UNAVAILABLE`` or ``SLOT_BUSY`` (ownership lost) instead of an answer
+        that a crash could lose.  Nothing to do otherwise."""
+        if not self.strict:
+            return
+        t0 = time.perf_counter()
+        try:
+            await self.save(slot)
+        except OwnershipLost:
+            await self._drop_copy(slot)
+            raise
+        metrics.DURABLE_COMMIT_SECONDS.observe(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ saving
 
@@ -419,12 +534,19 @@ class SlotRegistry(Residency):
             self.saver.wake()
 
     async def save(self, slot: Slot) -> SlotMeta | None:
-        """Persist a resident slot (lock held by the caller) now; ``STORE_UNAVAILABLE`` if it cannot."""
+        """Persist a resident slot (lock held by the caller) now; ``STORE_UNAVAILABLE`` if it
+        cannot, ``SLOT_BUSY`` (:class:`OwnershipLost`: disowned, the caller drops the copy) if
+        it is not ours."""
         assert self.archive is not None
+        try:
+            lease = await self._fence(slot)
+        except OwnershipLost:
+            self._disown(slot)
+            raise
         version = self.archive.next_version()
         tokens, ses1 = await self._read_state(slot)
         slot.dirty = False  # from here; _write marks it dirty again if the write fails
-        return await self._write(slot, tokens, ses1, version)
+        return await self._write(slot, tokens, ses1, version, lease)
 
     async def ensure_saved(self, slot: Slot) -> None:
         """Before ``slot`` (lock held) leaves the engine: wait for a write in flight, then save
@@ -434,18 +556,24 @@ class SlotRegistry(Residency):
         if slot.dirty or (slot.n_tokens and not slot.stored):
             await self.save(slot)
 
-    async def _write(self, slot: Slot, tokens: list[int], ses1: bytes, version: int) -> SlotMeta | None:
-        """Store a snapshot (unless a newer one is stored: None); on failure the slot is dirty
-        again and queued for the write-behind."""
+    async def _write(
+        self, slot: Slot, tokens: list[int], ses1: bytes, version: int, lease: str | None
+    ) -> SlotMeta | None:
+        """Store a snapshot fenced by ``lease`` (unless a newer one is stored: None); on failure
+        the slot is dirty again and queued for the write-behind; a refusal (``OwnershipLost``)
+        disowns it."""
         assert self.archive is not None
         try:
-            meta = await self.archive.write(slot.id, tokens, ses1, version)
+            meta = await self.archive.write(slot.id, tokens, ses1, version, lease)
+        except OwnershipLost:
+            self._disown(slot)
+            raise
         except BaseException:
             slot.dirty = True
             self._dirty.add(slot.id)
             raise
         if meta is not None:
-            slot.stored = True
+            slot.stored, slot.synced = True, (meta.generation, meta.digest)
             slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
             if not slot.dirty:
                 slot.n_tokens = meta.n_tokens
@@ -467,10 +595,21 @@ class SlotRegistry(Residency):
                 if not (slot.dirty and self.is_resident(slot)):
                     self._dirty.discard(slot_id)
                     continue
+                try:
+                    lease = await self._fence(slot)
+                except OwnershipLost:
+                    self._disown(slot)
+                    await self._drop_copy(slot)
+                    continue
                 version = self.archive.next_version()
                 tokens, ses1 = await self._read_state(slot)
                 slot.dirty = False
                 self._dirty.discard(slot_id)
-            if await self._write(slot, tokens, ses1, version) is not None:
-                saved += 1
+            try:
+                if await self._write(slot, tokens, ses1, version, lease) is not None:
+                    saved += 1
+            except OwnershipLost:
+                async with slot.lock:
+                    if slot.synced is None:  # not taken back (and synced) meanwhile
+                        await self._drop_copy(slot)
         return saved

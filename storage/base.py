@@ -136,13 +136,17 @@ class SlotStore(Protocol):
     read as absent), ``chunk_size`` (bytes per stored piece, default 64 MiB).
     """
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
         """Store an already-encoded blob and its metadata atomically, replacing any previous version.
 
         A concurrent reader sees either the old pair or the new pair, never a mix or a partial blob.
         The store fills ``stored_size`` (len(blob)), ``n_chunks``, ``generation`` (previous + 1, or 1),
         ``created_at`` (kept from the previous version; else ``meta.created_at`` if > 0, else now) and
         ``updated_at`` (now). Returns the metadata as stored.
+
+        ``lease``: a fencing token from :meth:`acquire_lease`. When given, the write is committed only
+        if that token holds the slot's lease at the moment of the commit, checked in the same atomic
+        step; otherwise nothing is written and :class:`storage.errors.LeaseLostError` is raised.
         """
         ...
 
@@ -158,8 +162,9 @@ class SlotStore(Protocol):
         """Return the metadata only (cheap: the blob is not read), or None if absent/expired."""
         ...
 
-    async def delete(self, slot_id: str) -> bool:
-        """Remove a slot; True if it existed."""
+    async def delete(self, slot_id: str, *, lease: str | None = None) -> bool:
+        """Remove a slot; True if it existed. ``lease`` fences it as in :meth:`put`
+        (:class:`storage.errors.LeaseLostError`, nothing removed)."""
         ...
 
     async def list_meta(self) -> list[SlotMeta]:

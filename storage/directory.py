@@ -21,7 +21,9 @@ over ``slot.bin`` and fsyncs the directory. Blocking I/O runs in ``asyncio.to_th
 Concurrency: writers of one slot are serialized inside a process (the generation counter is a
 read-modify-write). Several processes may read one directory; concurrent writers of the same slot in
 different processes still never produce a mismatched pair, but may reuse a generation number.
-Leases are kept in this process's memory (shared by instances with the same root and prefix).
+Leases are kept in this process's memory (shared by instances with the same root and prefix). A fenced
+put or delete (``lease=token``) checks the lease and renames (or unlinks) under one lock that lease
+acquisition takes too, so the check and the commit are one step: a lease cannot change hands between.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 import os
 import secrets
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -49,7 +52,7 @@ from storage.base import (
     now,
     validate_slot_id,
 )
-from storage.errors import BadStateError, StoreUnavailableError
+from storage.errors import BadStateError, LeaseLostError, StoreUnavailableError
 from storage.leases import LeaseTable
 
 __all__ = ["DirectoryStore", "safe_name"]
@@ -66,7 +69,7 @@ _STALE_TMP_S = 3600.0
 _N_LOCKS = 64
 _T = TypeVar("_T")
 
-_lease_tables: dict[tuple[Path, str], LeaseTable] = {}
+_lease_tables: dict[tuple[Path, str], tuple[LeaseTable, threading.Lock]] = {}
 
 
 def safe_name(raw: bytes) -> str:
@@ -123,7 +126,7 @@ class DirectoryStore:
         self.dir = self.root / safe_name(prefix.encode("utf-8")) if prefix else self.root
         self._locks = [asyncio.Lock() for _ in range(_N_LOCKS)]
         key = (self.root.resolve(), prefix)
-        self._leases = _lease_tables.setdefault(key, LeaseTable())
+        self._leases, self._fence = _lease_tables.setdefault(key, (LeaseTable(), threading.Lock()))
 
     # -- paths and file format ------------------------------------------------------------------
 
@@ -168,7 +171,15 @@ class DirectoryStore:
             blob = _read_exact(f, blob_len, "blob") if with_blob else None
         return meta, blob
 
-    def _write(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+    def _commit(self, slot_id: str, lease: str | None, commit: Callable[[], _T]) -> _T:
+        """Run ``commit()`` (a rename or unlink) if ``lease`` is None or holds the slot's lease, both
+        under the fence lock; LeaseLostError otherwise."""
+        with self._fence:
+            if lease is not None and not self._leases.holds(slot_id, lease):
+                raise LeaseLostError(slot_id)
+            return commit()
+
+    def _write(self, meta: SlotMeta, blob: bytes | memoryview, lease: str | None = None) -> SlotMeta:
         sdir = self.slot_dir(meta.slot_id)
         try:
             prev = self._read(meta.slot_id, with_blob=False)
@@ -201,7 +212,7 @@ class DirectoryStore:
                     f.flush()
                     if self.fsync:
                         os.fsync(f.fileno())
-                os.replace(tmp, sdir / _FILE)
+                self._commit(meta.slot_id, lease, lambda: os.replace(tmp, sdir / _FILE))  # noqa: B023
                 break
             except FileNotFoundError:
                 # another process removed the (empty) slot directory under us: retry
@@ -214,14 +225,14 @@ class DirectoryStore:
             _fsync_dir(sdir)
         return stored
 
-    def _remove(self, slot_id: str) -> bool:
+    def _remove(self, slot_id: str, lease: str | None = None) -> bool:
         sdir = self.slot_dir(slot_id)
         try:
             existed = self._read(slot_id, with_blob=False) is not None
         except BadStateError:
             existed = True
         try:
-            (sdir / _FILE).unlink()
+            self._commit(slot_id, lease, (sdir / _FILE).unlink)
         except FileNotFoundError:
             return False
         self._cleanup_dir(sdir, stale_only=False)
@@ -283,16 +294,17 @@ class DirectoryStore:
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         try:
             return await asyncio.to_thread(fn, *args)
-        except (BadStateError, ValueError, TypeError):
+        except (BadStateError, LeaseLostError, ValueError, TypeError):
             raise
         except OSError as exc:
             raise StoreUnavailableError(f"slot directory {self.dir}: {exc}") from exc
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
-        """Store ``blob`` (already encoded) with ``meta`` in one atomic file replace; see SlotStore.put."""
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
+        """Store ``blob`` (already encoded) with ``meta`` in one atomic file replace, fenced by ``lease``
+        if given (LeaseLostError: refused, nothing stored); see SlotStore.put."""
         validate_slot_id(meta.slot_id)
         async with self._lock(meta.slot_id):
-            return await self._run(self._write, meta, blob)
+            return await self._run(self._write, meta, blob, lease)
 
     async def get(self, slot_id: str) -> tuple[SlotMeta, bytes] | None:
         """``(meta, encoded_blob)`` or None if absent/expired; BadStateError if the file is damaged."""
@@ -308,11 +320,12 @@ class DirectoryStore:
         res = await self._run(self._read, slot_id, False)
         return None if res is None else res[0]
 
-    async def delete(self, slot_id: str) -> bool:
-        """Remove a slot; True if it existed (and had not expired)."""
+    async def delete(self, slot_id: str, *, lease: str | None = None) -> bool:
+        """Remove a slot, fenced by ``lease`` if given (LeaseLostError); True if it existed (and had not
+        expired)."""
         validate_slot_id(slot_id)
         async with self._lock(slot_id):
-            return await self._run(self._remove, slot_id)
+            return await self._run(self._remove, slot_id, lease)
 
     async def list_meta(self) -> list[SlotMeta]:
         """Metadata of every unexpired slot (unreadable files are logged and skipped)."""
@@ -338,7 +351,8 @@ class DirectoryStore:
     async def acquire_lease(self, slot_id: str, owner: str, ttl_ms: int) -> str | None:
         """In-process lease; see SlotStore.acquire_lease."""
         validate_slot_id(slot_id)
-        return self._leases.acquire(slot_id, owner, ttl_ms)
+        with self._fence:  # never between a fenced write's check and its commit
+            return self._leases.acquire(slot_id, owner, ttl_ms)
 
     async def renew_lease(self, slot_id: str, token: str, ttl_ms: int) -> bool:
         """See SlotStore.renew_lease."""

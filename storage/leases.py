@@ -67,6 +67,11 @@ class LeaseTable:
         self._leases[key] = _Lease(token, time.monotonic() + ttl_ms / 1000)
         return token
 
+    def holds(self, key: str, token: str) -> bool:
+        """True if ``token`` holds the live lease of ``key`` (a fencing check)."""
+        lease = self._live(key)
+        return lease is not None and lease.token == token
+
     def renew(self, key: str, token: str, ttl_ms: int) -> bool:
         """Extend to ``ttl_ms`` from now if ``token`` holds the lease."""
         check_ttl_ms(ttl_ms)

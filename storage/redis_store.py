@@ -9,7 +9,9 @@ Keys (``P`` = prefix, ``T`` = the slot id with ``%``, ``{`` and ``}`` percent-es
     P slot:{T}:lease            lease token (SET NX PX)
 
 Atomic put: (1) the chunks are written, pipelined, to fresh ``tmp`` keys; (2) one Lua script checks
-they all exist, reads the current generation, deletes that generation's chunks, RENAMEs the tmp keys
+they all exist and, for a fenced put (``lease=token``), that the lease key holds exactly that token
+(else it drops the tmp keys and refuses: :class:`storage.errors.LeaseLostError`), reads the current
+generation, deletes that generation's chunks, RENAMEs the tmp keys
 to ``blob:<gen+1>:<i>``, writes the meta hash and applies the TTL (or PERSIST) to every key. Scripts
 run atomically, so meta and chunks switch together. The ``gen``, ``n`` and ``created`` hash fields are
 authoritative (the script sets them); they override those fields of ``body`` when read.
@@ -47,7 +49,7 @@ from storage.base import (
     now,
     validate_slot_id,
 )
-from storage.errors import BadStateError, StoreUnavailableError
+from storage.errors import BadStateError, LeaseLostError, StoreUnavailableError
 from storage.leases import check_ttl_ms, make_token, token_owner
 from storage.redis_url import Connection, connect
 
@@ -71,11 +73,16 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
 )
 
-# KEYS[1]=meta, KEYS[2..n+1]=tmp chunks; ARGV: blob key base, body, n, ttl_ms, created
+# KEYS[1]=meta, KEYS[2]=lease, KEYS[3..n+2]=tmp chunks; ARGV: blob key base, body, n, ttl_ms, created,
+# fencing token ('' = unfenced)
 _COMMIT = """
 local n = tonumber(ARGV[3])
+if ARGV[6] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[6] then
+  for i = 1, n do redis.call('DEL', KEYS[i + 2]) end
+  return {-2, ''}
+end
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[i + 1]) == 0 then return {-1, ''} end
+  if redis.call('EXISTS', KEYS[i + 2]) == 0 then return {-1, ''} end
 end
 local old = redis.call('HMGET', KEYS[1], 'gen', 'n', 'created')
 local gen = 1
@@ -91,7 +98,7 @@ end
 local ttl = tonumber(ARGV[4])
 for i = 1, n do
   local dst = ARGV[1] .. gen .. ':' .. (i - 1)
-  redis.call('RENAME', KEYS[i + 1], dst)
+  redis.call('RENAME', KEYS[i + 2], dst)
   if ttl > 0 then redis.call('PEXPIRE', dst, ttl) else redis.call('PERSIST', dst) end
 end
 redis.call('DEL', KEYS[1])
@@ -100,8 +107,9 @@ if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
 return {gen, created}
 """
 
-# KEYS[1]=meta; ARGV[1]=blob key base
+# KEYS[1]=meta, KEYS[2]=lease; ARGV[1]=blob key base, ARGV[2]=fencing token ('' = unfenced)
 _DELETE = """
+if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2] then return -1 end
 local old = redis.call('HMGET', KEYS[1], 'gen', 'n')
 if not old[1] then return 0 end
 for i = 0, tonumber(old[2]) - 1 do
@@ -263,8 +271,9 @@ class RedisStore:
 
     # -- store API --------------------------------------------------------------------------------
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
-        """Store ``blob`` (already encoded) and ``meta`` atomically; see SlotStore.put and the module doc."""
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
+        """Store ``blob`` (already encoded) and ``meta`` atomically, fenced by ``lease`` if given; see
+        SlotStore.put and the module doc (LeaseLostError: refused, nothing stored)."""
         base = self._base(meta.slot_id)
         view = memoryview(blob).cast("B")
         n = n_chunks_for(len(view), self.chunk_size)
@@ -280,14 +289,16 @@ class RedisStore:
                     pipe.set(key, view[i * self.chunk_size : (i + 1) * self.chunk_size], px=_TMP_TTL_MS)
                 await pipe.execute()
                 gen, created_s = await self._commit(
-                    keys=[base + b"meta", *tmp_keys],
-                    args=[base + b"blob:", encode_meta(body), n, self._ttl_ms, repr(created)],
+                    keys=[base + b"meta", base + b"lease", *tmp_keys],
+                    args=[base + b"blob:", encode_meta(body), n, self._ttl_ms, repr(created), lease or ""],
                 )
             except _UNAVAILABLE:
                 raise  # cannot clean up now; the tmp keys expire by themselves
             except BaseException:
                 await self._drop_tmp(tmp_keys)
                 raise
+        if int(gen) == -2:
+            raise LeaseLostError(meta.slot_id)
         if int(gen) < 0:
             raise StoreUnavailableError("temporary chunks vanished before commit (evicted or expired)")
         return msgspec.structs.replace(body, generation=int(gen), created_at=float(created_s))
@@ -349,11 +360,15 @@ class RedisStore:
         async with _unavailable("get_meta"):
             return await self._read_meta(meta_key)
 
-    async def delete(self, slot_id: str) -> bool:
-        """Delete meta and chunks atomically (Lua); True if the slot existed."""
+    async def delete(self, slot_id: str, *, lease: str | None = None) -> bool:
+        """Delete meta and chunks atomically (Lua), fenced by ``lease`` if given (LeaseLostError); True if
+        the slot existed."""
         base = self._base(slot_id)
         async with _unavailable("delete"):
-            return bool(await self._delete(keys=[base + b"meta"], args=[base + b"blob:"]))
+            done = await self._delete(keys=[base + b"meta", base + b"lease"], args=[base + b"blob:", lease or ""])
+        if done == -1:
+            raise LeaseLostError(slot_id)
+        return bool(done)
 
     async def list_meta(self) -> list[SlotMeta]:
         """SCAN for meta keys under the prefix (all cluster nodes) and read them in batches.

@@ -51,6 +51,8 @@ async def save_slot(
     ses1_blob: bytes | memoryview,
     codec: str = "auto",
     level: int = codecs.DEFAULT_LEVEL,
+    *,
+    lease: str | None = None,
 ) -> SlotMeta:
     """Compress ``ses1_blob`` and store it under ``slot_id`` with its metadata.
 
@@ -62,6 +64,8 @@ async def save_slot(
         codec: "auto" (sampled planes-or-plain choice, :func:`storage.codec.encode_auto`), "best"
             (both, keep the smaller), or a codec name from :data:`storage.codec.CODECS`.
         level: zstd level.
+        lease: a fencing token (:meth:`storage.base.SlotStore.put`): stored only while it holds the
+            slot's lease.
 
     Returns:
         The metadata as stored (generation etc. filled in by the store).
@@ -70,6 +74,7 @@ async def save_slot(
         BadStateError: ``ses1_blob`` is not a valid SES1 blob or its tokens differ from ``tokens``.
         ValueError: unknown codec or invalid slot id.
         StoreUnavailableError: the store is unreachable.
+        LeaseLostError: ``lease`` does not hold the slot's lease (nothing stored).
     """
     tokens = list(tokens)
     if ses1_tokens(ses1_blob) != tokens:
@@ -90,7 +95,7 @@ async def save_slot(
         updated_at=0.0,
         digest=digest,
     )
-    return await store.put(meta, data)
+    return await store.put(meta, data, lease=lease)
 
 
 def _decode_checked(meta: SlotMeta, data: bytes) -> bytes:

@@ -49,7 +49,7 @@ class TimeoutStore:
         except TimeoutError as exc:
             raise StoreUnavailableError(f"state store did not answer {what} within {timeout_s:g} s") from exc
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
-        """:meth:`SlotStore.put` with the size-scaled deadline."""
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
+        """:meth:`SlotStore.put` (fenced by ``lease`` if given) with the size-scaled deadline."""
         timeout = self.timeout_s + memoryview(blob).nbytes / self.put_bytes_per_s
-        return await self._deadline(self.inner.put(meta, blob), timeout, "put")
+        return await self._deadline(self.inner.put(meta, blob, lease=lease), timeout, "put")

@@ -4,8 +4,10 @@
 ``redis-server --port N --dir data_dir --save '' --appendonly yes`` and waits until it answers PING.
 ``stop()`` (SIGTERM: the AOF is flushed) and ``start()`` again reuse the same port and directory, so
 tests can simulate an outage and check durability; ``pause()``/``resume()`` (SIGSTOP/SIGCONT) make it
-hang instead, to test timeouts. ``RedisServer.cluster(...)`` starts a one-node Redis Cluster and
-``RedisSentinel`` a sentinel watching a server.
+hang instead, to test timeouts. ``RedisServer.cluster(...)`` starts a one-node Redis Cluster,
+``RedisCluster3`` a cluster of three masters (hash slots split by ``redis-cli --cluster create``),
+``RedisSentinel`` a sentinel watching a server and ``SentinelSetup`` a master, its replica and a
+sentinel watching them.
 
 ``require_redis_server()`` skips the calling test (pytest.skip) when ``redis-server`` is not installed.
 """
@@ -26,7 +28,15 @@ from typing import BinaryIO, Self
 
 import pytest
 
-__all__ = ["RedisSentinel", "RedisServer", "free_port", "require_redis_server", "resp_command"]
+__all__ = [
+    "RedisCluster3",
+    "RedisSentinel",
+    "RedisServer",
+    "SentinelSetup",
+    "free_port",
+    "require_redis_server",
+    "resp_command",
+]
 
 
 def require_redis_server() -> str:
@@ -233,3 +243,94 @@ class RedisSentinel(RedisServer):
     def url(self) -> str:
         """``redis+sentinel://127.0.0.1:<port>/<service>/0``."""
         return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}/0"
+
+
+class RedisCluster3:
+    """A Redis Cluster of three masters, no replicas, each a :class:`RedisServer` in its own directory
+    under ``data_dir``; ``redis-cli --cluster create`` splits the 16384 hash slots between them."""
+
+    def __init__(self, data_dir: Path, n_masters: int = 3) -> None:
+        self.nodes = [
+            RedisServer(
+                Path(data_dir) / f"node{i}",
+                port=free_port(cluster=True),
+                extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+            )
+            for i in range(n_masters)
+        ]
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` with every node as a seed."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the nodes, create the cluster, and wait until every node says ``cluster_state:ok``."""
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            pytest.skip("redis-cli is not installed (apt-get install -y redis-tools)")
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+        for node in self.nodes:
+            node._wait(
+                lambda node=node: (
+                    b"cluster_state:ok" in (resp_command(node.port, "CLUSTER", "INFO") or b"")  # type: ignore[misc]
+                    and b"cluster_known_nodes:%d" % len(self.nodes)
+                    in (resp_command(node.port, "CLUSTER", "INFO") or b"")
+                ),
+                timeout,
+            )
+
+    def stop(self) -> None:
+        """Stop every node."""
+        for node in self.nodes:
+            node.stop()
+
+
+class SentinelSetup:
+    """A master, one replica of it, and a sentinel monitoring the master as ``service``."""
+
+    def __init__(self, data_dir: Path, service: str = "mymaster") -> None:
+        self.master = RedisServer(Path(data_dir) / "master")
+        self.replica = RedisServer(Path(data_dir) / "replica")
+        self.service = service
+        self.sentinel: RedisSentinel | None = None
+        self.data_dir = Path(data_dir)
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://`` of the sentinel and the service."""
+        assert self.sentinel is not None
+        return self.sentinel.url
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start master and replica, wait until the replica is in sync, then start the sentinel and
+        wait until it names the master."""
+        self.master.start()
+        self.replica.extra_args = ["--replicaof", "127.0.0.1", str(self.master.port)]
+        self.replica.start()
+        self.replica._wait(
+            lambda: b"master_link_status:up" in (resp_command(self.replica.port, "INFO", "replication") or b""),
+            timeout,
+        )
+        self.sentinel = RedisSentinel(self.data_dir / "sentinel", self.master.port, self.service)
+        self.sentinel.start()
+        want = [b"127.0.0.1", str(self.master.port).encode()]
+        sentinel = self.sentinel
+        sentinel._wait(
+            lambda: resp_command(sentinel.port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service) == want,
+            timeout,
+        )
+
+    def stop(self) -> None:
+        """Stop the sentinel, the replica and the master."""
+        for server in (self.sentinel, self.replica, self.master):
+            if server is not None:
+                server.stop()

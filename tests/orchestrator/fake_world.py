@@ -33,9 +33,9 @@ class CountingStore(DirectoryStore):
         super().__init__(root)
         self.puts: dict[str, int] = {}
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview) -> SlotMeta:
+    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
         self.puts[meta.slot_id] = self.puts.get(meta.slot_id, 0) + 1
-        return await super().put(meta, blob)
+        return await super().put(meta, blob, lease=lease)
 
 
 class FlakyStore(CountingStore):
@@ -47,7 +47,7 @@ class FlakyStore(CountingStore):
         attr = super().__getattribute__(name)
         if name in ("put", "get", "get_meta", "list_meta", "delete", "acquire_lease", "ping") and self.down:
 
-            async def fail(*_: object) -> None:
+            async def fail(*_: object, **__: object) -> None:
                 raise StoreUnavailableError("the test took the store down")
 
             return fail
@@ -68,6 +68,8 @@ class World:
         step_s: float = 0.001,
         queue_size: int = 8,
         park_idle_s: float | None = None,
+        strict: bool = False,
+        lease_ms: int = 3000,
     ) -> None:
         self.engine = FakeEngine(n_seqs, step_s)
         self.store = store or CountingStore(root)
@@ -79,7 +81,7 @@ class World:
             level=3,
             store_timeout_s=3.0,
         )
-        self.leases = LeaseKeeper(self.archive, node, lease_ms=3000)
+        self.leases = LeaseKeeper(self.archive, node, lease_ms=lease_ms)
         self.registry = SlotRegistry(
             engine,  # type: ignore[arg-type]
             n_seqs,
@@ -89,6 +91,7 @@ class World:
             write_delay_s=write_delay_s,
             park_idle_s=park_idle_s,
             upkeep_s=0.05,
+            strict=strict,
         )
         self.registry.wait_s = 5.0
         self.service = GenerationService(engine, self.registry)  # type: ignore[arg-type]

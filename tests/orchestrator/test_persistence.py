@@ -190,6 +190,8 @@ def test_redis_store_outage_and_restart(start_server, own_redis, tmp_path) -> No
         "t1:",
         "--node-id",
         "node-r",
+        "--durability",
+        "write-behind",  # answers turns while the store is down and writes them when it is back
     )  # the restarted node is the same node: it takes its leases back
     srv = start_server(*args)
     p = tokenize(srv.url, CHAT.format("Name a big cat."))

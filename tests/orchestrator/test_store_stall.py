@@ -18,7 +18,10 @@ from tests.redis_server import RedisServer
 
 
 def _server(start_server: Callable[..., ServerProc], redis: RedisServer, *extra: str) -> ServerProc:
-    return start_server("--parallel", "2", "--ctx-size", "1024", "--redis-url", redis.url, *extra)
+    """A node that answers turns without waiting for the store (``--durability write-behind``): with
+    ``strict`` a turn cannot be answered while the store is stalled, by design."""
+    args = ("--parallel", "2", "--ctx-size", "1024", "--redis-url", redis.url, "--durability", "write-behind")
+    return start_server(*args, *extra)
 
 
 def _waited(srv: ServerProc, slot: str, ids: list[int]) -> tuple[dict, float]:  # type: ignore[type-arg]

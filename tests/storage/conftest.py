@@ -8,9 +8,11 @@ plain ``pytest`` needs ``pythonpath = ["."]`` in the pytest config. ``tests/stor
 
 Fixtures:
     redis_server (session): a real redis-server on a free port (also a unix socket), own temp dir.
-    redis_cluster (session): a one-node Redis Cluster.
-    harness: parametrized over "directory", "redis" and "redis-cluster"; builds stores (each with a
-        unique prefix, so no FLUSH is ever needed) and can damage what they stored.
+    redis_cluster (session): a Redis Cluster of three masters (hash slots split between them).
+    redis_sentinel (session): a master, its replica and a sentinel; stores reach the master through
+        the sentinel (``redis+sentinel://``).
+    harness: parametrized over "directory", "redis", "redis-cluster" and "redis-sentinel"; builds
+        stores (each with a unique prefix, so no FLUSH is ever needed) and can damage what they stored.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import pytest_asyncio
@@ -28,24 +31,40 @@ from redis.asyncio.cluster import RedisCluster
 from storage.base import DEFAULT_CHUNK_SIZE, SlotStore
 from storage.directory import DirectoryStore
 from storage.redis_store import RedisStore
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisCluster3, SentinelSetup
+
+T = TypeVar("T", RedisCluster3, SentinelSetup)
+
+
+def _running(servers: T) -> Iterator[T]:
+    """Start ``servers`` (a :class:`RedisCluster3` or :class:`SentinelSetup`), yield them, stop them."""
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A one-node Redis Cluster shared by the session."""
-    server = RedisServer.cluster(tmp_path_factory.mktemp("redis-cluster"))
-    yield server
-    server.stop()
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster3]:
+    """A three-master Redis Cluster shared by the session."""
+    yield from _running(RedisCluster3(tmp_path_factory.mktemp("redis-cluster")))
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSetup]:
+    """A master, its replica and a sentinel, shared by the session."""
+    yield from _running(SentinelSetup(tmp_path_factory.mktemp("redis-sentinel")))
 
 
 class StoreHarness:
     """Builds stores of one kind and reaches behind them to inspect or damage stored data."""
 
-    def __init__(self, kind: str, tmp_path: Path, url: str | None) -> None:
+    def __init__(self, kind: str, tmp_path: Path, url: str | None, raw_url: str | None = None) -> None:
         self.kind = kind
         self.tmp_path = tmp_path
         self.url = url
+        self.raw_url = raw_url or url  # where a plain client reaches the data (a sentinel's master)
         self.prefix = f"t{uuid.uuid4().hex[:12]}:"
         self.stores: list[SlotStore] = []
         self._raw: Redis | RedisCluster | None = None
@@ -74,11 +93,11 @@ class StoreHarness:
     def raw(self) -> Redis | RedisCluster:
         """A plain redis client on the same server (binary values)."""
         if self._raw is None:
-            assert self.url is not None
+            assert self.raw_url is not None
             if self.kind == "redis-cluster":
-                self._raw = RedisCluster.from_url(self.url.replace("redis+cluster://", "redis://"))
+                self._raw = RedisCluster.from_url(self.raw_url)
             else:
-                self._raw = Redis.from_url(self.url)
+                self._raw = Redis.from_url(self.raw_url)
         return self._raw
 
     async def artifacts(self, store: SlotStore, slot_id: str) -> set[str]:
@@ -131,7 +150,7 @@ class StoreHarness:
             await store.close()
 
 
-@pytest.fixture(params=["directory", "redis", "redis-cluster"])
+@pytest.fixture(params=["directory", "redis", "redis-cluster", "redis-sentinel"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     """Which store implementation a contract test runs against."""
     return request.param
@@ -140,11 +159,15 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 @pytest_asyncio.fixture
 async def harness(store_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[StoreHarness]:
     """A :class:`StoreHarness` for ``store_kind`` (starts the needed redis-server lazily)."""
-    url = None
+    url = raw_url = None
     if store_kind == "redis":
         url = request.getfixturevalue("redis_server").url
     elif store_kind == "redis-cluster":
-        url = f"redis+cluster://127.0.0.1:{request.getfixturevalue('redis_cluster').port}"
-    h = StoreHarness(store_kind, tmp_path, url)
+        cluster = request.getfixturevalue("redis_cluster")
+        url, raw_url = cluster.url, cluster.nodes[0].url
+    elif store_kind == "redis-sentinel":
+        setup = request.getfixturevalue("redis_sentinel")
+        url, raw_url = setup.url, setup.master.url
+    h = StoreHarness(store_kind, tmp_path, url, raw_url)
     yield h
     await h.aclose()

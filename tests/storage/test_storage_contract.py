@@ -1,4 +1,5 @@
-"""The store contract, run against every implementation (directory, Redis, one-node Redis Cluster)."""
+"""The store contract, run against every implementation: directory, Redis, a three-master Redis Cluster
+and Redis behind Sentinel (each server started by the test run)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from storage.base import SlotMeta, SlotStore
 from storage.directory import DirectoryStore
-from storage.errors import BadStateError, FingerprintMismatchError
+from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError
 from storage.ses1 import pack_ses1
 from storage.slot_codec import load_slot, save_slot
 from tests.waiting import async_wait_until
@@ -451,3 +452,34 @@ async def test_meta_without_digest_still_loads(harness: StoreHarness) -> None:
     await store.put(meta, ses1)
     loaded = await load_slot(store, "s", "fp-A")
     assert loaded is not None and loaded[1] == ses1
+
+
+async def test_writes_fenced_by_a_lease_commit_only_for_its_holder(harness: StoreHarness) -> None:
+    """A put or delete with ``lease=token`` commits only while that token holds the slot's lease,
+    checked in the same atomic step; a refused one leaves everything as it was (no temporary data)."""
+    node_a, node_b = harness.make(chunk_size=1000), harness.make(chunk_size=1000)
+    token_a = await node_a.acquire_lease("f", "node-a", 300)
+    assert token_a is not None
+    first = await node_a.put(meta_for("f", blob_for(1), 1), blob_for(1), lease=token_a)
+    with pytest.raises(LeaseLostError):  # a token that never held the lease
+        await node_b.put(meta_for("f", blob_for(2), 2), blob_for(2), lease="node-b#" + "0" * 32)
+    await asyncio.sleep(0.4)  # node a "pauses" past its lease
+    token_b = await node_b.acquire_lease("f", "node-b", 5000)
+    assert token_b is not None
+    second = await node_b.put(meta_for("f", blob_for(3), 3), blob_for(3), lease=token_b)
+    assert second.generation == first.generation + 1
+    with pytest.raises(LeaseLostError):  # node a wakes up and writes its stale state
+        await node_a.put(meta_for("f", blob_for(4), 4), blob_for(4), lease=token_a)
+    with pytest.raises(LeaseLostError):
+        await node_a.delete("f", lease=token_a)
+    assert await node_a.get("f") == (second, blob_for(3)), "the stale writer changed nothing"
+    if harness.is_redis:
+        assert await harness.artifacts(node_a, "f") == {"meta"} | {f"blob:2:{i}" for i in range(second.n_chunks)}
+    assert await node_b.release_lease("f", token_b)
+    with pytest.raises(LeaseLostError):  # no lease at all: not the holder either
+        await node_b.put(meta_for("f", blob_for(5), 5), blob_for(5), lease=token_b)
+    unfenced = await node_a.put(meta_for("f", blob_for(6), 6), blob_for(6))  # no lease given: unfenced
+    assert unfenced.generation == second.generation + 1
+    token_b = await node_b.acquire_lease("f", "node-b", 5000)
+    assert token_b is not None and await node_b.delete("f", lease=token_b) is True
+    assert await node_b.get("f") is None
