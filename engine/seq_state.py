@@ -403,6 +403,8 @@ def check_finite(blob: bytes | bytearray | memoryview, parsed: ParsedState) -> N
         BadStateError: naming the first record (``K``/``V`` of a layer) that holds a
             non-finite value.
     """
+    if not parsed.data:
+        return  # no cells, nothing to test
     view = memoryview(blob).cast("B")
     records = iter(parsed.data)  # per KV cache part: its layers' K records, then their V records
     for cache in parsed.layout.caches:

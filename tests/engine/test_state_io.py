@@ -171,3 +171,13 @@ def test_an_empty_sequence_state_restores(runner: Runner, engine, model) -> None
     assert engine.seq_len(2) == 0 and engine.cellmap.length(2) == 0
     engine.restore_state(2, *engine.save_state(2))  # our own empty state too
     assert engine.seq_len(2) == 0
+
+
+def test_an_empty_state_restores_with_its_values_checked(engine) -> None:  # type: ignore[no-untyped-def]
+    """A sequence emptied (a context shift of everything, then parked) restores from its empty state, values
+    checked as every restore from the store is (there are none to test)."""
+    engine.erase(5)
+    tokens, state = engine.save_state(5)
+    assert tokens == []
+    engine.restore_state(5, tokens, bytes(state), check_values=True)
+    assert engine.seq_len(5) == 0
