@@ -104,7 +104,9 @@ def llama_turn(client: httpx.Client, base: str, ids: list[int], new: int) -> dic
     return {"ttft": ttft, "cached": timings.get("cache_n", 0), "prefilled": timings.get("prompt_n", 0)}
 
 
-def run_server(name: str, cmd: list[str], port: int, tmp: Path, turn, first: list[int], prompts) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
+def run_server(
+    name: str, cmd: list[str], port: int, tmp: Path, turn, first: list[int], prompts, new: int
+) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
     """Start the server, cache ``first`` (one token generated), run ``turn`` for each prompt, stop it; print
     each turn as it ends.  A server that fails mid-way: its log's tail is printed and its turns so far kept."""
     log = tmp / f"{name.replace(' ', '_')}.log"
@@ -116,7 +118,7 @@ def run_server(name: str, cmd: list[str], port: int, tmp: Path, turn, first: lis
         with httpx.Client() as client:
             turn(client, base, first, 1)
             for ids in prompts:
-                rows.append(turn(client, base, ids, NEW))
+                rows.append(turn(client, base, ids, new))
                 r = rows[-1]
                 print(f"{name}: turn {len(rows) - 1} ttft {r['ttft']:.0f} ms, prefilled {r['prefilled']}, "
                       f"cached {r['cached']}", flush=True)  # fmt: skip
@@ -127,11 +129,7 @@ def run_server(name: str, cmd: list[str], port: int, tmp: Path, turn, first: lis
     return rows
 
 
-NEW = 32
-
-
 def main() -> None:
-    global NEW
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-server", type=Path, default=None)
     ap.add_argument("--context", type=int, default=4000)
@@ -142,7 +140,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-slotserve", action="store_true", help="run llama-server's two configurations only")
     a = ap.parse_args()
-    NEW = a.new
     ctx_size = a.context + 1024
     model_path = default_model()
     from engine.model import Model
@@ -161,7 +158,7 @@ def main() -> None:
             def s_turn(client, base, ids, new, reuse=reuse):  # type: ignore[no-untyped-def]
                 return slotserve_turn(client, base, ids, new, reuse)
 
-            results[name] = run_server("slotserve", cmd, port, tmp, s_turn, first, prompts)
+            results[name] = run_server("slotserve", cmd, port, tmp, s_turn, first, prompts, a.new)
         if a.llama_server:
             for name, extra in (
                 ("llama-server", ""),
@@ -170,7 +167,7 @@ def main() -> None:
                 port = free_port()
                 cmd = llama_server_cmd(a.llama_server, model_path, port, parallel=1, ctx_size=ctx_size,
                                        threads=a.threads, n_gpu_layers=0, slot_dir=tmp / "ls", extra=extra)  # fmt: skip
-                results[name] = run_server("llama-server", cmd, port, tmp, llama_turn, first, prompts)
+                results[name] = run_server("llama-server", cmd, port, tmp, llama_turn, first, prompts, a.new)
     print(
         f"trace: {a.context} tokens, {a.turns} turns, 3 x {a.chunk} tokens pruned per turn, {MESSAGE}-token "
         f"message, {a.new} new; --threads {a.threads}; per turn: ttft ms / prefilled / cached"

@@ -73,18 +73,19 @@ class AttentionCapture:
     """Drives the patch's capture on one llama context: :meth:`plan` before ``llama_decode``,
     :meth:`collect` after it.
 
-    ``verify``: every collected row's cells are also checked against llama.cpp's KV cache
-    (``--verify-cells``; :class:`CellMapError` on a difference).  Raises
+    The context's capture is armed already (``llama_attn_init``, by :func:`engine.memory.memory_of`,
+    which also counts its ``n_caches`` KV caches).  ``verify``: every collected row's cells are also
+    checked against llama.cpp's KV cache (``--verify-cells``; :class:`CellMapError` on a difference).  Raises
     :class:`engine.native.PatchMissingError` without the patch.
     """
 
-    def __init__(self, ctx: int, cellmap: CellMap, n_layer: int, verify: bool = False) -> None:
+    def __init__(self, ctx: int, cellmap: CellMap, n_layer: int, n_caches: int, verify: bool = False) -> None:
         native.require_patch()
         self.ctx = ctx
         self.cellmap = cellmap
         self.n_layer = n_layer
         self.verify = verify
-        self.n_caches = native.lib.llama_attn_init(ctx)
+        self.n_caches = n_caches
         self.layer_cache = [native.lib.llama_attn_layer_cache(ctx, il) for il in range(n_layer)]
         self.attention_layers = tuple(il for il, c in enumerate(self.layer_cache) if c >= 0)
         self._format: tuple[int, int, tuple[int, ...]] = (-1, -1, ())

@@ -119,7 +119,9 @@ class Engine:
         self.cellmap = CellMap(self.n_cells)
         self.capture: AttentionCapture | None = None
         if config.capture and self.shape.n_caches:
-            self.capture = AttentionCapture(ctx, self.cellmap, model.n_layer, verify=config.verify_cells)
+            self.capture = AttentionCapture(
+                ctx, self.cellmap, model.n_layer, self.shape.n_caches, verify=config.verify_cells
+            )
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
@@ -134,8 +136,8 @@ class Engine:
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
         report("self_check")
-        self.layout = seq_state.StateLayout(())
-        self.layout = self._self_check()
+        self.layout = seq_state.StateLayout(())  # learned by the self-check, which restores with it
+        self._self_check()
 
     # ------------------------------------------------------------------ facts
 
@@ -245,7 +247,7 @@ class Engine:
         if n < self.seq_len(seq):
             if not self.can_keep(seq, n):
                 raise EngineError(ErrorCode.INVALID_REQUEST, self.memory.no_partial_reason)
-            self.keep(seq, n)
+            self._cut(seq, n)
 
     def can_keep(self, seq: int, n: int) -> bool:
         """Whether ``seq`` can be cut to its first ``n`` tokens and continued exactly: always for a KV
@@ -267,9 +269,14 @@ class Engine:
         else to none (the caller prefills again); returns the tokens kept."""
         if n >= self.seq_len(seq):
             return self.seq_len(seq)
-        if not self.can_keep(seq, n) or n == 0:
-            self.erase(seq)
-            return 0
+        if n > 0 and self.can_keep(seq, n):
+            return self._cut(seq, n)
+        self.erase(seq)
+        return 0
+
+    def _cut(self, seq: int, n: int) -> int:
+        """``seq_rm(seq, n, -1)`` mirrored in the cell map and the token list; the whole sequence erased
+        where llama.cpp refuses (a recurrent state).  Returns the tokens kept."""
         self._drop_state(seq)
         if not llama.llama_memory_seq_rm(self.mem, seq, n, -1):
             self.erase(seq)
@@ -301,7 +308,6 @@ class Engine:
         if min_chunk <= 0 or not self.memory.can_shift or self.shape.recurrent or n_past >= len(cached):
             return n_past
         head_c = head_p = n_past
-        moved = False
         while head_c < len(cached) and head_p < len(ids):
             n = 0
             while head_c + n < len(cached) and head_p + n < len(ids) and cached[head_c + n] == ids[head_p + n]:
@@ -309,21 +315,13 @@ class Engine:
             if n < min_chunk:
                 head_c += 1
                 continue
-            if not moved:
-                self._drop_state(seq)
-                moved = True
             llama.llama_memory_seq_rm(self.mem, seq, head_p, head_c)
             llama.llama_memory_seq_add(self.mem, seq, head_c, head_c + n, head_p - head_c)
             self.cellmap.move(seq, head_c, head_p, n)
             cached[head_p : head_p + n] = cached[head_c : head_c + n]
             head_c += n
             head_p += n
-        if not moved:
-            return n_past
-        llama.llama_memory_seq_rm(self.mem, seq, head_p, -1)
-        self.cellmap.truncate(seq, head_p)
-        del cached[head_p:]
-        return head_p
+        return self._cut(seq, head_p) if head_p > n_past else n_past  # _cut forgets the kept state copy
 
     def fork(self, src: int, dst: int) -> None:
         """Copy of ``src`` into ``dst`` (``seq_cp`` across streams: llama.cpp copies the stream's K/V
@@ -471,21 +469,22 @@ class Engine:
         """Refuse (``BAD_STATE``) a state whose cells do not hold the positions of ``n`` tokens: the
         global KV cache ``0..n-1`` each once, a sliding-window cache distinct positions among them, a
         recurrent state one cell at ``n-1``."""
-        caches = parsed.cache_positions
-        if (caches or not self.shape.recurrent) and (
-            len(parsed.positions) != n or not np.array_equal(np.sort(parsed.positions), np.arange(n))
-        ):
+        positions = parsed.positions  # the global KV cache's; a recurrent model's: its one cell's
+        if not self.shape.n_caches:
+            if n and (len(positions) != 1 or positions[0] != n - 1):
+                raise EngineError(ErrorCode.BAD_STATE, f"the recurrent state is not at position {n - 1} of {n} tokens")
+            return
+        if len(positions) != n or not np.array_equal(np.sort(positions), np.arange(n)):
             raise EngineError(ErrorCode.BAD_STATE, f"state holds positions that are not 0..{n - 1} for {n} tokens")
-        for extra in caches[1:]:
+        for extra in parsed.cache_positions[1:]:
             if len(extra) and (extra.min() < 0 or extra.max() >= n or len(np.unique(extra)) != len(extra)):
                 raise EngineError(ErrorCode.BAD_STATE, f"the sliding-window cache holds positions outside 0..{n - 1}")
-        if self.shape.recurrent and not caches and n and (len(parsed.positions) != 1 or parsed.positions[0] != n - 1):
-            raise EngineError(ErrorCode.BAD_STATE, f"the recurrent state is not at position {n - 1} of {n} tokens")
 
     # ------------------------------------------------------------------ start-up
 
-    def _self_check(self) -> seq_state.StateLayout:
-        """Check the capture and the states on real decodes; learn this engine's state layout.
+    def _self_check(self) -> None:
+        """Check the capture and the states on real decodes; learn this engine's state layout
+        (:attr:`layout`).
 
         While another sequence holds cells (when there are two), decodes a prompt on a spare
         sequence (past the sliding window of a sliding-window model, when ``n_ctx`` goes past it),
@@ -505,16 +504,14 @@ class Engine:
             self._check_decode(s - 1, 0, seed[:2])
         self._check_decode(s, 0, toks)
         _, state = self.save_state(s)
-        own = bytearray(state)
-        layout = seq_state.parse(own, shape=self.shape).layout
-        self.layout = layout
+        own = bytearray(state)  # restore_state erases s, and with it the kept copy `state` views
+        self.layout = seq_state.parse(own, shape=self.shape).layout
         self.restore_state(s, toks, own)
         self._check_decode(s, len(toks), seed[:1])
         self.erase(s)
         if s > 0:
             self.erase(s - 1)
         self.self_check_ms = (time.perf_counter() - t0) * 1000
-        return layout
 
     def _check_decode(self, seq: int, pos0: int, toks: list[int]) -> None:
         """Decode ``toks`` on ``seq`` from ``pos0`` capturing the last row, and check it (:meth:`_self_check`)."""

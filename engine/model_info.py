@@ -90,9 +90,7 @@ def model_info(engine: Engine) -> ModelInfo:
         n_kv_cells=engine.n_cells,
         n_slots=engine.config.n_slots,
         attention_layers=list(engine.attention_layers),
-        attention_windows=[engine.layer_window(il) for il in engine.attention_layers]
-        if isinstance(engine, Engine)
-        else [],
+        attention_windows=[engine.layer_window(il) for il in engine.attention_layers],  # a classifier has none
         memory=memory_info(engine) if isinstance(engine, Engine) else MemoryInfo(),
         rope_freq_base=float(m.meta(f"{m.meta('general.architecture')}.rope.freq_base") or 10000.0),
         rope_freq_scale=1.0,

@@ -86,12 +86,6 @@ class CacheLayout:
     v_trans: int
     layers: tuple[LayerLayout, ...]
 
-    def bytes_per_cell(self) -> int:
-        """KV bytes per cell (token) across this cache's layers."""
-        if self.v_trans:
-            return sum(ly.k_row_bytes + ly.v_elem_or_row_bytes * ly.n_embd_v_gqa for ly in self.layers)
-        return sum(ly.k_row_bytes + ly.v_elem_or_row_bytes for ly in self.layers)
-
 
 @dataclass(frozen=True)
 class StateLayout:
@@ -111,10 +105,6 @@ class StateLayout:
     def v_trans(self) -> int:
         """Whether V is stored transposed (flash attention off) in the KV caches (0 without one)."""
         return self.caches[0].v_trans if self.caches else 0
-
-    def bytes_per_cell(self) -> int:
-        """KV bytes per cell (token) of the global KV cache (0 for a recurrent model)."""
-        return self.caches[0].bytes_per_cell() if self.caches else 0
 
 
 @dataclass(frozen=True)
@@ -344,19 +334,19 @@ def one_stream(blob: bytearray | memoryview, shape: StateShape | None = None) ->
         out = struct.pack("<Ii", magic, seq) + struct.pack("<II", 1, 0) * shape.n_caches + b"\0" * 4 * shape.recurrent
         view[: len(out)] = out
         return view[: len(out)]
-    data = np.frombuffer(view, dtype=np.uint8)
-    pieces = [*parsed.records, parsed.tail]
     if not parsed.records:  # a recurrent model: its part follows the io header already
         return view
+    data = np.frombuffer(view, dtype=np.uint8)
     head = parsed.records[0][0] - 12
     struct.pack_into("<IiI", view, head, magic, seq, 1)
     end = parsed.records[0][1]
-    for i, (a, b) in enumerate(pieces[1:]):
-        if i < len(parsed.records) - 1:
-            struct.pack_into("<I", view, end, 1)
+    moves = [(*record, True) for record in parsed.records[1:]] + [(*parsed.tail, False)]
+    for start, stop, kv_part in moves:  # moved down behind the first record
+        if kv_part:
+            struct.pack_into("<I", view, end, 1)  # its n_stream
             end += 4
-        data[end : end + b - a] = data[a:b]  # numpy copies overlapping ranges as memmove does
-        end += b - a
+        data[end : end + stop - start] = data[start:stop]  # numpy copies overlapping ranges as memmove does
+        end += stop - start
     del data
     return view[head:end]
 
