@@ -24,22 +24,22 @@ from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from engine.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.admission import AdmissionQueue
-from orchestrator.api.generate import GenerateController
-from orchestrator.api.health import MetricsController, health
-from orchestrator.api.model import ModelController
-from orchestrator.api.ws import binary_stream, event_stream
-from orchestrator.archive import SlotArchive
-from orchestrator.auth import api_key_middleware
+from orchestrator.api.native.generate import GenerateController
+from orchestrator.api.native.health import MetricsController, health
+from orchestrator.api.native.model import ModelController
+from orchestrator.api.native.ws import binary_stream, event_stream
 from orchestrator.config import Settings
-from orchestrator.engine_api import EngineClient
-from orchestrator.engine_client import WorkerClient
-from orchestrator.errors import EXCEPTION_HANDLERS, ApiError
-from orchestrator.generation import GenerationService
-from orchestrator.lease_keeper import LeaseKeeper
-from orchestrator.origins import origin_middleware
+from orchestrator.generation.service import GenerationService
 from orchestrator.services import Services, provide_services, provide_slot_ops
-from orchestrator.slots import Slot, SlotRegistry
+from orchestrator.slots.admission import AdmissionQueue
+from orchestrator.slots.leases import LeaseKeeper
+from orchestrator.slots.persistence import SlotArchive
+from orchestrator.slots.registry import Slot, SlotRegistry
+from orchestrator.web.auth import api_key_middleware
+from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
+from orchestrator.web.origins import origin_middleware
+from orchestrator.worker.client import WorkerClient
+from orchestrator.worker.interface import EngineClient
 
 log = structlog.get_logger("slotserve")
 
@@ -133,13 +133,13 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         health,
         MetricsController,
     ]
-    from orchestrator.api.admin import AdminController
-    from orchestrator.api.classify import classify
-    from orchestrator.api.kobold import KoboldController
-    from orchestrator.api.llama_server import LlamaServerController
-    from orchestrator.api.openai import OpenAIController
-    from orchestrator.api.preview import PreviewController
-    from orchestrator.api.slots import SlotController
+    from orchestrator.admin.routes import AdminController
+    from orchestrator.api.kobold.routes import KoboldController
+    from orchestrator.api.llama_server.routes import LlamaServerController
+    from orchestrator.api.llama_server.slots import SlotController
+    from orchestrator.api.native.classify import classify
+    from orchestrator.api.native.preview import PreviewController
+    from orchestrator.api.openai.routes import OpenAIController
 
     route_handlers += [
         SlotController,
@@ -163,7 +163,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         plugins=[
             StructlogPlugin(
                 StructlogConfig(
-                    # Our handlers log every error once (orchestrator/errors.py, ``report``): a refusal
+                    # Our handlers log every error once (orchestrator/web/errors.py, ``report``): a refusal
                     # as one info line, a failure with its traceback.
                     structlog_logging_config=StructLoggingConfig(log_exceptions="never"),
                     # Never log bodies (attention, SES1 states, conversations) or query strings (api_key).

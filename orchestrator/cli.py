@@ -11,9 +11,9 @@ import uvicorn
 from engine import settings as engine_settings
 from engine.heap import keep_heap_mapped
 from orchestrator.config import Settings
-from orchestrator.logfilter import uvicorn_log_config
-from orchestrator.read_limits import limited_protocol
-from orchestrator.worker_options import WorkerOptions
+from orchestrator.web.logfilter import uvicorn_log_config
+from orchestrator.web.read_limits import limited_protocol
+from orchestrator.worker.launch import WorkerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,8 +11,8 @@ import msgspec
 from litestar.openapi import ResponseSpec
 from msgspec import UNSET, UnsetType
 
-from orchestrator.errors import COMPAT_ERROR_RESPONSES
 from orchestrator.responses import Attention, KoboldResult
+from orchestrator.web.errors import COMPAT_ERROR_RESPONSES
 
 
 def streamable(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:

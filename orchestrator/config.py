@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from engine.settings import EngineSettings, Flag, NonNegative, Positive
-from orchestrator.read_limits import ReadLimits
-from orchestrator.worker_options import WorkerOptions
+from orchestrator.web.read_limits import ReadLimits
+from orchestrator.worker.launch import WorkerOptions
 
 Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
 Durability = Literal["strict", "write-behind"]
@@ -30,9 +30,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ``max_body_bytes`` caps HTTP bodies and WebSocket messages (``PAYLOAD_TOO_LARGE``).
     ``state_dir`` is the embedded store's directory, used when ``redis_url`` is unset.
     ``allowed_origins``: web origins (``https://host:port``) allowed to use the API
-    (``orchestrator/origins.py``); ``*`` allows any.  ``queue_size`` / ``queue_timeout_s``:
+    (``orchestrator/web/origins.py``); ``*`` allows any.  ``queue_size`` / ``queue_timeout_s``:
     requests that may wait for a free engine sequence, and for how long; see
-    :mod:`orchestrator.admission`.  ``store_timeout_s``: deadline of one state-store call
+    :mod:`orchestrator.slots.admission`.  ``store_timeout_s``: deadline of one state-store call
     (:class:`storage.timeouts.TimeoutStore`).  ``durability``: ``strict`` (a turn is answered once
     its state is stored) or ``write-behind`` (answered at once, stored ``write_delay_ms`` later;
     docs/operations.md).
@@ -144,7 +144,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     @property
     def read_limits(self) -> ReadLimits:
-        """How a request may arrive (uvicorn's protocol, :mod:`orchestrator.read_limits`)."""
+        """How a request may arrive (uvicorn's protocol, :mod:`orchestrator.web.read_limits`)."""
         return ReadLimits(self.max_header_bytes, self.header_timeout_s, self.body_timeout_s)
 
     @property

@@ -17,8 +17,8 @@ from msgspec import UNSET, UnsetType
 
 from engine.errors import ErrorCode
 from orchestrator import wire
-from orchestrator.errors import ERROR_RESPONSES
-from orchestrator.generation import TokenOut
+from orchestrator.generation.service import TokenOut
+from orchestrator.web.errors import ERROR_RESPONSES
 
 
 class TokenText(msgspec.Struct, kw_only=True):

@@ -17,7 +17,7 @@ import msgspec
 
 from engine.errors import ErrorCode
 from engine.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
-from orchestrator.errors import ApiError
+from orchestrator.web.errors import ApiError
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
 # A preview's defaults: the same sampler, a little more conservative (docs/api.md, "Preview"), no
@@ -132,7 +132,7 @@ class GenerateRequest(SamplerFields, kw_only=True):
     conversation_id: str | int | None = None
     id_slot: str | int | None = None
     wait: bool = False
-    # KoboldCpp's fields (koboldcpp.py ``generate``); see orchestrator/api/kobold.py
+    # KoboldCpp's fields (koboldcpp.py ``generate``); see orchestrator/api/kobold/routes.py
     genkey: str | None = None
     trim_stop: bool = False
     max_context_length: int | None = None

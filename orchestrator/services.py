@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 from litestar.datastructures import State
 
-from orchestrator.archive import SlotArchive
 from orchestrator.config import Settings
-from orchestrator.engine_api import EngineClient
-from orchestrator.generation import GenerationService
-from orchestrator.slot_ops import SlotOps
-from orchestrator.slots import SlotRegistry
+from orchestrator.generation.service import GenerationService
+from orchestrator.slots.operations import SlotOps
+from orchestrator.slots.persistence import SlotArchive
+from orchestrator.slots.registry import SlotRegistry
+from orchestrator.worker.interface import EngineClient
 
 
 @dataclass

@@ -13,7 +13,7 @@ import base64
 from typing import Any
 
 from engine.protocol import Progress
-from orchestrator.generation import DoneOut, TokenOut
+from orchestrator.generation.service import DoneOut, TokenOut
 
 KOBOLD_FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "abort"}
 

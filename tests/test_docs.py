@@ -17,11 +17,13 @@ from litestar.routes import WebSocketRoute
 
 from engine.errors import ErrorCode
 from orchestrator import schemas
-from orchestrator.api import kobold, llama_server, openai
+from orchestrator.api.kobold import routes as kobold
+from orchestrator.api.llama_server import routes as llama_server
+from orchestrator.api.openai import routes as openai
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
 from orchestrator.config import Settings
-from orchestrator.errors import STATUS_OF_CODE
+from orchestrator.web.errors import STATUS_OF_CODE
 
 ROOT = Path(__file__).resolve().parent.parent
 API_MD = ROOT / "docs" / "api.md"

@@ -1,7 +1,7 @@
 """The type checker passes: mypy, configured in pyproject.toml (``[tool.mypy]``: the packages it checks).
 
 Among what it keeps so: every ``ApiError`` is built from an ``ErrorCode`` member, never a string
-(``orchestrator/errors.py``), and the ASGI messages the middleware sends are complete.
+(``orchestrator/web/errors.py``), and the ASGI messages the middleware sends are complete.
 """
 
 from __future__ import annotations

@@ -1,1 +1,3 @@
-"""HTTP and WebSocket route handlers (one module per group of endpoints)."""
+"""HTTP and WebSocket routes, one package per API surface (native, OpenAI, llama-server, KoboldCpp) and the pieces
+the client-compatible surfaces share (:mod:`orchestrator.api.compat`).
+"""

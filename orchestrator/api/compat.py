@@ -1,7 +1,7 @@
 """Shared pieces of the client-compatible APIs (OpenAI, llama-server, KoboldCpp).
 
 * :data:`COMPAT_ERRORS`: errors in the shape OpenAI and llama-server clients read
-  (:func:`orchestrator.errors.compat_error_body`);
+  (:func:`orchestrator.web.errors.compat_error_body`);
 * :func:`collect`: run a non-streaming generation, cancelled when the client leaves;
 * :func:`started_run`: start a streamed generation (a client that leaves while it waits
   for its slot ends it with ``CLIENT_GONE``);
@@ -19,11 +19,11 @@ from litestar import Request
 from litestar.response import Stream
 
 from engine.errors import ErrorCode
-from orchestrator.api.generate import cancelled_on_disconnect
-from orchestrator.errors import ApiError, compat_error_body, exception_handlers
-from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
+from orchestrator.api.native.generate import cancelled_on_disconnect
+from orchestrator.generation.service import DoneOut, RunControl, Started, TokenOut
 from orchestrator.schemas import CanonicalRequest
 from orchestrator.services import Services
+from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
 
 _json = msgspec.json.Encoder()
 
@@ -85,7 +85,7 @@ async def collect(
 async def started_run(
     services: Services, req: CanonicalRequest, request: Request[Any, Any, Any], control: RunControl | None = None
 ) -> AsyncGenerator[Any, None]:
-    """The events of ``req`` after :class:`orchestrator.generation.Started`: validated, slot held,
+    """The events of ``req`` after :class:`orchestrator.generation.service.Started`: validated, slot held,
     generation begun, so errors up to here are plain 4xx answers.  A client that leaves while
     the request waits (for a busy slot or an engine sequence) ends it with ``CLIENT_GONE``;
     afterwards the streaming response notices a departure and closes the iterator."""

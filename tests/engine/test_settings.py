@@ -10,7 +10,7 @@ import pytest
 from engine import settings
 from engine.settings import EngineSettings
 from orchestrator.cli import build_parser, worker_options
-from orchestrator.worker_options import WorkerOptions
+from orchestrator.worker.launch import WorkerOptions
 
 
 def _serve(*argv: str) -> argparse.Namespace:

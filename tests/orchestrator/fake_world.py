@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from orchestrator.admission import AdmissionQueue
-from orchestrator.archive import SlotArchive
-from orchestrator.generation import DoneOut, GenerationService, RunControl
-from orchestrator.lease_keeper import LeaseKeeper
+from orchestrator.generation.service import DoneOut, GenerationService, RunControl
 from orchestrator.schemas import CanonicalRequest
-from orchestrator.slots import SlotRegistry
+from orchestrator.slots.admission import AdmissionQueue
+from orchestrator.slots.leases import LeaseKeeper
+from orchestrator.slots.persistence import SlotArchive
+from orchestrator.slots.registry import SlotRegistry
 from storage.base import SlotMeta
 from storage.directory import DirectoryStore
 from storage.errors import StoreUnavailableError

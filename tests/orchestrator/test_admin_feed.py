@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.admin_feed import QUEUE_ROWS, AttentionFeed, reduce_row
-from orchestrator.generation import TokenOut
+from orchestrator.admin.feed import QUEUE_ROWS, AttentionFeed, reduce_row
+from orchestrator.generation.service import TokenOut
 
 L, H, N = 3, 2, 5
 

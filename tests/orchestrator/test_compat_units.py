@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.chat_template import ChatTemplate
-from orchestrator.errors import ApiError
-from orchestrator.stop_text import StopTextFilter
+from orchestrator.generation.chat_template import ChatTemplate
+from orchestrator.generation.stop_text import StopTextFilter
+from orchestrator.web.errors import ApiError
 
 
 def feed_all(stops: list[str], parts: list[str], stop: str) -> list[str]:

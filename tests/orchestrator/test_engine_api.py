@@ -6,9 +6,9 @@ import inspect
 import subprocess
 import sys
 
-from orchestrator.engine_api import EngineClient
-from orchestrator.engine_client import WorkerClient
-from orchestrator.worker_options import WorkerOptions
+from orchestrator.worker.client import WorkerClient
+from orchestrator.worker.interface import EngineClient
+from orchestrator.worker.launch import WorkerOptions
 from tests.conftest import ROOT
 
 

@@ -17,7 +17,7 @@ PACKAGE = "orchestrator"
 
 
 def module_name(path: Path) -> str:
-    """``orchestrator/api/slots.py`` -> ``orchestrator.api.slots`` (a package is its ``__init__``)."""
+    """``orchestrator/api/llama_server/slots.py`` -> ``orchestrator.api.llama_server.slots`` (a package is its ``__init__``)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -61,9 +61,9 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_the_import_graph_is_read_from_every_module() -> None:
     graph = import_graph()
-    assert "orchestrator.slots" in graph and "orchestrator.api.slots" in graph
-    assert "orchestrator.archive" in graph["orchestrator.slots"]
-    assert "orchestrator.slots" in graph["orchestrator.api.slots"]
+    assert "orchestrator.slots.registry" in graph and "orchestrator.api.llama_server.slots" in graph
+    assert "orchestrator.slots.persistence" in graph["orchestrator.slots.registry"]
+    assert "orchestrator.slots.registry" in graph["orchestrator.api.llama_server.slots"]
 
 
 def test_the_orchestrator_has_no_import_cycle() -> None:
@@ -71,7 +71,11 @@ def test_the_orchestrator_has_no_import_cycle() -> None:
         order = list(TopologicalSorter(import_graph()).static_order())
     except CycleError as exc:
         raise AssertionError(f"import cycle among the orchestrator's modules: {' -> '.join(exc.args[1])}") from None
-    assert order.index("orchestrator.archive") < order.index("orchestrator.slots") < order.index("orchestrator.app")
+    assert (
+        order.index("orchestrator.slots.persistence")
+        < order.index("orchestrator.slots.registry")
+        < order.index("orchestrator.app")
+    )
 
 
 def test_a_cycle_would_be_found() -> None:
@@ -120,4 +124,4 @@ def test_only_the_engine_client_touches_its_receive_buffers() -> None:
         for f in sorted((ROOT / PACKAGE).rglob("*.py"))
         if "engine.framing.RECEIVE_POOL" in names_imported(f)
     ]
-    assert users == ["orchestrator/engine_client.py"]
+    assert users == ["orchestrator/worker/client.py"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from orchestrator.errors import ApiError
+from orchestrator.web.errors import ApiError
 from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, wait_for
 
 REFUSED = "slotserve_stale_writes_refused_total"

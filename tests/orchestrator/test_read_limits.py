@@ -1,4 +1,4 @@
-"""Header size and header/body read timeouts (orchestrator/read_limits.py; issue 23, item 5).
+"""Header size and header/body read timeouts (orchestrator/web/read_limits.py; issue 23, item 5).
 
 A slow client (slowloris) and a huge head are refused with a JSON error and a closed
 connection; requests sent normally, one after another on one connection, pass.
@@ -17,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from orchestrator.read_limits import ReadLimits, limited_protocol
+from orchestrator.web.read_limits import ReadLimits, limited_protocol
 from tests.conftest import ServerProc
 from tests.redis_server import free_port
 from tests.waiting import DEADLINE_S, wait_until

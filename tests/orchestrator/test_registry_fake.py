@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from engine import protocol as proto
-from orchestrator.errors import ApiError
-from orchestrator.generation import DoneOut, RunControl, TokenOut
+from orchestrator.generation.service import DoneOut, RunControl, TokenOut
+from orchestrator.web.errors import ApiError
 from tests.orchestrator.fake_engine import FakeEngine, state_blob
 from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, request, saved, wait_for
 
@@ -306,9 +306,9 @@ async def test_the_fake_generates_what_greedy_predicts_and_refuses_a_busy_sequen
 
 
 def test_the_fake_has_every_method_of_the_engine_protocol() -> None:
-    """Once ``orchestrator/engine_api.py`` (the typed engine interface) is in the tree, the fake must
+    """Once ``orchestrator/worker/interface.py`` (the typed engine interface) is in the tree, the fake must
     offer each of its members with the same parameters."""
-    engine_api = pytest.importorskip("orchestrator.engine_api")
+    engine_api = pytest.importorskip("orchestrator.worker.interface")
     proto_cls = engine_api.EngineClient
     members = [m for m in dir(proto_cls) if not m.startswith("_")] + list(proto_cls.__annotations__)
     assert {"generate", "save_state", "restore_state", "fork", "generation"} <= set(members)

@@ -1,9 +1,9 @@
 """One owner for a slot: only the registry writes ``Slot`` fields and calls the engine's KV operations.
 
 Read from the source (``ast``): every assignment to an attribute named like a
-:class:`orchestrator.slot.Slot` field (on anything but ``self``) and every call of a KV
+:class:`orchestrator.slots.model.Slot` field (on anything but ``self``) and every call of a KV
 operation on an engine (``<...>engine.seq_op(...)``, ``.restore(...)``, ``.erase(...)``, ...).
-The registry is :mod:`orchestrator.slots` with its base class in :mod:`orchestrator.residency`;
+The registry is :mod:`orchestrator.slots.registry` with its base class in :mod:`orchestrator.slots.residency`;
 ``orchestrator/check.py`` (``slotserve check``, which tests a fresh engine before any slot
 exists) may erase its own test sequences.
 """
@@ -14,12 +14,12 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from orchestrator.slot import Slot
+from orchestrator.slots.model import Slot
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOT_FIELDS = {f.name for f in dataclasses.fields(Slot)}
 KV_OPERATIONS = {"seq_op", "restore", "restore_state", "save_state", "erase", "fork", "truncate", "context_shift"}
-REGISTRY = {"orchestrator/slots.py", "orchestrator/residency.py"}
+REGISTRY = {"orchestrator/slots/registry.py", "orchestrator/slots/residency.py"}
 
 
 def slot_writes(source: str) -> list[str]:
@@ -74,12 +74,12 @@ def test_the_readers_see_writes_and_kv_calls() -> None:
 
 def test_only_the_registry_writes_slot_fields() -> None:
     writers = by_module(slot_writes)
-    assert "orchestrator/slots.py" in writers, "the reader found no writes at all"
+    assert "orchestrator/slots/registry.py" in writers, "the reader found no writes at all"
     assert set(writers) <= REGISTRY, {m: w for m, w in writers.items() if m not in REGISTRY}
 
 
 def test_only_the_registry_calls_kv_operations() -> None:
     callers = by_module(kv_calls)
-    assert "orchestrator/slots.py" in callers, "the reader found no KV calls at all"
+    assert "orchestrator/slots/registry.py" in callers, "the reader found no KV calls at all"
     allowed = REGISTRY | {"orchestrator/check.py"}
     assert set(callers) <= allowed, {m: c for m, c in callers.items() if m not in allowed}

@@ -1,5 +1,5 @@
 """Bounded memory per client: a WebSocket client that reads full attention far slower than the
-engine makes it holds its own generation (flow control, ``orchestrator/engine_client.py``
+engine makes it holds its own generation (flow control, ``orchestrator/worker/client.py``
 ``STREAM_WINDOW``), not the server's memory, and slows no one else."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from litestar.response.sse import ServerSentEventMessage
 
-from orchestrator.api.generate import _sse
+from orchestrator.api.native.generate import _sse
 
 
 @pytest.mark.parametrize(

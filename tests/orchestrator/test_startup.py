@@ -23,8 +23,8 @@ from rich.console import Console
 
 from engine.settings import EngineSettings
 from orchestrator.check import run_check
-from orchestrator.engine_client import WorkerClient
-from orchestrator.worker_options import EngineStartError, WorkerOptions
+from orchestrator.worker.client import WorkerClient
+from orchestrator.worker.launch import EngineStartError, WorkerOptions
 from tests.conftest import ROOT
 
 FAULTS = ROOT / "tests" / "orchestrator" / "worker_faults.py"

@@ -13,9 +13,9 @@ import pytest
 from engine import protocol as proto
 from engine.errors import ErrorCode
 from engine.settings import EngineSettings
-from orchestrator.engine_api import EngineRequestError, GenerationStream, TokenOutput
-from orchestrator.engine_client import STREAM_WINDOW, WorkerClient
-from orchestrator.worker_options import WorkerOptions
+from orchestrator.worker.client import STREAM_WINDOW, WorkerClient
+from orchestrator.worker.interface import EngineRequestError, GenerationStream, TokenOutput
+from orchestrator.worker.launch import WorkerOptions
 from tests.conftest import ROOT
 from tests.redis_server import free_port
 

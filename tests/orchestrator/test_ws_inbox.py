@@ -1,4 +1,4 @@
-"""The WebSocket inbox (``orchestrator/api/ws.py``, ``Inbox``) is bounded: past its bound the
+"""The WebSocket inbox (``orchestrator/api/native/ws.py``, ``Inbox``) is bounded: past its bound the
 server stops reading the socket (backpressure), and reads again as messages are served."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from engine.errors import ErrorCode
-from orchestrator.api.ws import INBOX_MESSAGES, Inbox, _Closed
-from orchestrator.errors import ApiError
+from orchestrator.api.native.ws import INBOX_MESSAGES, Inbox, _Closed
+from orchestrator.web.errors import ApiError
 
 
 class FloodingSocket:

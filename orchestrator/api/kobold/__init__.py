@@ -1,0 +1,1 @@
+"""KoboldCpp's API, as KoboldAI Lite and SillyTavern use it."""

@@ -1,0 +1,287 @@
+"""KoboldCpp's API around generation, as KoboldAI Lite and SillyTavern poll it.
+
+Paths and field names are KoboldCpp's (``koboldcpp.py``: ``do_GET``/``do_POST`` and
+``generate``): ``GET /api/extra/version`` (``{"result": "KoboldCpp", "version"}``; without it
+those clients fall back to the old KoboldAI protocol, with no streaming and no stop
+sequences), ``/api/v1/info/version``, ``/api/v1/config/max_context_length``,
+``/api/v1/config/max_length``, ``/api/extra/true_max_context_length``, ``POST
+/api/extra/tokencount``, ``POST /api/extra/abort`` (by ``genkey``),
+``/api/extra/generate/check`` (the text so far) and ``GET /api/extra/perf``.
+
+:func:`prepare` turns a Kobold generation body (``POST /api/v1/generate``, ``POST
+/api/extra/generate/stream``) into a canonical request the way KoboldCpp reads it: KoboldCpp's
+defaults (:data:`KOBOLD_DEFAULTS`) for what the body leaves out,
+``memory`` before the prompt, string ``banned_tokens``/``banned_strings``,
+``use_default_badwordsids``/``ban_eos_token`` (end-of-generation tokens banned), ``bypass_eos``
+(they do not stop), and a prompt over
+the window trimmed from the front when the client sends ``max_context_length`` (as Lite and
+SillyTavern do).  Fields this server cannot honour are named in one warning line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import Controller, Request, get, post
+from litestar.datastructures import State
+
+from engine import protocol as proto
+from engine.errors import ErrorCode
+from orchestrator.compat_responses import (
+    KoboldAbort,
+    KoboldPending,
+    KoboldPerf,
+    KoboldResultValue,
+    KoboldTokenCount,
+    KoboldValue,
+    KoboldVersion,
+)
+from orchestrator.generation.service import RunControl
+from orchestrator.responses import KoboldResult
+from orchestrator.schemas import CanonicalRequest, GenerateRequest
+from orchestrator.services import Services
+from orchestrator.web.body import decode_json_body
+from orchestrator.web.errors import ERROR_RESPONSES, ApiError
+
+log = structlog.get_logger("slotserve.kobold")
+
+KOBOLDCPP_VERSION = "1.82.4"  # the KoboldCpp release whose API this follows
+KOBOLD_API_VERSION = "1.2.5"  # /api/v1/info/version, as KoboldCpp answers
+STOP_REASON = {"length": 0, "stop_token": 1, "stop_string": 2, "cancelled": -1}
+# Sampler fields Lite/SillyTavern send; a value other than the neutral one cannot be honoured.
+# (llama.cpp has no top-a, tail-free, smoothing or slope sampler; typical, nsigma, presence_penalty,
+# dynatemp_range, DRY, XTC, Mirostat, logit_bias and grammar are honoured.)
+NEUTRAL = {"top_a": 0, "tfs": 1, "smoothing_factor": 0, "rep_pen_slope": 1}
+KOBOLD_DEFAULTS = proto.SamplingParams(
+    max_new_tokens=200, temperature=0.75, top_k=100, top_p=0.92, min_p=0.0, typical_p=1.0,
+    repeat_penalty=1.0, repeat_last_n=320, presence_penalty=0.0, mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1,
+    dry_multiplier=0.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=320, dry_sequence_breakers=[],
+    xtc_threshold=0.2, xtc_probability=0.0, dynatemp_range=0.0, dynatemp_exponent=1.0, seed=-1,
+)  # fmt: skip
+"""What KoboldCpp uses for a field its ``/api/v1/generate`` body leaves out: ``koboldcpp.py``
+``generate()`` (KoboldCpp 1.82.4, the release this API follows: ``max_length`` 200, ``temperature``
+0.75, ``top_k`` 100, ``top_p`` 0.92, ``min_p`` 0, ``typical`` 1, ``rep_pen`` 1, ``rep_pen_range``
+320, Mirostat tau 5 / eta 0.1, DRY base 1.75 / allowed length 2 / window 320 / no sequence
+breakers, XTC threshold 0.2; ``tfs`` 1, ``top_a`` 0, ``rep_pen_slope`` 1 are the neutral values of
+:data:`NEUTRAL`).  llama-server's defaults (``engine.protocol.SamplingParams``) serve the other routes."""
+
+
+@dataclass
+class Job:
+    """A running Kobold generation: how to stop it and its text so far."""
+
+    control: RunControl
+    text: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KoboldJobs:
+    """Running generations by ``genkey`` and KoboldCpp's ``perf`` figures (one per app)."""
+
+    running: dict[str, list[Job]] = field(default_factory=dict)
+    last: proto.Done | None = None
+    last_seed: int = -1
+    total_gens: int = 0
+    started: float = field(default_factory=time.time)
+    last_request: float = field(default_factory=time.time)
+
+    @contextmanager
+    def track(self, genkey: str | None, control: RunControl) -> Iterator[Job]:
+        """Register a generation under ``genkey`` (``""`` when the client sent none) while it runs."""
+        key = genkey or ""
+        job = Job(control)
+        self.running.setdefault(key, []).append(job)
+        self.last_request = time.time()
+        try:
+            yield job
+        finally:
+            jobs = self.running[key]
+            jobs.remove(job)
+            if not jobs:
+                del self.running[key]
+
+    def finished(self, done: proto.Done, seed: int) -> None:
+        """Record a finished generation for ``/api/extra/perf``."""
+        self.last, self.last_seed = done, seed
+        self.total_gens += 1
+        self.last_request = time.time()
+
+
+def jobs_of(state: State) -> KoboldJobs:
+    """The app's :class:`KoboldJobs` (created on first use)."""
+    jobs = state.get("kobold_jobs")
+    if jobs is None:
+        jobs = state["kobold_jobs"] = KoboldJobs()
+    return jobs  # type: ignore[no-any-return]
+
+
+class GenkeyBody(msgspec.Struct, kw_only=True):
+    """``{"genkey": "KCPP1234"}`` of abort and generate/check (optional)."""
+
+    genkey: str = ""
+
+
+class TokenCountBody(msgspec.Struct, kw_only=True):
+    """``POST /api/extra/tokencount``: ``prompt`` and whether to add special tokens."""
+
+    prompt: str = ""
+    special: bool = True
+
+
+def _warn_unsupported(data: GenerateRequest, raw: dict[str, Any]) -> None:
+    names = [k for k, v in NEUTRAL.items() if isinstance(raw.get(k), int | float) and raw[k] != v]
+    if raw.get("grammar_retain_state") is True:
+        names.append("grammar_retain_state")
+    if data.n is not None and data.n > 1:
+        names.append("n>1 (one result is generated)")
+    if names:
+        log.warning("Kobold fields not supported, ignored", fields=names)
+
+
+async def _banned_ids(services: Services, words: list[str]) -> list[int]:
+    """KoboldCpp's string bans: a one-character string bans every token containing it (case-
+    insensitive); a longer string that is one token bans that token.  Phrase bans of several
+    tokens need backtracking (KoboldCpp's anti-slop), which this server does not do: warned."""
+    pieces = await services.generation.pieces()
+    out: set[int] = set()
+    for w in (w.lower() for w in words if w):
+        if len(w) == 1:
+            out.update(i for i, p in enumerate(pieces) if w in p.decode("utf-8", "replace").lower())
+            continue
+        ids = (await services.engine.tokenize(w, False, False)).ids
+        if len(ids) == 1:
+            out.add(ids[0])
+        else:
+            log.warning("banned phrase of several tokens not supported, ignored", phrase=w)
+    return sorted(out)
+
+
+async def prepare(services: Services, data: GenerateRequest, raw: dict[str, Any] | None = None) -> CanonicalRequest:
+    """The canonical request for a Kobold/seed body (see module docstring); ``raw`` is the JSON body."""
+    req = data.canonical(KOBOLD_DEFAULTS)
+    raw = raw or {}
+    _warn_unsupported(data, raw)
+    if raw.get("bypass_eos") is True:  # KoboldCpp: end-of-stream tokens do not stop the generation
+        req.ignore_eos = True
+    if raw.get("use_default_badwordsids") is True or raw.get("ban_eos_token") is True:  # they are never sampled
+        req.banned_tokens = sorted(set(req.banned_tokens) | set(services.generation.info.eog_token_ids))
+    words = [t for t in (data.banned_tokens or []) if isinstance(t, str)] + list(data.banned_strings or [])
+    if words:
+        req.banned_tokens = sorted(set(req.banned_tokens) | set(await _banned_ids(services, words)))
+    if data.input_ids is None and (data.memory or data.max_context_length is not None) and data.prompt is not None:
+        info = services.generation.info
+        memory = (await services.engine.tokenize(data.memory, False, True)).ids if data.memory else []
+        prompt = (await services.engine.tokenize(data.prompt, False, True)).ids
+        if data.max_context_length is not None:
+            window = min(data.max_context_length, info.n_ctx)
+            room = window - req.max_new_tokens - len(memory)
+            if room < 1:
+                raise ApiError(
+                    ErrorCode.CONTEXT_OVERFLOW,
+                    f"max_length {req.max_new_tokens} + memory {len(memory)} leave no room in a context of {window}",
+                    n_ctx=window,
+                    context_length=len(memory) + len(prompt),
+                )
+            if len(prompt) > room:  # KoboldCpp keeps the end of the story
+                log.info("prompt trimmed from the front", n_prompt=len(prompt), kept=room)
+                prompt = prompt[len(prompt) - room :]
+        req.input_ids, req.prompt = memory + prompt, None
+    return req
+
+
+class KoboldController(Controller):
+    """KoboldCpp's version, config and ``extra`` endpoints (KoboldCpp's field names)."""
+
+    @get("/api/extra/version", summary="KoboldCpp: server name and version", responses=ERROR_RESPONSES)
+    async def version(self) -> KoboldVersion:
+        return KoboldVersion(result="KoboldCpp", version=KOBOLDCPP_VERSION, protected=False, txt2img=False,
+                             vision=False, transcribe=False, multiplayer=False, websearch=False, tts=False,
+                             embeddings=False, server="slotserve")  # fmt: skip
+
+    @get("/api/v1/info/version", summary="KoboldAI API version", responses=ERROR_RESPONSES)
+    async def api_version(self) -> KoboldResultValue:
+        return KoboldResultValue(result=KOBOLD_API_VERSION)
+
+    @get("/api/v1/config/max_context_length", summary="KoboldCpp: context window, tokens", responses=ERROR_RESPONSES)
+    async def max_context_length(self, services: Services) -> KoboldValue:
+        return KoboldValue(value=services.generation.info.n_ctx)
+
+    @get("/api/extra/true_max_context_length", summary="KoboldCpp: context window, tokens", responses=ERROR_RESPONSES)
+    async def true_max_context_length(self, services: Services) -> KoboldValue:
+        return KoboldValue(value=services.generation.info.n_ctx)
+
+    @get("/api/v1/config/max_length", summary="KoboldCpp: default generation length, tokens", responses=ERROR_RESPONSES)
+    async def max_length(self) -> KoboldValue:
+        return KoboldValue(value=KOBOLD_DEFAULTS.max_new_tokens)
+
+    @post(
+        "/api/extra/tokencount",
+        status_code=200,
+        summary="KoboldCpp: count a prompt's tokens",
+        responses=ERROR_RESPONSES,
+    )
+    async def tokencount(self, request: Request[Any, Any, Any], services: Services) -> KoboldTokenCount:
+        body = decode_json_body(await request.body(), TokenCountBody)
+        ids = (await services.engine.tokenize(body.prompt, body.special, True)).ids
+        return KoboldTokenCount(value=len(ids), ids=ids)
+
+    @post(
+        "/api/extra/abort",
+        status_code=200,
+        summary="KoboldCpp: stop the generation of a genkey",
+        responses=ERROR_RESPONSES,
+    )
+    async def abort(self, request: Request[Any, Any, Any]) -> KoboldAbort:
+        body = decode_json_body(await request.body(), GenkeyBody)
+        running = jobs_of(request.app.state).running.get(body.genkey, [])
+        if not running:
+            return KoboldAbort(success="false", done="false")
+        for job in list(running):  # without a genkey: every generation started without one
+            await job.control.cancel()
+        return KoboldAbort(success="true", done="true")
+
+    @get("/api/extra/generate/check", summary="KoboldCpp: text generated so far", responses=ERROR_RESPONSES)
+    async def check_get(self, request: Request[Any, Any, Any]) -> KoboldPending:
+        return self._pending(request, "")
+
+    @post(
+        "/api/extra/generate/check",
+        status_code=200,
+        summary="KoboldCpp: text generated so far for a genkey",
+        responses=ERROR_RESPONSES,
+    )
+    async def check_post(self, request: Request[Any, Any, Any]) -> KoboldPending:
+        return self._pending(request, decode_json_body(await request.body(), GenkeyBody).genkey)
+
+    @staticmethod
+    def _pending(request: Request[Any, Any, Any], genkey: str) -> KoboldPending:
+        running = jobs_of(request.app.state).running.get(genkey)
+        return KoboldPending(results=[KoboldResult(text="".join(running[0].text) if running else "")])
+
+    @get("/api/extra/perf", summary="KoboldCpp: last generation's figures and server status", responses=ERROR_RESPONSES)
+    async def perf(self, request: Request[Any, Any, Any], services: Services) -> KoboldPerf:
+        jobs = jobs_of(request.app.state)
+        last = jobs.last
+        now = time.time()
+        busy = any(s.busy for s in services.registry.slots.values())
+        return KoboldPerf(
+            last_process=(last.t_prefill_ms / 1000) if last else 0,
+            last_eval=(last.t_generate_ms / 1000) if last else 0,
+            last_token_count=last.n_generated if last else 0,
+            last_seed=jobs.last_seed,
+            total_gens=jobs.total_gens,
+            stop_reason=STOP_REASON.get(last.finish_reason, -1) if last else -1,
+            total_img_gens=0,
+            queue=services.registry.n_waiting,
+            idle=0 if busy else 1,
+            hordeexitcounter=-1,
+            uptime=now - jobs.started,
+            idletime=now - jobs.last_request,
+            quiet=False,
+        )

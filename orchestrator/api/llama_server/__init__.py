@@ -1,0 +1,1 @@
+"""llama-server's API: ``/completion``, ``/props`` and the slot API (``/slots``)."""

@@ -1,0 +1,359 @@
+"""llama-server's native API: ``POST /completion`` (and ``/completions``), ``GET /props``.
+
+Field names and shapes are llama-server's (llama.cpp ``tools/server/README.md``;
+``tools/server/server-task.cpp``: ``to_json_non_oaicompat``, ``task_params::to_json``;
+``server-common.cpp``: ``server_slot_stats::to_json`` for ``timings``), so its clients and
+its own test suite (``tools/server/tests/unit``) work unchanged.  Errors have its shape,
+``{"error": {"code", "message", "type"}}`` (:mod:`orchestrator.api.compat`).
+
+Slots: ``id_slot`` names the slot (an integer as llama-server's, or any slotserve slot id);
+``-1`` or none means slot ``"0"``, and a busy slot is waited for (bounded) where
+llama-server would pick another idle slot.  ``cache_prompt: false`` empties the slot first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+import structlog
+from litestar import Controller, Request, get, post
+
+from engine import protocol as proto
+from engine.errors import ErrorCode
+from orchestrator.api.compat import (
+    COMPAT_ERRORS,
+    EventStream,
+    collect,
+    one_prompt,
+    piece_text,
+    prompt_ids,
+    remaining,
+    sse_data,
+    started_run,
+)
+from orchestrator.api.native.generate import cancelled_on_disconnect
+from orchestrator.compat_responses import DefaultSettings, LlamaCompletion, Modalities, Props, streamable
+from orchestrator.generation.service import DoneOut, TokenOut, sampling_params
+from orchestrator.generation.stop_text import StopTextFilter
+from orchestrator.schemas import (
+    INT32_MAX,
+    CanonicalRequest,
+    Float32,
+    GenerateRequest,
+    NonNegFloat32,
+    NProbs,
+    Probability,
+    RepeatLastN,
+    SamplerFields,
+    Seed,
+    TopK,
+)
+from orchestrator.services import Services
+from orchestrator.slots.admission import WaitHooks
+from orchestrator.slots.operations import SlotOps
+from orchestrator.slots.registry import Slot
+from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
+from orchestrator.wire import slot_id_out
+
+log = structlog.get_logger("slotserve.llama_server")
+
+STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
+DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
+# llama-server's default sampler order, its ``samplers`` names (engine/sampling.py builds the chain so)
+SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+
+
+NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
+
+
+class CompletionBody(SamplerFields, kw_only=True):
+    """``POST /completion`` (llama-server README, "POST /completion": options; the further samplers,
+    ``grammar`` and ``json_schema`` in :class:`orchestrator.schemas.SamplerFields`)."""
+
+    prompt: str | list[int | str]
+    n_predict: NPredict | None = None  # None: the server's --n-predict
+    stream: bool = False
+    cache_prompt: bool = True
+    id_slot: int | str = -1
+    n_probs: NProbs = 0
+    temperature: Float32 | None = None
+    top_k: TopK | None = None
+    top_p: Probability | None = None
+    min_p: Probability | None = None
+    repeat_penalty: NonNegFloat32 | None = None
+    repeat_last_n: RepeatLastN | None = None
+    seed: Seed | None = None
+    stop: list[str] | None = None
+    ignore_eos: bool = False
+    return_tokens: bool = False
+    post_sampling_probs: bool = False
+
+
+def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dict[str, Any]:
+    """llama-server's ``params`` / ``generation_settings`` object for sampler settings ``p``."""
+    p = p or DEFAULT_PARAMS
+    out: dict[str, Any] = {
+        "seed": p.seed,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "max_tokens": p.max_new_tokens,
+        "n_predict": p.max_new_tokens,
+        "ignore_eos": p.ignore_eos,
+        "n_probs": p.n_probs,
+        "stop": list(p.stop_strings),
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "typical_p": p.typical_p,
+        "top_n_sigma": p.top_n_sigma,
+        "xtc_probability": p.xtc_probability,
+        "xtc_threshold": p.xtc_threshold,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_penalty_last_n": p.dry_penalty_last_n,
+        "dry_sequence_breakers": list(p.dry_sequence_breakers),
+        "dynatemp_range": p.dynatemp_range,
+        "dynatemp_exponent": p.dynatemp_exponent,
+        "mirostat": p.mirostat,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+        "grammar": p.grammar,
+        "logit_bias": [{"bias": b, "token": t} for t, b in p.logit_bias],
+        "samplers": SAMPLERS,
+    }
+    if n_ctx is not None:
+        out["n_ctx"] = n_ctx
+    return out
+
+
+def slot_task_fields(slot: Slot) -> dict[str, Any]:
+    """The fields llama-server's ``GET /slots`` adds once a slot has served a task."""
+    if slot.id_task < 0:
+        return {"speculative": False}
+    n_remain = (slot.params.max_new_tokens - slot.n_decoded) if slot.params else 0
+    return {
+        "speculative": False,
+        "id_task": slot.id_task,
+        "n_prompt_tokens": slot.n_tokens,
+        "n_prompt_tokens_processed": slot.n_prompt_tokens_processed,
+        "n_prompt_tokens_cache": slot.n_prompt_tokens_cache,
+        "params": params_json(slot.params),
+        "next_token": [
+            {
+                "has_next_token": slot.busy,
+                "has_new_line": False,
+                "n_remain": max(0, n_remain) if slot.busy else -1,
+                "n_decoded": slot.n_decoded,
+            }
+        ],
+    }
+
+
+def check_slot_number(slot_id: str) -> None:
+    """llama-server answers a negative slot number with 400 ``Invalid slot ID``."""
+    if slot_id.startswith("-") and slot_id[1:].isdigit():
+        raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
+
+
+def _timings(d: proto.Done) -> dict[str, Any]:
+    def rate(n: int, ms: float) -> tuple[float, float]:
+        return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
+
+    p_tok, p_s = rate(d.n_prefilled, d.t_prefill_ms)
+    g_tok, g_s = rate(d.n_generated, d.t_generate_ms)
+    return {
+        "cache_n": d.n_cached,
+        "prompt_n": d.n_prefilled,
+        "prompt_ms": d.t_prefill_ms,
+        "prompt_per_token_ms": p_tok,
+        "prompt_per_second": p_s,
+        "predicted_n": d.n_generated,
+        "predicted_ms": d.t_generate_ms,
+        "predicted_per_token_ms": g_tok,
+        "predicted_per_second": g_s,
+    }
+
+
+def _probs(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
+    return {
+        "id": t.token_id,
+        "token": piece_text(t.piece),
+        "bytes": list(t.piece),
+        "logprob": t.logprob,
+        "top_logprobs": [
+            {"id": tok, "token": piece_text(pieces[tok]), "bytes": list(pieces[tok]), "logprob": lp}
+            for tok, lp in t.top
+        ],
+    }
+
+
+class Completion:
+    """One ``/completion`` request: its canonical form and the response shapes."""
+
+    def __init__(self, body: CompletionBody, req: CanonicalRequest, info: proto.ModelInfo, pieces: list[bytes]):
+        self.body, self.req, self.info, self.pieces = body, req, info, pieces
+        self.model, self.n_ctx = info.model_name, info.n_ctx
+        self.slot_out = slot_id_out(req.slot)
+
+    def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
+        """A streamed chunk (``stop: false``)."""
+        out: dict[str, Any] = {
+            "index": 0,
+            "content": text,
+            "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
+            "stop": False,
+            "id_slot": self.slot_out,
+            "tokens_predicted": n_done,
+            "tokens_evaluated": len(self.req.input_ids or ()),
+        }
+        if self.body.n_probs:
+            out["completion_probabilities"] = [_probs(t, self.pieces) for t in tokens]
+        return out
+
+    def final(self, text: str, tokens: list[TokenOut], done: DoneOut, prompt: str) -> dict[str, Any]:
+        """The last (or only) response (``stop: true``, ``timings``)."""
+        d = done.done
+        out: dict[str, Any] = {
+            "index": 0,
+            "content": text,
+            "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
+            "id_slot": self.slot_out,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": d.n_generated,
+            "tokens_evaluated": d.n_prompt,
+            "generation_settings": params_json(sampling_params(self.req, self.info), self.n_ctx),
+            "prompt": prompt,
+            "has_new_line": "\n" in text,
+            "truncated": False,
+            "stop_type": STOP_TYPE.get(d.finish_reason, "none"),
+            "stopping_word": d.stop_string,
+            "tokens_cached": d.seq_tokens,
+            "timings": _timings(d),
+        }
+        if self.body.n_probs and not self.body.stream:
+            out["completion_probabilities"] = [_probs(t, self.pieces) for t in tokens]
+        return out
+
+
+def _warn_ignored(body: CompletionBody) -> None:
+    if body.post_sampling_probs:
+        log.warning("llama-server fields not supported, ignored", fields=["post_sampling_probs"])
+
+
+async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks) -> Completion:
+    ids = await prompt_ids(services, one_prompt(body.prompt))
+    if not 0 <= body.n_probs <= 100:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
+    _warn_ignored(body)
+    slot = None if str(body.id_slot) == "-1" else body.id_slot
+    n_predict = body.n_predict if body.n_predict is not None else services.settings.n_predict
+    if n_predict < 0:
+        n_predict = remaining(services, len(ids))
+    req = GenerateRequest(
+        input_ids=ids,
+        n_predict=n_predict,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        min_p=body.min_p,
+        repeat_penalty=body.repeat_penalty,
+        repeat_last_n=body.repeat_last_n,
+        seed=body.seed,
+        stop=body.stop,
+        ignore_eos=body.ignore_eos,
+        n_probs=body.n_probs,
+        id_slot=slot,
+        **body.sampler_fields(),
+    ).canonical()
+    req.wait = True
+    if not body.cache_prompt:
+        async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
+            await ops.erase(s)
+    info = services.generation.info
+    return Completion(body, req, info, await services.generation.pieces())
+
+
+class LlamaServerController(Controller):
+    """llama-server's native completion and props (errors in its ``{"error": {...}}`` shape)."""
+
+    exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
+
+    @get(
+        "/props",
+        summary="llama-server: server properties and default generation settings",
+        responses=COMPAT_ERROR_RESPONSES,
+    )
+    async def props(self, services: Services) -> Props:
+        info = services.generation.info
+        special = info.special_tokens
+        return Props(
+            default_generation_settings=msgspec.convert(
+                {"params": params_json(None), "n_ctx": info.n_ctx}, DefaultSettings
+            ),
+            total_slots=services.settings.worker.engine.n_slots,
+            model_alias=info.model_name,
+            model_path=info.model_path,
+            modalities=Modalities(vision=False, video=False, audio=False),
+            endpoint_slots=True,
+            endpoint_props=False,
+            endpoint_metrics=True,
+            chat_template=info.chat_template,
+            bos_token=special.get("bos_token", ""),
+            eos_token=special.get("eos_token", ""),
+            build_info=f"llama-cpp-python {info.llama_cpp_version} (slotserve)",
+            is_sleeping=False,
+        )
+
+    @post(
+        ["/completion", "/completions"],
+        status_code=200,
+        summary="llama-server: native completion",
+        responses=streamable(LlamaCompletion),
+    )
+    async def completion(
+        self, request: Request[Any, Any, Any], services: Services, ops: SlotOps, data: CompletionBody
+    ) -> EventStream | LlamaCompletion:
+        async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
+            c = await _prepare(services, ops, data, control.hooks)
+            ids = c.req.input_ids or []
+            stops = c.req.stop_strings
+            if not data.stream:
+                got = await collect(services, c.req, request, control)
+                kept = [t for t in got.tokens if not t.is_stop]
+                filt = StopTextFilter(stops)
+                text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
+                final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
+                return msgspec.convert(final, LlamaCompletion)
+            run = await started_run(services, c.req, request, control)
+
+        async def events() -> AsyncIterator[bytes]:
+            filt = StopTextFilter(stops)
+            pending: list[TokenOut] = []
+            n = 0
+            try:
+                async for ev in run:
+                    if isinstance(ev, TokenOut):
+                        n += 1
+                        pending.append(ev)
+                        text = filt.feed("" if ev.is_stop else ev.text)
+                        if text or ev.is_stop:
+                            yield sse_data(c.partial(text, pending, n))
+                            pending = []
+                    elif isinstance(ev, DoneOut):
+                        rest = filt.finish(ev.done.stop_string)
+                        if rest or pending:
+                            yield sse_data(c.partial(rest, pending, n))
+                        yield sse_data(c.final("", [], ev, ""))
+            except Exception as exc:
+                yield sse_data(compat_error_body(report(exc, route_of(request))))
+            finally:
+                await run.aclose()
+
+        return EventStream(events())

@@ -1,0 +1,346 @@
+"""llama-server's slot API: paths, query actions, field names and content negotiation (docs/api.md, "Slots").
+
+``POST /slots/{id}?action=...`` dispatches on a typed :class:`SlotAction` (the OpenAPI
+schema lists the values; any other is a 400 from Litestar's parameter validation) to one
+handler each, :data:`ACTIONS`.  The slot actions themselves are
+:class:`orchestrator.slots.operations.SlotOps`, provided by dependency injection (``ops``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, get, post
+from litestar.openapi import ResponseSpec
+from litestar.params import Parameter
+
+from engine.errors import ErrorCode
+from engine.framing import Buffer
+from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.llama_server.routes import check_slot_number, slot_task_fields
+from orchestrator.api.native.generate import cancelled_on_disconnect
+from orchestrator.generation.service import RunControl
+from orchestrator.responses import (
+    ContextShiftResponse,
+    EraseResponse,
+    ForkResponse,
+    MessageSpan,
+    RestoreFileResponse,
+    RestoreStateResponse,
+    RestoreTimings,
+    SaveFileResponse,
+    SaveStateResponse,
+    SaveTimings,
+    SlotActionResponse,
+    SlotEntry,
+    SlotInfo,
+    TokensResponse,
+)
+from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
+from orchestrator.services import Services
+from orchestrator.slots.operations import FileResult, SlotOps, message_boundaries
+from orchestrator.slots.registry import Slot, check_slot_id
+from orchestrator.web.auth import require_admin
+from orchestrator.web.body import decode_json_body
+from orchestrator.web.digest import check_repr_digest, repr_digest
+from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError
+from orchestrator.web.raw_body import BODY_POOL, BuffersResponse, lent_to_worker, read_body
+from orchestrator.wire import slot_id_out
+
+OCTET = "application/octet-stream"
+MAX_STATE_BYTES = 4 << 30
+
+
+class SlotAction(StrEnum):
+    """The ``action`` of ``POST /slots/{id}`` (llama-server's, plus ``fork``)."""
+
+    SAVE_STATE = "save-state"
+    RESTORE_STATE = "restore-state"
+    TOKENS = "tokens"
+    CONTEXT_SHIFT = "context-shift"
+    SAVE = "save"
+    RESTORE = "restore"
+    ERASE = "erase"
+    FORK = "fork"
+
+
+READ_ONLY_ACTIONS = (SlotAction.SAVE_STATE, SlotAction.TOKENS)  # every other action changes a slot: admin key
+
+
+@dataclass
+class ActionCall:
+    """One ``POST /slots/{id}`` request as its action handler needs it."""
+
+    request: Request[Any, Any, Any]
+    services: Services
+    ops: SlotOps
+    slot_id: str
+    wait: bool
+    control: RunControl = field(default_factory=RunControl)  # its client's departure ends its waits
+
+    @property
+    def out_id(self) -> int | str:
+        """The slot id as llama-server reports it (numeric ids as integers)."""
+        return slot_id_out(self.slot_id)
+
+    @asynccontextmanager
+    async def use(self, slot_id: str | None = None, *, create: bool = False) -> AsyncIterator[Slot]:
+        """Hold a slot (this request's by default) for the action; not restored until needed.
+
+        Call it once the body has been read: from here the client is watched, and one that
+        leaves while the action waits (``wait=true`` for a busy slot, or an engine sequence
+        to restore into) ends it with ``CLIENT_GONE``, the slot untouched."""
+        async with (
+            cancelled_on_disconnect(self.request, self.control) as control,
+            self.services.registry.use(
+                slot_id or self.slot_id, create=create, resident=False, wait=self.wait, hooks=control.hooks
+            ) as slot,
+        ):
+            yield slot
+
+    async def body(self, kind: type[Any]) -> Any:
+        """The JSON body decoded strictly into ``kind`` (``INVALID_REQUEST`` otherwise)."""
+        return decode_json_body(await self.request.body(), kind)
+
+    async def is_new(self) -> bool:
+        """True when the slot exists neither here nor in the store (a restore creates it)."""
+        if self.services.registry.find(self.slot_id) is not None:
+            return False
+        archive = self.services.archive
+        return archive is None or await archive.lookup(self.slot_id) is None
+
+
+async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
+    async with call.use() as slot:
+        saved = await call.ops.save_state(slot)
+    chunks = saved.ses1_chunks()
+    digest = await asyncio.to_thread(repr_digest, *chunks)
+
+    def sent() -> None:  # the state arrived in a buffer of the engine client's
+        call.ops.release(saved)
+
+    if OCTET in call.request.headers.get("accept", ""):
+        headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
+        return BuffersResponse(chunks, OCTET, headers, sent)
+    try:
+        state = await asyncio.to_thread(_base64, chunks)  # tens of MB: off the event loop
+    finally:
+        sent()
+    return SaveStateResponse(
+        id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),
+        state=state, digest=digest,
+    )  # fmt: skip
+
+
+async def _restore_state(call: ActionCall) -> RestoreStateResponse:
+    with lent_to_worker(await read_body(call.request)) as raw:
+        return await _restore_body(call, raw)
+
+
+def _base64(chunks: Sequence[Buffer]) -> str:
+    return base64.b64encode(b"".join(chunks)).decode("ascii")
+
+
+def _restore_blob(raw: Buffer, digest_header: str | None, octets: bool) -> Buffer:
+    """The SES1 blob of a ``restore-state`` body (``octets``: the body itself, else the JSON form's
+    base64 ``state``), its digests checked.  Hashes and decodes up to gigabytes: call it in a thread.
+    Raises ``ApiError`` (``INVALID_REQUEST``, ``BAD_STATE``)."""
+    if digest_header is not None:
+        check_repr_digest(digest_header, raw, "the request body")
+    if octets:
+        return raw
+    body = decode_json_body(raw, RestoreStateRequest)
+    try:
+        blob = base64.b64decode(body.state, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(ErrorCode.BAD_STATE, f"state is not valid base64: {exc}") from exc
+    if body.digest is not None:
+        check_repr_digest(body.digest, blob, "the state")
+    return blob
+
+
+async def _restore_body(call: ActionCall, raw: Buffer) -> RestoreStateResponse:
+    headers = call.request.headers
+    octets = headers.get("content-type", "").startswith(OCTET)
+    blob = await asyncio.to_thread(_restore_blob, raw, headers.get("repr-digest"), octets)
+    created = await call.is_new()
+    async with call.use(create=True) as slot:
+        t_ms = await call.ops.restore_state(slot, blob, created)
+    return RestoreStateResponse(id_slot=call.out_id, n_bytes_read=len(blob), success=True, t_ms=round(t_ms, 3))
+
+
+async def _tokens(call: ActionCall) -> TokensResponse:
+    async with call.use() as slot:
+        tokens = await call.ops.tokens(slot)
+        processed = slot.n_prompt_tokens_processed or len(tokens)
+    return TokensResponse(id_slot=call.out_id, n_tokens=len(tokens), tokens=tokens, n_prompt_tokens_processed=processed)
+
+
+async def _context_shift(call: ActionCall) -> ContextShiftResponse:
+    body: ContextShiftRequest = await call.body(ContextShiftRequest)
+    async with call.use() as slot:
+        n = await call.ops.context_shift(slot, body.n_keep, body.n_discard)
+    return ContextShiftResponse(id_slot=call.out_id, success=True, new_n_tokens=n)
+
+
+async def _erase(call: ActionCall) -> EraseResponse:
+    async with call.use() as slot:
+        n = await call.ops.erase(slot)
+        await call.services.registry.forget(slot)
+    return EraseResponse(id_slot=call.out_id, n_erased=n)
+
+
+async def _save(call: ActionCall) -> SaveFileResponse:
+    body: SlotFileRequest = await call.body(SlotFileRequest)
+    async with call.use() as slot:
+        done = await call.ops.save_file(slot, body.filename)
+    return SaveFileResponse(
+        id_slot=call.out_id, filename=body.filename, n_saved=done.n_tokens, n_written=done.n_bytes,
+        timings=SaveTimings(save_ms=round(done.t_ms, 3)),
+    )  # fmt: skip
+
+
+async def _restore(call: ActionCall) -> RestoreFileResponse:
+    body: SlotFileRequest = await call.body(SlotFileRequest)
+    if call.ops.worker_files:  # the worker reads the file
+        path = await call.ops.saved_file(body.filename)
+        created = await call.is_new()
+        async with call.use(create=True) as slot:
+            done = await call.ops.restore_file(slot, path, created)
+    else:  # read here, sent to the worker
+        t0 = time.perf_counter()
+        parsed, buf, n_read = await call.ops.read_file(body.filename, BODY_POOL)
+        read_ms = (time.perf_counter() - t0) * 1000
+        with lent_to_worker(buf):
+            created = await call.is_new()
+            async with call.use(create=True) as slot:
+                t0 = time.perf_counter()
+                await call.ops.restore(slot, parsed.tokens, parsed.state, created)
+                t_ms = read_ms + (time.perf_counter() - t0) * 1000
+        done = FileResult(len(parsed.tokens), n_read, t_ms)
+    return RestoreFileResponse(
+        id_slot=call.out_id, filename=body.filename, n_restored=done.n_tokens, n_read=done.n_bytes,
+        timings=RestoreTimings(restore_ms=round(done.t_ms, 3)),
+    )  # fmt: skip
+
+
+async def _fork(call: ActionCall) -> ForkResponse:
+    body: ForkRequest = await call.body(ForkRequest)
+    target = check_slot_id(str(body.target))
+    if target == call.slot_id:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "fork target must differ from the source slot")
+    async with call.use() as src, call.use(target, create=True) as dst:
+        n = await call.ops.fork(src, dst)
+    return ForkResponse(id_slot=call.out_id, target=slot_id_out(target), n_tokens=n, success=True)
+
+
+ACTIONS: dict[SlotAction, Callable[[ActionCall], Awaitable[SlotActionResponse | BuffersResponse]]] = {
+    SlotAction.SAVE_STATE: _save_state,
+    SlotAction.RESTORE_STATE: _restore_state,
+    SlotAction.TOKENS: _tokens,
+    SlotAction.CONTEXT_SHIFT: _context_shift,
+    SlotAction.SAVE: _save,
+    SlotAction.RESTORE: _restore,
+    SlotAction.ERASE: _erase,
+    SlotAction.FORK: _fork,
+}
+"""The handler of each slot action."""
+
+ACTION_RESPONSES = {
+    **COMPAT_ERROR_RESPONSES,
+    200: ResponseSpec(
+        SlotActionResponse,  # type: ignore[arg-type]
+        description="the action's result (save-state with Accept: application/octet-stream: the raw SES1 bytes)",
+        generate_examples=False,
+    ),
+}
+
+
+class SlotController(Controller):
+    """``GET /slots``, ``POST /slots/{id}?action=...``, ``GET /v1/slots/{id}/info``.
+
+    Errors have llama-server's shape, ``{"error": {"code", "message", "type"}, "error_code"}``.
+    """
+
+    exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
+
+    @get("/slots", summary="All slots: resident and parked, with sizes", responses=COMPAT_ERROR_RESPONSES)
+    async def list_slots(self, services: Services) -> list[SlotEntry]:
+        if not services.settings.slots_endpoint:
+            raise ApiError(ErrorCode.NOT_SUPPORTED, "This server does not support slots endpoint (--no-slots)", 501)
+        reg = services.registry
+        n_ctx = services.generation.info.n_ctx
+        seen: dict[str, dict[str, Any]] = {}
+        if services.archive is not None:
+            for meta in await services.archive.list_stored():
+                seen[meta.slot_id] = {
+                    "id": slot_id_out(meta.slot_id),
+                    "n_ctx": n_ctx,
+                    "is_processing": False,
+                    "n_tokens": meta.n_tokens,
+                    "place": "parked",
+                    "stored_bytes": meta.stored_size,
+                    "state_bytes": meta.raw_size,
+                    "codec": meta.codec,
+                    "updated_at": meta.updated_at,
+                }
+        for slot in reg.slots.values():
+            entry = seen.setdefault(slot.id, {"id": slot_id_out(slot.id), "n_ctx": n_ctx})
+            entry.update(
+                is_processing=slot.busy,
+                n_tokens=slot.n_tokens,
+                place="resident" if reg.is_resident(slot) else slot.place,
+                seq=slot.seq if reg.is_resident(slot) else None,
+                stored=slot.stored,
+                dirty=slot.dirty,
+                idle_s=round(time.monotonic() - slot.last_used, 3),
+                **slot_task_fields(slot),
+            )
+            entry.setdefault("stored_bytes", slot.stored_bytes)
+            entry.setdefault("state_bytes", slot.raw_bytes)
+        return msgspec.convert(list(seen.values()), list[SlotEntry])
+
+    @get(
+        "/v1/slots/{slot_id:str}/info",
+        summary="Tokens and message boundaries at the end-of-turn token",
+        responses=COMPAT_ERROR_RESPONSES,
+    )
+    async def info(self, services: Services, ops: SlotOps, slot_id: str) -> SlotInfo:
+        eot = services.generation.info.eot_token_id
+        async with services.registry.use(slot_id, create=False, resident=False) as slot:
+            tokens = await ops.tokens(slot)
+        msgs = [MessageSpan(**m) for m in message_boundaries(tokens, eot)]
+        return SlotInfo(
+            id_slot=slot_id_out(slot_id), n_tokens=len(tokens), boundary_eot=eot, n_messages=len(msgs), messages=msgs
+        )
+
+    @post(
+        "/slots/{slot_id:str}",
+        status_code=200,
+        request_max_body_size=MAX_STATE_BYTES,
+        summary="Slot actions (llama-server's, plus fork)",
+        responses=ACTION_RESPONSES,
+    )
+    async def action(
+        self,
+        request: Request[Any, Any, Any],
+        services: Services,
+        ops: SlotOps,
+        slot_id: str,
+        action: SlotAction = Parameter(query="action"),
+        wait: bool = Parameter(query="wait", default=False),
+    ) -> SlotActionResponse | BuffersResponse:
+        check_slot_number(slot_id)
+        if action not in READ_ONLY_ACTIONS:
+            require_admin(request.scope, services.settings.admin_key)
+        call = ActionCall(request, services, ops, check_slot_id(slot_id), wait)
+        return await ACTIONS[action](call)

@@ -1,0 +1,413 @@
+"""OpenAI-compatible API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Shapes follow OpenAI's API reference (Chat Completions, Completions, Models) as
+llama-server serves them (``tools/server/server-task.cpp``: ``to_json_oaicompat*``): SSE
+chunks ``data: {json}`` ending ``data: [DONE]``, ``stream_options.include_usage`` (a last
+chunk with empty ``choices`` and ``usage``), ``logprobs``/``top_logprobs``,
+``usage.prompt_tokens_details.cached_tokens``.  Like llama-server, ``/models`` and
+``/chat/completions`` also answer without the ``/v1`` prefix (``/completions`` without it
+is llama-server's native completion, see :mod:`orchestrator.api.llama_server.routes`).
+
+slotserve extensions (docs/api.md "OpenAI-compatible API"):
+
+* the slot (KV cache) a request uses: ``slot_id`` in the body, else the ``X-Slot-Id``
+  header, else ``user``, else slot ``"0"``.  A busy slot is waited for (bounded).
+* ``"attention": {"format": "aggregated"|"per_layer", "dtype", "layers"}`` adds each
+  generated token's attention (base64, as on the other JSON paths) to the choice, per chunk.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal, TypeVar
+
+import msgspec
+import structlog
+from litestar import Controller, Request, get, post
+
+from engine.errors import ErrorCode
+from orchestrator import wire
+from orchestrator.api.compat import (
+    COMPAT_ERRORS,
+    EventStream,
+    collect,
+    one_prompt,
+    piece_text,
+    prompt_ids,
+    remaining,
+    sse_data,
+    started_run,
+)
+from orchestrator.compat_responses import ChatCompletion, ModelCard, ModelList, ModelMeta, TextCompletion, streamable
+from orchestrator.generation.chat_template import ChatTemplate
+from orchestrator.generation.service import DoneOut, TokenOut
+from orchestrator.generation.stop_text import StopTextFilter
+from orchestrator.schemas import (
+    AttentionDtype,
+    AttentionFormat,
+    CanonicalRequest,
+    Float32,
+    GenerateRequest,
+    NonNegFloat32,
+    Probability,
+    SamplerFields,
+    Seed,
+    TokenCount,
+    TopK,
+)
+from orchestrator.services import Services
+from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
+
+log = structlog.get_logger("slotserve.openai")
+T = TypeVar("T")
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage``."""
+
+    include_usage: bool = False
+
+
+class AttentionOption(msgspec.Struct, kw_only=True):
+    """slotserve extension: attention per generated token (see docs/api.md, "Attention")."""
+
+    format: AttentionFormat = "aggregated"
+    dtype: AttentionDtype = "float32"
+    layers: list[int] | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: the schema the output must match (``name``/``strict`` are not used)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] = {}
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object; llama-server also takes a
+    ``schema`` here) or ``json_schema``; turned into a grammar as llama-server does (``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema: dict[str, Any] | None = None
+
+    def schema_json(self) -> dict[str, Any] | None:
+        """The JSON schema to constrain the output with (``{}``: any object), or None for ``text``."""
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ApiError(ErrorCode.INVALID_REQUEST, 'response_format of type "json_schema" needs json_schema')
+            return self.json_schema.schema
+        return (self.schema or {}) if self.type == "json_object" else None
+
+
+class OpenAIRequest(SamplerFields, kw_only=True):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (plus llama-server's extras,
+    :class:`orchestrator.schemas.SamplerFields`, as llama-server takes them on these routes too)."""
+
+    model: str | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Float32 | None = None
+    top_p: Probability | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    slot_id: str | int | None = None
+    attention: AttentionOption | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repeat_penalty: NonNegFloat32 | None = None
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(OpenAIRequest, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(OpenAIRequest, kw_only=True):
+    """``POST /v1/completions`` (``logprobs`` is the legacy count of top alternatives, 0..5)."""
+
+    prompt: str | list[int | str]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "stop"}
+
+
+def _slot(data: OpenAIRequest, request: Request[Any, Any, Any]) -> str:
+    for v in (data.slot_id, request.headers.get("x-slot-id"), data.user):
+        if v is not None and str(v) != "":
+            return str(v)
+    return "0"
+
+
+def _warn_ignored(data: OpenAIRequest) -> None:
+    if isinstance(data, ChatCompletionRequest) and data.tools:
+        log.warning(
+            "OpenAI fields not supported, ignored",
+            fields=["tools (rendered by the template; tool calls are not parsed)"],
+        )
+
+
+def canonical(
+    data: OpenAIRequest, request: Request[Any, Any, Any], ids: list[int], services: Services, n_probs: int
+) -> CanonicalRequest:
+    """The generation request for an OpenAI body whose prompt is ``ids`` (bad values: ``INVALID_REQUEST``)."""
+    if data.n is not None and data.n != 1:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n} is not supported: this server returns one choice (n=1)")
+    _warn_ignored(data)
+    max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+    att = data.attention
+    fields = data.sampler_fields()
+    if data.response_format is not None and data.json_schema is None:
+        fields["json_schema"] = data.response_format.schema_json()
+    req = GenerateRequest(
+        **fields,
+        input_ids=ids,
+        max_new_tokens=max_tokens if max_tokens is not None else remaining(services, len(ids)),
+        temperature=data.temperature,
+        top_p=data.top_p,
+        top_k=data.top_k,
+        min_p=data.min_p,
+        repeat_penalty=data.repeat_penalty,
+        seed=data.seed,
+        stop=data.stop,
+        ignore_eos=data.ignore_eos,
+        return_attention=att is not None,
+        attention_format=att.format if att else "per_layer",
+        attention_dtype=att.dtype if att else "float32",
+        attention_layers=att.layers if att else None,
+        n_probs=n_probs,
+        id_slot=_slot(data, request),
+    ).canonical()
+    req.wait = True
+    return req
+
+
+def _logprob_entry(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
+    return {
+        "token": piece_text(t.piece),
+        "logprob": t.logprob,
+        "bytes": list(t.piece),
+        "top_logprobs": [
+            {"token": piece_text(pieces[tok]), "logprob": lp, "bytes": list(pieces[tok])} for tok, lp in t.top
+        ],
+    }
+
+
+def _legacy_logprobs(tokens: list[TokenOut], pieces: list[bytes]) -> dict[str, Any]:
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.text)
+    return {
+        "tokens": [piece_text(t.piece) for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{piece_text(pieces[tok]): lp for tok, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _usage(done: DoneOut) -> dict[str, Any]:
+    d = done.done
+    return {
+        "prompt_tokens": d.n_prompt,
+        "completion_tokens": d.n_generated,
+        "total_tokens": d.n_prompt + d.n_generated,
+        "prompt_tokens_details": {"cached_tokens": d.n_cached},
+    }
+
+
+class Shape:
+    """Builds the response objects of one request (chat or text completion)."""
+
+    def __init__(self, chat: bool, model: str, req: CanonicalRequest, want_logprobs: bool, pieces: list[bytes]) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+        self.req = req
+        self.want_logprobs = want_logprobs
+        self.pieces = pieces
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The fields every response/chunk carries."""
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def extras(self, choice: dict[str, Any], tokens: list[TokenOut]) -> dict[str, Any]:
+        """Add ``logprobs`` (when asked) and the ``attention`` extension for ``tokens``."""
+        if self.want_logprobs and tokens:
+            if self.chat:
+                choice["logprobs"] = {"content": [_logprob_entry(t, self.pieces) for t in tokens]}
+            else:
+                choice["logprobs"] = _legacy_logprobs(tokens, self.pieces)
+        elif not self.chat:
+            choice["logprobs"] = None
+        if self.req.attention:
+            choice["attention"] = [
+                wire.attention_json(t, self.req.attention_format, self.req.attention_dtype) for t in tokens
+            ]
+        return choice
+
+    def chunk(self, text: str | None, tokens: list[TokenOut], finish: str | None = None) -> dict[str, Any]:
+        """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+        if self.chat:
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            return self.envelope("chat.completion.chunk", [self.extras(choice, tokens)])
+        choice = {"index": 0, "text": text or "", "finish_reason": finish}
+        return self.envelope("text_completion", [self.extras(choice, tokens)])
+
+    def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
+        """The non-streaming response."""
+        finish = FINISH.get(done.done.finish_reason, "stop")
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+            }
+            body = self.envelope("chat.completion", [self.extras(choice, tokens)])
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+            body = self.envelope("text_completion", [self.extras(choice, tokens)])
+        body["usage"] = _usage(done)
+        body["slot_id"] = wire.slot_id_out(done.slot_id)
+        return body
+
+
+async def respond(
+    services: Services, request: Request[Any, Any, Any], data: OpenAIRequest, shape: Shape, kind: type[T]
+) -> EventStream | T:
+    """Run the request; a JSON body (``kind``: :class:`ChatCompletion` or :class:`TextCompletion`),
+    or an SSE stream when ``data.stream``."""
+    req = shape.req
+    stops = list(req.stop_strings)
+    if not data.stream:
+        got = await collect(services, req, request)
+        kept = [t for t in got.tokens if not t.is_stop]
+        filt = StopTextFilter(stops)
+        text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
+        return msgspec.convert(shape.final(text, kept, got.end), kind)
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+    run = await started_run(services, req, request)
+
+    async def events() -> AsyncIterator[bytes]:
+        filt = StopTextFilter(stops)
+        pending: list[TokenOut] = []
+        try:
+            if shape.chat:
+                role = shape.chunk(None, [])
+                role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield sse_data(role)
+            async for ev in run:
+                if isinstance(ev, TokenOut):
+                    if ev.is_stop:
+                        continue
+                    pending.append(ev)
+                    text = filt.feed(ev.text)
+                    if text:
+                        yield sse_data(shape.chunk(text, pending))
+                        pending = []
+                elif isinstance(ev, DoneOut):
+                    rest = filt.finish(ev.done.stop_string)
+                    if rest or pending:
+                        yield sse_data(shape.chunk(rest, pending))
+                    last = shape.chunk(None if shape.chat else "", [], FINISH.get(ev.done.finish_reason, "stop"))
+                    yield sse_data(last)
+                    if include_usage:
+                        usage = shape.envelope(last["object"], [])
+                        usage["usage"] = _usage(ev)
+                        yield sse_data(usage)
+        except Exception as exc:  # the worker failed mid-stream: an error event, then the end
+            yield sse_data(compat_error_body(report(exc, route_of(request))))
+        finally:
+            await run.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return EventStream(events())
+
+
+def _top_n(logprobs: bool | None, top: int | None) -> int:
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+    if top and not logprobs:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "top_logprobs needs logprobs: true")
+    return top or 0
+
+
+class OpenAIController(Controller):
+    """The OpenAI-compatible paths (errors in OpenAI's ``{"error": {...}}`` shape)."""
+
+    exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
+
+    @get(["/v1/models", "/models"], summary="OpenAI: the loaded model", responses=COMPAT_ERROR_RESPONSES)
+    async def models(self, services: Services) -> ModelList:
+        info = services.generation.info
+        meta = ModelMeta(
+            n_ctx_train=info.n_ctx_train,
+            n_ctx=info.n_ctx,
+            n_vocab=info.vocab_size,
+            n_params=info.n_params,
+            size=info.size_bytes,
+        )
+        card = ModelCard(id=info.model_name, object="model", created=int(time.time()), owned_by="slotserve", meta=meta)
+        return ModelList(object="list", data=[card])
+
+    @post(
+        ["/v1/chat/completions", "/chat/completions"],
+        status_code=200,
+        summary="OpenAI chat completion",
+        responses=streamable(ChatCompletion),
+    )
+    async def chat(
+        self, request: Request[Any, Any, Any], services: Services, data: ChatCompletionRequest
+    ) -> EventStream | ChatCompletion:
+        info = services.generation.info
+        special = info.special_tokens
+        template = ChatTemplate(
+            info.chat_template, str(special.get("bos_token", "")), str(special.get("eos_token", ""))
+        )
+        text = template.render(data.messages, add_generation_prompt=True, tools=data.tools)
+        bos = str(special.get("bos_token", ""))
+        ids = (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
+        n_probs = _top_n(data.logprobs, data.top_logprobs)
+        req = canonical(data, request, ids, services, n_probs)
+        shape = Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces())
+        return await respond(services, request, data, shape, ChatCompletion)
+
+    @post(
+        "/v1/completions",
+        status_code=200,
+        summary="OpenAI text completion",
+        responses=streamable(TextCompletion),
+    )
+    async def completions(
+        self, request: Request[Any, Any, Any], services: Services, data: CompletionRequest
+    ) -> EventStream | TextCompletion:
+        info = services.generation.info
+        if data.echo or data.suffix:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "echo and suffix are not supported")
+        prompt = one_prompt(data.prompt)
+        if data.logprobs is not None and not 0 <= data.logprobs <= 5:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "logprobs must be in 0..5")
+        ids = await prompt_ids(services, prompt)
+        req = canonical(data, request, ids, services, data.logprobs or 0)
+        shape = Shape(False, info.model_name, req, data.logprobs is not None, await services.generation.pieces())
+        return await respond(services, request, data, shape, TextCompletion)

@@ -1,0 +1,1 @@
+"""Generation: a validated request run on its slot (the service), stop strings, chat templates."""

@@ -1,0 +1,437 @@
+"""Generation service: validate a request, run it on its slot, yield wire-neutral events.
+
+HTTP/SSE/WS handlers call :meth:`GenerationService.run` and only format what it
+yields (:class:`TokenOut` per generated token, then one :class:`DoneOut`).  Data flows
+one way: handler -> slot registry -> engine client -> worker -> events back.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from engine import protocol as proto
+from engine.errors import ErrorCode
+from orchestrator import metrics
+from orchestrator.admin.feed import AttentionFeed
+from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
+from orchestrator.slots.admission import WaitHooks
+from orchestrator.slots.registry import SlotRegistry, check_slot_id
+from orchestrator.web.errors import ApiError
+from orchestrator.worker.interface import EngineClient, EngineEvent, EngineRequestError, GenerationStream, TokenOutput
+
+log = structlog.get_logger("slotserve.generate")
+
+
+@dataclass
+class TokenOut:
+    """One generated token as the wire encoders need it.
+
+    ``text`` is the token's text from an incremental UTF-8 decoder over the stream
+    (a piece that ends mid-character yields ``""`` and the character comes with the
+    next token, so concatenating ``text`` is always the exact output); ``piece`` are
+    the raw bytes.  ``attention`` is raw little-endian ``dtype`` bytes of ``shape``.
+    """
+
+    index: int
+    token_id: int
+    piece: bytes
+    text: str
+    logprob: float | None
+    top: list[tuple[int, float]]
+    attention: bytes | None
+    attention_shape: list[int]
+    hidden: bytes | None
+    is_stop: bool
+
+
+@dataclass
+class Started:
+    """First item of every run: the request is valid, the slot is held, the worker has it."""
+
+    slot_id: str
+
+
+@dataclass
+class PreviewStarted:
+    """First item of a preview: ``cache_hit`` says it runs on a fork of ``slot_id``'s cached
+    context (else on a scratch sequence from the request's ``input_ids``)."""
+
+    cache_hit: bool
+    slot_id: str
+
+
+@dataclass
+class DoneOut:
+    """End of a generation (``finish_reason``: length, stop_token, stop_string, cancelled)."""
+
+    done: proto.Done
+    text: str = ""
+    generation_time_ms: float = 0.0
+    slot_id: str = "0"
+
+
+def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """``INVALID_TOKEN`` unless every id is in ``[0, vocab_size)``."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ApiError(
+                ErrorCode.INVALID_TOKEN,
+                f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}",
+                token_id=t,
+            )
+
+
+PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+             "dry_multiplier", "dry_allowed_length", "dry_sequence_breakers", "dynatemp_range", "dynatemp_exponent",
+             "mirostat", "mirostat_tau", "mirostat_eta", "grammar", "json_schema")  # fmt: skip
+"""The further sampler settings a :class:`CanonicalRequest` hands to the engine as they are."""
+
+
+def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.SamplingParams:
+    """Validated :class:`engine.protocol.SamplingParams` from a canonical request.
+
+    Value ranges are checked when the body is decoded (``orchestrator/schemas.py``); this
+    checks token ids against the vocabulary and resolves llama-server's special values
+    (``repeat_last_n`` and ``dry_penalty_last_n`` -1: the context size; ``top_k`` <= 0 and
+    ``repeat_penalty`` 0: off; ``dry_base`` below 1: its default).
+    """
+    vocab_size = info.vocab_size
+    check_tokens(req.stop_tokens, vocab_size, "stop_tokens")
+    check_tokens(req.banned_tokens, vocab_size, "banned_tokens")
+    bias = [(t, b) for t, b in req.logit_bias if isinstance(t, int)]  # texts: see GenerationService.resolve_bias
+    check_tokens([t for t, _ in bias], vocab_size, "logit_bias")
+    return proto.SamplingParams(
+        max_new_tokens=req.max_new_tokens,
+        temperature=req.temperature,
+        top_k=max(0, req.top_k),
+        top_p=req.top_p,
+        min_p=req.min_p,
+        repeat_penalty=req.repeat_penalty if req.repeat_penalty > 0 else 1.0,
+        repeat_last_n=info.n_ctx if req.repeat_last_n == -1 else req.repeat_last_n,
+        seed=req.seed,
+        banned_tokens=req.banned_tokens,
+        stop_tokens=req.stop_tokens,
+        stop_strings=req.stop_strings,
+        ignore_eos=req.ignore_eos,
+        n_probs=req.n_probs,
+        logprobs=True,
+        dry_base=req.dry_base if req.dry_base >= 1.0 else proto.SamplingParams().dry_base,  # llama-server's rule
+        dry_penalty_last_n=info.n_ctx if req.dry_penalty_last_n == -1 else req.dry_penalty_last_n,
+        logit_bias=bias,
+        **{name: getattr(req, name) for name in PASSED_ON},
+    )
+
+
+def require_attention(wanted: bool, attention_layers: list[int]) -> None:
+    """Refuse (``INVALID_REQUEST``) attention ``wanted`` from a model without attention layers (recurrent)."""
+    if wanted and not attention_layers:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent): no attention")
+
+
+def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto.CaptureOptions:
+    """Validated capture options: ``attention_layers`` distinct layers among the model's layers with
+    attention (``GET /api/v1/model``'s ``attention_layers``; a recurrent model has none, and asking
+    it for attention is an ``INVALID_REQUEST``)."""
+    layers = req.attention_layers
+    require_attention(req.attention, attention_layers)
+    if layers is not None and (
+        not layers or any(il not in attention_layers for il in layers) or len(set(layers)) != len(layers)
+    ):
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"attention_layers must be distinct layers with attention: {attention_layers}"
+        )
+    return proto.CaptureOptions(
+        attention=req.attention,
+        format=req.attention_format,
+        dtype=req.attention_dtype,
+        layers=layers,
+        hidden_state=req.hidden_state,
+    )
+
+
+class TokenStream:
+    """Turns engine ``Token`` events into :class:`TokenOut` (incremental UTF-8 text)."""
+
+    def __init__(self, stop_ids: set[int]) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.stop_ids = stop_ids
+
+    async def events(self, stream: AsyncIterator[EngineEvent]) -> AsyncIterator[TokenOut | proto.Progress | proto.Done]:
+        """The engine's events of one request (a :class:`orchestrator.worker.interface.GenerationStream`):
+        each token as a :class:`TokenOut` (:meth:`convert`), ``Progress`` and the final ``Done`` as they come."""
+        async for event in stream:
+            if isinstance(event, TokenOutput):
+                yield self.convert(event)
+            else:
+                yield event
+
+    def convert(self, out: TokenOutput) -> TokenOut:
+        """Attach the token's text."""
+        msg = out.token
+        return TokenOut(
+            index=msg.index,
+            token_id=msg.token_id,
+            piece=msg.piece,
+            text=self.decoder.decode(msg.piece),
+            logprob=msg.logprob,
+            top=list(msg.top),
+            attention=out.attention,
+            attention_shape=list(msg.attention.shape) if msg.attention is not None else [],
+            hidden=out.hidden,
+            is_stop=msg.token_id in self.stop_ids,
+        )
+
+
+class RunControl:
+    """Lets a handler cancel the generation a :meth:`GenerationService.run` started.
+
+    ``on_queued(position)`` is awaited while the request waits for a free engine
+    sequence (1 = next; see :mod:`orchestrator.slots.admission`); cancelling a queued request
+    ends its wait (``CLIENT_GONE``) and frees its place.  ``watched``: a handler watches the
+    client for a disconnect on its behalf (``orchestrator.api.native.generate.cancelled_on_disconnect``).
+    """
+
+    def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self.engine: EngineClient | None = None
+        self.req: int | None = None
+        self.pending = False
+        self.watched = False
+        self.hooks = WaitHooks(on_queued)
+
+    async def bind(self, engine: EngineClient, req: int) -> None:
+        """Called by ``run`` at the first event (the worker knows the request by then)."""
+        self.engine, self.req = engine, req
+        if self.pending:
+            await self.cancel()
+
+    async def cancel(self) -> None:
+        """Ask the worker to stop the generation (it ends with ``finish_reason="cancelled"``)."""
+        if self.engine is None or self.req is None:
+            self.pending = True
+            self.hooks.gone.set()
+            return
+        self.pending = False
+        await self.engine.cancel(self.req)
+
+
+class GenerationService:
+    """Runs generations for the API (see module docstring)."""
+
+    def __init__(self, engine: EngineClient, registry: SlotRegistry) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.feed = AttentionFeed()  # the admin page's live view of generated tokens
+
+    @property
+    def info(self) -> proto.ModelInfo:
+        """The loaded model's facts (``NO_MODEL`` while no worker is up)."""
+        if self.engine.info is None:
+            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
+        return self.engine.info
+
+    async def input_ids(self, req: CanonicalRequest) -> list[int]:
+        """The request's context: ``input_ids`` (validated) or its ``prompt`` tokenized."""
+        info = self.info
+        if req.input_ids is not None:
+            ids = req.input_ids
+        elif req.prompt is not None:
+            ids = (await self.engine.tokenize(req.prompt, False, True)).ids
+        else:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "give input_ids (token ids) or prompt (text)")
+        if not ids:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "the context is empty")
+        check_tokens(ids, info.vocab_size, "input_ids")
+        if len(ids) + req.max_new_tokens > info.n_ctx:
+            raise ApiError(
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"context of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds n_ctx {info.n_ctx}",
+                n_ctx=info.n_ctx,
+                context_length=len(ids),
+            )
+        return ids
+
+    async def resolve_bias(self, req: CanonicalRequest) -> None:
+        """Replace each text key of ``req.logit_bias`` by its tokens (each gets the bias), as
+        llama-server does (``common_tokenize`` without special tokens)."""
+        if all(isinstance(t, int) for t, _ in req.logit_bias):
+            return
+        pairs: list[tuple[int | str, float]] = []
+        for tok, bias in req.logit_bias:
+            if isinstance(tok, int):
+                pairs.append((tok, bias))
+            else:
+                pairs += [(t, bias) for t in (await self.engine.tokenize(tok, False, False)).ids]
+        req.logit_bias = pairs
+
+    async def checked_params(self, req: CanonicalRequest) -> proto.SamplingParams:
+        """:func:`sampling_params` of ``req`` (text ``logit_bias`` keys resolved); a grammar or JSON
+        schema is built once by the worker first, so one llama.cpp cannot use is
+        ``INVALID_GRAMMAR`` before any slot is touched."""
+        await self.resolve_bias(req)
+        params = sampling_params(req, self.info)
+        if params.grammar or params.json_schema:
+            await self.engine.check_sampling(params)
+        return params
+
+    async def pieces(self) -> list[bytes]:
+        """Every token's raw piece, indexed by token id (sent by the worker at start-up)."""
+        return self.engine.pieces
+
+    async def run(
+        self, req: CanonicalRequest, control: RunControl | None = None
+    ) -> AsyncGenerator[Started | TokenOut | proto.Progress | DoneOut, None]:
+        """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
+
+        With ``req.progress``, ``engine.protocol.Progress`` events come before the first
+        token: one when the prefill starts, then one per at most 256 prompt tokens, the
+        last with ``n_done == n_total``.
+
+        Raises :class:`ApiError` before the first yield for a bad request, and
+        ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
+        Closing the iterator early cancels the generation within one decode step.
+        """
+        info = self.info
+        ids = await self.input_ids(req)
+        params = await self.checked_params(req)
+        capture = capture_options(req, info.attention_layers)
+        hooks = control.hooks if control is not None else None
+        async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
+            structlog.contextvars.bind_contextvars(slot_id=slot.id)
+            t0 = time.perf_counter()
+            assert slot.seq is not None
+            converter = TokenStream(
+                set(params.stop_tokens) | (set(info.eog_token_ids) if not params.ignore_eos else set())
+            )
+            texts: list[str] = []
+            n_out = 0
+            finished = False
+            events = await self.engine.generate(
+                slot.seq, ids, params, capture, progress=req.progress, cache_reuse=req.n_cache_reuse
+            )
+            took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
+            try:
+                if control is not None:
+                    await control.bind(self.engine, events.req)
+                yield Started(slot.id)
+                async for event in converter.events(events):
+                    if not took:
+                        took = True
+                        self.registry.generation_started(slot, events.req, params)
+                    if isinstance(event, TokenOut):
+                        out = event
+                        if not out.is_stop:
+                            texts.append(out.text)
+                        n_out += 1
+                        self.registry.generated(slot, len(ids) + n_out)  # live count; the worker's at Done
+                        self.feed.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
+                        yield out
+                    elif isinstance(event, proto.Progress):
+                        yield event
+                    elif isinstance(event, proto.Done):
+                        finished = True
+                        log.info(
+                            "generation done",
+                            request_id=req.request_id,
+                            finish_reason=event.finish_reason,
+                            n_prompt=event.n_prompt,
+                            n_cached=event.n_cached,
+                            n_generated=event.n_generated,
+                            t_prefill_ms=round(event.t_prefill_ms, 1),
+                            t_generate_ms=round(event.t_generate_ms, 1),
+                        )
+                        metrics.record_generation(event)
+                        self.registry.generation_done(slot, event)
+                        if self.registry.strict:  # stored before answered (--durability strict)
+                            await events.aclose()  # the engine is done with the sequence
+                            await self.registry.commit_turn(slot)
+                        tail = converter.decoder.decode(b"", final=True)
+                        text = "".join(texts) + tail
+                        yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
+            except EngineRequestError as exc:
+                refused = exc.refused and not took
+                raise
+            finally:
+                await events.aclose()
+                if refused:
+                    log.info("generation refused", request_id=req.request_id)
+                else:
+                    if not took:  # it failed before its first event
+                        self.registry.generation_started(slot, events.req, params)
+                    if not finished:  # the client left or the worker failed: the engine stopped it
+                        log.info("generation abandoned", request_id=req.request_id, n_generated=n_out)
+                        metrics.record_abandoned(n_out)
+                        self.registry.generated(slot, len(ids) + n_out)  # refreshed by the tokens action
+                    self.registry.generation_ended(slot)
+
+    async def preview(
+        self, req: PreviewRequest, control: RunControl | None = None
+    ) -> AsyncIterator[PreviewStarted | TokenOut | DoneOut]:
+        """A preview (docs/api.md, "POST /api/v1/generate/preview"): generate on a copy-on-write
+        fork of the slot's sequence (``llama_memory_seq_cp``), then discard the fork.
+
+        Yields one :class:`PreviewStarted`, the tokens, then one :class:`DoneOut`.  The slot is
+        held only while the fork is submitted (the worker applies requests in order), so its
+        tokens and KV cells stay as they were and previews of one slot run concurrently.
+        Raises :class:`ApiError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
+        (an explicitly named slot that does not exist, with no ``input_ids``),
+        ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
+        """
+        info = self.info
+        append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
+        check_tokens(append, info.vocab_size, "append_tokens")
+        check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
+        named = req.conversation_id if req.conversation_id is not None else req.id_slot
+        slot_id = check_slot_id(str(named if named is not None else "0"))
+        params = await self.checked_params(req.canonical(slot_id))
+        require_attention(req.output_attentions, info.attention_layers)
+        capture = proto.CaptureOptions(
+            attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
+        )
+        t0 = time.perf_counter()
+        events: GenerationStream | None = None
+        if req.use_cached_context:
+            archive = self.registry.archive
+            known = self.registry.find(slot_id) is not None or (
+                archive is not None and await archive.lookup(slot_id) is not None
+            )
+            if not known and named is not None and req.input_ids is None:
+                raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
+            if known:
+                hooks = control.hooks if control is not None else None  # its client leaving ends its waits
+                async with self.registry.use(slot_id, wait=True, create=False, hooks=hooks) as slot:
+                    if slot.n_tokens:
+                        assert slot.seq is not None
+                        # the fork is taken before any later request
+                        events = await self.engine.preview(slot.seq, [], append, params, capture)
+        cache_hit = events is not None
+        if events is None:
+            if not req.input_ids:
+                raise ApiError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")
+            events = await self.engine.preview(None, req.input_ids, append, params, capture)
+        converter = TokenStream(set(params.stop_tokens) | set(info.eog_token_ids))
+        texts: list[str] = []
+        try:
+            if control is not None:
+                await control.bind(self.engine, events.req)
+            yield PreviewStarted(cache_hit, slot_id)
+            async for event in converter.events(events):
+                if isinstance(event, TokenOut):
+                    if not event.is_stop:
+                        texts.append(event.text)
+                    yield event
+                elif isinstance(event, proto.Done):
+                    log.info(
+                        "preview done",
+                        finish_reason=event.finish_reason,
+                        n_generated=event.n_generated,
+                        cache_hit=cache_hit,
+                    )
+                    text = "".join(texts) + converter.decoder.decode(b"", final=True)
+                    yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot_id)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]

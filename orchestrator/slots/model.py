@@ -1,0 +1,76 @@
+"""A slot: one conversation's KV state and its bookkeeping, as the registry keeps it.
+
+Only :class:`orchestrator.slots.registry.SlotRegistry` writes these fields; everything else
+(generation, slot actions, the HTTP layer, the admin view) reads them and reports
+what happened through the registry's methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from engine import protocol as proto
+from engine.errors import ErrorCode
+from orchestrator.slots.admission import WaitHooks
+from orchestrator.web.errors import ApiError
+
+MAX_SLOT_ID = 256
+
+
+@dataclass(eq=False)
+class Slot:
+    """One conversation's state (read-only outside the registry).
+
+    ``seq`` is the engine sequence it holds (None: parked or empty), valid while
+    ``engine_generation`` equals the engine client's ``generation``.  ``n_tokens`` counts
+    the tokens of its KV state (live during a generation).  ``stored``: the store holds a
+    copy; ``dirty``: that copy is older than the engine's.  ``stored_bytes`` /
+    ``raw_bytes``: compressed and SES1 sizes of the stored copy (bytes).  ``requests``:
+    client requests holding or waiting for ``lock`` (background saves do not count).
+    ``synced``: the stored version this node's knowledge of the slot comes from, as
+    ``(generation, digest)`` of its metadata (``(0, "")``: nothing stored; None: unknown, the
+    store must be asked before the slot is used).
+    """
+
+    id: str
+    seq: int | None = None
+    n_tokens: int = 0
+    engine_generation: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    stored: bool = False
+    dirty: bool = False
+    stored_bytes: int = 0
+    raw_bytes: int = 0
+    n_prompt_tokens_processed: int = 0
+    # the last generation on this slot, for llama-server's GET /slots (id_task, params, next_token)
+    id_task: int = -1
+    params: proto.SamplingParams | None = None
+    n_decoded: int = 0
+    n_prompt_tokens_cache: int = 0
+    requests: int = 0
+    holder_hooks: WaitHooks | None = None  # the holding request's (its client's departure ends its waits)
+    synced: tuple[int, str] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while a client request uses the slot (``is_processing``)."""
+        return self.requests > 0
+
+    @property
+    def place(self) -> str:
+        """``resident`` (holds an engine sequence), ``parked`` (store only) or ``empty``."""
+        if self.seq is not None:
+            return "resident"
+        return "parked" if self.stored else "empty"
+
+
+def check_slot_id(slot_id: str) -> str:
+    """Validate a slot id (1..256 printable characters); raise ``INVALID_REQUEST``."""
+    if not slot_id or len(slot_id) > MAX_SLOT_ID or not slot_id.isprintable():
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters"
+        )
+    return slot_id

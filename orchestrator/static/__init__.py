@@ -1,1 +1,0 @@
-"""The admin page's static files (HTML and script), served by orchestrator.api.admin."""

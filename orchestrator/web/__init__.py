@@ -1,0 +1,3 @@
+"""HTTP plumbing shared by every API surface: errors, auth, origins, request bodies and read limits, SSE framing,
+digests, log filtering.
+"""

@@ -1,0 +1,453 @@
+"""The orchestrator's handle on an engine worker process: :class:`WorkerClient`.
+
+:class:`WorkerClient` implements :class:`orchestrator.worker.interface.EngineClient` over a worker
+process: it spawns ``python -m engine.worker`` (or connects to a standalone one), speaks
+:mod:`engine.protocol` over a socket, and demultiplexes replies to the requests that are
+waiting for them.  Nothing here loads llama.cpp: the API process imports only the
+protocol's messages.
+
+If the worker dies, every pending request fails with ``EngineDeadError`` (an error
+event for streams) and, when ``restart`` is on, a new worker is started; its
+sequences are empty, so slots must come back from the store (``on_restart`` hook).
+
+Flow control: every ``Generate`` carries ``window=``:data:`STREAM_WINDOW`, and the stream
+sends ``Ack(target=req, n)`` as its consumer takes tokens
+(:class:`orchestrator.worker.interface.GenerationStream`), so a request's reply queue holds at most
+that many tokens (with their attention bytes) however slowly its client reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import signal
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import TypeVar
+
+import msgspec
+import structlog
+
+from engine import protocol as proto
+from engine.errors import ErrorCode
+from engine.framing import RECEIVE_POOL, FrameStream, open_frame_stream, parse_address
+from orchestrator.worker.interface import (
+    Classification,
+    EngineDeadError,
+    EngineEvent,
+    EngineRequestError,
+    GenerationStream,
+    SequenceState,
+    TokenOutput,
+)
+from orchestrator.worker.launch import EngineStartError, WorkerOptions, WorkerProcess, describe_exit
+
+log = structlog.get_logger("slotserve.engine")
+R = TypeVar("R", bound=proto.Message)
+
+
+Event = tuple[proto.Reply, list[bytearray]]
+
+STREAM_WINDOW = 4
+"""Tokens a generation may run ahead of what its client has taken (``engine.protocol.Generate.window``).
+
+Past that the worker holds the sequence (engine/batcher.py, ``Batcher.held``; the other
+sequences go on) until an ``Ack`` or a cancel.  The orchestrator's memory per stream is then
+at most this many tokens with their tensors (per-layer float32 attention is
+``4 * n_layers * n_heads * n_ctx`` bytes a token: 2.2 MB for SmolLM2-135M at 2,000 tokens of
+context) plus the frame being sent.  Four is enough for a client that keeps up: an ``Ack``
+crosses the socket in well under one decode step.  docs/operations.md, "Memory"."""
+
+
+class WorkerClient:
+    """Async client of one engine worker, an :class:`orchestrator.worker.interface.EngineClient`.
+
+    See the module docstring.
+    """
+
+    def __init__(self, options: WorkerOptions, restart: bool = True, window: int = STREAM_WINDOW) -> None:
+        self.options = options
+        self.restart = restart
+        self.window = window  # flow-control window of every generation (0: unbounded, no Ack sent)
+        self.info: proto.ModelInfo | None = None
+        self.pieces: list[bytes] = []
+        self.generation = 0  # incremented on every (re)start: sequences of older generations are gone
+        self.on_restart: Callable[[], Awaitable[None]] | None = None
+        self._ids = itertools.count(1)
+        self._waiters: dict[int, asyncio.Queue[Event | None]] = {}
+        self._stream: FrameStream | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._process: WorkerProcess | None = None
+        self._closing = False
+        self._ready = asyncio.Event()
+        self.stage = "not started"  # start-up stage reached (engine.protocol.Starting), "ready" once up
+        self.load_fraction = 0.0  # model load progress while stage == "loading_model"
+        self._write_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alive(self) -> bool:
+        """True while a worker is connected and ready."""
+        return self._ready.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        """The spawned worker's process id."""
+        return self._process.pid if self._process else None
+
+    async def start(self, timeout: float = 300.0) -> proto.ModelInfo:
+        """Start (or connect to) the worker and wait for its ``Ready``.
+
+        ``timeout`` (s) bounds each wait: the connection, and every start-up stage
+        (:class:`engine.protocol.Starting`).  When a spawned worker crashes (dies by a
+        signal) during start-up with CPU weight repacking left to auto, it is started
+        once more with repacking off, and a warning says so.  Raises
+        :class:`EngineStartError` (stage reached, exit status) when the worker fails.
+        """
+        try:
+            return await self._start_once(timeout)
+        except EngineStartError as exc:
+            if not (exc.crashed and self.options.connect is None and self.options.engine.repack is None):
+                raise
+            log.warning(
+                "engine worker crashed during start-up; retrying once without CPU weight repacking",
+                stage=exc.stage,
+                signal=signal.Signals(-exc.returncode).name if exc.returncode else None,
+                gives_up="llama.cpp's extra buffer types (repacked CPU weights: faster prefill on some CPUs)",
+            )
+            self.options = replace(self.options, engine=msgspec.structs.replace(self.options.engine, repack=False))
+            return await self._start_once(timeout)
+
+    async def _start_once(self, timeout: float) -> proto.ModelInfo:
+        self.stage = "connecting"
+        self.load_fraction = 0.0
+        if self.options.connect:
+            family, addr = parse_address(self.options.connect)
+            stream = await open_frame_stream(family, addr)
+        else:
+            self.stage = "spawning"
+            self._process = WorkerProcess(self.options)
+            stream = await self._process.spawn(timeout)
+        try:
+            reply = await self._await_ready(stream, timeout)
+        except BaseException:
+            stream.close()
+            await self._teardown()
+            raise
+        self.stage = "ready"
+        self.info = reply.info
+        self.pieces = reply.pieces
+        self._stream = stream
+        self.generation += 1
+        self._reader_task = asyncio.create_task(self._read_loop(stream), name="engine-reader")
+        self._ready.set()
+        rt = reply.info.runtime
+        log.info(
+            "engine ready",
+            model=reply.info.model_name,
+            pid=self.pid,
+            generation=self.generation,
+            backend=rt.backend,
+            layers_offloaded=rt.n_layers_offloaded,
+            repack=rt.use_extra_bufts,
+            repack_reason=rt.repack_reason,
+            capture=rt.capture,
+            flash_attn=rt.flash_attn,
+            threads=rt.n_threads,
+        )
+        return reply.info
+
+    async def _await_ready(self, stream: FrameStream, timeout: float) -> proto.Ready:
+        """Follow the worker's :class:`engine.protocol.Starting` reports until ``Ready``."""
+        while True:
+            try:
+                reply, _ = await asyncio.wait_for(proto.read_reply(stream), timeout)
+            except (ConnectionError, TimeoutError, proto.ProtocolError) as exc:
+                code = await self._process.exit_status() if self._process is not None else None
+                what = f"died with {describe_exit(code)}" if code is not None else f"stopped answering ({exc!r})"
+                log.error("engine worker failed during start-up", stage=self.stage, exit=describe_exit(code))
+                raise EngineStartError(f"worker {what} during stage {self.stage!r}", self.stage, code) from exc
+            if isinstance(reply, proto.Ready):
+                return reply
+            if isinstance(reply, proto.Starting):
+                if reply.stage != self.stage:
+                    log.info("engine starting", stage=reply.stage)
+                self.stage, self.load_fraction = reply.stage, reply.fraction
+                continue
+            raise EngineStartError(f"worker sent {type(reply).__name__} before Ready", self.stage, None)
+
+    async def close(self) -> None:
+        """Ask the worker to finish (flushing its commits) and stop it."""
+        self._closing = True
+        if self.alive:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._request(proto.Shutdown(self.new_id()), proto.Stopped), 10)
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        self._ready.clear()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        if self._process is not None:
+            await self._process.stop()
+        if self._reader_task is not None and self._reader_task is not asyncio.current_task():
+            self._reader_task.cancel()
+
+    async def _read_loop(self, stream: FrameStream) -> None:
+        try:
+            while True:
+                msg, bufs = await proto.read_reply(stream)
+                q = self._waiters.get(msg.req)
+                if q is not None:
+                    q.put_nowait((msg, bufs))
+        except (ConnectionError, proto.ProtocolError) as exc:
+            if not self._closing:
+                log.error("engine worker connection lost", error=str(exc), pid=self.pid)
+        finally:
+            self._ready.clear()
+            for q in self._waiters.values():
+                q.put_nowait(None)
+            if not self._closing:
+                await self._teardown()
+                if self.restart:
+                    asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        delay = 0.5
+        while not self._closing:
+            try:
+                await self.start()
+                if self.on_restart is not None:
+                    await self.on_restart()
+                return
+            except Exception as exc:
+                log.error("engine restart failed", error=str(exc), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until a worker is ready (after a restart); False on timeout."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ------------------------------------------------------------------ requests
+
+    async def _send(self, msg: proto.Message, buffers: Sequence[proto.Buffer] = ()) -> None:
+        if not self.alive or self._stream is None:
+            raise EngineDeadError("the engine worker is not running")
+        async with self._write_lock:
+            try:
+                self._stream.write(proto.encode_frame(msg, buffers))
+                await self._stream.drain()
+            except proto.ProtocolError as exc:
+                raise EngineDeadError(f"the engine worker connection is closed: {exc}") from exc
+
+    def new_id(self) -> int:
+        """A fresh request id."""
+        return next(self._ids)
+
+    async def _request(
+        self, msg: proto.Message, answer: type[R], buffers: Sequence[proto.Buffer] = ()
+    ) -> tuple[R, list[bytearray]]:
+        """Send ``msg`` and return its single reply, an ``answer``; raise :class:`EngineRequestError` on ``Error``."""
+        q: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._waiters[msg.req] = q
+        try:
+            await self._send(msg, buffers)
+            item = await q.get()
+        finally:
+            self._waiters.pop(msg.req, None)
+        if item is None:
+            raise EngineDeadError("the engine worker died during the request")
+        reply, bufs = item
+        if isinstance(reply, proto.Error):
+            raise EngineRequestError(reply.code, reply.message)
+        if not isinstance(reply, answer):
+            raise EngineRequestError(ErrorCode.INTERNAL, f"the worker answered {type(msg).__name__} with {reply!r}")
+        return reply, bufs
+
+    async def _open_stream(self, msg: proto.Generate) -> GenerationStream:
+        """Send a ``Generate`` now; return the stream of its events (the worker has the request on return)."""
+        q: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._waiters[msg.req] = q
+        try:
+            await self._send(msg)
+        except BaseException:
+            self._waiters.pop(msg.req, None)
+            raise
+        ack = (lambda n: self._ack(msg.req, n)) if msg.window > 0 else None
+        return GenerationStream(msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q), ack)
+
+    async def _ack(self, req: int, n: int) -> None:
+        """Tell the worker the client of generation ``req`` has taken its first ``n`` tokens.
+
+        A dead worker is not an error here: the stream's next event reports it."""
+        with contextlib.suppress(EngineDeadError):
+            await self._send(proto.Ack(self.new_id(), req, n))
+
+    async def _events(self, req: int, q: asyncio.Queue[Event | None]) -> AsyncGenerator[EngineEvent, None]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    finished = True
+                    raise EngineDeadError("the engine worker died during generation")
+                reply, bufs = item
+                if isinstance(reply, proto.Error):
+                    finished = True
+                    raise EngineRequestError(reply.code, reply.message, reply.refused)
+                if isinstance(reply, proto.Token):
+                    yield token_output(reply, bufs)
+                elif isinstance(reply, proto.Progress):
+                    yield reply
+                elif isinstance(reply, proto.Done):
+                    finished = True
+                    yield reply
+                    return
+        finally:
+            if not finished:
+                await self._abandon(req, q)
+            self._waiters.pop(req, None)
+
+    async def _abandon(self, req: int, q: asyncio.Queue[Event | None]) -> None:
+        """Cancel generation ``req`` and wait for its end (up to 30 s), even if the caller is cancelled."""
+        if self.alive:
+            await asyncio.shield(self._cancel_and_drain(req, q))
+        self._waiters.pop(req, None)
+
+    async def _cancel_and_drain(self, req: int, q: asyncio.Queue[Event | None]) -> None:
+        with contextlib.suppress(Exception):
+            await self._send(proto.Cancel(self.new_id(), req))
+            while True:
+                item = await asyncio.wait_for(q.get(), 30)
+                if item is None or isinstance(item[0], proto.Done | proto.Error):
+                    return
+
+    # ------------------------------------------------------------------ the EngineClient protocol
+
+    async def generate(
+        self,
+        seq: int,
+        input_ids: Sequence[int],
+        params: proto.SamplingParams,
+        capture: proto.CaptureOptions,
+        progress: bool = False,
+        cache_reuse: int | None = None,
+    ) -> GenerationStream:
+        """See :meth:`orchestrator.worker.interface.EngineClient.generate`."""
+        msg = proto.Generate(
+            self.new_id(), seq, "generate", list(input_ids), params, capture,
+            progress=progress, window=self.window, cache_reuse=cache_reuse,
+        )  # fmt: skip
+        return await self._open_stream(msg)
+
+    async def preview(
+        self,
+        seq: int | None,
+        input_ids: Sequence[int],
+        append: Sequence[int],
+        params: proto.SamplingParams,
+        capture: proto.CaptureOptions,
+    ) -> GenerationStream:
+        """See :meth:`orchestrator.worker.interface.EngineClient.preview`."""
+        at = -1 if seq is None else seq
+        msg = proto.Generate(
+            self.new_id(), at, "preview", list(input_ids), params, capture, list(append), window=self.window
+        )
+        return await self._open_stream(msg)
+
+    async def cancel(self, req: int) -> None:
+        """Ask the worker to cancel generation ``req`` (no reply; its stream ends with ``Done``)."""
+        await self._send(proto.Cancel(self.new_id(), req))
+
+    async def _seq_tokens(self, msg: proto.SeqRequest) -> list[int]:
+        reply, _ = await self._request(msg, proto.SeqTokens)
+        return reply.tokens
+
+    async def tokens(self, seq: int) -> list[int]:
+        """The tokens whose KV is in ``seq``, in position order."""
+        return await self._seq_tokens(proto.Tokens(self.new_id(), seq))
+
+    async def erase(self, seq: int) -> None:
+        """Drop every cell of ``seq``."""
+        await self._seq_tokens(proto.Erase(self.new_id(), seq))
+
+    async def truncate(self, seq: int, n_keep: int) -> list[int]:
+        """Keep the first ``n_keep`` tokens of ``seq``."""
+        return await self._seq_tokens(proto.Truncate(self.new_id(), seq, n_keep))
+
+    async def fork(self, seq: int, target: int) -> list[int]:
+        """Copy-on-write copy of ``seq`` into ``target``; returns ``target``'s tokens."""
+        return await self._seq_tokens(proto.Fork(self.new_id(), seq, target))
+
+    async def context_shift(self, seq: int, n_keep: int, n_discard: int) -> list[int]:
+        """llama-server's context shift on ``seq``; returns its tokens."""
+        return await self._seq_tokens(proto.ContextShift(self.new_id(), seq, n_keep, n_discard))
+
+    async def save_state(self, seq: int) -> SequenceState:
+        """Tokens and llama.cpp sequence state of ``seq``."""
+        reply, bufs = await self._request(proto.SaveState(self.new_id(), seq), proto.StateBlob)
+        return SequenceState(reply.tokens, reply.state.take(bufs), reply.t_ms)
+
+    def release_state(self, state: proto.Buffer) -> None:
+        """Give the receive buffer of a :meth:`save_state` reply back to the frame reader's pool."""
+        RECEIVE_POOL.give(state)
+
+    async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
+        """Replace ``seq`` from tokens + llama.cpp state bytes; returns the worker's time in ms."""
+        msg = proto.RestoreState(self.new_id(), seq, list(tokens), proto.Tensor.raw(state))
+        reply, _ = await self._request(msg, proto.StateRestored, [state])
+        return reply.t_ms
+
+    async def save_file(self, seq: int, path: str) -> proto.FileSaved:
+        """See :meth:`orchestrator.worker.interface.EngineClient.save_file`."""
+        reply, _ = await self._request(proto.SaveFile(self.new_id(), seq, path), proto.FileSaved)
+        return reply
+
+    async def load_file(self, seq: int, path: str) -> proto.StateRestored:
+        """See :meth:`orchestrator.worker.interface.EngineClient.load_file`."""
+        reply, _ = await self._request(proto.LoadFile(self.new_id(), seq, path), proto.StateRestored)
+        return reply
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> proto.TokenizeResult:
+        """Tokenize through the worker's vocabulary."""
+        reply, _ = await self._request(
+            proto.Tokenize(self.new_id(), text, add_special, parse_special), proto.TokenizeResult
+        )
+        return reply
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """Detokenize (ids already validated)."""
+        reply, _ = await self._request(proto.Detokenize(self.new_id(), list(ids)), proto.DetokenizeResult)
+        return reply.text
+
+    async def classify(self, texts: Sequence[str]) -> Classification:
+        """Raw logits of each text from a classifier worker."""
+        reply, bufs = await self._request(proto.Classify(self.new_id(), list(texts)), proto.Classified)
+        logits = reply.logits
+        if logits.dtype != "float32" or len(logits.shape) != 2 or logits.shape[0] != len(texts):
+            raise EngineRequestError(ErrorCode.INTERNAL, f"classifier logits {logits} for {len(texts)} texts")
+        return Classification(reply.n_tokens, logits.shape[1], bytes(logits.take(bufs)))
+
+    async def check_sampling(self, params: proto.SamplingParams) -> None:
+        """See :meth:`orchestrator.worker.interface.EngineClient.check_sampling`."""
+        await self._request(proto.CheckSampling(self.new_id(), params), proto.SamplingChecked)
+
+    async def engine_state(self) -> proto.EngineState:
+        """Which sequences are generating."""
+        reply, _ = await self._request(proto.Status(self.new_id()), proto.EngineState)
+        return reply
+
+
+def token_output(msg: proto.Token, bufs: list[bytearray]) -> TokenOutput:
+    """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
+    attention = msg.attention.take(bufs) if msg.attention is not None else None
+    hidden = msg.hidden.take(bufs) if msg.hidden is not None else None
+    return TokenOutput(msg, attention, hidden)  # type: ignore[arg-type]
