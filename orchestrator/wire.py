@@ -13,7 +13,7 @@ import base64
 from typing import Any
 
 from engine.protocol import Progress
-from orchestrator.generation.service import DoneOut, TokenOut
+from orchestrator.generation.events import DoneOut, TokenOut
 
 KOBOLD_FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "abort"}
 
@@ -91,15 +91,15 @@ def done_event(d: DoneOut, request_id: str | None) -> dict[str, Any]:
     ev: dict[str, Any] = {
         "type": "done",
         "request_id": request_id,
-        "finish_reason": d.done.finish_reason,
-        "total_tokens": d.done.n_generated,
+        "finish_reason": d.finish_reason,
+        "total_tokens": d.n_generated,
         "generation_time_ms": round(d.generation_time_ms, 3),
-        "prompt_tokens": d.done.n_prompt,
-        "cached_tokens": d.done.n_cached,
+        "prompt_tokens": d.n_prompt,
+        "cached_tokens": d.n_cached,
         "slot_id": slot_id_out(d.slot_id),
     }
-    if d.done.stop_string:
-        ev["stop_string"] = d.done.stop_string
+    if d.stop_string:
+        ev["stop_string"] = d.stop_string
     return ev
 
 
@@ -124,7 +124,7 @@ def kobold_token_event(text: str) -> dict[str, Any]:
 
 def kobold_done_event(d: DoneOut) -> dict[str, Any]:
     """KoboldCpp SSE final event."""
-    return {"token": "", "finish_reason": KOBOLD_FINISH.get(d.done.finish_reason, d.done.finish_reason)}
+    return {"token": "", "finish_reason": KOBOLD_FINISH.get(d.finish_reason, d.finish_reason)}
 
 
 def sse_attention_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str) -> dict[str, Any]:

@@ -16,13 +16,14 @@ import pytest
 from litestar.routes import WebSocketRoute
 
 from engine.errors import ErrorCode
-from orchestrator import schemas
-from orchestrator.api.kobold import routes as kobold
-from orchestrator.api.llama_server import routes as llama_server
-from orchestrator.api.openai import routes as openai
+from orchestrator.api.kobold import protocol as kobold
+from orchestrator.api.llama_server import protocol as llama_server
+from orchestrator.api.native import protocol as native
+from orchestrator.api.openai import protocol as openai
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
 from orchestrator.config import Settings
+from orchestrator.generation import request as generation
 from orchestrator.web.errors import STATUS_OF_CODE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,15 +123,15 @@ def test_every_error_code_is_documented(api_doc: str) -> None:
 
 
 REQUEST_BODIES = [
-    schemas.GenerateRequest,
-    schemas.TokenizeRequest,
-    schemas.DetokenizeRequest,
-    schemas.PreviewRequest,
-    schemas.AppendToken,
-    schemas.ContextShiftRequest,
-    schemas.SlotFileRequest,
-    schemas.ForkRequest,
-    schemas.RestoreStateRequest,
+    native.GenerateRequest,
+    native.TokenizeRequest,
+    native.DetokenizeRequest,
+    generation.PreviewRequest,
+    generation.AppendToken,
+    llama_server.ContextShiftRequest,
+    llama_server.SlotFileRequest,
+    llama_server.ForkRequest,
+    llama_server.RestoreStateRequest,
     openai.ChatCompletionRequest,
     openai.CompletionRequest,
     openai.StreamOptions,

@@ -34,11 +34,11 @@ from litestar.response import ServerSentEvent
 from engine.errors import ErrorCode
 from orchestrator.admin.feed import AttentionRow
 from orchestrator.admin.view import AdminView, SlotView
-from orchestrator.api.native.generate import JsonEvent
-from orchestrator.responses import SlotMessages, event_stream
+from orchestrator.api.native.protocol import SlotMessages
 from orchestrator.services import Services
 from orchestrator.web.auth import require_admin
 from orchestrator.web.errors import ERROR_RESPONSES, ApiError, report, route_of
+from orchestrator.web.sse import JsonEvent, event_stream
 
 LISTING_EVERY_S = 1.0  # the slot listing is looked at once a second, pushed only when it changed
 _json = msgspec.json.Encoder()

@@ -16,12 +16,12 @@ from typing import Any
 
 import msgspec
 from litestar import Request
-from litestar.response import Stream
 
 from engine.errors import ErrorCode
 from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.generation.service import DoneOut, RunControl, Started, TokenOut
-from orchestrator.schemas import CanonicalRequest
+from orchestrator.generation.events import DoneOut, Started, TokenOut
+from orchestrator.generation.request import CanonicalRequest
+from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
 
@@ -29,29 +29,6 @@ _json = msgspec.json.Encoder()
 
 COMPAT_ERRORS = exception_handlers(compat_error_body)
 """Litestar exception handlers for the OpenAI and llama-server paths (errors in their shape)."""
-
-
-def sse_data(obj: Any) -> bytes:
-    """``data: {json}\\n\\n``: one event as OpenAI and llama-server frame it."""
-    return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class EventStream(Stream):
-    """A ``text/event-stream`` response from a handler that may also answer JSON.
-
-    Litestar gives the route's media type (JSON, for a handler returning ``dict | Stream``)
-    precedence over the response's own; this keeps the stream's.
-    """
-
-    def __init__(self, content: Any) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
-
-    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs["media_type"] = self.media_type
-        return super().to_asgi_response(*args, **kwargs)
 
 
 @dataclass

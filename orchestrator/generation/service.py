@@ -7,10 +7,8 @@ one way: handler -> slot registry -> engine client -> worker -> events back.
 
 from __future__ import annotations
 
-import codecs
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 import structlog
 
@@ -18,61 +16,14 @@ from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admin.feed import AttentionFeed
-from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
+from orchestrator.generation.events import DoneOut, PreviewStarted, ProgressOut, Started, TokenOut, TokenStream
+from orchestrator.generation.request import AppendToken, CanonicalRequest, PreviewRequest
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.web.errors import ApiError
-from orchestrator.worker.interface import EngineClient, EngineEvent, EngineRequestError, GenerationStream, TokenOutput
+from orchestrator.worker.interface import EngineClient, EngineRequestError, GenerationStream
 
 log = structlog.get_logger("slotserve.generate")
-
-
-@dataclass
-class TokenOut:
-    """One generated token as the wire encoders need it.
-
-    ``text`` is the token's text from an incremental UTF-8 decoder over the stream
-    (a piece that ends mid-character yields ``""`` and the character comes with the
-    next token, so concatenating ``text`` is always the exact output); ``piece`` are
-    the raw bytes.  ``attention`` is raw little-endian ``dtype`` bytes of ``shape``.
-    """
-
-    index: int
-    token_id: int
-    piece: bytes
-    text: str
-    logprob: float | None
-    top: list[tuple[int, float]]
-    attention: bytes | None
-    attention_shape: list[int]
-    hidden: bytes | None
-    is_stop: bool
-
-
-@dataclass
-class Started:
-    """First item of every run: the request is valid, the slot is held, the worker has it."""
-
-    slot_id: str
-
-
-@dataclass
-class PreviewStarted:
-    """First item of a preview: ``cache_hit`` says it runs on a fork of ``slot_id``'s cached
-    context (else on a scratch sequence from the request's ``input_ids``)."""
-
-    cache_hit: bool
-    slot_id: str
-
-
-@dataclass
-class DoneOut:
-    """End of a generation (``finish_reason``: length, stop_token, stop_string, cancelled)."""
-
-    done: proto.Done
-    text: str = ""
-    generation_time_ms: float = 0.0
-    slot_id: str = "0"
 
 
 def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -152,39 +103,6 @@ def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto
         layers=layers,
         hidden_state=req.hidden_state,
     )
-
-
-class TokenStream:
-    """Turns engine ``Token`` events into :class:`TokenOut` (incremental UTF-8 text)."""
-
-    def __init__(self, stop_ids: set[int]) -> None:
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.stop_ids = stop_ids
-
-    async def events(self, stream: AsyncIterator[EngineEvent]) -> AsyncIterator[TokenOut | proto.Progress | proto.Done]:
-        """The engine's events of one request (a :class:`orchestrator.worker.interface.GenerationStream`):
-        each token as a :class:`TokenOut` (:meth:`convert`), ``Progress`` and the final ``Done`` as they come."""
-        async for event in stream:
-            if isinstance(event, TokenOutput):
-                yield self.convert(event)
-            else:
-                yield event
-
-    def convert(self, out: TokenOutput) -> TokenOut:
-        """Attach the token's text."""
-        msg = out.token
-        return TokenOut(
-            index=msg.index,
-            token_id=msg.token_id,
-            piece=msg.piece,
-            text=self.decoder.decode(msg.piece),
-            logprob=msg.logprob,
-            top=list(msg.top),
-            attention=out.attention,
-            attention_shape=list(msg.attention.shape) if msg.attention is not None else [],
-            hidden=out.hidden,
-            is_stop=msg.token_id in self.stop_ids,
-        )
 
 
 class RunControl:
@@ -284,7 +202,7 @@ class GenerationService:
 
     async def run(
         self, req: CanonicalRequest, control: RunControl | None = None
-    ) -> AsyncGenerator[Started | TokenOut | proto.Progress | DoneOut, None]:
+    ) -> AsyncGenerator[Started | TokenOut | ProgressOut | DoneOut, None]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
         With ``req.progress``, ``engine.protocol.Progress`` events come before the first
@@ -330,7 +248,7 @@ class GenerationService:
                         self.registry.generated(slot, len(ids) + n_out)  # live count; the worker's at Done
                         self.feed.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
                         yield out
-                    elif isinstance(event, proto.Progress):
+                    elif isinstance(event, ProgressOut):
                         yield event
                     elif isinstance(event, proto.Done):
                         finished = True
@@ -351,7 +269,7 @@ class GenerationService:
                             await self.registry.commit_turn(slot)
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
-                        yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)
+                        yield DoneOut.of(event, text, (time.perf_counter() - t0) * 1000, slot.id)
             except EngineRequestError as exc:
                 refused = exc.refused and not took
                 raise
@@ -432,6 +350,6 @@ class GenerationService:
                         cache_hit=cache_hit,
                     )
                     text = "".join(texts) + converter.decoder.decode(b"", final=True)
-                    yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot_id)
+                    yield DoneOut.of(event, text, (time.perf_counter() - t0) * 1000, slot_id)
         finally:
             await events.aclose()  # type: ignore[attr-defined]

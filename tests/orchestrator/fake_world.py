@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from orchestrator.generation.service import DoneOut, GenerationService, RunControl
-from orchestrator.schemas import CanonicalRequest
+from orchestrator.generation.events import DoneOut
+from orchestrator.generation.request import CanonicalRequest
+from orchestrator.generation.service import GenerationService, RunControl
 from orchestrator.slots.admission import AdmissionQueue
 from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.persistence import SlotArchive

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from orchestrator.admin.feed import QUEUE_ROWS, AttentionFeed, reduce_row
-from orchestrator.generation.service import TokenOut
+from orchestrator.generation.events import TokenOut
 
 L, H, N = 3, 2, 5
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.api.llama_server.slots import ACTIONS, SlotAction
+from orchestrator.api.llama_server.protocol import SlotAction
+from orchestrator.api.llama_server.slots import ACTIONS
 from orchestrator.app import build_services, create_app
 from orchestrator.config import Settings
 

@@ -52,7 +52,7 @@ async def test_a_node_that_was_refused_a_slot_takes_the_stored_state_when_it_get
             assert await b.registry.tokens(slot) == a_tokens, "b serves a's state, not an empty slot"
         follow = [*a_tokens, 9]
         done = await b.gen("p", follow, n=3)
-        assert done.done.n_cached == len(a_tokens), "restored from the store, not re-prefilled"
+        assert done.n_cached == len(a_tokens), "restored from the store, not re-prefilled"
         await b.registry.flush(wait_for_locks=True)
         after = await b.archive.lookup("p")
         assert after is not None and after.generation > first.generation
@@ -89,7 +89,7 @@ async def test_a_write_from_a_node_past_its_lease_is_refused_and_its_copy_droppe
             await b.registry.park(held)
         follow = [*b_tokens, 3]
         done = await a.gen("p", follow, n=2)
-        assert done.done.n_cached == len(b_tokens), "a restored b's state, not its own stale one"
+        assert done.n_cached == len(b_tokens), "a restored b's state, not its own stale one"
         assert a.seq_tokens("p") == [*follow, *greedy(follow, 2)]
     finally:
         await b.registry.shutdown()

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from engine import protocol as proto
-from orchestrator.generation.service import DoneOut, RunControl, TokenOut
+from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.generation.service import RunControl
 from orchestrator.web.errors import ApiError
 from tests.orchestrator.fake_engine import FakeEngine, state_blob
 from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, request, saved, wait_for
@@ -92,9 +93,9 @@ async def test_a_parked_slot_is_restored_not_reprefilled(world: World) -> None:
     world.engine.calls.clear()
     t2 = await world.gen("p", follow, n=5)
     assert world.engine.count("restore") == 1
-    assert t2.done.n_cached == len(follow) - 2, "the restored state is reused, only the new tokens prefilled"
+    assert t2.n_cached == len(follow) - 2, "the restored state is reused, only the new tokens prefilled"
     assert world.seq_tokens("p") == follow + greedy(follow, 5)
-    assert t1.done.finish_reason == t2.done.finish_reason == "length"
+    assert t1.finish_reason == t2.finish_reason == "length"
 
 
 async def test_after_a_worker_restart_slots_come_back_from_the_store(world: World) -> None:
@@ -121,11 +122,11 @@ async def test_a_queued_request_gets_the_sequence_of_the_next_slot_to_finish(tmp
             positions.append(position)
 
         second = await w.gen("two", PROMPT, n=2, control=RunControl(on_queued))
-        assert first.done() and (await first).done.n_generated == 20, "the first ran to its end"
+        assert first.done() and (await first).n_generated == 20, "the first ran to its end"
         assert positions == [1], "the second waited first in line"
         one = w.registry.slots["one"]
         assert one.place == "parked" and one.stored, "the finishing slot was parked for the queued one"
-        assert w.registry.slots["two"].place == "resident" and second.done.n_generated == 2
+        assert w.registry.slots["two"].place == "resident" and second.n_generated == 2
         meta = await w.archive.lookup("one")
         assert meta is not None and meta.tokens == PROMPT + greedy(PROMPT, 20)
     finally:
@@ -182,8 +183,8 @@ async def test_a_busy_slot_refuses_a_second_request_and_a_waiter_gets_it_after(t
         assert refused.value.extra["slot_id"] == "busy"
         second = await w.gen("busy", PROMPT, n=2, wait=True)  # waits for the first
         assert first.done()
-        assert (await first).done.n_generated == 10
-        assert second.done.n_cached == len(PROMPT) - 1
+        assert (await first).n_generated == 10
+        assert second.n_cached == len(PROMPT) - 1
     finally:
         await w.registry.shutdown()
 
@@ -203,7 +204,7 @@ async def test_a_slot_leased_by_another_node_is_refused_with_owner_and_retry_aft
         async with a.registry.use("shared", resident=False) as slot:
             await a.registry.park(slot)  # parking hands the conversation on
         done = await b.gen("shared", a_tokens := [*a.engine.seqs[0], 4], n=3)
-        assert done.done.n_cached == len(a_tokens) - 1, "node b restored node a's state"
+        assert done.n_cached == len(a_tokens) - 1, "node b restored node a's state"
     finally:
         await b.registry.shutdown()
         await a.registry.shutdown()
@@ -226,16 +227,16 @@ async def test_a_generation_cancelled_midway_leaves_the_slot_consistent(tmp_path
                     await control.cancel()
             elif isinstance(ev, DoneOut):
                 done = ev
-        assert done is not None and done.done.finish_reason == "cancelled"
+        assert done is not None and done.finish_reason == "cancelled"
         slot = w.registry.slots["c"]
         assert not slot.busy and not slot.lock.locked()
-        assert slot.n_tokens == len(w.seq_tokens("c")) == done.done.seq_tokens
+        assert slot.n_tokens == len(w.seq_tokens("c")) == done.seq_tokens
         assert w.seq_tokens("c") == PROMPT + greedy(PROMPT, len(w.seq_tokens("c")) - len(PROMPT))
         await saved(w, "c")
         meta = await w.archive.lookup("c")
         assert meta is not None and meta.tokens == w.seq_tokens("c")
         nxt = await w.gen("c", [*w.seq_tokens("c"), 1], n=2)  # the slot serves the next turn
-        assert nxt.done.finish_reason == "length"
+        assert nxt.finish_reason == "length"
     finally:
         await w.registry.shutdown()
 
@@ -333,7 +334,7 @@ async def test_a_store_outage_is_one_clear_error_and_the_write_behind_catches_up
         await saved(w, "up")
         store.down = True
         done = await w.gen("up", [*w.seq_tokens("up"), 6], n=3)  # resident, lease held: it still generates
-        assert done.done.n_generated == 3
+        assert done.n_generated == 3
         with pytest.raises(ApiError) as refused:
             await w.gen("elsewhere", PROMPT)  # needs the store (is it stored? its lease?)
         assert refused.value.code == "STORE_UNAVAILABLE" and refused.value.status == 503

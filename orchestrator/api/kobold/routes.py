@@ -26,25 +26,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import structlog
 from litestar import Controller, Request, get, post
 from litestar.datastructures import State
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from orchestrator.compat_responses import (
+from orchestrator.api.kobold.protocol import (
+    GenkeyBody,
     KoboldAbort,
     KoboldPending,
     KoboldPerf,
+    KoboldResult,
     KoboldResultValue,
     KoboldTokenCount,
     KoboldValue,
     KoboldVersion,
+    TokenCountBody,
 )
+from orchestrator.api.native.protocol import GenerateRequest
+from orchestrator.generation.events import DoneOut
+from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
-from orchestrator.responses import KoboldResult
-from orchestrator.schemas import CanonicalRequest, GenerateRequest
 from orchestrator.services import Services
 from orchestrator.web.body import decode_json_body
 from orchestrator.web.errors import ERROR_RESPONSES, ApiError
@@ -85,7 +88,7 @@ class KoboldJobs:
     """Running generations by ``genkey`` and KoboldCpp's ``perf`` figures (one per app)."""
 
     running: dict[str, list[Job]] = field(default_factory=dict)
-    last: proto.Done | None = None
+    last: DoneOut | None = None
     last_seed: int = -1
     total_gens: int = 0
     started: float = field(default_factory=time.time)
@@ -106,7 +109,7 @@ class KoboldJobs:
             if not jobs:
                 del self.running[key]
 
-    def finished(self, done: proto.Done, seed: int) -> None:
+    def finished(self, done: DoneOut, seed: int) -> None:
         """Record a finished generation for ``/api/extra/perf``."""
         self.last, self.last_seed = done, seed
         self.total_gens += 1
@@ -119,19 +122,6 @@ def jobs_of(state: State) -> KoboldJobs:
     if jobs is None:
         jobs = state["kobold_jobs"] = KoboldJobs()
     return jobs  # type: ignore[no-any-return]
-
-
-class GenkeyBody(msgspec.Struct, kw_only=True):
-    """``{"genkey": "KCPP1234"}`` of abort and generate/check (optional)."""
-
-    genkey: str = ""
-
-
-class TokenCountBody(msgspec.Struct, kw_only=True):
-    """``POST /api/extra/tokencount``: ``prompt`` and whether to add special tokens."""
-
-    prompt: str = ""
-    special: bool = True
 
 
 def _warn_unsupported(data: GenerateRequest, raw: dict[str, Any]) -> None:

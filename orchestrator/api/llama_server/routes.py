@@ -14,7 +14,7 @@ llama-server would pick another idle slot.  ``cache_prompt: false`` empties the 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import structlog
@@ -22,39 +22,22 @@ from litestar import Controller, Request, get, post
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from orchestrator.api.compat import (
-    COMPAT_ERRORS,
-    EventStream,
-    collect,
-    one_prompt,
-    piece_text,
-    prompt_ids,
-    remaining,
-    sse_data,
-    started_run,
-)
+from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
+from orchestrator.api.llama_server.protocol import CompletionBody, DefaultSettings, LlamaCompletion, Modalities, Props
 from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.compat_responses import DefaultSettings, LlamaCompletion, Modalities, Props, streamable
-from orchestrator.generation.service import DoneOut, TokenOut, sampling_params
-from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.schemas import (
-    INT32_MAX,
+from orchestrator.api.native.protocol import GenerateRequest
+from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.generation.request import (
     CanonicalRequest,
-    Float32,
-    GenerateRequest,
-    NonNegFloat32,
-    NProbs,
-    Probability,
-    RepeatLastN,
-    SamplerFields,
-    Seed,
-    TopK,
 )
+from orchestrator.generation.service import sampling_params
+from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.operations import SlotOps
 from orchestrator.slots.registry import Slot
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
+from orchestrator.web.sse import EventStream, sse_data, streamable
 from orchestrator.wire import slot_id_out
 
 log = structlog.get_logger("slotserve.llama_server")
@@ -63,32 +46,6 @@ STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "can
 DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
 # llama-server's default sampler order, its ``samplers`` names (engine/sampling.py builds the chain so)
 SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
-
-
-NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
-
-
-class CompletionBody(SamplerFields, kw_only=True):
-    """``POST /completion`` (llama-server README, "POST /completion": options; the further samplers,
-    ``grammar`` and ``json_schema`` in :class:`orchestrator.schemas.SamplerFields`)."""
-
-    prompt: str | list[int | str]
-    n_predict: NPredict | None = None  # None: the server's --n-predict
-    stream: bool = False
-    cache_prompt: bool = True
-    id_slot: int | str = -1
-    n_probs: NProbs = 0
-    temperature: Float32 | None = None
-    top_k: TopK | None = None
-    top_p: Probability | None = None
-    min_p: Probability | None = None
-    repeat_penalty: NonNegFloat32 | None = None
-    repeat_last_n: RepeatLastN | None = None
-    seed: Seed | None = None
-    stop: list[str] | None = None
-    ignore_eos: bool = False
-    return_tokens: bool = False
-    post_sampling_probs: bool = False
 
 
 def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dict[str, Any]:
@@ -161,7 +118,7 @@ def check_slot_number(slot_id: str) -> None:
         raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
 
 
-def _timings(d: proto.Done) -> dict[str, Any]:
+def _timings(d: DoneOut) -> dict[str, Any]:
     def rate(n: int, ms: float) -> tuple[float, float]:
         return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
 
@@ -218,7 +175,7 @@ class Completion:
 
     def final(self, text: str, tokens: list[TokenOut], done: DoneOut, prompt: str) -> dict[str, Any]:
         """The last (or only) response (``stop: true``, ``timings``)."""
-        d = done.done
+        d = done
         out: dict[str, Any] = {
             "index": 0,
             "content": text,
@@ -328,7 +285,7 @@ class LlamaServerController(Controller):
                 got = await collect(services, c.req, request, control)
                 kept = [t for t in got.tokens if not t.is_stop]
                 filt = StopTextFilter(stops)
-                text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
+                text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
                 final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
                 return msgspec.convert(final, LlamaCompletion)
             run = await started_run(services, c.req, request, control)
@@ -347,7 +304,7 @@ class LlamaServerController(Controller):
                             yield sse_data(c.partial(text, pending, n))
                             pending = []
                     elif isinstance(ev, DoneOut):
-                        rest = filt.finish(ev.done.stop_string)
+                        rest = filt.finish(ev.stop_string)
                         if rest or pending:
                             yield sse_data(c.partial(rest, pending, n))
                         yield sse_data(c.final("", [], ev, ""))

@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import msgspec
@@ -26,26 +25,30 @@ from litestar.params import Parameter
 from engine.errors import ErrorCode
 from engine.framing import Buffer
 from orchestrator.api.compat import COMPAT_ERRORS
-from orchestrator.api.llama_server.routes import check_slot_number, slot_task_fields
-from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.generation.service import RunControl
-from orchestrator.responses import (
+from orchestrator.api.llama_server.protocol import (
+    ContextShiftRequest,
     ContextShiftResponse,
     EraseResponse,
+    ForkRequest,
     ForkResponse,
-    MessageSpan,
     RestoreFileResponse,
+    RestoreStateRequest,
     RestoreStateResponse,
     RestoreTimings,
     SaveFileResponse,
     SaveStateResponse,
     SaveTimings,
+    SlotAction,
     SlotActionResponse,
     SlotEntry,
+    SlotFileRequest,
     SlotInfo,
     TokensResponse,
 )
-from orchestrator.schemas import ContextShiftRequest, ForkRequest, RestoreStateRequest, SlotFileRequest
+from orchestrator.api.llama_server.routes import check_slot_number, slot_task_fields
+from orchestrator.api.native.generate import cancelled_on_disconnect
+from orchestrator.api.native.protocol import MessageSpan
+from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.slots.operations import FileResult, SlotOps, message_boundaries
 from orchestrator.slots.registry import Slot, check_slot_id
@@ -58,19 +61,6 @@ from orchestrator.wire import slot_id_out
 
 OCTET = "application/octet-stream"
 MAX_STATE_BYTES = 4 << 30
-
-
-class SlotAction(StrEnum):
-    """The ``action`` of ``POST /slots/{id}`` (llama-server's, plus ``fork``)."""
-
-    SAVE_STATE = "save-state"
-    RESTORE_STATE = "restore-state"
-    TOKENS = "tokens"
-    CONTEXT_SHIFT = "context-shift"
-    SAVE = "save"
-    RESTORE = "restore"
-    ERASE = "erase"
-    FORK = "fork"
 
 
 READ_ONLY_ACTIONS = (SlotAction.SAVE_STATE, SlotAction.TOKENS)  # every other action changes a slot: admin key

@@ -15,48 +15,16 @@ one the endpoints answer 400 ``NO_MODEL``.
 
 from __future__ import annotations
 
-from typing import Any
-
-import msgspec
 import numpy as np
 from litestar import post
 
 from engine.errors import ErrorCode
+from orchestrator.api.native.protocol import ClassifyRequest, ClassifyResponse, ClassifyUsage, Prediction
 from orchestrator.services import Services
 from orchestrator.web.body import json_route
 from orchestrator.web.errors import ApiError
 
 MAX_INPUTS = 64  # inputs per request (TEI's --max-client-batch-size is 32 by default)
-
-
-class ClassifyRequest(msgspec.Struct, kw_only=True):
-    """TEI input: one text or a list of texts."""
-
-    inputs: str | list[str]
-
-
-class Prediction(msgspec.Struct):
-    """One label's raw logit."""
-
-    label: str
-    score: float
-
-
-class ClassifyUsage(msgspec.Struct):
-    """Tokens the classifier read (all inputs, special tokens included)."""
-
-    prompt_tokens: int
-    total_tokens: int
-
-
-class ClassifyResponse(msgspec.Struct):
-    """Predictions, best first: ``list[Prediction]`` for a string input, ``list[list[Prediction]]``
-    (one list per input, in order) for a list input (msgspec cannot type that union)."""
-
-    model: str
-    usage: ClassifyUsage
-    predictions: list[Any]
-    object: str = "list"
 
 
 def ranked(labels: list[str], logits: np.ndarray) -> list[Prediction]:

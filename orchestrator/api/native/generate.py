@@ -17,31 +17,17 @@ from litestar.response.sse import ServerSentEventMessage
 from engine.protocol import Progress
 from orchestrator import wire
 from orchestrator.api.kobold import routes as kobold
-from orchestrator.generation.service import DoneOut, RunControl, Started, TokenOut
+from orchestrator.api.native.protocol import GenerateRequest, GenerateResponse
+from orchestrator.generation.events import DoneOut, Started, TokenOut
+from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter, trim_stop
-from orchestrator.responses import GenerateResponse, event_stream
-from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
 from orchestrator.web.body import json_route
 from orchestrator.web.errors import report, route_of
+from orchestrator.web.sse import JsonEvent, QueuedComment, event_stream
 
 log = structlog.get_logger("slotserve.api")
 _json = msgspec.json.Encoder()
-
-
-class JsonEvent(ServerSentEventMessage):
-    """A seed-001 event, framed like KoboldCpp: ``event: message\\ndata: {json}\\n\\n``.
-
-    ``data`` is one line of JSON bytes (msgspec escapes every line break inside strings),
-    so the frame is joined directly.  Litestar's own ``encode`` splits ``data`` on line
-    breaks with a regex and copies it through a StringIO and a UTF-8 encode, which took
-    over half of the orchestrator's time for 760 KB attention events (py-spy, 500-token
-    context); the frame it would build is the same.
-    """
-
-    def encode(self) -> bytes:
-        assert isinstance(self.data, bytes)
-        return b"".join((b"event: message\ndata: ", self.data, b"\n\n"))
 
 
 def _sse(obj: dict[str, Any]) -> JsonEvent:
@@ -55,14 +41,6 @@ async def _raw_body(request: Request[Any, Any, Any]) -> dict[str, Any]:
     except msgspec.DecodeError:
         return {}
     return raw if isinstance(raw, dict) else {}
-
-
-class QueuedComment(ServerSentEventMessage):
-    """``: queued position N``: an SSE comment line (ignored by EventSource clients) sent while
-    the request waits for a free engine sequence (1 = next; :mod:`orchestrator.slots.admission`)."""
-
-    def encode(self) -> bytes:
-        return f": {self.comment}\n\n".encode()
 
 
 async def _queued_comments(first: asyncio.Future[Any], positions: asyncio.Queue[int]) -> AsyncIterator[QueuedComment]:
@@ -141,14 +119,14 @@ class GenerateController(Controller):
                             attention.append(entry)
                     elif isinstance(ev, DoneOut):
                         done = ev
-                        jobs.finished(ev.done, req.seed)
+                        jobs.finished(ev, req.seed)
         assert done is not None
         body = wire.done_event(done, req.request_id)
-        kobold_text = trim_stop(done.text, done.done.stop_string) if data.trim_stop else done.text
+        kobold_text = trim_stop(done.text, done.stop_string) if data.trim_stop else done.text
         body.update(
             generated_tokens=tokens,
             generated_text=done.text,
-            results=[{"text": kobold_text, "finish_reason": wire.KOBOLD_FINISH.get(done.done.finish_reason)}],
+            results=[{"text": kobold_text, "finish_reason": wire.KOBOLD_FINISH.get(done.finish_reason)}],
         )
         if req.attention:
             body["attention_data"] = attention
@@ -200,11 +178,11 @@ class GenerateController(Controller):
                         yield comment
                     async for ev in run:
                         if isinstance(ev, DoneOut):
-                            jobs.finished(ev.done, req.seed)
+                            jobs.finished(ev, req.seed)
                             if req.attention:
                                 yield _sse(wire.done_event(ev, req.request_id))
                                 return
-                            rest = filt.finish(ev.done.stop_string)
+                            rest = filt.finish(ev.stop_string)
                             if rest:
                                 yield _sse(wire.kobold_token_event(rest))
                             yield _sse(wire.kobold_done_event(ev))

@@ -8,7 +8,7 @@ from litestar.openapi import ResponseSpec
 from litestar.plugins.prometheus import PrometheusController
 
 from engine.errors import ErrorCode
-from orchestrator.responses import HealthError, HealthResponse
+from orchestrator.api.native.protocol import HealthError, HealthResponse
 from orchestrator.services import Services
 
 

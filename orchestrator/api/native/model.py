@@ -9,17 +9,18 @@ from litestar import Controller, get, post
 
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS
-from orchestrator.generation.service import check_tokens
-from orchestrator.responses import (
+from orchestrator.api.native.protocol import (
+    DetokenizeRequest,
     DetokenizeResponse,
     LlamaDetokenizeResponse,
     LlamaTokenizeResponse,
     ModelResponse,
+    TokenizeRequest,
     TokenizeResponse,
     TokenPiece,
     TokenText,
 )
-from orchestrator.schemas import DetokenizeRequest, TokenizeRequest
+from orchestrator.generation.service import check_tokens
 from orchestrator.services import Services
 from orchestrator.web.body import json_route
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ERROR_RESPONSES, ApiError

@@ -12,9 +12,15 @@ from typing import Any
 from litestar import Controller, Request, post
 
 from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.generation.service import DoneOut, PreviewStarted, TokenOut
-from orchestrator.responses import PreviewResponse, TokenAttention, TokenText, token_attention, token_text
-from orchestrator.schemas import PreviewRequest
+from orchestrator.api.native.protocol import (
+    PreviewResponse,
+    TokenAttention,
+    TokenText,
+    token_attention,
+    token_text,
+)
+from orchestrator.generation.events import DoneOut, PreviewStarted, TokenOut
+from orchestrator.generation.request import PreviewRequest
 from orchestrator.services import Services
 from orchestrator.web.body import json_route
 from orchestrator.wire import slot_id_out
@@ -54,11 +60,11 @@ class PreviewController(Controller):
             text=end.text,
             tokens=tokens,
             token_count=len(tokens),
-            stopped_reason=STOPPED.get(end.done.finish_reason, end.done.finish_reason),
+            stopped_reason=STOPPED.get(end.finish_reason, end.finish_reason),
             cache_hit=started.cache_hit,
             generation_time_ms=round(end.generation_time_ms, 3),
-            n_prefilled=end.done.n_prefilled,
-            n_cached=end.done.n_cached,
+            n_prefilled=end.n_prefilled,
+            n_cached=end.n_cached,
             slot_id=slot_id_out(started.slot_id) if started.cache_hit else None,
             **({"attention_data": attention} if data.output_attentions else {}),
         )

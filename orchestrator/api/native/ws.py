@@ -36,8 +36,10 @@ from litestar.exceptions import WebSocketDisconnect
 from engine.errors import ErrorCode
 from engine.protocol import Progress
 from orchestrator import wire
-from orchestrator.generation.service import DoneOut, RunControl, TokenOut
-from orchestrator.schemas import CanonicalRequest, GenerateRequest
+from orchestrator.api.native.protocol import GenerateRequest
+from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.generation.request import CanonicalRequest
+from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.web.body import decode_json_body
 from orchestrator.web.errors import ApiError, report, route_of

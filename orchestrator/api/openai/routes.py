@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -29,122 +29,31 @@ from litestar import Controller, Request, get, post
 
 from engine.errors import ErrorCode
 from orchestrator import wire
-from orchestrator.api.compat import (
-    COMPAT_ERRORS,
-    EventStream,
-    collect,
-    one_prompt,
-    piece_text,
-    prompt_ids,
-    remaining,
-    sse_data,
-    started_run,
+from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
+from orchestrator.api.native.protocol import GenerateRequest
+from orchestrator.api.openai.protocol import (
+    MAX_TOP_LOGPROBS,
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ModelMeta,
+    OpenAIRequest,
+    TextCompletion,
 )
-from orchestrator.compat_responses import ChatCompletion, ModelCard, ModelList, ModelMeta, TextCompletion, streamable
 from orchestrator.generation.chat_template import ChatTemplate
-from orchestrator.generation.service import DoneOut, TokenOut
-from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.schemas import (
-    AttentionDtype,
-    AttentionFormat,
+from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.generation.request import (
     CanonicalRequest,
-    Float32,
-    GenerateRequest,
-    NonNegFloat32,
-    Probability,
-    SamplerFields,
-    Seed,
-    TokenCount,
-    TopK,
 )
+from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
+from orchestrator.web.sse import EventStream, sse_data, streamable
 
 log = structlog.get_logger("slotserve.openai")
 T = TypeVar("T")
-MAX_TOP_LOGPROBS = 20
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    """``stream_options``: ``include_usage`` adds a last chunk with ``usage``."""
-
-    include_usage: bool = False
-
-
-class AttentionOption(msgspec.Struct, kw_only=True):
-    """slotserve extension: attention per generated token (see docs/api.md, "Attention")."""
-
-    format: AttentionFormat = "aggregated"
-    dtype: AttentionDtype = "float32"
-    layers: list[int] | None = None
-
-
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    """``response_format.json_schema``: the schema the output must match (``name``/``strict`` are not used)."""
-
-    name: str | None = None
-    description: str | None = None
-    schema: dict[str, Any] = {}
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object; llama-server also takes a
-    ``schema`` here) or ``json_schema``; turned into a grammar as llama-server does (``json_schema``)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-    schema: dict[str, Any] | None = None
-
-    def schema_json(self) -> dict[str, Any] | None:
-        """The JSON schema to constrain the output with (``{}``: any object), or None for ``text``."""
-        if self.type == "json_schema":
-            if self.json_schema is None:
-                raise ApiError(ErrorCode.INVALID_REQUEST, 'response_format of type "json_schema" needs json_schema')
-            return self.json_schema.schema
-        return (self.schema or {}) if self.type == "json_object" else None
-
-
-class OpenAIRequest(SamplerFields, kw_only=True):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (plus llama-server's extras,
-    :class:`orchestrator.schemas.SamplerFields`, as llama-server takes them on these routes too)."""
-
-    model: str | None = None
-    max_tokens: TokenCount | None = None
-    max_completion_tokens: TokenCount | None = None
-    temperature: Float32 | None = None
-    top_p: Probability | None = None
-    n: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: Seed | None = None
-    response_format: ResponseFormat | None = None
-    user: str | None = None
-    slot_id: str | int | None = None
-    attention: AttentionOption | None = None
-    top_k: TopK | None = None
-    min_p: Probability | None = None
-    repeat_penalty: NonNegFloat32 | None = None
-    ignore_eos: bool = False
-
-
-class ChatCompletionRequest(OpenAIRequest, kw_only=True):
-    """``POST /v1/chat/completions``."""
-
-    messages: list[dict[str, Any]]
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-class CompletionRequest(OpenAIRequest, kw_only=True):
-    """``POST /v1/completions`` (``logprobs`` is the legacy count of top alternatives, 0..5)."""
-
-    prompt: str | list[int | str]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
 
 
 FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "stop"}
@@ -225,7 +134,7 @@ def _legacy_logprobs(tokens: list[TokenOut], pieces: list[bytes]) -> dict[str, A
 
 
 def _usage(done: DoneOut) -> dict[str, Any]:
-    d = done.done
+    d = done
     return {
         "prompt_tokens": d.n_prompt,
         "completion_tokens": d.n_generated,
@@ -276,7 +185,7 @@ class Shape:
 
     def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
         """The non-streaming response."""
-        finish = FINISH.get(done.done.finish_reason, "stop")
+        finish = FINISH.get(done.finish_reason, "stop")
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -303,7 +212,7 @@ async def respond(
         got = await collect(services, req, request)
         kept = [t for t in got.tokens if not t.is_stop]
         filt = StopTextFilter(stops)
-        text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
+        text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
         return msgspec.convert(shape.final(text, kept, got.end), kind)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     run = await started_run(services, req, request)
@@ -326,10 +235,10 @@ async def respond(
                         yield sse_data(shape.chunk(text, pending))
                         pending = []
                 elif isinstance(ev, DoneOut):
-                    rest = filt.finish(ev.done.stop_string)
+                    rest = filt.finish(ev.stop_string)
                     if rest or pending:
                         yield sse_data(shape.chunk(rest, pending))
-                    last = shape.chunk(None if shape.chat else "", [], FINISH.get(ev.done.finish_reason, "stop"))
+                    last = shape.chunk(None if shape.chat else "", [], FINISH.get(ev.finish_reason, "stop"))
                     yield sse_data(last)
                     if include_usage:
                         usage = shape.envelope(last["object"], [])

@@ -1,12 +1,6 @@
-"""Request bodies of the HTTP/WebSocket API (msgspec Structs: validated and documented in OpenAPI).
+"""The canonical generation request every API surface turns its body into, and the sampler fields they share.
 
-Field names follow docs/api.md and the servers their clients know: slotserve's own
-(``max_new_tokens``, ``repetition_penalty``, ``stop_tokens``, ``banned_tokens``,
-``return_attention``), KoboldCpp's (``max_length``, ``rep_pen``, ``sampler_seed``,
-``stop_sequence``, ``output_attentions``; KoboldCpp's ``koboldcpp.py``), llama-server's
-(``n_predict``, ``repeat_penalty``, ``seed``, ``stop``, ``id_slot``, ``n_probs``;
-llama.cpp ``tools/server/README.md``).
-Aliases are merged by :meth:`GenerateRequest.canonical`.
+Sampler value ranges are checked when a body is decoded and published in the OpenAPI schema.
 """
 
 from __future__ import annotations
@@ -20,30 +14,61 @@ from engine.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionForm
 from orchestrator.web.errors import ApiError
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
+
+
 # A preview's defaults: the same sampler, a little more conservative (docs/api.md, "Preview"), no
 # repetition penalty; only these four differ from DEFAULT.
 PREVIEW = msgspec.structs.replace(DEFAULT, max_new_tokens=50, temperature=0.7, top_p=0.9, min_p=0.0)
+
 
 # Value ranges, checked when a body is decoded (HTTP and WebSocket alike) and published in
 # the OpenAPI schema.  Sampler values reach llama.cpp as C ``float`` / ``int32_t`` /
 # ``uint32_t`` (include/llama.h ``llama_sampler_init_*``): larger values would wrap.
 FLT_MAX = 3.4028234663852886e38
+
+
 INT32_MAX = 2**31 - 1
+
+
 Float32 = Annotated[float, msgspec.Meta(ge=-FLT_MAX, le=FLT_MAX)]
+
+
 NonNegFloat32 = Annotated[float, msgspec.Meta(ge=0, le=FLT_MAX)]
+
+
 Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+
+
 TopK = Annotated[int, msgspec.Meta(ge=-(2**31), le=INT32_MAX, description="<= 0: off")]
+
+
 RepeatLastN = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="0: off, -1: the context size")]
+
+
 Seed = Annotated[int, msgspec.Meta(ge=-1, le=2**32 - 1, description="-1: random (llama.cpp's uint32_t seed)")]
+
+
 NProbs = Annotated[int, msgspec.Meta(ge=0, le=100)]
+
+
 Mirostat = Annotated[int, msgspec.Meta(ge=0, le=2, description="0: off, 1: Mirostat, 2: Mirostat 2.0")]
+
+
 Bias = Float32 | bool  # a logit bias; ``false`` bans the token (llama-server)
+
+
 LogitBias = Annotated[
     dict[str, Bias] | list[tuple[int | str, Bias]],
     msgspec.Meta(description="token id (or text, whose tokens all get it) -> bias added to its logit; false: banned"),
 ]
+
+
 DryBreakers = Annotated[list[str], msgspec.Meta(min_length=1, max_length=64)] | str  # a str: a JSON array (SillyTavern)
+
+
 PreviewTokens = Annotated[int, msgspec.Meta(ge=1, le=256)]
 
 
@@ -91,117 +116,6 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             json_schema=msgspec.json.encode(self.json_schema).decode() if self.json_schema is not None else "",
         )
         return out
-
-
-class GenerateRequest(SamplerFields, kw_only=True):
-    """A generation request: the whole context as ``input_ids`` (or a ``prompt`` text)."""
-
-    type: str | None = None
-    request_id: str | None = None
-    input_ids: list[int] | None = None
-    prompt: str | None = None
-    max_new_tokens: TokenCount | None = None
-    max_length: TokenCount | None = None
-    max_tokens: TokenCount | None = None
-    n_predict: TokenCount | None = None
-    temperature: Float32 | None = None
-    top_p: Probability | None = None
-    top_k: TopK | None = None
-    min_p: Probability | None = None
-    repetition_penalty: NonNegFloat32 | None = None
-    rep_pen: NonNegFloat32 | None = None
-    repeat_penalty: NonNegFloat32 | None = None
-    rep_pen_range: RepeatLastN | None = None
-    repeat_last_n: RepeatLastN | None = None
-    seed: Seed | None = None
-    sampler_seed: Seed | None = None
-    stop_tokens: list[int] | None = None
-    banned_tokens: list[int | str] | None = None  # ids, or KoboldCpp's strings (resolved by the handler)
-    stop_sequence: list[str] | None = None
-    stop: list[str] | str | None = None
-    ignore_eos: bool = False
-    return_attention: bool | None = None
-    output_attentions: bool | None = None
-    attention_format: AttentionFormat = "per_layer"
-    attention_dtype: AttentionDtype = "float32"
-    attention_layers: list[int] | None = None
-    output_hidden_states: bool = False
-    logprobs: bool | None = None
-    n_probs: NProbs | None = None
-    top_logprobs: NProbs | None = None
-    conversation_id: str | int | None = None
-    id_slot: str | int | None = None
-    wait: bool = False
-    # KoboldCpp's fields (koboldcpp.py ``generate``); see orchestrator/api/kobold/routes.py
-    genkey: str | None = None
-    trim_stop: bool = False
-    max_context_length: int | None = None
-    memory: str | None = None
-    banned_strings: list[str] | None = None
-    n: int | None = None
-    typical: Probability | None = None  # KoboldCpp's typical_p
-    nsigma: Float32 | None = None  # KoboldCpp's top_n_sigma
-    return_progress: bool = False  # llama-server's: stream prompt-processing progress events
-
-    def sampler_fields(self) -> dict[str, Any]:
-        """:meth:`SamplerFields.sampler_fields`, KoboldCpp's ``typical`` and ``nsigma`` standing in
-        for ``typical_p`` and ``top_n_sigma`` when those are missing."""
-        out = super().sampler_fields()
-        out["typical_p"] = self.typical if self.typical_p is None else self.typical_p
-        out["top_n_sigma"] = self.nsigma if self.top_n_sigma is None else self.top_n_sigma
-        return out
-
-    def canonical(self, defaults: SamplingParams = DEFAULT) -> CanonicalRequest:
-        """Merge aliases (first given wins, slotserve's own names first) into one canonical request;
-        a field no alias gives is taken from ``defaults`` (KoboldCpp's routes pass KoboldCpp's)."""
-
-        def first(*vals: Any, default: Any) -> Any:
-            return next((v for v in vals if v is not None), default)
-
-        stops: list[str] = []
-        for s in (self.stop_sequence, self.stop):
-            if isinstance(s, str):
-                stops.append(s)
-            elif s:
-                stops.extend(s)
-        slot = first(self.conversation_id, self.id_slot, default=None)
-        return CanonicalRequest(
-            request_id=self.request_id,
-            input_ids=self.input_ids,
-            prompt=self.prompt,
-            max_new_tokens=int(
-                first(
-                    self.max_new_tokens,
-                    self.max_length,
-                    self.max_tokens,
-                    self.n_predict,
-                    default=defaults.max_new_tokens,
-                )
-            ),
-            temperature=float(first(self.temperature, default=defaults.temperature)),
-            top_p=float(first(self.top_p, default=defaults.top_p)),
-            top_k=int(first(self.top_k, default=defaults.top_k)),
-            min_p=float(first(self.min_p, default=defaults.min_p)),
-            repeat_penalty=float(
-                first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=defaults.repeat_penalty)
-            ),
-            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),
-            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),
-            stop_tokens=list(self.stop_tokens or []),
-            banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
-            stop_strings=[s for s in stops if s],
-            ignore_eos=self.ignore_eos,
-            attention=bool(first(self.return_attention, self.output_attentions, default=False)),
-            attention_format=self.attention_format,
-            attention_dtype=self.attention_dtype,
-            attention_layers=self.attention_layers,
-            hidden_state=self.output_hidden_states,
-            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),
-            slot="0" if slot is None else str(slot),
-            wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
-            progress=self.return_progress,
-            **self.sampler_settings(defaults),
-        )
 
 
 BiasPairs = list[tuple[int | str, float]]
@@ -288,24 +202,6 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """``POST /api/v1/tokenize`` and llama-server's ``/tokenize`` (``content``)."""
-
-    text: str | None = None
-    content: str | None = None
-    add_special_tokens: bool = False
-    add_special: bool | None = None
-    parse_special: bool = True
-    with_pieces: bool | None = None  # default: true on /api/v1/tokenize, false on /tokenize
-
-
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    """``POST /api/v1/detokenize`` (``token_ids``) and llama-server's ``/detokenize`` (``tokens``)."""
-
-    token_ids: list[int] | None = None
-    tokens: list[int] | None = None
-
-
 class AppendToken(msgspec.Struct):
     """One appended token of a preview (docs/api.md)."""
 
@@ -317,14 +213,14 @@ class PreviewRequest(SamplerFields, kw_only=True):
     """``POST /api/v1/generate/preview`` (docs/api.md): the preview's own fields, and the
     generation routes' further sampler fields (:class:`SamplerFields`)."""
 
-    append_tokens: list[AppendToken | int] = []
+    append_tokens: list[AppendToken | int] = msgspec.field(default_factory=list)
     max_tokens: PreviewTokens = PREVIEW.max_new_tokens
     temperature: Float32 = PREVIEW.temperature
     top_p: Probability = PREVIEW.top_p
     top_k: TopK = PREVIEW.top_k
     min_p: Probability = PREVIEW.min_p
     seed: Seed = PREVIEW.seed
-    stop_tokens: list[int] = []
+    stop_tokens: list[int] = msgspec.field(default_factory=list)
     use_cached_context: bool = True
     input_ids: list[int] | None = None
     conversation_id: str | int | None = None
@@ -345,33 +241,3 @@ class PreviewRequest(SamplerFields, kw_only=True):
             attention_dtype=self.attention_dtype, attention_layers=None, hidden_state=False, n_probs=0,
             slot=slot, wait=True, **self.sampler_settings(),
         )  # fmt: skip
-
-
-class ContextShiftRequest(msgspec.Struct, kw_only=True):
-    """``POST /slots/{id}?action=context-shift`` (llama-server's ``n_keep``/``n_discard``)."""
-
-    n_keep: int
-    n_discard: int
-
-
-class SlotFileRequest(msgspec.Struct, kw_only=True):
-    """``POST /slots/{id}?action=save|restore`` (llama-server's file actions)."""
-
-    filename: str
-
-
-class ForkRequest(msgspec.Struct, kw_only=True):
-    """``POST /slots/{id}?action=fork``: the new slot's id."""
-
-    target: str | int
-
-
-class RestoreStateRequest(msgspec.Struct, kw_only=True):
-    """``POST /slots/{id}?action=restore-state`` with JSON: base64 SES1 blob.
-
-    ``digest`` (optional): the decoded blob's RFC 9530 digest, e.g. ``"sha-256=:<base64>:"``
-    as ``save-state`` returned it; a state that does not match is refused (``BAD_STATE``).
-    """
-
-    state: str
-    digest: str | None = None

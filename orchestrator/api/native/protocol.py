@@ -1,0 +1,414 @@
+"""slotserve's native API: its request bodies, response bodies and stream events (docs/api.md).
+
+msgspec Structs: validated when decoded, encoded by msgspec, published in the OpenAPI schema.  A field typed
+``... | UnsetType`` is left out of the body when unset; ``None`` is sent as ``null``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from engine.errors import ErrorCode
+from engine.protocol import AttentionDtype, AttentionFormat, SamplingParams
+from orchestrator import wire
+from orchestrator.api.kobold.protocol import KoboldResult
+from orchestrator.generation.events import TokenOut
+from orchestrator.generation.request import (
+    DEFAULT,
+    CanonicalRequest,
+    Float32,
+    NonNegFloat32,
+    NProbs,
+    Probability,
+    RepeatLastN,
+    SamplerFields,
+    Seed,
+    TokenCount,
+    TopK,
+)
+
+
+class GenerateRequest(SamplerFields, kw_only=True):
+    """A generation request: the whole context as ``input_ids`` (or a ``prompt`` text)."""
+
+    type: str | None = None
+    request_id: str | None = None
+    input_ids: list[int] | None = None
+    prompt: str | None = None
+    max_new_tokens: TokenCount | None = None
+    max_length: TokenCount | None = None
+    max_tokens: TokenCount | None = None
+    n_predict: TokenCount | None = None
+    temperature: Float32 | None = None
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: NonNegFloat32 | None = None
+    rep_pen: NonNegFloat32 | None = None
+    repeat_penalty: NonNegFloat32 | None = None
+    rep_pen_range: RepeatLastN | None = None
+    repeat_last_n: RepeatLastN | None = None
+    seed: Seed | None = None
+    sampler_seed: Seed | None = None
+    stop_tokens: list[int] | None = None
+    banned_tokens: list[int | str] | None = None  # ids, or KoboldCpp's strings (resolved by the handler)
+    stop_sequence: list[str] | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+    return_attention: bool | None = None
+    output_attentions: bool | None = None
+    attention_format: AttentionFormat = "per_layer"
+    attention_dtype: AttentionDtype = "float32"
+    attention_layers: list[int] | None = None
+    output_hidden_states: bool = False
+    logprobs: bool | None = None
+    n_probs: NProbs | None = None
+    top_logprobs: NProbs | None = None
+    conversation_id: str | int | None = None
+    id_slot: str | int | None = None
+    wait: bool = False
+    # KoboldCpp's fields (koboldcpp.py ``generate``); see orchestrator/api/kobold/routes.py
+    genkey: str | None = None
+    trim_stop: bool = False
+    max_context_length: int | None = None
+    memory: str | None = None
+    banned_strings: list[str] | None = None
+    n: int | None = None
+    typical: Probability | None = None  # KoboldCpp's typical_p
+    nsigma: Float32 | None = None  # KoboldCpp's top_n_sigma
+    return_progress: bool = False  # llama-server's: stream prompt-processing progress events
+
+    def sampler_fields(self) -> dict[str, Any]:
+        """:meth:`SamplerFields.sampler_fields`, KoboldCpp's ``typical`` and ``nsigma`` standing in
+        for ``typical_p`` and ``top_n_sigma`` when those are missing."""
+        out = super().sampler_fields()
+        out["typical_p"] = self.typical if self.typical_p is None else self.typical_p
+        out["top_n_sigma"] = self.nsigma if self.top_n_sigma is None else self.top_n_sigma
+        return out
+
+    def canonical(self, defaults: SamplingParams = DEFAULT) -> CanonicalRequest:
+        """Merge aliases (first given wins, slotserve's own names first) into one canonical request;
+        a field no alias gives is taken from ``defaults`` (KoboldCpp's routes pass KoboldCpp's)."""
+
+        def first(*vals: Any, default: Any) -> Any:
+            return next((v for v in vals if v is not None), default)
+
+        stops: list[str] = []
+        for s in (self.stop_sequence, self.stop):
+            if isinstance(s, str):
+                stops.append(s)
+            elif s:
+                stops.extend(s)
+        slot = first(self.conversation_id, self.id_slot, default=None)
+        return CanonicalRequest(
+            request_id=self.request_id,
+            input_ids=self.input_ids,
+            prompt=self.prompt,
+            max_new_tokens=int(
+                first(
+                    self.max_new_tokens,
+                    self.max_length,
+                    self.max_tokens,
+                    self.n_predict,
+                    default=defaults.max_new_tokens,
+                )
+            ),
+            temperature=float(first(self.temperature, default=defaults.temperature)),
+            top_p=float(first(self.top_p, default=defaults.top_p)),
+            top_k=int(first(self.top_k, default=defaults.top_k)),
+            min_p=float(first(self.min_p, default=defaults.min_p)),
+            repeat_penalty=float(
+                first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=defaults.repeat_penalty)
+            ),
+            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),
+            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),
+            stop_tokens=list(self.stop_tokens or []),
+            banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
+            stop_strings=[s for s in stops if s],
+            ignore_eos=self.ignore_eos,
+            attention=bool(first(self.return_attention, self.output_attentions, default=False)),
+            attention_format=self.attention_format,
+            attention_dtype=self.attention_dtype,
+            attention_layers=self.attention_layers,
+            hidden_state=self.output_hidden_states,
+            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),
+            slot="0" if slot is None else str(slot),
+            wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
+            progress=self.return_progress,
+            **self.sampler_settings(defaults),
+        )
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/tokenize`` and llama-server's ``/tokenize`` (``content``)."""
+
+    text: str | None = None
+    content: str | None = None
+    add_special_tokens: bool = False
+    add_special: bool | None = None
+    parse_special: bool = True
+    with_pieces: bool | None = None  # default: true on /api/v1/tokenize, false on /tokenize
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/detokenize`` (``token_ids``) and llama-server's ``/detokenize`` (``tokens``)."""
+
+    token_ids: list[int] | None = None
+    tokens: list[int] | None = None
+
+
+class TokenText(msgspec.Struct, kw_only=True):
+    """A token and its text; ``bytes`` (the raw piece) when the piece alone is not valid UTF-8."""
+
+    token_id: int
+    text: str
+    bytes_: list[int] | UnsetType = msgspec.field(default=UNSET, name="bytes")
+
+
+class Attention(msgspec.Struct, kw_only=True):
+    """One token's attention (docs/api.md, "Attention"): ``shape`` ``[n_layers, n_heads, context_length]``
+    (``per_layer``) or ``[context_length]`` (``aggregated``), ``data`` base64 of ``dtype`` values."""
+
+    format: str
+    shape: list[int]
+    context_length: int
+    encoding: str
+    dtype: str
+    data: str
+
+
+class TokenAttention(TokenText, kw_only=True):
+    """A token with its attention (``attention_data`` entries)."""
+
+    attention: Attention | None
+
+
+def token_text(t: TokenOut) -> TokenText:
+    """:class:`TokenText` of a generated token."""
+    return msgspec.convert(wire.token_text_fields(t), TokenText)
+
+
+def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
+    """:class:`TokenAttention` of a generated token (``fmt``/``dtype`` as requested)."""
+    fields = wire.token_text_fields(t) | {"attention": wire.attention_json(t, fmt, dtype)}
+    return msgspec.convert(fields, TokenAttention)
+
+
+class ModelResponse(msgspec.Struct, kw_only=True):
+    """``GET /api/v1/model`` and ``/api/v1/model/info`` (docs/api.md, "Model"): the GGUF's facts
+    under both seeds' names (``result``/``model_name``, ``max_context_length``/``context_length``...);
+    ``attention_layers`` the layers attention tensors cover, ``attention_windows`` each one's sliding
+    window (0: global), ``memory`` what the model keeps per sequence (docs/models.md); ``engine`` the
+    worker's runtime settings (threads, batch sizes, KV cache type)."""
+
+    result: str
+    model_name: str
+    model_path: str
+    architecture: str
+    description: str
+    fingerprint: str
+    vocab_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    hidden_size: int
+    embedding_size: int
+    max_position_embeddings: int
+    max_trained_context: int
+    max_context_length: int
+    context_length: int
+    rope_theta: float
+    rope_freq_base: float
+    rope_freq_scale: float
+    bos_token_id: int
+    eos_token_id: int
+    eot_token_id: int
+    eog_token_ids: list[int]
+    special_tokens: dict[str, str | int]
+    chat_template: str
+    torch_dtype: str
+    n_params: int
+    size_bytes: int
+    n_slots: int
+    n_kv_cells: int
+    attention_layers: list[int]
+    attention_windows: list[int]
+    memory: dict[str, Any]
+    llama_cpp_python: str
+    engine: dict[str, Any]
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/tokenize``: ids, count and (unless ``with_pieces: false``) each token's text."""
+
+    token_ids: list[int]
+    token_count: int
+    tokens: list[TokenText] | UnsetType = UNSET
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/detokenize``."""
+
+    text: str
+
+
+class TokenPiece(msgspec.Struct, kw_only=True):
+    """llama-server's ``with_pieces`` entry: ``piece`` is the text, or its bytes when not valid UTF-8."""
+
+    id: int
+    piece: str | list[int]
+
+
+class LlamaTokenizeResponse(msgspec.Struct, kw_only=True):
+    """llama-server's ``POST /tokenize``: ids, or :class:`TokenPiece` entries with ``with_pieces``."""
+
+    tokens: list[int | TokenPiece]
+
+
+class LlamaDetokenizeResponse(msgspec.Struct, kw_only=True):
+    """llama-server's ``POST /detokenize``."""
+
+    content: str
+
+
+class HealthError(msgspec.Struct, kw_only=True):
+    """llama-server's 503 body of ``/health``: ``{"code": 503, "message": "Loading model"}``."""
+
+    code: int
+    message: str
+
+
+class HealthResponse(msgspec.Struct, kw_only=True):
+    """``GET /health`` (docs/api.md, "Health"): ``status`` ok, degraded (store down), loading or
+    down; with 503 also llama-server's ``error`` and the start-up ``stage`` (and ``progress``,
+    0..1, while the model loads)."""
+
+    status: str
+    engine: str
+    store: str
+    slots_idle: int
+    slots_processing: int
+    engine_config: dict[str, Any] | UnsetType = UNSET
+    classifier: str | UnsetType = UNSET
+    error: HealthError | UnsetType = UNSET
+    error_code: ErrorCode | UnsetType = UNSET
+    stage: str | UnsetType | None = UNSET
+    progress: float | UnsetType = UNSET
+
+
+class Hidden(msgspec.Struct, kw_only=True):
+    """A generated token's hidden state: ``shape`` ``[n_embd]``, base64 float32 ``data``."""
+
+    shape: list[int]
+    encoding: str
+    dtype: str
+    data: str
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    """One of a token's most likely alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    text: str | UnsetType = UNSET
+
+
+class GeneratedToken(TokenText, kw_only=True):
+    """A generated token of ``POST /api/v1/generate``: its logprob, alternatives (``n_probs``)
+    and hidden state (``output_hidden_states``)."""
+
+    logprob: float | None
+    top_logprobs: list[TopLogprob] | UnsetType = UNSET
+    hidden_state: Hidden | UnsetType = UNSET
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/generate`` (docs/api.md): the ``done`` event's fields, every generated token,
+    the text, KoboldCpp's ``results``, and ``attention_data`` when attention was asked for."""
+
+    type: str
+    request_id: str | None
+    finish_reason: str
+    total_tokens: int
+    generation_time_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    slot_id: int | str
+    stop_string: str | UnsetType = UNSET
+    generated_tokens: list[GeneratedToken]
+    generated_text: str
+    results: list[KoboldResult]
+    attention_data: list[TokenAttention] | UnsetType = UNSET
+
+
+class MessageSpan(msgspec.Struct, kw_only=True):
+    """A message's token range, ``start``..``end`` inclusive (``index`` from 0)."""
+
+    index: int
+    start: int
+    end: int
+
+
+class SlotMessage(MessageSpan, kw_only=True):
+    """A message of a slot with its text."""
+
+    text: str
+
+
+class SlotMessages(msgspec.Struct, kw_only=True):
+    """``GET /admin/api/slots/{id}/messages``: a slot's messages as text with token ranges."""
+
+    id_slot: int | str
+    n_tokens: int
+    boundary_eot: int
+    messages: list[SlotMessage]
+
+
+class PreviewResponse(msgspec.Struct, kw_only=True):
+    """``POST /api/v1/generate/preview`` (docs/api.md): ``stopped_reason`` max_tokens, stop_token,
+    stop_string or cancelled; ``slot_id`` the forked slot (``null`` without a cache hit);
+    ``attention_data`` only with ``output_attentions``."""
+
+    text: str
+    tokens: list[TokenText]
+    token_count: int
+    stopped_reason: str
+    cache_hit: bool
+    generation_time_ms: float
+    n_prefilled: int
+    n_cached: int
+    slot_id: int | str | None
+    attention_data: list[TokenAttention] | UnsetType = UNSET
+
+
+class ClassifyRequest(msgspec.Struct, kw_only=True):
+    """TEI input: one text or a list of texts."""
+
+    inputs: str | list[str]
+
+
+class Prediction(msgspec.Struct):
+    """One label's raw logit."""
+
+    label: str
+    score: float
+
+
+class ClassifyUsage(msgspec.Struct):
+    """Tokens the classifier read (all inputs, special tokens included)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ClassifyResponse(msgspec.Struct):
+    """Predictions, best first: ``list[Prediction]`` for a string input, ``list[list[Prediction]]``
+    (one list per input, in order) for a list input (msgspec cannot type that union)."""
+
+    model: str
+    usage: ClassifyUsage
+    predictions: list[Any]
+    object: str = "list"

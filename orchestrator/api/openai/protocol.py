@@ -1,0 +1,229 @@
+"""The OpenAI-compatible API's request bodies, response bodies and stream chunks.
+
+Shapes are OpenAI's (API reference: "Chat", "Completions", "Models") as llama-server serves them
+(llama.cpp ``tools/server/server-task.cpp``: ``to_json_oaicompat*``).  A field typed ``... | UnsetType`` is
+left out when unset; ``None`` is sent as ``null``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from engine.errors import ErrorCode
+from engine.protocol import AttentionDtype, AttentionFormat
+from orchestrator.api.native.protocol import Attention
+from orchestrator.generation.request import (
+    Float32,
+    NonNegFloat32,
+    Probability,
+    SamplerFields,
+    Seed,
+    TokenCount,
+    TopK,
+)
+from orchestrator.web.errors import ApiError
+
+
+class ModelMeta(msgspec.Struct, kw_only=True):
+    """llama-server's ``meta`` of a model card (context sizes in tokens, size in bytes)."""
+
+    n_ctx_train: int
+    n_ctx: int
+    n_vocab: int
+    n_params: int
+    size: int
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """OpenAI's model object."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    meta: ModelMeta
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """``GET /v1/models``: ``{"object": "list", "data": [model]}``."""
+
+    object: str
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    """Token counts of a completion (``cached_tokens``: prompt tokens reused from the slot's KV cache)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprobEntry(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes_: list[int] = msgspec.field(name="bytes")
+
+
+class LogprobEntry(msgspec.Struct, kw_only=True):
+    """A chat token's logprob with its alternatives (OpenAI's ``logprobs.content[]``)."""
+
+    token: str
+    logprob: float | None
+    bytes_: list[int] = msgspec.field(name="bytes")
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[LogprobEntry]
+
+
+class LegacyLogprobs(msgspec.Struct, kw_only=True):
+    """The text completion's ``logprobs`` (OpenAI's legacy shape; ``text_offset`` in characters)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    """A chat completion's choice; ``attention`` (slotserve's extension) per generated token."""
+
+    index: int
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | UnsetType = UNSET
+    attention: list[Attention | None] | UnsetType = UNSET
+
+
+class TextChoice(msgspec.Struct, kw_only=True):
+    """A text completion's choice; ``attention`` (slotserve's extension) per generated token."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: LegacyLogprobs | None
+    attention: list[Attention | None] | UnsetType = UNSET
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """``POST /v1/chat/completions`` without ``stream`` (``slot_id``: slotserve's extension)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    slot_id: int | str
+
+
+class TextCompletion(msgspec.Struct, kw_only=True):
+    """``POST /v1/completions`` without ``stream`` (``slot_id``: slotserve's extension)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    slot_id: int | str
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage``."""
+
+    include_usage: bool = False
+
+
+class AttentionOption(msgspec.Struct, kw_only=True):
+    """slotserve extension: attention per generated token (see docs/api.md, "Attention")."""
+
+    format: AttentionFormat = "aggregated"
+    dtype: AttentionDtype = "float32"
+    layers: list[int] | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: the schema the output must match (``name``/``strict`` are not used)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] = {}
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object; llama-server also takes a
+    ``schema`` here) or ``json_schema``; turned into a grammar as llama-server does (``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema: dict[str, Any] | None = None
+
+    def schema_json(self) -> dict[str, Any] | None:
+        """The JSON schema to constrain the output with (``{}``: any object), or None for ``text``."""
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ApiError(ErrorCode.INVALID_REQUEST, 'response_format of type "json_schema" needs json_schema')
+            return self.json_schema.schema
+        return (self.schema or {}) if self.type == "json_object" else None
+
+
+class OpenAIRequest(SamplerFields, kw_only=True):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (plus llama-server's extras,
+    :class:`orchestrator.schemas.SamplerFields`, as llama-server takes them on these routes too)."""
+
+    model: str | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Float32 | None = None
+    top_p: Probability | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    slot_id: str | int | None = None
+    attention: AttentionOption | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repeat_penalty: NonNegFloat32 | None = None
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(OpenAIRequest, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(OpenAIRequest, kw_only=True):
+    """``POST /v1/completions`` (``logprobs`` is the legacy count of top alternatives, 0..5)."""
+
+    prompt: str | list[int | str]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None

@@ -1,0 +1,134 @@
+"""What a generation yields to the API surfaces: the one place the worker's messages become domain events.
+
+:class:`TokenStream` turns the engine's token events into :class:`TokenOut` (with incremental UTF-8 text) and
+its ``Progress`` into :class:`ProgressOut`; :meth:`DoneOut.of` turns its ``Done`` into the end a client sees.
+The surfaces (``orchestrator/api/*/``) turn these into their own stream events; none of them reads the worker
+protocol (``engine/protocol.py``).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine import protocol as proto
+from orchestrator.worker.interface import EngineEvent, TokenOutput
+
+
+@dataclass
+class TokenOut:
+    """One generated token as the wire encoders need it.
+
+    ``text`` is the token's text from an incremental UTF-8 decoder over the stream
+    (a piece that ends mid-character yields ``""`` and the character comes with the
+    next token, so concatenating ``text`` is always the exact output); ``piece`` are
+    the raw bytes.  ``attention`` is raw little-endian ``dtype`` bytes of ``shape``.
+    """
+
+    index: int
+    token_id: int
+    piece: bytes
+    text: str
+    logprob: float | None
+    top: list[tuple[int, float]]
+    attention: bytes | None
+    attention_shape: list[int]
+    hidden: bytes | None
+    is_stop: bool
+
+
+@dataclass
+class Started:
+    """First item of every run: the request is valid, the slot is held, the worker has it."""
+
+    slot_id: str
+
+
+@dataclass
+class PreviewStarted:
+    """First item of a preview: ``cache_hit`` says it runs on a fork of ``slot_id``'s cached
+    context (else on a scratch sequence from the request's ``input_ids``)."""
+
+    cache_hit: bool
+    slot_id: str
+
+
+@dataclass
+class ProgressOut:
+    """Prefill progress: ``processed`` of ``total`` prompt tokens are in the KV cache, ``cache`` of them
+    were reused, after ``time_ms`` milliseconds (llama-server's ``prompt_progress``, ``return_progress``)."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+@dataclass
+class DoneOut:
+    """End of a generation.
+
+    ``finish_reason``: length, stop_token, stop_string or cancelled.  Token counts: ``n_prompt`` the
+    prompt, ``n_cached`` of it reused from the KV cache, ``n_prefilled`` decoded, ``n_generated`` new
+    tokens, ``seq_tokens`` the slot's tokens now (0 for a preview).  Times in milliseconds:
+    ``t_prefill_ms``, ``t_generate_ms`` (the worker's), and ``generation_time_ms`` (the whole request
+    as the orchestrator saw it).  ``text``: the whole output.
+    """
+
+    finish_reason: str
+    n_prompt: int
+    n_cached: int
+    n_prefilled: int
+    n_generated: int
+    t_prefill_ms: float
+    t_generate_ms: float
+    stop_string: str = ""
+    seq_tokens: int = 0
+    text: str = ""
+    generation_time_ms: float = 0.0
+    slot_id: str = "0"
+
+    @classmethod
+    def of(cls, done: proto.Done, text: str, generation_time_ms: float, slot_id: str) -> DoneOut:
+        """The end a client sees, from the worker's ``Done``."""
+        return cls(
+            done.finish_reason, done.n_prompt, done.n_cached, done.n_prefilled, done.n_generated,
+            done.t_prefill_ms, done.t_generate_ms, done.stop_string, done.seq_tokens, text, generation_time_ms, slot_id,
+        )  # fmt: skip
+
+
+class TokenStream:
+    """Turns engine ``Token`` events into :class:`TokenOut` (incremental UTF-8 text)."""
+
+    def __init__(self, stop_ids: set[int]) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.stop_ids = stop_ids
+
+    async def events(self, stream: AsyncIterator[EngineEvent]) -> AsyncIterator[TokenOut | ProgressOut | proto.Done]:
+        """The engine's events of one request (a :class:`orchestrator.worker.interface.GenerationStream`):
+        each token as a :class:`TokenOut` (:meth:`convert`), ``Progress`` as a :class:`ProgressOut`, the
+        final ``Done`` as it comes."""
+        async for event in stream:
+            if isinstance(event, TokenOutput):
+                yield self.convert(event)
+            elif isinstance(event, proto.Progress):
+                yield ProgressOut(event.n_total, event.n_cached, event.n_done, event.t_ms)
+            else:
+                yield event
+
+    def convert(self, out: TokenOutput) -> TokenOut:
+        """Attach the token's text."""
+        msg = out.token
+        return TokenOut(
+            index=msg.index,
+            token_id=msg.token_id,
+            piece=msg.piece,
+            text=self.decoder.decode(msg.piece),
+            logprob=msg.logprob,
+            top=list(msg.top),
+            attention=out.attention,
+            attention_shape=list(msg.attention.shape) if msg.attention is not None else [],
+            hidden=out.hidden,
+            is_stop=msg.token_id in self.stop_ids,
+        )
