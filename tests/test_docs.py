@@ -16,6 +16,7 @@ import pytest
 from litestar.routes import WebSocketRoute
 
 from engine.errors import ErrorCode
+from orchestrator.api import stream_docs
 from orchestrator.api.kobold import protocol as kobold
 from orchestrator.api.llama_server import protocol as llama_server
 from orchestrator.api.native import protocol as native
@@ -172,3 +173,12 @@ def test_nothing_cites_documents_outside_the_repository() -> None:
     readme = (root / "README.md").read_text(encoding="utf-8")
     offenders += [f"README.md:{m.group(0)}" for m in pattern.finditer(readme)]
     assert offenders == [], offenders
+
+
+def test_the_stream_events_page_is_generated_from_the_structs() -> None:
+    """docs/stream-events.md is what ``python -m orchestrator.api.stream_docs`` prints today."""
+    page = (ROOT / "docs" / "stream-events.md").read_text()
+    assert page == stream_docs.render(), "regenerate: python -m orchestrator.api.stream_docs > docs/stream-events.md"
+    for _, events in stream_docs.STREAMS:
+        for event in events:
+            assert f"## {event.__name__}" in page

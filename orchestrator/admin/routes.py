@@ -20,7 +20,6 @@ EventSource).  The page's actions are the slot API's own
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -32,13 +31,13 @@ from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 
 from engine.errors import ErrorCode
-from orchestrator.admin.feed import AttentionRow
+from orchestrator.admin.protocol import AttentionEvent, SlotsEvent
 from orchestrator.admin.view import AdminView, SlotView
 from orchestrator.api.native.protocol import SlotMessages
 from orchestrator.services import Services
 from orchestrator.web.auth import require_admin
-from orchestrator.web.errors import ERROR_RESPONSES, ApiError, report, route_of
-from orchestrator.web.sse import JsonEvent, event_stream
+from orchestrator.web.errors import ERROR_RESPONSES, ApiError, ErrorEvent, report, route_of
+from orchestrator.web.sse import JsonEvent, event_stream, json_event
 
 LISTING_EVERY_S = 1.0  # the slot listing is looked at once a second, pushed only when it changed
 _json = msgspec.json.Encoder()
@@ -46,22 +45,6 @@ _json = msgspec.json.Encoder()
 
 def _static(name: str) -> bytes:
     return resources.files("orchestrator.admin.static").joinpath(name).read_bytes()
-
-
-def _attention_event(row: AttentionRow) -> JsonEvent:
-    return JsonEvent(
-        data=_json.encode(
-            {
-                "type": "attention",
-                "slot_id": row.slot_id,
-                "index": row.index,
-                "text": row.text,
-                "layer": row.layer,
-                "n_ctx": int(row.values.shape[0]),
-                "data": base64.b64encode(row.values.astype("<f4").tobytes()).decode("ascii"),
-            }
-        )
-    )
 
 
 class AdminController(Controller):
@@ -126,9 +109,9 @@ class AdminController(Controller):
                         try:
                             slots = await view.slots()
                         except Exception as exc:  # engine restarting, store down: say so, keep the stream
-                            listing = _json.encode({"type": "error", **report(exc, route_of(request)).body()})
+                            listing = _json.encode(ErrorEvent.of(report(exc, route_of(request))))
                         else:
-                            listing = _json.encode({"type": "slots", "node": view.node_id(), "slots": slots})
+                            listing = _json.encode(SlotsEvent(node=view.node_id(), slots=slots))
                         if listing != last:
                             last = listing
                             yield JsonEvent(data=listing)
@@ -136,7 +119,7 @@ class AdminController(Controller):
                         row = await asyncio.wait_for(sub.queue.get(), max(0.01, next_listing - time.monotonic()))
                     except TimeoutError:
                         continue
-                    yield _attention_event(row)
+                    yield json_event(AttentionEvent.of(row))
             finally:
                 feed.unsubscribe(sub)
 

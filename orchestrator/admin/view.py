@@ -21,8 +21,8 @@ from typing import Any
 import msgspec
 
 from orchestrator.services import Services
+from orchestrator.slots.model import slot_id_out
 from orchestrator.slots.operations import SlotOps, message_boundaries
-from orchestrator.wire import slot_id_out
 
 
 class SlotView(msgspec.Struct, kw_only=True):

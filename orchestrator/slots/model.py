@@ -74,3 +74,9 @@ def check_slot_id(slot_id: str) -> str:
             ErrorCode.INVALID_REQUEST, f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters"
         )
     return slot_id
+
+
+def slot_id_out(slot_id: str) -> int | str:
+    """A slot id as clients read it: a numeric id as an integer (llama-server's ``id_slot``), others as
+    they are."""
+    return int(slot_id) if slot_id.isdigit() and len(slot_id) < 10 else slot_id

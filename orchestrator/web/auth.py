@@ -18,7 +18,7 @@ import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from engine.errors import ErrorCode
-from orchestrator.web.errors import ApiError, send_error
+from orchestrator.web.errors import ApiError, ErrorEvent, send_error
 
 PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js")
 
@@ -64,7 +64,7 @@ def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ign
                 return
             await receive()  # websocket.connect
             await send({"type": "websocket.accept", "subprotocol": None, "headers": []})
-            frame = msgspec.json.encode({"type": "error", **err.body()}).decode()
+            frame = msgspec.json.encode(ErrorEvent.of(err)).decode()
             await send({"type": "websocket.send", "bytes": None, "text": frame})
             await send({"type": "websocket.close", "code": 1008, "reason": None})
 

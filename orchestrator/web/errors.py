@@ -91,6 +91,20 @@ class ErrorBody(ErrorFields, kw_only=True):
     error: str
 
 
+class ErrorEvent(ErrorFields, kw_only=True, omit_defaults=True, tag="error", tag_field="type"):
+    """An error as a stream event (SSE, WebSocket): ``{"type": "error", "request_id", "error",
+    "error_code", ...}``, the error body's fields; sent before a stream ends or a socket closes."""
+
+    request_id: str | None
+    error: str
+
+    @classmethod
+    def of(cls, err: ApiError, request_id: str | None = None) -> ErrorEvent:
+        """The event of ``err`` (its extra fields that :class:`ErrorFields` names)."""
+        extra = {k: v for k, v in err.extra.items() if k in ErrorFields.__struct_fields__}
+        return cls(request_id=request_id, error=err.message, error_code=err.code, **extra)
+
+
 class CompatError(msgspec.Struct, kw_only=True):
     """The inner ``error`` of llama-server's and OpenAI's error body: ``code`` (the HTTP status),
     ``message``, ``type`` (``invalid_request_error``, ``not_found_error``, ``exceed_context_size_error``...)."""

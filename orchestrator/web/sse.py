@@ -88,6 +88,11 @@ class JsonEvent(ServerSentEventMessage):
         return b"".join((b"event: message\ndata: ", self.data, b"\n\n"))
 
 
+def json_event(event: msgspec.Struct) -> JsonEvent:
+    """``event`` encoded by msgspec as one KoboldCpp-framed event."""
+    return JsonEvent(data=_json.encode(event))
+
+
 class QueuedComment(ServerSentEventMessage):
     """``: queued position N``: an SSE comment line (ignored by EventSource clients) sent while
     the request waits for a free engine sequence (1 = next; :mod:`orchestrator.slots.admission`)."""

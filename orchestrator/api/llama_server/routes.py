@@ -34,11 +34,11 @@ from orchestrator.generation.service import sampling_params
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
 from orchestrator.slots.admission import WaitHooks
+from orchestrator.slots.model import slot_id_out
 from orchestrator.slots.operations import SlotOps
 from orchestrator.slots.registry import Slot
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
-from orchestrator.wire import slot_id_out
 
 log = structlog.get_logger("slotserve.llama_server")
 

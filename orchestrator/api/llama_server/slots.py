@@ -50,6 +50,7 @@ from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import MessageSpan
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
+from orchestrator.slots.model import slot_id_out
 from orchestrator.slots.operations import FileResult, SlotOps, message_boundaries
 from orchestrator.slots.registry import Slot, check_slot_id
 from orchestrator.web.auth import require_admin
@@ -57,7 +58,6 @@ from orchestrator.web.body import decode_json_body
 from orchestrator.web.digest import check_repr_digest, repr_digest
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError
 from orchestrator.web.raw_body import BODY_POOL, BuffersResponse, lent_to_worker, read_body
-from orchestrator.wire import slot_id_out
 
 OCTET = "application/octet-stream"
 MAX_STATE_BYTES = 4 << 30

@@ -13,25 +13,33 @@ import structlog
 from litestar import Controller, Request, post
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
+from msgspec import UNSET
 
-from engine.protocol import Progress
-from orchestrator import wire
 from orchestrator.api.kobold import routes as kobold
-from orchestrator.api.native.protocol import GenerateRequest, GenerateResponse
-from orchestrator.generation.events import DoneOut, Started, TokenOut
+from orchestrator.api.kobold.protocol import KOBOLD_FINISH, KoboldResult, KoboldTokenEvent, kobold_done_event
+from orchestrator.api.native.protocol import (
+    GeneratedToken,
+    GenerateRequest,
+    GenerateResponse,
+    TokenAttention,
+    done_event,
+    hidden_of,
+    progress_event,
+    sse_token_event,
+    token_attention,
+    token_text,
+    top_logprobs_of,
+)
+from orchestrator.generation.events import DoneOut, ProgressOut, Started, TokenOut
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter, trim_stop
 from orchestrator.services import Services
 from orchestrator.web.body import json_route
-from orchestrator.web.errors import report, route_of
-from orchestrator.web.sse import JsonEvent, QueuedComment, event_stream
+from orchestrator.web.errors import ErrorEvent, report, route_of
+from orchestrator.web.sse import QueuedComment, event_stream, json_event
 
 log = structlog.get_logger("slotserve.api")
 _json = msgspec.json.Encoder()
-
-
-def _sse(obj: dict[str, Any]) -> JsonEvent:
-    return JsonEvent(data=_json.encode(obj))
 
 
 async def _raw_body(request: Request[Any, Any, Any]) -> dict[str, Any]:
@@ -101,8 +109,8 @@ class GenerateController(Controller):
     ) -> GenerateResponse:
         req = await kobold.prepare(services, data, await _raw_body(request))
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        tokens: list[dict[str, Any]] = []
-        attention: list[dict[str, Any]] = []
+        tokens: list[GeneratedToken] = []
+        attention: list[TokenAttention] = []
         done: DoneOut | None = None
         pieces = await services.generation.pieces()
         jobs = kobold.jobs_of(request.app.state)
@@ -114,33 +122,40 @@ class GenerateController(Controller):
                             job.text.append(ev.text)
                         tokens.append(self._token(ev, req.n_probs, pieces))
                         if ev.attention is not None:
-                            entry = wire.token_text_fields(ev)
-                            entry["attention"] = wire.attention_json(ev, req.attention_format, req.attention_dtype)
-                            attention.append(entry)
+                            attention.append(token_attention(ev, req.attention_format, req.attention_dtype))
                     elif isinstance(ev, DoneOut):
                         done = ev
                         jobs.finished(ev, req.seed)
         assert done is not None
-        body = wire.done_event(done, req.request_id)
+        end = done_event(done, req.request_id)
         kobold_text = trim_stop(done.text, done.stop_string) if data.trim_stop else done.text
-        body.update(
+        return GenerateResponse(
+            type="done",
+            request_id=end.request_id,
+            finish_reason=end.finish_reason,
+            total_tokens=end.total_tokens,
+            generation_time_ms=end.generation_time_ms,
+            prompt_tokens=end.prompt_tokens,
+            cached_tokens=end.cached_tokens,
+            slot_id=end.slot_id,
+            stop_string=end.stop_string,
             generated_tokens=tokens,
             generated_text=done.text,
-            results=[{"text": kobold_text, "finish_reason": wire.KOBOLD_FINISH.get(done.finish_reason)}],
+            results=[KoboldResult(text=kobold_text, finish_reason=KOBOLD_FINISH.get(done.finish_reason))],
+            attention_data=attention if req.attention else UNSET,
         )
-        if req.attention:
-            body["attention_data"] = attention
-        return msgspec.convert(body, GenerateResponse)
 
     @staticmethod
-    def _token(ev: TokenOut, n_probs: int, pieces: list[bytes]) -> dict[str, Any]:
-        tok = wire.token_text_fields(ev) | {"logprob": ev.logprob}
-        if n_probs:
-            tok["top_logprobs"] = wire.top_logprobs(ev, pieces)
-        hidden = wire.hidden_json(ev)
-        if hidden is not None:
-            tok["hidden_state"] = hidden
-        return tok
+    def _token(ev: TokenOut, n_probs: int, pieces: list[bytes]) -> GeneratedToken:
+        tt = token_text(ev)
+        return GeneratedToken(
+            token_id=tt.token_id,
+            text=tt.text,
+            bytes_=tt.bytes_,
+            logprob=ev.logprob,
+            top_logprobs=top_logprobs_of(ev, pieces) if n_probs else UNSET,
+            hidden_state=hidden_of(ev),
+        )
 
     @post(
         "/api/extra/generate/stream",
@@ -180,31 +195,30 @@ class GenerateController(Controller):
                         if isinstance(ev, DoneOut):
                             jobs.finished(ev, req.seed)
                             if req.attention:
-                                yield _sse(wire.done_event(ev, req.request_id))
+                                yield json_event(done_event(ev, req.request_id))
                                 return
                             rest = filt.finish(ev.stop_string)
                             if rest:
-                                yield _sse(wire.kobold_token_event(rest))
-                            yield _sse(wire.kobold_done_event(ev))
+                                yield json_event(KoboldTokenEvent(token=rest))
+                            yield json_event(kobold_done_event(ev.finish_reason))
                             return
-                        if isinstance(ev, Progress):
-                            yield _sse(wire.progress_event(ev, req.request_id))
+                        if isinstance(ev, ProgressOut):
+                            yield json_event(progress_event(ev, req.request_id))
                             continue
                         if not isinstance(ev, TokenOut):
                             continue
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         if req.attention:
-                            yield _sse(
-                                wire.sse_attention_event(ev, req.request_id, req.attention_format, req.attention_dtype)
-                            )
+                            att = sse_token_event(ev, req.request_id, req.attention_format, req.attention_dtype)
+                            yield json_event(att)
                         else:
                             text = filt.feed("" if ev.is_stop else ev.text)
                             if text or not data.trim_stop:
-                                yield _sse(wire.kobold_token_event(text))
+                                yield json_event(KoboldTokenEvent(token=text))
                 except Exception as exc:  # the worker failed mid-stream: tell the client, then end
                     err = report(exc, route_of(request))
-                    yield _sse({"type": "error", "request_id": req.request_id, **err.body()})
+                    yield json_event(ErrorEvent.of(err, req.request_id))
                 finally:
                     if not first.done():
                         first.cancel()  # the client left while queued: give up its place

@@ -22,8 +22,8 @@ from orchestrator.api.native.protocol import (
 from orchestrator.generation.events import DoneOut, PreviewStarted, TokenOut
 from orchestrator.generation.request import PreviewRequest
 from orchestrator.services import Services
+from orchestrator.slots.model import slot_id_out
 from orchestrator.web.body import json_route
-from orchestrator.wire import slot_id_out
 
 STOPPED = {"length": "max_tokens", "stop_token": "stop_token", "stop_string": "stop_string", "cancelled": "cancelled"}
 """The engine's ``finish_reason`` as the preview's ``stopped_reason``."""

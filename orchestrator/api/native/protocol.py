@@ -6,6 +6,7 @@ msgspec Structs: validated when decoded, encoded by msgspec, published in the Op
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import msgspec
@@ -13,9 +14,8 @@ from msgspec import UNSET, UnsetType
 
 from engine.errors import ErrorCode
 from engine.protocol import AttentionDtype, AttentionFormat, SamplingParams
-from orchestrator import wire
 from orchestrator.api.kobold.protocol import KoboldResult
-from orchestrator.generation.events import TokenOut
+from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.request import (
     DEFAULT,
     CanonicalRequest,
@@ -29,6 +29,8 @@ from orchestrator.generation.request import (
     TokenCount,
     TopK,
 )
+from orchestrator.slots.model import slot_id_out
+from orchestrator.web.errors import ErrorEvent
 
 
 class GenerateRequest(SamplerFields, kw_only=True):
@@ -187,14 +189,28 @@ class TokenAttention(TokenText, kw_only=True):
 
 
 def token_text(t: TokenOut) -> TokenText:
-    """:class:`TokenText` of a generated token."""
-    return msgspec.convert(wire.token_text_fields(t), TokenText)
+    """:class:`TokenText` of a generated token: ``bytes`` only when its piece alone is not valid UTF-8."""
+    try:
+        t.piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return TokenText(token_id=t.token_id, text=t.text, bytes_=list(t.piece))
+    return TokenText(token_id=t.token_id, text=t.text)
+
+
+def attention_of(t: TokenOut, fmt: str, dtype: str) -> Attention | None:
+    """The attention object of the JSON and SSE APIs (docs/api.md, "Attention"): ``t.attention``, the
+    worker's little-endian ``dtype`` bytes of ``t.attention_shape``, base64-encoded; ``None`` without."""
+    if t.attention is None:
+        return None
+    data = base64.b64encode(t.attention).decode("ascii")
+    shape = t.attention_shape
+    return Attention(format=fmt, shape=shape, context_length=shape[-1], encoding="base64", dtype=dtype, data=data)
 
 
 def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
     """:class:`TokenAttention` of a generated token (``fmt``/``dtype`` as requested)."""
-    fields = wire.token_text_fields(t) | {"attention": wire.attention_json(t, fmt, dtype)}
-    return msgspec.convert(fields, TokenAttention)
+    tt = token_text(t)
+    return TokenAttention(token_id=tt.token_id, text=tt.text, bytes_=tt.bytes_, attention=attention_of(t, fmt, dtype))
 
 
 class ModelResponse(msgspec.Struct, kw_only=True):
@@ -316,6 +332,21 @@ class TopLogprob(msgspec.Struct, kw_only=True):
     text: str | UnsetType = UNSET
 
 
+def hidden_of(t: TokenOut) -> Hidden | UnsetType:
+    """A token's hidden state (``output_hidden_states``; Halo Weave): float32 ``[n_embd]``, base64; unset without."""
+    if t.hidden is None:
+        return UNSET
+    data = base64.b64encode(t.hidden).decode("ascii")
+    return Hidden(shape=[len(t.hidden) // 4], encoding="base64", dtype="float32", data=data)
+
+
+def top_logprobs_of(t: TokenOut, pieces: list[bytes] | None = None) -> list[TopLogprob]:
+    """A token's most likely alternatives, best first; with ``pieces`` (token id -> bytes) their text."""
+    if pieces is None:
+        return [TopLogprob(token_id=tok, logprob=lp) for tok, lp in t.top]
+    return [TopLogprob(token_id=tok, logprob=lp, text=pieces[tok].decode("utf-8", "replace")) for tok, lp in t.top]
+
+
 class GeneratedToken(TokenText, kw_only=True):
     """A generated token of ``POST /api/v1/generate``: its logprob, alternatives (``n_probs``)
     and hidden state (``output_hidden_states``)."""
@@ -412,3 +443,140 @@ class ClassifyResponse(msgspec.Struct):
     usage: ClassifyUsage
     predictions: list[Any]
     object: str = "list"
+
+
+# ---------------------------------------------------------------------------------- stream events
+# What the SSE stream (``POST /api/extra/generate/stream`` with attention) and the WebSockets send, one
+# Struct per event (docs/api.md, "Streaming"); ``type`` tells them apart.  Built from generation's
+# events (:mod:`orchestrator.generation.events`) by the functions below, encoded by msgspec.
+
+
+class StreamToken(TokenText, kw_only=True):
+    """The ``token`` of a JSON WebSocket ``token`` event: its logprob and alternatives (best first)."""
+
+    logprob: float | None
+    top_logprobs: list[TopLogprob]
+
+
+class TokenEvent(msgspec.Struct, kw_only=True, tag="token", tag_field="type"):
+    """``WS /api/v1/generate/stream``: one generated token (``index`` from 0), its attention and hidden
+    state when asked for."""
+
+    request_id: str | None
+    index: int
+    token: StreamToken
+    attention: Attention | UnsetType = UNSET
+    hidden_state: Hidden | UnsetType = UNSET
+
+
+class SseTokenEvent(msgspec.Struct, kw_only=True, tag="token", tag_field="type"):
+    """``POST /api/extra/generate/stream`` with attention: one generated token and its attention."""
+
+    token: TokenText
+    request_id: str | None
+    attention: Attention | None
+    hidden_state: Hidden | UnsetType = UNSET
+
+
+class BinaryTokenFrame(msgspec.Struct, kw_only=True, tag="token", tag_field="type"):
+    """``WS /api/extra/generate/stream/ws``: the JSON text frame before a token's binary attention frame
+    (raw float32 of ``shape``; no binary frame when ``shape`` is absent)."""
+
+    token_id: int
+    text: str
+    bytes_: list[int] | UnsetType = msgspec.field(default=UNSET, name="bytes")
+    index: int
+    shape: list[int] | UnsetType = UNSET
+    hidden_state: Hidden | UnsetType = UNSET
+
+
+class PromptProgress(msgspec.Struct, kw_only=True):
+    """llama-server's ``prompt_progress`` (``return_progress``): ``processed`` of ``total`` prompt tokens
+    are in the KV cache, ``cache`` of them reused, after ``time_ms`` milliseconds."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+class ProgressEvent(msgspec.Struct, kw_only=True, tag="progress", tag_field="type"):
+    """Prompt-processing progress, before the first token (``return_progress``)."""
+
+    request_id: str | None
+    prompt_progress: PromptProgress
+
+
+class QueuedEvent(msgspec.Struct, kw_only=True, tag="queued", tag_field="type"):
+    """On the WebSockets, while a request waits for a free engine sequence: its place (1 = next)."""
+
+    position: int
+    request_id: str | None
+
+
+class DoneEvent(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
+    """The last event of a generation (docs/api.md, "``done`` fields"): token counts, milliseconds."""
+
+    request_id: str | None
+    finish_reason: str
+    total_tokens: int
+    generation_time_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    slot_id: int | str
+    stop_string: str | UnsetType = UNSET
+
+
+StreamEvent = TokenEvent | SseTokenEvent | BinaryTokenFrame | ProgressEvent | QueuedEvent | DoneEvent | ErrorEvent
+"""Every event slotserve's native streams send (one ``token`` shape per stream)."""
+
+
+def token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str, pieces: list[bytes]) -> TokenEvent:
+    """The JSON WebSocket's ``token`` event of ``t`` (``pieces``: token id -> bytes, for alternatives' text)."""
+    tt = token_text(t)
+    token = StreamToken(
+        token_id=tt.token_id, text=tt.text, bytes_=tt.bytes_, logprob=t.logprob, top_logprobs=top_logprobs_of(t, pieces)
+    )
+    att = attention_of(t, fmt, dtype)
+    return TokenEvent(
+        request_id=request_id,
+        index=t.index,
+        token=token,
+        attention=UNSET if att is None else att,
+        hidden_state=hidden_of(t),
+    )
+
+
+def sse_token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str) -> SseTokenEvent:
+    """The SSE stream's token event with attention."""
+    att = attention_of(t, fmt, dtype)
+    return SseTokenEvent(token=token_text(t), request_id=request_id, attention=att, hidden_state=hidden_of(t))
+
+
+def binary_token_frame(t: TokenOut) -> BinaryTokenFrame:
+    """The binary WebSocket's text frame of ``t``."""
+    tt = token_text(t)
+    shape = UNSET if t.attention is None else t.attention_shape
+    return BinaryTokenFrame(
+        token_id=tt.token_id, text=tt.text, bytes_=tt.bytes_, index=t.index, shape=shape, hidden_state=hidden_of(t)
+    )
+
+
+def progress_event(p: ProgressOut, request_id: str | None) -> ProgressEvent:
+    """The ``progress`` event of a prefill step."""
+    pp = PromptProgress(total=p.total, cache=p.cache, processed=p.processed, time_ms=p.time_ms)
+    return ProgressEvent(request_id=request_id, prompt_progress=pp)
+
+
+def done_event(d: DoneOut, request_id: str | None) -> DoneEvent:
+    """The ``done`` event of a finished generation."""
+    return DoneEvent(
+        request_id=request_id,
+        finish_reason=d.finish_reason,
+        total_tokens=d.n_generated,
+        generation_time_ms=round(d.generation_time_ms, 3),
+        prompt_tokens=d.n_prompt,
+        cached_tokens=d.n_cached,
+        slot_id=slot_id_out(d.slot_id),
+        stop_string=d.stop_string or UNSET,
+    )

@@ -34,15 +34,20 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
 from engine.errors import ErrorCode
-from engine.protocol import Progress
-from orchestrator import wire
-from orchestrator.api.native.protocol import GenerateRequest
-from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.api.native.protocol import (
+    GenerateRequest,
+    QueuedEvent,
+    binary_token_frame,
+    done_event,
+    progress_event,
+    token_event,
+)
+from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.web.body import decode_json_body
-from orchestrator.web.errors import ApiError, report, route_of
+from orchestrator.web.errors import ApiError, ErrorEvent, report, route_of
 
 log = structlog.get_logger("slotserve.ws")
 _json = msgspec.json.Encoder()
@@ -155,12 +160,13 @@ def _parse(data: str | bytes) -> GenerateRequest:
     return decode_json_body(data, GenerateRequest)
 
 
-async def _send_json(socket: WebSocket[Any, Any, Any], obj: dict[str, Any]) -> None:
-    await socket.send_text(_json.encode(obj).decode())
+async def _send_json(socket: WebSocket[Any, Any, Any], event: msgspec.Struct) -> None:
+    """``event`` as one JSON text frame (encoded by msgspec)."""
+    await socket.send_text(_json.encode(event).decode())
 
 
 async def _error(socket: WebSocket[Any, Any, Any], exc: BaseException, request_id: str | None) -> None:
-    await _send_json(socket, {"type": "error", "request_id": request_id, **report(exc, route_of(socket)).body()})
+    await _send_json(socket, ErrorEvent.of(report(exc, route_of(socket)), request_id))
 
 
 async def run_controlled(
@@ -183,7 +189,7 @@ async def run_controlled(
     """
 
     async def on_queued(position: int) -> None:
-        await _send_json(inbox.socket, {"type": "queued", "position": position, "request_id": req.request_id})
+        await _send_json(inbox.socket, QueuedEvent(position=position, request_id=req.request_id))
 
     control = RunControl(on_queued)
 
@@ -195,8 +201,8 @@ async def run_controlled(
                     await on_token(ev)
                 elif isinstance(ev, DoneOut):
                     await on_done(ev)
-                elif isinstance(ev, Progress):
-                    await _send_json(inbox.socket, wire.progress_event(ev, req.request_id))
+                elif isinstance(ev, ProgressOut):
+                    await _send_json(inbox.socket, progress_event(ev, req.request_id))
         finally:
             await run.aclose()
 
@@ -249,12 +255,12 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
         request_id = req.request_id
 
         async def on_token(t: TokenOut) -> None:
-            await _send_json(socket, wire.binary_ws_token_frame(t))
+            await _send_json(socket, binary_token_frame(t))
             if t.attention is not None:  # the buffer as received from the worker (Litestar's send_bytes wants bytes)
                 await socket.send({"type": "websocket.send", "bytes": t.attention, "text": None})  # type: ignore[typeddict-item]
 
         async def on_done(d: DoneOut) -> None:
-            await _send_json(socket, wire.done_event(d, request_id))
+            await _send_json(socket, done_event(d, request_id))
 
         await run_controlled(inbox, services, req, on_token, on_done)
     except (_Closed, WebSocketDisconnect):
@@ -295,11 +301,11 @@ async def _serve_events(socket: WebSocket[Any, Any, Any], inbox: Inbox, services
 
             async def on_token(t: TokenOut, req: CanonicalRequest = req, pieces: list[bytes] = pieces) -> None:
                 await _send_json(
-                    socket, wire.v1_token_event(t, req.request_id, req.attention_format, req.attention_dtype, pieces)
+                    socket, token_event(t, req.request_id, req.attention_format, req.attention_dtype, pieces)
                 )
 
             async def on_done(d: DoneOut, req: CanonicalRequest = req) -> None:
-                await _send_json(socket, wire.done_event(d, req.request_id))
+                await _send_json(socket, done_event(d, req.request_id))
 
             await run_controlled(inbox, services, req, on_token, on_done)
         except (_Closed, WebSocketDisconnect):

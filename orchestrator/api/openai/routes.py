@@ -28,9 +28,8 @@ import structlog
 from litestar import Controller, Request, get, post
 
 from engine.errors import ErrorCode
-from orchestrator import wire
 from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
-from orchestrator.api.native.protocol import GenerateRequest
+from orchestrator.api.native.protocol import GenerateRequest, attention_of
 from orchestrator.api.openai.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletion,
@@ -49,6 +48,7 @@ from orchestrator.generation.request import (
 )
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
+from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 
@@ -169,9 +169,7 @@ class Shape:
         elif not self.chat:
             choice["logprobs"] = None
         if self.req.attention:
-            choice["attention"] = [
-                wire.attention_json(t, self.req.attention_format, self.req.attention_dtype) for t in tokens
-            ]
+            choice["attention"] = [attention_of(t, self.req.attention_format, self.req.attention_dtype) for t in tokens]
         return choice
 
     def chunk(self, text: str | None, tokens: list[TokenOut], finish: str | None = None) -> dict[str, Any]:
@@ -197,7 +195,7 @@ class Shape:
             choice = {"index": 0, "text": text, "finish_reason": finish}
             body = self.envelope("text_completion", [self.extras(choice, tokens)])
         body["usage"] = _usage(done)
-        body["slot_id"] = wire.slot_id_out(done.slot_id)
+        body["slot_id"] = slot_id_out(done.slot_id)
         return body
 
 
