@@ -14,7 +14,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from litestar import Request
 
 from engine.errors import ErrorCode
@@ -24,8 +23,6 @@ from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
-
-_json = msgspec.json.Encoder()
 
 COMPAT_ERRORS = exception_handlers(compat_error_body)
 """Litestar exception handlers for the OpenAI and llama-server paths (errors in their shape)."""

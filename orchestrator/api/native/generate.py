@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ from orchestrator.api.native.protocol import (
     TokenAttention,
     done_event,
     hidden_of,
+    payload_bytes,
     progress_event,
     sse_token_event,
     token_attention,
@@ -35,11 +37,11 @@ from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter, trim_stop
 from orchestrator.services import Services
 from orchestrator.web.body import json_route
+from orchestrator.web.encode import encoded
 from orchestrator.web.errors import ErrorEvent, report, route_of
-from orchestrator.web.sse import QueuedComment, event_stream, json_event
+from orchestrator.web.sse import JsonEvent, QueuedComment, event_stream, json_event
 
 log = structlog.get_logger("slotserve.api")
-_json = msgspec.json.Encoder()
 
 
 async def _raw_body(request: Request[Any, Any, Any]) -> dict[str, Any]:
@@ -210,8 +212,11 @@ class GenerateController(Controller):
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         if req.attention:
-                            att = sse_token_event(ev, req.request_id, req.attention_format, req.attention_dtype)
-                            yield json_event(att)
+                            fmt, dtype = req.attention_format, req.attention_dtype
+                            frame = await encoded(
+                                partial(sse_token_event, ev, req.request_id, fmt, dtype), payload_bytes(ev)
+                            )
+                            yield JsonEvent(data=frame)
                         else:
                             text = filt.feed("" if ev.is_stop else ev.text)
                             if text or not data.trim_stop:

@@ -531,6 +531,11 @@ StreamEvent = TokenEvent | SseTokenEvent | BinaryTokenFrame | ProgressEvent | Qu
 """Every event slotserve's native streams send (one ``token`` shape per stream)."""
 
 
+def payload_bytes(t: TokenOut) -> int:
+    """The raw bytes a token's event carries base64-encoded (attention and hidden state)."""
+    return len(t.attention or b"") + len(t.hidden or b"")
+
+
 def token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str, pieces: list[bytes]) -> TokenEvent:
     """The JSON WebSocket's ``token`` event of ``t`` (``pieces``: token id -> bytes, for alternatives' text)."""
     tt = token_text(t)

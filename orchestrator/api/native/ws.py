@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -39,6 +40,7 @@ from orchestrator.api.native.protocol import (
     QueuedEvent,
     binary_token_frame,
     done_event,
+    payload_bytes,
     progress_event,
     token_event,
 )
@@ -47,6 +49,7 @@ from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.web.body import decode_json_body
+from orchestrator.web.encode import encoded_text
 from orchestrator.web.errors import ApiError, ErrorEvent, report, route_of
 
 log = structlog.get_logger("slotserve.ws")
@@ -300,9 +303,8 @@ async def _serve_events(socket: WebSocket[Any, Any, Any], inbox: Inbox, services
             pieces = await services.generation.pieces()
 
             async def on_token(t: TokenOut, req: CanonicalRequest = req, pieces: list[bytes] = pieces) -> None:
-                await _send_json(
-                    socket, token_event(t, req.request_id, req.attention_format, req.attention_dtype, pieces)
-                )
+                build = partial(token_event, t, req.request_id, req.attention_format, req.attention_dtype, pieces)
+                await socket.send_text(await encoded_text(build, payload_bytes(t)))
 
             async def on_done(d: DoneOut, req: CanonicalRequest = req) -> None:
                 await _send_json(socket, done_event(d, req.request_id))
