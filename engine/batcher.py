@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.engine import BatchEntry, Engine, EngineError
 from engine.errors import ErrorCode
+from engine.flow import Credit
 from engine.grammar import GrammarError
 from engine.protocol import (
     Buffer,
@@ -52,7 +53,7 @@ class Job:
     text: bytearray = field(default_factory=bytearray)
     last: int = -1
     cancelled: bool = False
-    acked: int = 0  # tokens the orchestrator's client has taken (``Ack``)
+    credit: Credit = field(default_factory=Credit)  # flow control: emitted against taken (``Ack``)
     n_prefilled: int = 0
     t0: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
@@ -166,19 +167,21 @@ class Batcher:
                 common = eng.keep(seq, common - 1)  # a recurrent state: 0, the whole base again
                 pending = base[common:]
         chain.accept_history(history)
-        return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending))
+        credit = Credit(req.window, req.window_bytes)
+        return Job(req, seq, fork, pending, common, chain, n_prompt=common + len(pending), credit=credit)
 
     def ack(self, req: int, n: int) -> None:
         """The client of ``req`` has taken its first ``n`` tokens (``Ack``); a held job may go on."""
         job = self.jobs.get(req)
         if job is not None:
-            job.acked = max(job.acked, n)
+            job.credit.ack(n)
 
     @staticmethod
     def held(job: Job) -> bool:
-        """True while ``job`` has emitted ``Generate.window`` tokens its client has not taken yet:
+        """True while ``job`` has run its flow-control window (``Generate.window`` tokens, or
+        ``window_bytes`` of tensors) ahead of what its client has taken (:class:`engine.flow.Credit`):
         it is not decoded (its sequence waits) until an ``Ack`` or a cancel."""
-        return 0 < job.req.window <= len(job.generated) - job.acked and not job.cancelled
+        return job.credit.spent() and not job.cancelled
 
     def cancel(self, req: int) -> None:
         """Mark ``req`` cancelled; it ends with ``Done(finish_reason="cancelled")`` at the next step."""
@@ -301,6 +304,7 @@ class Batcher:
         job.text += piece
         n_ctx = e.pos0 + len(e.tokens)
         self.emit(Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden), buffers)
+        job.credit.emit(sum(b.nbytes for b in buffers))
         reason, stop = self._stop_reason(job, tok)
         job.last = tok
         if reason is not None:

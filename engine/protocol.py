@@ -132,9 +132,11 @@ class Generate(Message):
     # sequence's cache holds further on are moved into place instead of prefilled (Engine.reuse_chunks);
     # 0: off; None: the engine's ``--cache-reuse``
     cache_reuse: NonNegInt | None = None
-    # Flow control: at most ``window`` tokens emitted ahead of what the orchestrator acknowledged
-    # (``Ack``); past that the worker holds this sequence (other jobs go on).  0: unbounded.
-    window: int = 0
+    # Flow control (engine/flow.py): at most ``window`` tokens, and while less than ``window_bytes``
+    # bytes of their tensors are outstanding, emitted ahead of what the orchestrator acknowledged
+    # (``Ack``); past that the worker holds this sequence (other jobs go on).  0: that bound off.
+    window: NonNegInt = 0
+    window_bytes: NonNegInt = 0
 
 
 class Cancel(Message):
@@ -145,7 +147,7 @@ class Cancel(Message):
 
 class Ack(Message):
     """The client of request ``target`` has taken its first ``n`` tokens (flow control of
-    ``Generate.window``); no reply.  An ``Ack`` for a finished request is ignored."""
+    ``Generate.window`` and ``window_bytes``); no reply.  An ``Ack`` for a finished request is ignored."""
 
     target: int
     n: int

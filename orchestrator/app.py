@@ -24,6 +24,7 @@ from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from engine.errors import ErrorCode
 from orchestrator import metrics
+from orchestrator.admin.feed import AttentionFeed
 from orchestrator.api.native.generate import GenerateController
 from orchestrator.api.native.health import MetricsController, health
 from orchestrator.api.native.model import ModelController
@@ -49,7 +50,7 @@ RESPONSE_LOG_FIELDS: tuple[ResponseExtractorField, ...] = ("status_code",)
 
 def build_services(settings: Settings) -> Services:
     """Create (not start) the long-lived objects."""
-    engine = WorkerClient(settings.worker)
+    engine = WorkerClient(settings.worker, window=settings.stream_window, window_bytes=settings.stream_window_bytes)
     archive = leases = None
     if settings.persist:
 
@@ -75,7 +76,9 @@ def build_services(settings: Settings) -> Services:
     )
     registry.wait_s = settings.slot_wait_s
     classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None
-    return Services(settings, engine, registry, GenerationService(engine, registry), archive, classifier)
+    feed = AttentionFeed()  # the admin page's live view of generated tokens
+    generation = GenerationService(engine, registry, feed)
+    return Services(settings, engine, registry, generation, archive, classifier, feed)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:

@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         log_config=uvicorn_log_config(),  # no query strings (api_key) in its log lines
         http=limited_protocol(settings.read_limits),  # header size, header and body read timeouts
         ws_max_size=4 * settings.max_body_bytes + (1 << 20),  # we answer PAYLOAD_TOO_LARGE ourselves
+        # uvicorn's sans-I/O websockets protocol stops reading the socket after each message until the
+        # app takes it, so a socket that ws.Inbox stops reading holds one message at most (the legacy
+        # "websockets" protocol would queue ws_max_queue, 32, of up to ws_max_size each).
+        ws="websockets-sansio",
         timeout_graceful_shutdown=30,
         # Attention frames are float32 noise to deflate (ratio ~0.96 at ~27 ms per 540 KB frame):
         # never negotiate permessage-deflate, whatever the client offers.

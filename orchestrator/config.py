@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from engine.flow import WINDOW_BYTES, WINDOW_TOKENS
 from engine.settings import EngineSettings, Flag, NonNegative, Positive
 from orchestrator.web.read_limits import ReadLimits
 from orchestrator.worker.launch import WorkerOptions
@@ -35,7 +36,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     :mod:`orchestrator.slots.admission`.  ``store_timeout_s``: deadline of one state-store call
     (:class:`storage.timeouts.TimeoutStore`).  ``durability``: ``strict`` (a turn is answered once
     its state is stored) or ``write-behind`` (answered at once, stored ``write_delay_ms`` later;
-    docs/operations.md).
+    docs/operations.md).  ``stream_window`` / ``stream_window_bytes``: how far a generation may run
+    ahead of what its client has taken, in tokens and in tensor bytes (flow control, :mod:`engine.flow`).
     """
 
     worker: WorkerOptions = msgspec.field(default_factory=WorkerOptions)
@@ -136,6 +138,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     write_delay_ms: Annotated[
         int, NonNegative, Flag("write-behind: wait this long to coalesce saves, ms", "--write-delay-ms", metavar="MS")
     ] = 200
+    stream_window: Annotated[
+        int,
+        Positive,
+        Flag("tokens a generation may run ahead of what its client has taken", "--stream-window", metavar="N"),
+    ] = WINDOW_TOKENS
+    stream_window_bytes: Annotated[
+        int,
+        NonNegative,
+        Flag(
+            "bytes of attention and hidden states a generation may run ahead of its client (0: no byte bound;"
+            " one token always goes)",
+            "--stream-window-bytes",
+            metavar="BYTES",
+        ),
+    ] = WINDOW_BYTES
     classifier_model: Annotated[
         str | None,
         Flag("classifier GGUF (pooling rank) served by POST /classify", "--classifier-model", metavar="PATH"),

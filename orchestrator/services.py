@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from litestar.datastructures import State
 
+from orchestrator.admin.feed import AttentionFeed
 from orchestrator.config import Settings
 from orchestrator.generation.service import GenerationService
 from orchestrator.slots.operations import SlotOps
@@ -16,7 +17,8 @@ from orchestrator.worker.interface import EngineClient
 
 @dataclass
 class Services:
-    """Engine client, slot registry, generation service, slot archive (the store), classifier client and settings."""
+    """Engine client, slot registry, generation service, slot archive (the store), classifier client, the admin
+    page's attention feed and settings."""
 
     settings: Settings
     engine: EngineClient
@@ -24,6 +26,7 @@ class Services:
     generation: GenerationService
     archive: SlotArchive | None = None  # the state store (None: --no-persist)
     classifier: EngineClient | None = None  # the classifier worker (--classifier-model)
+    feed: AttentionFeed = field(default_factory=AttentionFeed)  # the admin page's live view of generated tokens
 
 
 def provide_services(state: State) -> Services:

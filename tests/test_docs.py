@@ -105,13 +105,13 @@ def test_every_documented_endpoint_exists(
 
 
 def _raised_codes() -> set[str]:
-    """Every code either process can send: the whole ``ErrorCode`` vocabulary (``ApiError`` and
+    """Every code either process can send: the whole ``ErrorCode`` vocabulary (``ServiceError``, ``ApiError`` and
     ``EngineError`` take nothing else), plus any string literal still raised in the source."""
     codes = {str(c) for c in ErrorCode} | {str(c) for c in STATUS_OF_CODE}
     for folder in ("orchestrator", "engine"):
         for path in (ROOT / folder).rglob("*.py"):
             text = path.read_text(encoding="utf-8")
-            codes.update(re.findall(r'(?:Api|Engine)Error\(\s*"([A-Z_]+)"', text))
+            codes.update(re.findall(r'(?:Api|Service|Engine)Error\(\s*"([A-Z_]+)"', text))
             codes.update(re.findall(r"ErrorCode\.([A-Z_]+)", text))
     return codes
 

@@ -95,7 +95,7 @@ class AdminController(Controller):
         if layer is not None and not 0 <= layer < n_layers:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"layer must be in 0..{n_layers - 1}")
         view = AdminView(services)
-        feed = services.generation.feed
+        feed = services.feed
 
         async def stream() -> AsyncIterator[JsonEvent]:
             last = b""

@@ -17,7 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ErrorCode
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 
 
 def _raise_exception(message: str) -> None:
@@ -41,10 +41,12 @@ def message_text(content: Any) -> str:
         out = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(ErrorCode.INVALID_REQUEST, "message content parts must be {'type': 'text', 'text': str}")
+                raise ServiceError(
+                    ErrorCode.INVALID_REQUEST, "message content parts must be {'type': 'text', 'text': str}"
+                )
             out.append(part["text"])
         return "".join(out)
-    raise ApiError(ErrorCode.INVALID_REQUEST, "message content must be a string or a list of text parts")
+    raise ServiceError(ErrorCode.INVALID_REQUEST, "message content must be a string or a list of text parts")
 
 
 class ChatTemplate:
@@ -52,13 +54,13 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
         if not source:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "this model has no chat template (tokenizer.chat_template)")
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "this model has no chat template (tokenizer.chat_template)")
         env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as exc:
-            raise ApiError(ErrorCode.INVALID_REQUEST, f"the model's chat template does not compile: {exc}") from exc
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"the model's chat template does not compile: {exc}") from exc
         self.bos_token = bos_token
         self.eos_token = eos_token
 
@@ -71,11 +73,11 @@ class ChatTemplate:
         (``raise_exception``, e.g. roles out of order).
         """
         if not messages:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "messages must not be empty")
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "messages must not be empty")
         clean = []
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(ErrorCode.INVALID_REQUEST, "each message needs a string 'role'")
+                raise ServiceError(ErrorCode.INVALID_REQUEST, "each message needs a string 'role'")
             clean.append({**m, "content": message_text(m.get("content"))})
         try:
             return self.template.render(
@@ -86,4 +88,4 @@ class ChatTemplate:
                 tools=tools,
             )
         except jinja2.TemplateError as exc:
-            raise ApiError(ErrorCode.INVALID_REQUEST, f"chat template error: {exc}") from exc
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"chat template error: {exc}") from exc

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine import protocol as proto
 from orchestrator.worker.interface import EngineEvent, TokenOutput
@@ -132,3 +133,12 @@ class TokenStream:
             hidden=out.hidden,
             is_stop=msg.token_id in self.stop_ids,
         )
+
+
+class TokenWatcher(Protocol):
+    """Something that watches every generated token besides its client (the admin page's live feed,
+    :class:`orchestrator.admin.feed.AttentionFeed`); the generation service is handed one and does not
+    know what it is."""
+
+    def publish(self, slot_id: str, t: TokenOut, fmt: str, dtype: str, layers: list[int] | None) -> None:
+        """See ``t``, a token of ``slot_id`` whose attention is ``dtype`` bytes in ``fmt`` over ``layers``."""

@@ -11,7 +11,7 @@ import msgspec
 
 from engine.errors import ErrorCode
 from engine.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
 
@@ -128,7 +128,7 @@ def logit_bias_pairs(bias: dict[str, float | bool] | list[tuple[int | str, float
     out: list[tuple[int | str, float]] = []
     for key, value in items:
         if value is True:  # llama-server skips it silently; it means nothing
-            raise ApiError(ErrorCode.INVALID_REQUEST, "logit_bias: a bias is a number, or false to ban the token")
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "logit_bias: a bias is a number, or false to ban the token")
         tok = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
         out.append((tok, float("-inf") if value is False else float(value)))
     return out
@@ -142,11 +142,11 @@ def dry_breakers(value: list[str] | str | None) -> list[str]:
         try:
             value = msgspec.json.decode(value, type=list[str])
         except msgspec.DecodeError as exc:
-            raise ApiError(
+            raise ServiceError(
                 ErrorCode.INVALID_REQUEST, f"dry_sequence_breakers: not a JSON array of strings: {exc}"
             ) from exc
     if not value or len(value) > 64:
-        raise ApiError(ErrorCode.INVALID_REQUEST, "dry_sequence_breakers: 1 to 64 strings")
+        raise ServiceError(ErrorCode.INVALID_REQUEST, "dry_sequence_breakers: 1 to 64 strings")
     return value
 
 

@@ -15,12 +15,19 @@ import structlog
 from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.admin.feed import AttentionFeed
-from orchestrator.generation.events import DoneOut, PreviewStarted, ProgressOut, Started, TokenOut, TokenStream
+from orchestrator.generation.events import (
+    DoneOut,
+    PreviewStarted,
+    ProgressOut,
+    Started,
+    TokenOut,
+    TokenStream,
+    TokenWatcher,
+)
 from orchestrator.generation.request import AppendToken, CanonicalRequest, PreviewRequest
+from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
-from orchestrator.web.errors import ApiError
 from orchestrator.worker.interface import EngineClient, EngineRequestError, GenerationStream
 
 log = structlog.get_logger("slotserve.generate")
@@ -30,7 +37,7 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
     """``INVALID_TOKEN`` unless every id is in ``[0, vocab_size)``."""
     for t in ids:
         if not 0 <= t < vocab_size:
-            raise ApiError(
+            raise ServiceError(
                 ErrorCode.INVALID_TOKEN,
                 f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}",
                 token_id=t,
@@ -81,7 +88,7 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
 def require_attention(wanted: bool, attention_layers: list[int]) -> None:
     """Refuse (``INVALID_REQUEST``) attention ``wanted`` from a model without attention layers (recurrent)."""
     if wanted and not attention_layers:
-        raise ApiError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent): no attention")
+        raise ServiceError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent): no attention")
 
 
 def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto.CaptureOptions:
@@ -93,7 +100,7 @@ def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto
     if layers is not None and (
         not layers or any(il not in attention_layers for il in layers) or len(set(layers)) != len(layers)
     ):
-        raise ApiError(
+        raise ServiceError(
             ErrorCode.INVALID_REQUEST, f"attention_layers must be distinct layers with attention: {attention_layers}"
         )
     return proto.CaptureOptions(
@@ -140,16 +147,16 @@ class RunControl:
 class GenerationService:
     """Runs generations for the API (see module docstring)."""
 
-    def __init__(self, engine: EngineClient, registry: SlotRegistry) -> None:
+    def __init__(self, engine: EngineClient, registry: SlotRegistry, watcher: TokenWatcher | None = None) -> None:
         self.engine = engine
         self.registry = registry
-        self.feed = AttentionFeed()  # the admin page's live view of generated tokens
+        self.watcher = watcher  # sees every generated token too (the admin page's live feed)
 
     @property
     def info(self) -> proto.ModelInfo:
         """The loaded model's facts (``NO_MODEL`` while no worker is up)."""
         if self.engine.info is None:
-            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
+            raise ServiceError(ErrorCode.NO_MODEL, "No model loaded")
         return self.engine.info
 
     async def input_ids(self, req: CanonicalRequest) -> list[int]:
@@ -160,12 +167,12 @@ class GenerationService:
         elif req.prompt is not None:
             ids = (await self.engine.tokenize(req.prompt, False, True)).ids
         else:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "give input_ids (token ids) or prompt (text)")
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "give input_ids (token ids) or prompt (text)")
         if not ids:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "the context is empty")
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "the context is empty")
         check_tokens(ids, info.vocab_size, "input_ids")
         if len(ids) + req.max_new_tokens > info.n_ctx:
-            raise ApiError(
+            raise ServiceError(
                 ErrorCode.CONTEXT_OVERFLOW,
                 f"context of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds n_ctx {info.n_ctx}",
                 n_ctx=info.n_ctx,
@@ -209,7 +216,7 @@ class GenerationService:
         token: one when the prefill starts, then one per at most 256 prompt tokens, the
         last with ``n_done == n_total``.
 
-        Raises :class:`ApiError` before the first yield for a bad request, and
+        Raises :class:`ServiceError` before the first yield for a bad request, and
         ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
         Closing the iterator early cancels the generation within one decode step.
         """
@@ -246,7 +253,8 @@ class GenerationService:
                             texts.append(out.text)
                         n_out += 1
                         self.registry.generated(slot, len(ids) + n_out)  # live count; the worker's at Done
-                        self.feed.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
+                        if self.watcher is not None:
+                            self.watcher.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
                         yield out
                     elif isinstance(event, ProgressOut):
                         yield event
@@ -295,7 +303,7 @@ class GenerationService:
         Yields one :class:`PreviewStarted`, the tokens, then one :class:`DoneOut`.  The slot is
         held only while the fork is submitted (the worker applies requests in order), so its
         tokens and KV cells stay as they were and previews of one slot run concurrently.
-        Raises :class:`ApiError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
+        Raises :class:`ServiceError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
         (an explicitly named slot that does not exist, with no ``input_ids``),
         ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
         """
@@ -318,7 +326,7 @@ class GenerationService:
                 archive is not None and await archive.lookup(slot_id) is not None
             )
             if not known and named is not None and req.input_ids is None:
-                raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
+                raise ServiceError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             if known:
                 hooks = control.hooks if control is not None else None  # its client leaving ends its waits
                 async with self.registry.use(slot_id, wait=True, create=False, hooks=hooks) as slot:
@@ -329,7 +337,7 @@ class GenerationService:
         cache_hit = events is not None
         if events is None:
             if not req.input_ids:
-                raise ApiError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")
+                raise ServiceError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")
             events = await self.engine.preview(None, req.input_ids, append, params, capture)
         converter = TokenStream(set(params.stop_tokens) | set(info.eog_token_ids))
         texts: list[str] = []

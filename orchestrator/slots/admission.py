@@ -30,7 +30,7 @@ from typing import Any, Generic, TypeVar
 
 from engine.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 
 S = TypeVar("S")  # what waits: the registry's Slot (the queue never looks inside it)
 T = TypeVar("T")
@@ -58,7 +58,7 @@ class Ticket(Generic[S]):
         if not self.outcome.done():
             self.outcome.set_result(seq)
 
-    def fail(self, error: ApiError) -> None:
+    def fail(self, error: ServiceError) -> None:
         """End this wait with ``error`` (raised in the waiter)."""
         if not self.outcome.done():
             self.outcome.set_exception(error)
@@ -96,9 +96,9 @@ class AdmissionQueue(Generic[S]):
     def __len__(self) -> int:
         return len(self.waiting_tickets)
 
-    def refusal(self, message: str) -> ApiError:
+    def refusal(self, message: str) -> ServiceError:
         """``RATE_LIMITED`` with ``retry_after`` (seconds; HTTP answers carry it as ``Retry-After``)."""
-        return ApiError(ErrorCode.RATE_LIMITED, message, retry_after=self.retry_after_s)
+        return ServiceError(ErrorCode.RATE_LIMITED, message, retry_after=self.retry_after_s)
 
     def enter(self, slot: S) -> Ticket[S]:
         """Join the back of the queue; ``RATE_LIMITED`` when it is full."""
@@ -125,7 +125,7 @@ class AdmissionQueue(Generic[S]):
             self.waiting_tickets.remove(ticket)
             self._moved()
 
-    def fail_all(self, error: ApiError) -> int:
+    def fail_all(self, error: ServiceError) -> int:
         """Fail every waiting ticket with ``error`` (e.g. the store is down: nothing can be parked)."""
         n = 0
         while (ticket := self.pop()) is not None:
@@ -153,7 +153,7 @@ class WaitHooks:
     def check(self, what: str) -> None:
         """``CLIENT_GONE`` if the client already left (``what``: what it was waiting for)."""
         if self.gone.is_set():
-            raise ApiError(ErrorCode.CLIENT_GONE, f"the client left while its request waited for {what}")
+            raise ServiceError(ErrorCode.CLIENT_GONE, f"the client left while its request waited for {what}")
 
     async def unless_gone(self, aw: Awaitable[T], what: str) -> T:
         """Await ``aw``; if ``gone`` is set first, cancel it and raise ``CLIENT_GONE``.

@@ -5,7 +5,7 @@ They know nothing of slots: each is handed the registry's coroutine to call.
 * :class:`WriteBehind`: :meth:`WriteBehind.wake` asks for a flush; the loop waits
   ``delay_s`` seconds (so a burst of wakes becomes one flush), calls ``flush()``, and calls
   it again while ``pending()`` says work is left.  A flush that raises
-  :class:`orchestrator.web.errors.ApiError` (the store is down) is retried with exponential
+  :class:`orchestrator.service_error.ServiceError` (the store is down) is retried with exponential
   backoff from 0.5 s up to 30 s.
 * :func:`every`: call ``step()`` every ``period_s`` seconds; a failure is logged, the loop goes on.
 """
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 
 log = structlog.get_logger("slotserve.background")
 
@@ -46,7 +46,7 @@ class WriteBehind:
             try:
                 await self.flush()
                 backoff = 0.5
-            except ApiError as exc:
+            except ServiceError as exc:
                 log.warning("write-behind failed; retrying", error=exc.message, retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30)

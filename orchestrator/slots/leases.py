@@ -26,8 +26,8 @@ import uuid
 import structlog
 
 from engine.errors import ErrorCode
+from orchestrator.service_error import ServiceError
 from orchestrator.slots.persistence import SlotArchive, refused_write
-from orchestrator.web.errors import ApiError
 
 log = structlog.get_logger("slotserve.leases")
 
@@ -63,7 +63,7 @@ class LeaseKeeper:
         token = await self.archive.acquire_lease(slot_id, self.node_id, self.lease_ms)
         if token is None:
             owner = await self.archive.lease_owner(slot_id)
-            raise ApiError(
+            raise ServiceError(
                 ErrorCode.SLOT_BUSY,
                 f"slot {slot_id!r} is owned by node {owner!r}",
                 slot_id=slot_id,
@@ -90,7 +90,7 @@ class LeaseKeeper:
         """Give up ``slot_id``'s lease (a store failure is ignored: the lease then lapses)."""
         token = self.leases.pop(slot_id, None)
         if token is not None:
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(ServiceError):
                 await self.archive.release_lease(slot_id, token)
 
     async def owner(self, slot_id: str) -> str | None:
@@ -118,7 +118,7 @@ class LeaseKeeper:
         for slot_id, token in list(self.leases.items()):
             try:
                 renewed = await self.archive.renew_lease(slot_id, token, self.lease_ms)
-            except ApiError:
+            except ServiceError:
                 return  # the store is down: try again at the next beat
             if not renewed:
                 log.warning("lost lease", slot_id=slot_id)

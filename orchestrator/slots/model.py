@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
+from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
-from orchestrator.web.errors import ApiError
 
 MAX_SLOT_ID = 256
 
@@ -70,7 +70,7 @@ class Slot:
 def check_slot_id(slot_id: str) -> str:
     """Validate a slot id (1..256 printable characters); raise ``INVALID_REQUEST``."""
     if not slot_id or len(slot_id) > MAX_SLOT_ID or not slot_id.isprintable():
-        raise ApiError(
+        raise ServiceError(
             ErrorCode.INVALID_REQUEST, f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters"
         )
     return slot_id

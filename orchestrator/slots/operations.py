@@ -21,8 +21,8 @@ from engine.errors import ErrorCode
 from engine.framing import Buffer
 from engine.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
 from orchestrator.generation.service import check_tokens
+from orchestrator.service_error import ServiceError
 from orchestrator.slots.registry import Slot, SlotRegistry
-from orchestrator.web.errors import ApiError
 from storage.errors import BadStateError
 from storage.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
 
@@ -72,7 +72,7 @@ def message_boundaries(tokens: list[int], eot: int) -> list[dict[str, int]]:
 def confined_path(root: Path | None, filename: str) -> Path:
     """``root/filename`` for llama-server's file actions; refuses any path escape."""
     if root is None:
-        raise ApiError(ErrorCode.INVALID_REQUEST, "file actions need the server started with --slot-save-path")
+        raise ServiceError(ErrorCode.INVALID_REQUEST, "file actions need the server started with --slot-save-path")
     name = Path(filename)
     if (
         not filename
@@ -82,15 +82,15 @@ def confined_path(root: Path | None, filename: str) -> Path:
         or "\x00" in filename
         or "\\" in filename
     ):
-        raise ApiError(
+        raise ServiceError(
             ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: a plain file name inside --slot-save-path"
         )
     # save writes ".NAME.tmp" first: that name too must fit the file system's limit (NAME_MAX).
     if len(os.fsencode(f".{filename}.tmp")) > os.pathconf(root, "PC_NAME_MAX"):
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"filename of {len(filename)} characters is too long")
+        raise ServiceError(ErrorCode.INVALID_REQUEST, f"filename of {len(filename)} characters is too long")
     path = root / name
     if path.is_dir():
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory")
+        raise ServiceError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory")
     return path
 
 
@@ -108,14 +108,14 @@ class SlotOps:
     def _vocab(self) -> int:
         info = self.registry.engine.info
         if info is None:
-            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
+            raise ServiceError(ErrorCode.NO_MODEL, "No model loaded")
         return info.vocab_size
 
     def _shape(self) -> seq_state.StateShape:
         """The parts of this model's sequence states (its ``memory``, as the worker reported it)."""
         info = self.registry.engine.info
         if info is None:
-            raise ApiError(ErrorCode.NO_MODEL, "No model loaded")
+            raise ServiceError(ErrorCode.NO_MODEL, "No model loaded")
         return seq_state.StateShape(info.memory.kv_caches, info.memory.type in ("hybrid", "recurrent"))
 
     # ------------------------------------------------------------------ reads
@@ -129,7 +129,7 @@ class SlotOps:
         t0 = time.perf_counter()
         got = await self.registry.state(slot)
         if got is None:
-            raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {slot.id!r} holds no state")
+            raise ServiceError(ErrorCode.NO_CACHED_CONTEXT, f"slot {slot.id!r} holds no state")
         return SavedState(got[0], got[1], (time.perf_counter() - t0) * 1000)
 
     def release(self, saved: SavedState) -> None:
@@ -152,7 +152,7 @@ class SlotOps:
         except BadStateError as exc:
             if created:
                 await self.registry.forget(slot)
-            raise ApiError(ErrorCode.BAD_STATE, str(exc)) from exc
+            raise ServiceError(ErrorCode.BAD_STATE, str(exc)) from exc
         await self.restore(slot, ses1.tokens, ses1.state, created)
         return (time.perf_counter() - t0) * 1000
 
@@ -172,14 +172,14 @@ class SlotOps:
         """``BAD_STATE`` unless every token of a state is in the vocabulary."""
         try:
             check_tokens(tokens, self._vocab(), "the state's tokens")
-        except ApiError as exc:
-            raise ApiError(ErrorCode.BAD_STATE, exc.message) from exc
+        except ServiceError as exc:
+            raise ServiceError(ErrorCode.BAD_STATE, exc.message) from exc
 
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
         """The ``context-shift`` slot action (docs/api.md, "Slots"); returns the new token count."""
         n = slot.n_tokens if not self.registry.is_resident(slot) else len(await self.registry.tokens(slot))
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
-            raise ApiError(
+            raise ServiceError(
                 ErrorCode.INVALID_REQUEST,
                 f"need n_keep >= 0, n_discard > 0 and n_keep + n_discard <= n_tokens ({n})",
                 n_tokens=n,
@@ -215,7 +215,9 @@ class SlotOps:
         try:
             n = await asyncio.to_thread(write_seq_file, path, saved.tokens, saved.state)
         except IsADirectoryError as exc:  # made a directory meanwhile
-            raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory") from exc
+            raise ServiceError(
+                ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory"
+            ) from exc
         finally:
             self.release(saved)  # written (or not)
         return FileResult(len(saved.tokens), n, (time.perf_counter() - t0) * 1000)
@@ -230,9 +232,9 @@ class SlotOps:
         try:
             tokens = await asyncio.to_thread(_check_seq_file, path, self._shape())
         except (FileNotFoundError, IsADirectoryError) as exc:
-            raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
         except seq_state.BadStateError as exc:
-            raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
+            raise ServiceError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         self._check_state_tokens(tokens)
         return path
 
@@ -258,15 +260,15 @@ class SlotOps:
         try:
             parsed, size = await asyncio.to_thread(_read_seq_file, path, pool)
         except (FileNotFoundError, IsADirectoryError) as exc:
-            raise ApiError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"no saved slot file {filename!r}") from exc
         except seq_state.BadStateError as exc:
-            raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
+            raise ServiceError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         try:
             state = seq_state.single_stream(parsed.state, shape)  # llama-server -np N keeps a KV stream per slot
             seq_state.parse(state, shape=shape)  # its structure and length (header fields only), before a slot is taken
         except seq_state.BadStateError as exc:
             pool.give(parsed.state)
-            raise ApiError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
+            raise ServiceError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
         return SeqFile(parsed.tokens, state), parsed.state, size
 
 

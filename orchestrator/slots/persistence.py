@@ -36,7 +36,7 @@ import structlog
 
 from engine.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 from storage.base import SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError, StoreUnavailableError
 from storage.factory import open_store
@@ -51,7 +51,7 @@ T = TypeVar("T")
 log = structlog.get_logger("slotserve.archive")
 
 
-class OwnershipLost(ApiError):
+class OwnershipLost(ServiceError):
     """This node wrote (or was about to write) a slot whose lease it does not hold: the write was
     refused and the node must drop its copy (``SLOT_BUSY``, HTTP 409: another node owns it)."""
 
@@ -121,17 +121,17 @@ class SlotArchive:
     # ------------------------------------------------------------------ the edge
 
     async def _call(self, call: Awaitable[T], slot_id: str = "") -> T:
-        """Await a store call, mapping storage errors to :class:`ApiError` (the one place that does)."""
+        """Await a store call, mapping storage errors to :class:`ServiceError` (the one place that does)."""
         try:
             result = await call
         except StoreUnavailableError as exc:
             self.healthy = False
             self._down_until = time.monotonic() + self.breaker_s
-            raise ApiError(ErrorCode.STORE_UNAVAILABLE, f"state store unavailable: {exc}") from exc
+            raise ServiceError(ErrorCode.STORE_UNAVAILABLE, f"state store unavailable: {exc}") from exc
         except FingerprintMismatchError as exc:
-            raise ApiError(ErrorCode.BAD_STATE, f"slot {slot_id!r} was saved by another model: {exc}") from exc
+            raise ServiceError(ErrorCode.BAD_STATE, f"slot {slot_id!r} was saved by another model: {exc}") from exc
         except BadStateError as exc:
-            raise ApiError(ErrorCode.BAD_STATE, f"stored state of slot {slot_id!r} is damaged: {exc}") from exc
+            raise ServiceError(ErrorCode.BAD_STATE, f"stored state of slot {slot_id!r} is damaged: {exc}") from exc
         except LeaseLostError as exc:
             self.healthy, self._down_until = True, 0.0
             raise refused_write(slot_id, "the store refused the write: another node holds its lease") from exc
@@ -142,7 +142,7 @@ class SlotArchive:
     def check_up(self) -> None:
         """``STORE_UNAVAILABLE`` at once while the breaker is open (a store call failed just now)."""
         if time.monotonic() < self._down_until:
-            raise ApiError(
+            raise ServiceError(
                 ErrorCode.STORE_UNAVAILABLE,
                 "state store unavailable (it failed just now; retrying in the background)",
             )
@@ -151,14 +151,14 @@ class SlotArchive:
 
     async def start(self) -> None:
         """Ping the store; a failure only marks it unhealthy (requests then get ``STORE_UNAVAILABLE``)."""
-        with contextlib.suppress(ApiError):
+        with contextlib.suppress(ServiceError):
             await self._call(self.store.ping())
 
     async def check(self, timeout: float = 1.0) -> bool:
         """Ping the store now (for ``/health``); updates and returns :attr:`healthy`."""
         try:
             await self._call(asyncio.wait_for(self.store.ping(), timeout))
-        except (ApiError, TimeoutError, OSError):
+        except (ServiceError, TimeoutError, OSError):
             self.healthy = False
         return self.healthy
 
@@ -185,7 +185,7 @@ class SlotArchive:
         try:
             self.check_up()
             return await self._call(self.store.list_meta())
-        except ApiError:
+        except ServiceError:
             return []
 
     def next_version(self) -> int:

@@ -42,13 +42,13 @@ import structlog
 from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator import metrics
+from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import AdmissionQueue, WaitHooks
 from orchestrator.slots.background import WriteBehind, every, stop
 from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.model import MAX_SLOT_ID, Slot, check_slot_id
 from orchestrator.slots.persistence import OwnershipLost, SlotArchive
 from orchestrator.slots.residency import Residency, uncancellable
-from orchestrator.web.errors import ApiError
 from orchestrator.worker.interface import EngineClient
 from storage.base import SlotMeta
 from storage.ses1 import pack_ses1, unpack_ses1
@@ -115,7 +115,7 @@ class SlotRegistry(Residency):
             return
         try:
             await self.flush(wait_for_locks=True)
-        except ApiError as exc:
+        except ServiceError as exc:
             log.warning("could not save every slot at shutdown", error=exc.message)
         if self.leases is not None:
             await self.leases.stop()
@@ -151,7 +151,7 @@ class SlotRegistry(Residency):
                 self._take_meta(slot, meta)
         if slot is None:
             if not create:
-                raise ApiError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
+                raise ServiceError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             slot = self.slots[slot_id] = Slot(slot_id)
         return slot
 
@@ -177,14 +177,14 @@ class SlotRegistry(Residency):
         """
         slot = await self.get(slot_id, create)
         if slot.busy and not wait:
-            raise ApiError(ErrorCode.SLOT_BUSY, f"slot {slot_id!r} is processing another request", slot_id=slot_id)
+            raise ServiceError(ErrorCode.SLOT_BUSY, f"slot {slot_id!r} is processing another request", slot_id=slot_id)
         hooks = hooks or WaitHooks()
         slot.requests += 1  # a background save holding the lock is waited for, never reported as busy
         try:
             try:
                 await asyncio.wait_for(hooks.unless_gone(slot.lock.acquire(), f"slot {slot_id!r}"), self.wait_s)
             except TimeoutError:
-                raise ApiError(
+                raise ServiceError(
                     ErrorCode.SLOT_BUSY, f"slot {slot_id!r} stayed busy for {self.wait_s:g} s", slot_id=slot_id
                 ) from None
             try:
@@ -272,7 +272,7 @@ class SlotRegistry(Residency):
             assert self.archive is not None
             try:
                 retaken = await self.leases.claim(slot.id)
-            except ApiError as exc:
+            except ServiceError as exc:
                 if exc.code != ErrorCode.SLOT_BUSY:
                     raise
                 retaken = False  # another node holds it: refused below
@@ -317,7 +317,7 @@ class SlotRegistry(Residency):
         if slot.seq is None:
             return
         if self.archive is None:
-            raise ApiError(ErrorCode.RATE_LIMITED, "no store configured to park slots in")
+            raise ServiceError(ErrorCode.RATE_LIMITED, "no store configured to park slots in")
         try:
             await self.ensure_saved(slot)
         except OwnershipLost:  # another node's now: its sequence is free all the same
@@ -469,12 +469,12 @@ class SlotRegistry(Residency):
             # be the other slot's.  dst never evicts src: src's lock is held.
             src_seq = await self.ensure_resident(src, queue=False)
             dst_seq = await self.ensure_resident(dst, load=False, queue=False)
-        except ApiError as exc:
+        except ServiceError as exc:
             if exc.code != ErrorCode.RATE_LIMITED or self.archive is None or self.is_resident(dst):
                 raise
             got = await self.state(src)
             if got is None:
-                raise ApiError(ErrorCode.NO_CACHED_CONTEXT, f"slot {src.id!r} holds no state") from exc
+                raise ServiceError(ErrorCode.NO_CACHED_CONTEXT, f"slot {src.id!r} holds no state") from exc
             self.archive.check_up()
             dst.dirty = False
             try:

@@ -23,9 +23,9 @@ import structlog
 
 from engine.errors import ErrorCode
 from orchestrator import metrics
+from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import AdmissionQueue, Ticket, WaitHooks
 from orchestrator.slots.model import Slot
-from orchestrator.web.errors import ApiError
 from orchestrator.worker.interface import EngineClient
 
 log = structlog.get_logger("slotserve.slots")
@@ -128,7 +128,7 @@ class Residency(ABC):
         try:
             while True:
                 if hooks is not None and hooks.gone.is_set():
-                    raise ApiError(ErrorCode.CLIENT_GONE, "the client left while its request was queued")
+                    raise ServiceError(ErrorCode.CLIENT_GONE, "the client left while its request was queued")
                 pos = ticket.position
                 if hooks is not None and hooks.on_position is not None and pos and pos != shown:
                     shown = pos
@@ -166,7 +166,7 @@ class Residency(ABC):
                 return
             try:
                 await self._evict_if_idle()
-            except ApiError as exc:  # the store is down: nobody gets a sequence until it is back
+            except ServiceError as exc:  # the store is down: nobody gets a sequence until it is back
                 self.queue.fail_all(exc)
                 return
             self._grant_free()
@@ -175,7 +175,7 @@ class Residency(ABC):
         """:meth:`_evict`, or None when every sequence serves a request (raises a store failure)."""
         try:
             return await self._evict()
-        except ApiError as exc:
+        except ServiceError as exc:
             if exc.code != ErrorCode.RATE_LIMITED or not self.can_park:
                 raise
             return None
@@ -184,7 +184,7 @@ class Residency(ABC):
         """Park ``slot`` (its last request just ended; lock held) for the requests queued for a sequence."""
         try:
             await self.park(slot)
-        except ApiError as exc:  # the store cannot take it: nobody gets a sequence until it can
+        except ServiceError as exc:  # the store cannot take it: nobody gets a sequence until it can
             log.warning("could not park a slot for a queued request", slot_id=slot.id, error=exc.message)
             if exc.code == ErrorCode.STORE_UNAVAILABLE:
                 self.queue.fail_all(exc)
@@ -216,7 +216,7 @@ class Residency(ABC):
         while True:
             idle = [s for s in self.owner if s is not None and not s.busy]
             if not idle:
-                raise ApiError(ErrorCode.RATE_LIMITED, f"all {self.n_seqs} engine sequences are busy")
+                raise ServiceError(ErrorCode.RATE_LIMITED, f"all {self.n_seqs} engine sequences are busy")
             victim = min(idle, key=lambda s: (s.lock.locked(), s.last_used))
             async with victim.lock:
                 seq = victim.seq

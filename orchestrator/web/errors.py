@@ -8,7 +8,8 @@ status, :data:`STATUS_OF_CODE`.  Body shape::
 (the ``error`` key is what the JSON WebSocket's ``error`` event uses, docs/api.md).  Caller
 mistakes are 4xx; a 500 only ever means a bug of ours.
 
-Every exception that reaches a client becomes an :class:`ApiError` in one place,
+Domain code raises :class:`orchestrator.service_error.ServiceError` (no HTTP in it); every exception
+that reaches a client becomes an :class:`ApiError` in one place,
 :func:`from_exception`, through :data:`TO_API_ERROR` (keyed by exception type, looked up
 along the exception's MRO as Litestar looks up its ``exception_handlers``).
 :func:`exception_handlers` builds Litestar's handler map from the same table; a handler
@@ -30,6 +31,7 @@ from litestar.openapi import ResponseSpec
 from litestar.types import ExceptionHandlersMap, Send
 
 from engine.errors import ErrorCode
+from orchestrator.service_error import ServiceError
 from orchestrator.worker.interface import EngineDeadError, EngineRequestError
 
 log = structlog.get_logger("slotserve.api")
@@ -154,20 +156,16 @@ STREAMABLE_COMPAT_RESPONSES = {
 }
 
 
-class ApiError(Exception):
-    """A failure to report to the client: ``code``, message, optional extra fields.
+class ApiError(ServiceError):
+    """A failure as the client is told it: a :class:`ServiceError` with its HTTP ``status``.
 
-    ``status`` defaults to the code's (:data:`STATUS_OF_CODE`).  ``code`` must be an
-    :class:`ErrorCode` (or its exact name): anything else raises ``ValueError`` here,
-    never a silent 400.
+    ``status`` defaults to the code's (:data:`STATUS_OF_CODE`).  Route handlers and the web edge raise
+    it; domain code raises :class:`ServiceError`, which :func:`from_exception` turns into one.
     """
 
     def __init__(self, code: ErrorCode, message: str, status: int | None = None, **extra: Any) -> None:
-        super().__init__(message)
-        self.code = ErrorCode(code)
-        self.message = message
+        super().__init__(code, message, **extra)
         self.status = status or STATUS_OF_CODE[self.code]
-        self.extra = extra
 
     def body(self) -> dict[str, Any]:
         """The JSON error body (also used for WS/SSE error events)."""
@@ -209,6 +207,7 @@ def _internal(exc: BaseException) -> ApiError:
 
 TO_API_ERROR: dict[type[Exception], Callable[[Any], ApiError]] = {
     ApiError: lambda exc: exc,
+    ServiceError: lambda exc: ApiError(exc.code, exc.message, **exc.extra),
     EngineRequestError: _engine_request_error,
     EngineDeadError: lambda exc: ApiError(ErrorCode.NO_MODEL, str(exc)),
     ValidationException: _validation_exception,

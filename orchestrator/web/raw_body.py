@@ -27,7 +27,7 @@ from litestar.response.base import ASGIResponse
 
 from engine.buffers import BufferPool
 from engine.framing import POOLED_BYTES, Buffer
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 
 BODY_POOL = BufferPool(keep=1)
 """Where large request bodies are read (one kept buffer: the largest body given back)."""
@@ -135,7 +135,7 @@ def lent_to_worker(buf: Buffer) -> Iterator[Buffer]:
     way nothing reads it any more); dropped on anything else (cancelled while it may still be on its way)."""
     try:
         yield buf
-    except ApiError:
+    except ServiceError:
         BODY_POOL.give(buf)
         raise
     except BaseException:

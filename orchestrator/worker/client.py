@@ -10,10 +10,11 @@ If the worker dies, every pending request fails with ``EngineDeadError`` (an err
 event for streams) and, when ``restart`` is on, a new worker is started; its
 sequences are empty, so slots must come back from the store (``on_restart`` hook).
 
-Flow control: every ``Generate`` carries ``window=``:data:`STREAM_WINDOW`, and the stream
-sends ``Ack(target=req, n)`` as its consumer takes tokens
+Flow control: every ``Generate`` carries the client's ``window`` (tokens) and ``window_bytes``
+(tensor bytes; :mod:`engine.flow`, ``--stream-window`` and ``--stream-window-bytes``), and the
+stream sends ``Ack(target=req, n)`` as its consumer takes tokens
 (:class:`orchestrator.worker.interface.GenerationStream`), so a request's reply queue holds at most
-that many tokens (with their attention bytes) however slowly its client reads.
+that many tokens (and about that many bytes of attention) however slowly its client reads.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import structlog
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
+from engine.flow import WINDOW_BYTES, WINDOW_TOKENS
 from engine.framing import RECEIVE_POOL, FrameStream, open_frame_stream, parse_address
 from orchestrator.worker.interface import (
     Classification,
@@ -49,16 +51,6 @@ R = TypeVar("R", bound=proto.Message)
 
 Event = tuple[proto.Reply, list[bytearray]]
 
-STREAM_WINDOW = 4
-"""Tokens a generation may run ahead of what its client has taken (``engine.protocol.Generate.window``).
-
-Past that the worker holds the sequence (engine/batcher.py, ``Batcher.held``; the other
-sequences go on) until an ``Ack`` or a cancel.  The orchestrator's memory per stream is then
-at most this many tokens with their tensors (per-layer float32 attention is
-``4 * n_layers * n_heads * n_ctx`` bytes a token: 2.2 MB for SmolLM2-135M at 2,000 tokens of
-context) plus the frame being sent.  Four is enough for a client that keeps up: an ``Ack``
-crosses the socket in well under one decode step.  docs/operations.md, "Memory"."""
-
 
 class WorkerClient:
     """Async client of one engine worker, an :class:`orchestrator.worker.interface.EngineClient`.
@@ -66,10 +58,22 @@ class WorkerClient:
     See the module docstring.
     """
 
-    def __init__(self, options: WorkerOptions, restart: bool = True, window: int = STREAM_WINDOW) -> None:
+    def __init__(
+        self,
+        options: WorkerOptions,
+        restart: bool = True,
+        window: int = WINDOW_TOKENS,
+        window_bytes: int = WINDOW_BYTES,
+    ) -> None:
+        """``window`` / ``window_bytes``: the flow-control window of every generation, in tokens and
+        in tensor bytes (:mod:`engine.flow`; 0 turns a bound off, both 0: unbounded and no ``Ack``).
+        Past it the worker holds the sequence (``Batcher.held``; the other sequences go on) until an
+        ``Ack`` or a cancel, so the memory of a stream here is at most that window plus the frame
+        being sent (docs/operations.md, "Memory per client")."""
         self.options = options
         self.restart = restart
-        self.window = window  # flow-control window of every generation (0: unbounded, no Ack sent)
+        self.window = window
+        self.window_bytes = window_bytes
         self.info: proto.ModelInfo | None = None
         self.pieces: list[bytes] = []
         self.generation = 0  # incremented on every (re)start: sequences of older generations are gone
@@ -281,7 +285,7 @@ class WorkerClient:
         except BaseException:
             self._waiters.pop(msg.req, None)
             raise
-        ack = (lambda n: self._ack(msg.req, n)) if msg.window > 0 else None
+        ack = (lambda n: self._ack(msg.req, n)) if msg.window > 0 or msg.window_bytes > 0 else None
         return GenerationStream(msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q), ack)
 
     async def _ack(self, req: int, n: int) -> None:
@@ -344,7 +348,7 @@ class WorkerClient:
         """See :meth:`orchestrator.worker.interface.EngineClient.generate`."""
         msg = proto.Generate(
             self.new_id(), seq, "generate", list(input_ids), params, capture,
-            progress=progress, window=self.window, cache_reuse=cache_reuse,
+            progress=progress, window=self.window, window_bytes=self.window_bytes, cache_reuse=cache_reuse,
         )  # fmt: skip
         return await self._open_stream(msg)
 
@@ -359,8 +363,9 @@ class WorkerClient:
         """See :meth:`orchestrator.worker.interface.EngineClient.preview`."""
         at = -1 if seq is None else seq
         msg = proto.Generate(
-            self.new_id(), at, "preview", list(input_ids), params, capture, list(append), window=self.window
-        )
+            self.new_id(), at, "preview", list(input_ids), params, capture, list(append),
+            window=self.window, window_bytes=self.window_bytes,
+        )  # fmt: skip
         return await self._open_stream(msg)
 
     async def cancel(self, req: int) -> None:

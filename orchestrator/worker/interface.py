@@ -71,7 +71,7 @@ class GenerationStream:
     frame, and the server's transport applies backpressure on that send, before they ask
     again), so ``ack(n)`` is awaited first, ``n`` being the count of tokens taken
     (``Token.index + 1`` of the latest).  The engine runs at most its flow-control window
-    (``engine.protocol.Generate.window``; :data:`orchestrator.worker.client.STREAM_WINDOW`)
+    (``engine.protocol.Generate.window`` and ``window_bytes``; :mod:`engine.flow`)
     ahead of that count, so a slow client holds its own generation, not the server's
     memory.  Without ``ack`` (an in-process engine that decodes only as it is iterated)
     nothing is sent.

@@ -1,6 +1,9 @@
-"""Flow control (``Generate.window`` / ``Ack``): a job whose client lags is held, the others go on."""
+"""Flow control (``Generate.window``, ``window_bytes`` / ``Ack``): a job whose client lags is held,
+the others go on."""
 
 from __future__ import annotations
+
+import pytest
 
 from engine.protocol import CaptureOptions, Generate, SamplingParams
 from tests.engine.enginekit import Runner
@@ -8,9 +11,12 @@ from tests.engine.enginekit import Runner
 PROMPT = [1, 2, 3, 4, 5, 6]
 
 
-def _generate(runner: Runner, req: int, seq: int, window: int) -> None:
+def _generate(
+    runner: Runner, req: int, seq: int, window: int, window_bytes: int = 0, capture: CaptureOptions | None = None
+) -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-    runner.batcher.submit(Generate(req, seq, "generate", PROMPT, params, CaptureOptions(), window=window))
+    cap = capture or CaptureOptions()
+    runner.batcher.submit(Generate(req, seq, "generate", PROMPT, params, cap, window=window, window_bytes=window_bytes))
 
 
 def test_held_job_waits_for_ack_while_others_go_on(runner: Runner) -> None:
@@ -24,7 +30,10 @@ def test_held_job_waits_for_ack_while_others_go_on(runner: Runner) -> None:
     runner.batcher.ack(slow, 1)
     runner.run()
     assert len(runner.results[slow].tokens) == 3  # one more token per token taken
-    runner.batcher.ack(slow, 6)
+    runner.batcher.ack(slow, 6)  # more than it emitted: taken are the 3 it has, no credit in advance
+    runner.run()
+    assert len(runner.results[slow].tokens) == 5
+    runner.batcher.ack(slow, 5)
     runner.run()
     done = runner.results[slow].done
     assert done is not None and done.finish_reason == "length" and len(runner.results[slow].tokens) == 6
@@ -42,3 +51,36 @@ def test_cancel_ends_a_held_job(runner: Runner) -> None:
     runner.run()
     done = runner.results[req].done
     assert done is not None and done.finish_reason == "cancelled"
+
+
+def test_a_byte_window_holds_a_job_by_the_size_of_its_attention(runner: Runner) -> None:
+    """``window_bytes``: a token is emitted while less than that many tensor bytes are outstanding,
+    so with 1.5 frames' worth the job holds after two frames, and a single frame always goes."""
+    if not runner.engine.attention_layers:
+        pytest.skip("a recurrent model has no attention to capture")
+    cap = CaptureOptions(attention=True, format="per_layer", dtype="float32")
+    probe = 7_000_004
+    _generate(runner, probe, 0, window=1, capture=cap)
+    runner.run()
+    frame = runner.results[probe].attention[0].nbytes  # the first token's attention row, float32
+    runner.batcher.cancel(probe)
+    runner.run()
+    req, tiny = 7_000_005, 7_000_006
+    _generate(runner, req, 0, window=0, window_bytes=frame * 3 // 2, capture=cap)
+    _generate(runner, tiny, 1, window=0, window_bytes=1, capture=cap)  # smaller than one frame
+    runner.run()
+    assert len(runner.results[req].tokens) == 2 and not runner.batcher.has_work()
+    assert len(runner.results[tiny].tokens) == 1  # one token outstanding at a time, never none
+    runner.batcher.ack(req, 2)
+    runner.batcher.ack(tiny, 1)
+    runner.run()
+    assert len(runner.results[req].tokens) == 4 and len(runner.results[tiny].tokens) == 2
+    runner.batcher.ack(req, 1)  # an older count changes nothing
+    runner.run()
+    assert len(runner.results[req].tokens) == 4
+    for r in (req, tiny):
+        while runner.results[r].done is None:
+            runner.batcher.ack(r, len(runner.results[r].tokens))
+            runner.run()
+        done = runner.results[r].done
+        assert done is not None and done.finish_reason == "length" and len(runner.results[r].tokens) == 6

@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.generation.chat_template import ChatTemplate
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 
 
 def feed_all(stops: list[str], parts: list[str], stop: str) -> list[str]:
@@ -43,13 +43,13 @@ def test_real_template_renders_chatml(model) -> None:  # type: ignore[no-untyped
 
 def test_template_errors_are_client_errors() -> None:
     t = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}x", "", "")
-    with pytest.raises(ApiError, match="user first"):
+    with pytest.raises(ServiceError, match="user first"):
         t.render([{"role": "assistant", "content": "no"}])
     assert t.render([{"role": "user", "content": "ok"}]) == "x"
-    with pytest.raises(ApiError):
+    with pytest.raises(ServiceError):
         t.render([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
-    with pytest.raises(ApiError):
+    with pytest.raises(ServiceError):
         ChatTemplate("", "", "")
     sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}", "", "")
-    with pytest.raises(ApiError):
+    with pytest.raises(ServiceError):
         sandboxed.render([{"role": "user", "content": "x"}])

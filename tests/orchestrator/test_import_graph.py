@@ -125,3 +125,23 @@ def test_only_the_engine_client_touches_its_receive_buffers() -> None:
         if "engine.framing.RECEIVE_POOL" in names_imported(f)
     ]
     assert users == ["orchestrator/worker/client.py"]
+
+
+DOMAIN = ("orchestrator.slots", "orchestrator.generation", "orchestrator.worker")
+"""The domain packages: slots, generation and the engine client side."""
+SURFACES = ("orchestrator.web", "orchestrator.api", "orchestrator.admin")
+"""HTTP plumbing, the API surfaces and the admin page: what the domain must not know."""
+
+
+def test_the_domain_knows_no_surface() -> None:
+    """Slots, generation and the engine client import nothing of HTTP, the API surfaces or the admin
+    page: they raise :class:`orchestrator.service_error.ServiceError`, mapped to HTTP once at the edge,
+    and generation is handed its token watcher (the admin feed) instead of importing it."""
+    graph = import_graph()
+    leaks = {
+        module: sorted(t for t in targets if t.startswith(SURFACES))
+        for module, targets in graph.items()
+        if module.startswith(DOMAIN)
+    }
+    assert "orchestrator.generation.service" in leaks and "orchestrator.slots.registry" in leaks
+    assert {m: t for m, t in leaks.items() if t} == {}

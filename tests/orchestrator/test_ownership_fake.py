@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, wait_for
 
 REFUSED = "slotserve_stale_writes_refused_total"
@@ -39,7 +39,7 @@ async def test_a_node_that_was_refused_a_slot_takes_the_stored_state_when_it_get
     await b.registry.start()
     try:
         await a.gen("p", PROMPT)
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(ServiceError) as refused:
             await b.gen("p", PROMPT)
         assert refused.value.code == "SLOT_BUSY"
         assert await a.archive.lookup("p") is None, "the scenario needs a's state unsaved when b asks"
@@ -82,7 +82,7 @@ async def test_a_write_from_a_node_past_its_lease_is_refused_and_its_copy_droppe
         assert await stored_tokens(b, "p") == b_tokens, "the stale node overwrote nothing"
         slot = a.registry.slots["p"]
         assert not a.registry.is_resident(slot) and not a.leases.holds("p"), "a dropped its copy"
-        with pytest.raises(ApiError) as busy:
+        with pytest.raises(ServiceError) as busy:
             await a.gen("p", PROMPT)
         assert busy.value.code == "SLOT_BUSY" and busy.value.extra["owner"] == "node-b"
         async with b.registry.use("p", resident=False) as held:
@@ -133,7 +133,7 @@ async def test_strict_durability_does_not_answer_a_turn_it_cannot_store(tmp_path
         await w.gen("s", PROMPT, n=2)
         store.down = True
         ids = [*PROMPT, *greedy(PROMPT, 2), 6]
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(ServiceError) as refused:
             await w.gen("s", ids, n=2)
         assert refused.value.code == "STORE_UNAVAILABLE"
         assert w.registry.slots["s"].dirty and w.seq_tokens("s") == [*ids, *greedy(ids, 2)]

@@ -18,7 +18,7 @@ import pytest
 from engine import protocol as proto
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.service import RunControl
-from orchestrator.web.errors import ApiError
+from orchestrator.service_error import ServiceError
 from tests.orchestrator.fake_engine import FakeEngine, state_blob
 from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, request, saved, wait_for
 
@@ -177,7 +177,7 @@ async def test_a_busy_slot_refuses_a_second_request_and_a_waiter_gets_it_after(t
     try:
         first = asyncio.create_task(w.gen("busy", PROMPT, n=10))
         await wait_for(lambda: w.registry.slots.get("busy") is not None and w.registry.slots["busy"].busy)
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(ServiceError) as refused:
             await w.gen("busy", PROMPT)
         assert refused.value.code == "SLOT_BUSY" and refused.value.status == 409
         assert refused.value.extra["slot_id"] == "busy"
@@ -196,7 +196,7 @@ async def test_a_slot_leased_by_another_node_is_refused_with_owner_and_retry_aft
     await b.registry.start()
     try:
         await a.gen("shared", PROMPT)
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(ServiceError) as refused:
             await b.gen("shared", PROMPT)
         err = refused.value
         assert err.code == "SLOT_BUSY" and err.extra["owner"] == "node-a" and err.extra["retry_after"] >= 1
@@ -335,7 +335,7 @@ async def test_a_store_outage_is_one_clear_error_and_the_write_behind_catches_up
         store.down = True
         done = await w.gen("up", [*w.seq_tokens("up"), 6], n=3)  # resident, lease held: it still generates
         assert done.n_generated == 3
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(ServiceError) as refused:
             await w.gen("elsewhere", PROMPT)  # needs the store (is it stored? its lease?)
         assert refused.value.code == "STORE_UNAVAILABLE" and refused.value.status == 503
         await asyncio.sleep(0.3)

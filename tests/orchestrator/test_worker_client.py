@@ -12,8 +12,9 @@ import pytest
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
+from engine.flow import WINDOW_TOKENS
 from engine.settings import EngineSettings
-from orchestrator.worker.client import STREAM_WINDOW, WorkerClient
+from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.interface import EngineRequestError, GenerationStream, TokenOutput
 from orchestrator.worker.launch import WorkerOptions
 from tests.conftest import ROOT
@@ -97,11 +98,11 @@ def test_every_method_over_a_real_worker() -> None:
 
 
 def test_a_stream_not_read_holds_its_generation() -> None:
-    """Flow control: the worker emits ``STREAM_WINDOW`` tokens ahead of what the stream's consumer
+    """Flow control: the worker emits ``WINDOW_TOKENS`` tokens ahead of what the stream's consumer
     took, then holds that generation; asking for more acknowledges, and leaving ends it."""
 
     async def test(c: WorkerClient) -> None:
-        assert c.window == STREAM_WINDOW
+        assert c.window == WINDOW_TOKENS
         ids = (await c.tokenize("Once upon a time", True, False)).ids
         params = proto.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
         stream = await c.generate(0, ids, params, proto.CaptureOptions())
@@ -109,12 +110,12 @@ def test_a_stream_not_read_holds_its_generation() -> None:
         assert isinstance(first, TokenOutput) and first.token.index == 0
         queue = c._waiters[stream.req]
         deadline = asyncio.get_running_loop().time() + 60
-        while queue.qsize() < STREAM_WINDOW - 1:  # the rest of the window arrives
+        while queue.qsize() < WINDOW_TOKENS - 1:  # the rest of the window arrives
             assert asyncio.get_running_loop().time() < deadline, f"{queue.qsize()} tokens queued"
             await asyncio.sleep(0.01)
         for _ in range(2):  # two round trips: the worker had a step in between, and did not decode it
             await c.tokenize("x", False, False)
-        assert queue.qsize() == STREAM_WINDOW - 1 and (await c.engine_state()).generating == [0]
+        assert queue.qsize() == WINDOW_TOKENS - 1 and (await c.engine_state()).generating == [0]
         tokens, done = await collect(stream)  # each ask acknowledges the token before it
         assert done.finish_reason == "length" and 1 + len(tokens) == 24
         assert [t.token.index for t in tokens] == list(range(1, 24))

@@ -15,9 +15,11 @@ On both, ``{"type":"cancel"}`` stops the running generation within one decode st
 Messages over the size limit get a ``PAYLOAD_TOO_LARGE`` error and the socket closes.
 
 Memory per socket is bounded both ways: the generation runs only a few tokens ahead of the
-frames this socket has sent (``orchestrator.worker.client.STREAM_WINDOW``; each send waits
-while uvicorn's transport buffer is full), and the client's messages wait in a bounded
-:class:`Inbox` (past it the server stops reading the socket).
+frames this socket has sent (flow control, :mod:`engine.flow`: ``--stream-window`` tokens and
+``--stream-window-bytes``; each send waits while uvicorn's transport buffer is full), and the
+client's messages wait in a bounded :class:`Inbox` (past it the server stops reading the socket;
+uvicorn's ``websockets-sansio`` protocol, pinned in orchestrator/cli.py, then holds at most the
+message it was reading).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from orchestrator.api.native.protocol import (
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
+from orchestrator.service_error import ServiceError
 from orchestrator.services import Services
 from orchestrator.web.body import decode_json_body
 from orchestrator.web.encode import encoded_text
@@ -226,7 +229,7 @@ async def run_controlled(
                 with contextlib.suppress(asyncio.CancelledError):
                     await sender
                 raise
-            except ApiError:
+            except ServiceError:
                 await control.cancel()
                 await sender
                 raise
@@ -312,7 +315,7 @@ async def _serve_events(socket: WebSocket[Any, Any, Any], inbox: Inbox, services
             await run_controlled(inbox, services, req, on_token, on_done)
         except (_Closed, WebSocketDisconnect):
             return
-        except ApiError as exc:
+        except ServiceError as exc:
             with contextlib.suppress(Exception):
                 await _error(socket, exc, request_id)
             if exc.code is ErrorCode.PAYLOAD_TOO_LARGE:
