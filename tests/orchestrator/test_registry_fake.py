@@ -19,6 +19,7 @@ from engine import protocol as proto
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.service import RunControl
 from orchestrator.service_error import ServiceError
+from orchestrator.web.errors import from_exception
 from tests.orchestrator.fake_engine import FakeEngine, state_blob
 from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, request, saved, wait_for
 
@@ -179,7 +180,7 @@ async def test_a_busy_slot_refuses_a_second_request_and_a_waiter_gets_it_after(t
         await wait_for(lambda: w.registry.slots.get("busy") is not None and w.registry.slots["busy"].busy)
         with pytest.raises(ServiceError) as refused:
             await w.gen("busy", PROMPT)
-        assert refused.value.code == "SLOT_BUSY" and refused.value.status == 409
+        assert refused.value.code == "SLOT_BUSY" and from_exception(refused.value).status == 409
         assert refused.value.extra["slot_id"] == "busy"
         second = await w.gen("busy", PROMPT, n=2, wait=True)  # waits for the first
         assert first.done()
@@ -337,7 +338,7 @@ async def test_a_store_outage_is_one_clear_error_and_the_write_behind_catches_up
         assert done.n_generated == 3
         with pytest.raises(ServiceError) as refused:
             await w.gen("elsewhere", PROMPT)  # needs the store (is it stored? its lease?)
-        assert refused.value.code == "STORE_UNAVAILABLE" and refused.value.status == 503
+        assert refused.value.code == "STORE_UNAVAILABLE" and from_exception(refused.value).status == 503
         await asyncio.sleep(0.3)
         assert w.registry.slots["up"].dirty and store.puts["up"] == 1, "the save waits for the store"
         assert not w.archive.healthy
