@@ -139,6 +139,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     from orchestrator.api.llama_server import LlamaServerController
     from orchestrator.api.openai import OpenAIController
     from orchestrator.api.preview import PreviewController
+    from orchestrator.api.responses_api import ResponsesController
     from orchestrator.api.slots import SlotController
 
     route_handlers += [
@@ -147,6 +148,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         classify,
         AdminController,
         OpenAIController,
+        ResponsesController,
         LlamaServerController,
         KoboldController,
     ]
