@@ -43,6 +43,7 @@ from enum import StrEnum
 from typing import Any
 
 from engine.errors import ErrorCode
+from orchestrator.chat_template import message_text
 from orchestrator.errors import ApiError
 from orchestrator.schemas import CanonicalRequest
 
@@ -240,7 +241,7 @@ class ToolPlan:
                 + json.dumps(self._generic_example())
             )
             if out and out[0].get("role") == "system":
-                out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{system}"}
+                out[0] = {**out[0], "content": f"{message_text(out[0].get('content'))}\n\n{system}"}
             else:
                 out.insert(0, {"role": "system", "content": system})
         return out
@@ -334,7 +335,7 @@ class ToolPlan:
             return (None, [one]) if one else (text, [])
         got = _json_at(stripped, 0)  # generic
         if got is None or not isinstance(got[0], dict) or stripped[got[1] :].strip():
-            return text, []
+            return _cut_response(stripped, text), []
         obj = got[0]
         if "tool_calls" in obj and isinstance(obj["tool_calls"], list):
             found = [c for c in (_call(i) for i in obj["tool_calls"]) if c]
@@ -350,6 +351,24 @@ class ToolPlan:
     def splitter(self) -> ToolStream:
         """A :class:`ToolStream` for this plan's streamed output."""
         return ToolStream(self)
+
+
+_RESPONSE_HEAD = re.compile(r'\{\s*"response"\s*:\s*"')
+
+
+def _cut_response(stripped: str, text: str) -> str:
+    """The text of a ``generic`` ``{"response": "...`` answer cut short (by ``max_tokens``), else ``text``."""
+    head = _RESPONSE_HEAD.match(stripped)
+    if head is None:
+        return text
+    body = stripped[head.end() :]
+    for cut in range(min(len(body), 6) + 1):  # drop a half-written escape at the end
+        try:
+            value = json.loads('"' + body[: len(body) - cut] + '"')
+        except ValueError:
+            continue
+        return value if isinstance(value, str) else text
+    return text
 
 
 def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:

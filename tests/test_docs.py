@@ -17,7 +17,7 @@ from litestar.routes import WebSocketRoute
 
 from engine.errors import ErrorCode
 from orchestrator import schemas
-from orchestrator.api import kobold, llama_server, openai
+from orchestrator.api import kobold, llama_server, openai, responses_api
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
 from orchestrator.config import Settings
@@ -133,6 +133,8 @@ REQUEST_BODIES = [
     openai.CompletionRequest,
     openai.StreamOptions,
     openai.AttentionOption,
+    responses_api.ResponsesRequest,
+    responses_api.TextFormat,
     llama_server.CompletionBody,
     kobold.GenkeyBody,
     kobold.TokenCountBody,

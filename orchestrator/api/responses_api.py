@@ -37,7 +37,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from litestar import Controller, Request, post
@@ -46,7 +46,8 @@ from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, EventStream, collect, started_run
 from orchestrator.api.openai import ChatCompletionRequest, Shape, chat_shape
 from orchestrator.chat_template import message_text
-from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
+from orchestrator.compat_responses import streamable
+from orchestrator.errors import ApiError, compat_error_body, report, route_of
 from orchestrator.generation import DoneOut, TokenOut
 from orchestrator.schemas import Float32, Probability, Seed, TokenCount
 from orchestrator.services import Services
@@ -62,7 +63,7 @@ class TextFormat(msgspec.Struct, kw_only=True):
     """``text.format``: ``text``, ``json_object``, or ``json_schema`` with ``schema`` (flat, as the
     Responses API writes it)."""
 
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool | None = None
@@ -96,6 +97,42 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     slot_id: str | int | None = None
     background: bool | None = None
+
+
+class ResponseUsage(msgspec.Struct, kw_only=True):
+    """``usage`` of a response (``input_tokens_details.cached_tokens``: prompt tokens from the slot's cache)."""
+
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(msgspec.Struct, kw_only=True):
+    """OpenAI's response object (``output``: ``message`` and ``function_call`` items, module docstring)."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[dict[str, Any]]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    temperature: float | None
+    top_p: float | None
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    text: dict[str, Any]
+    truncation: str
+    metadata: dict[str, str]
+    store: bool
+    usage: ResponseUsage | None
 
 
 class Kept(msgspec.Struct):
@@ -163,12 +200,13 @@ def input_messages(items: str | list[dict[str, Any]], before: list[dict[str, Any
             role = "system" if item["role"] == "developer" else item["role"]
             out.append({"role": role, "content": _text_of(item.get("content"))})
         elif kind == "function_call":
+            cid, name = _call_id(item.get("call_id") or item.get("id")), item.get("name")
             call = {
-                "id": item.get("call_id") or item.get("id"),
+                "id": cid,
                 "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+                "function": {"name": name, "arguments": item.get("arguments") or "{}"},
             }
-            names[call["id"]] = call["function"]["name"]
+            names[cid] = name
             last = out[-1] if out else None
             if last and last["role"] == "assistant" and "tool_calls" in last:
                 out[-1] = {**last, "tool_calls": [*last["tool_calls"], call]}  # a kept message stays as it was
@@ -177,13 +215,19 @@ def input_messages(items: str | list[dict[str, Any]], before: list[dict[str, Any
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output)
-            call_id = item.get("call_id")
+            call_id = _call_id(item.get("call_id"))
             out.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id), "content": text})
         else:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"unsupported input item type {kind!r}")
     if len(out) == len(before):
         raise ApiError(ErrorCode.INVALID_REQUEST, "input must not be empty")
     return out
+
+
+def _call_id(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "function_call and function_call_output items need a string call_id")
+    return value
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -309,7 +353,10 @@ def _chat_request(data: ResponsesRequest, messages: list[dict[str, Any]], slot: 
         "user": data.user,
         "slot_id": slot if slot is not None else data.slot_id,
     }
-    return msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+    try:
+        return msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}") from exc
 
 
 class ResponsesController(Controller):
@@ -321,11 +368,11 @@ class ResponsesController(Controller):
         ["/v1/responses", "/responses"],
         status_code=200,
         summary="OpenAI Responses API: create a response",
-        responses=COMPAT_ERROR_RESPONSES,
+        responses=streamable(ResponseObject),
     )
     async def create(
         self, request: Request[Any, Any, Any], services: Services, data: ResponsesRequest
-    ) -> EventStream | dict[str, Any]:
+    ) -> EventStream | ResponseObject:
         before: list[dict[str, Any]] = []
         slot = None
         if data.previous_response_id:
@@ -343,7 +390,7 @@ class ResponsesController(Controller):
             answer.output += [answer.function_call(c) for c in calls]
             answer.end(got.end)
             answer.remember(messages, content, calls, got.end.slot_id)
-            return answer.body()
+            return msgspec.convert(answer.body(), ResponseObject)
         run = await started_run(services, shape.req, request)
         return EventStream(_events(answer, run, messages, route_of(request)))
 

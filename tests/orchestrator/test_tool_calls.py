@@ -153,6 +153,8 @@ def test_detect_format(template: str, fmt: ToolFormat) -> None:
         ("{{ messages }}", '{"tool_call": {"name": "add", "arguments": {"a": 3}}}', None, [("add", {"a": 3})]),
         ("{{ messages }}", '{"tool_calls": [{"name": "add", "arguments": {}}]}', None, [("add", {})]),
         ("{{ messages }}", '{"response": "hello"}', "hello", []),
+        ("{{ messages }}", '{"response": "cut \\u00e9 sho', "cut \u00e9 sho", []),  # max_tokens ended it
+        ("{{ messages }}", '{"response": "cut \\u00', "cut ", []),
         ("{{ messages }}", "plain text", "plain text", []),
     ],
 )
@@ -256,7 +258,7 @@ def test_agent_loop_openai_sdk(client) -> None:  # type: ignore[no-untyped-def]
     messages.append(choice.message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": weather(args["city"])})
     second = client.chat.completions.create(
-        model="m", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=24, temperature=0, user="tc-agent"
+        model="m", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=10, temperature=0, user="tc-agent"
     )
     answer = second.choices[0]
     assert answer.finish_reason in ("stop", "length") and answer.message.content and not answer.message.tool_calls
@@ -288,7 +290,7 @@ def test_named_function_and_parallel_calls(client) -> None:  # type: ignore[no-u
         tools=[WEATHER, ADD],
         tool_choice={"type": "function", "function": {"name": "add"}},
         parallel_tool_calls=True,
-        max_tokens=80,
+        max_tokens=60,
         temperature=0,
         user="tc-named",
     )
@@ -342,7 +344,7 @@ def test_langchain_bind_tools(server: ServerProc) -> None:
     from langchain_core.messages import HumanMessage, ToolMessage
 
     llm = lc.ChatOpenAI(
-        base_url=server.url + "/v1", api_key="unused", model="m", temperature=0, max_tokens=60, max_retries=0
+        base_url=server.url + "/v1", api_key="unused", model="m", temperature=0, max_tokens=48, max_retries=0
     )
     bound = llm.bind_tools([WEATHER], tool_choice="required")
     messages: list[Any] = [HumanMessage("What is the weather in Paris?")]
@@ -353,7 +355,7 @@ def test_langchain_bind_tools(server: ServerProc) -> None:
         reply,
         ToolMessage(weather(reply.tool_calls[0]["args"]["city"]), tool_call_id=reply.tool_calls[0]["id"]),
     ]
-    final = llm.bind_tools([WEATHER], tool_choice="none").invoke(messages, user="tc-lc")
+    final = llm.bind_tools([WEATHER], tool_choice="none").invoke(messages, user="tc-lc", max_tokens=10)
     assert isinstance(final.content, str) and final.content and not final.tool_calls
 
 
@@ -440,7 +442,7 @@ def test_responses_function_call_loop(client) -> None:  # type: ignore[no-untype
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": weather("Rome")}],
         tools=[FLAT_WEATHER],
         tool_choice="none",
-        max_output_tokens=20,
+        max_output_tokens=10,
         temperature=0,
     )
     assert answer.output[0].type == "message" and answer.output_text
@@ -498,7 +500,7 @@ def test_hermes_template_calls_and_history(
         {"role": "tool", "tool_call_id": call.id, "content": weather("Paris")},
     ]
     after = c.chat.completions.create(
-        model="m", messages=history, tools=[WEATHER, ADD], max_tokens=20, temperature=0, user="h1"
+        model="m", messages=history, tools=[WEATHER, ADD], max_tokens=8, temperature=0, user="h1"
     )
     assert (
         after.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
