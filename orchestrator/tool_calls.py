@@ -371,6 +371,26 @@ def _cut_response(stripped: str, text: str) -> str:
     return text
 
 
+def _response_so_far(held: str) -> str:
+    """The text of a ``generic`` ``{"response": "...`` answer as far as it has arrived ("" for other
+    JSON): up to the string's closing quote, less a half-written escape or surrogate pair."""
+    stripped = held.lstrip()
+    head = _RESPONSE_HEAD.match(stripped)
+    if head is None:
+        return ""
+    body, i = stripped[head.end() :], 0
+    while i < len(body):
+        if body[i] == "\\":
+            i += 2
+        elif body[i] == '"':
+            body = body[:i]
+            break
+        else:
+            i += 1
+    value = _cut_response(stripped[: head.end()] + body, "")
+    return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value
+
+
 def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     calls: list[ToolCall] = []
     content: list[str] = []
@@ -396,9 +416,10 @@ class ToolStream:
     """Splits streamed text into content to send now and text held back as a possible call.
 
     ``hermes``/``mistral``: text before the call marker streams (less a tail that could be the
-    marker's start); from the marker on, everything is held.  ``llama3``/``generic``: an
-    answer that starts (after spaces) like a call is held whole; ``generic`` always is.
-    :meth:`finish` parses what was held (:meth:`ToolPlan.parse`).
+    marker's start); from the marker on, everything is held.  ``llama3``: an answer that starts
+    (after spaces) like a call is held whole.  ``generic``: the JSON is held, the text of a
+    ``{"response": "..."}`` answer streams as it is decoded.  :meth:`finish` parses what was held
+    (:meth:`ToolPlan.parse`) and returns the content not sent yet.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -407,12 +428,17 @@ class ToolStream:
         self.holding = plan.format == ToolFormat.GENERIC
         self.marker = {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: "[TOOL_CALLS]"}.get(plan.format, "")
         self.started = False
+        self.sent = ""  # the generic answer's text sent so far
 
     def feed(self, text: str) -> str:
         """The part of ``text`` (after what was held) that can be sent as content now."""
         if self.holding:
             self.held += text
-            return ""
+            if self.plan.format != ToolFormat.GENERIC:
+                return ""
+            value = _response_so_far(self.held)
+            new, self.sent = value[len(self.sent) :], value
+            return new
         buf = self.held + text
         if self.plan.format == ToolFormat.LLAMA3 and not self.started:
             lead = buf.lstrip()
@@ -442,7 +468,10 @@ class ToolStream:
         if not self.holding:
             return held, []
         content, calls = self.plan.parse(held)
-        return content or "", calls
+        content = content or ""
+        if self.sent and content.startswith(self.sent):
+            content = content[len(self.sent) :]
+        return content, calls
 
 
 def _object_arguments(message: dict[str, Any]) -> dict[str, Any]:

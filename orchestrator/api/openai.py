@@ -341,9 +341,10 @@ async def respond(
                     rest = filt.finish(ev.done.stop_string)
                     finish = FINISH.get(ev.done.finish_reason, "stop")
                     calls: list[ToolCall] = []
-                    if split is not None:
+                    if split is not None:  # the tail first: it may complete a held call
+                        rest = split.feed(rest)
                         held, calls = split.finish()
-                        rest = split.feed(rest) + held
+                        rest += held
                     if rest or pending:
                         yield sse_data(shape.chunk(rest, pending))
                     if calls:

@@ -180,6 +180,20 @@ def test_stream_splitter_holds_back_the_marker() -> None:
     assert plain.feed("a <b") + plain.feed("c>") == "a <bc>" and plain.finish() == ("", [])
 
 
+def test_generic_answer_streams_as_it_is_decoded() -> None:
+    plan = plan_of("{{ messages }}", [ADD], "auto", False)
+    assert plan is not None
+    split = plan.splitter()
+    pieces = ['{"res', 'ponse": "Hel', "lo \\", "u00e9\\n", "\\ud83d", "\\ude00", ' !"}']
+    sent = [split.feed(p) for p in pieces]
+    assert sent == ["", "Hel", "lo ", "\u00e9\n", "", "\U0001f600", " !"]  # a lone surrogate waits for its pair
+    assert "".join(sent) + split.finish()[0] == "Hello \u00e9\n\U0001f600 !"
+    calls = plan.splitter()
+    assert calls.feed('{"tool_call": {"name": "add", ') == "" and calls.feed('"arguments": {}}}') == ""
+    content, got = calls.finish()
+    assert content == "" and [c.name for c in got] == ["add"]
+
+
 def test_plan_refusals() -> None:
     with pytest.raises(ApiError, match="needs tools"):
         plan_of(QWEN25, None, "required", None)
