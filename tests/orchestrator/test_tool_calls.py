@@ -388,6 +388,21 @@ def test_auto_answers_in_text_or_a_call(client) -> None:  # type: ignore[no-unty
             assert not choice.message.content.lstrip().startswith('{"response"')
 
 
+def test_generic_text_answer_streams_like_the_whole(client) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice none on a template without tools: the answer is {"response": ...} JSON under a grammar,
+    returned and streamed as its text (here cut by max_tokens)."""
+    kw: dict[str, Any] = dict(
+        model="m", messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER], tool_choice="none",
+        max_tokens=16, temperature=0,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw, user="tc-txt1").choices[0]
+    chunks = list(client.chat.completions.create(**kw, user="tc-txt2", stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.message.content and not whole.message.content.lstrip().startswith("{")
+    assert text == whole.message.content and not whole.message.tool_calls
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 2  # streamed, not held to the end
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
