@@ -16,6 +16,7 @@ llama.cpp sees them: llama.cpp parses GBNF by recursive descent, and a group nes
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from typing import Any
@@ -78,12 +79,21 @@ def _check_counts(node: Any) -> None:
             _check_counts(value)
 
 
-def gbnf_of(grammar: str, json_schema: str) -> str:
+def gbnf_of(grammar: str, json_schema: str, schema_rule: str = "") -> str:
     """The GBNF to constrain sampling with: ``grammar`` if given, else ``json_schema`` (JSON text of
     a schema; ``{}`` is any JSON object, as llama-server reads it) converted, else ``""`` (none).
 
+    With ``schema_rule`` (a GBNF rule name) and both texts, the schema's GBNF is appended to
+    ``grammar`` with its ``root`` rule renamed ``schema_rule``, so that ``grammar`` can wrap JSON
+    of that schema in other text (a tool call's ``<tool_call>...</tool_call>``, as llama-server's
+    chat formats build their grammars from the tools' schemas in ``common/chat.cpp``).
+
     Raises :class:`GrammarError` for a schema that is not JSON or that the converter refuses.
     """
+    if schema_rule and grammar and json_schema:
+        converted = gbnf_of("", json_schema)
+        renamed = re.sub(r"^root\s*::=", f"{schema_rule} ::=", converted, count=1, flags=re.MULTILINE)
+        return grammar + "\n" + renamed
     if grammar or not json_schema:
         return grammar
     try:
@@ -102,15 +112,31 @@ def gbnf_of(grammar: str, json_schema: str) -> str:
         raise GrammarError(f"json_schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from exc
 
 
-def grammar_sampler(vocab: llama.llama_vocab_p, gbnf: str) -> llama.llama_sampler_p:
+def grammar_sampler(vocab: llama.llama_vocab_p, gbnf: str, triggers: list[str] | None = None) -> llama.llama_sampler_p:
     """``llama_sampler_init_grammar(vocab, gbnf, "root")`` (``include/llama.h``); the caller frees it
-    (or adds it to a chain).  Raises :class:`GrammarError` when llama.cpp cannot parse ``gbnf``
-    (it returns NULL and logs why) or when it nests deeper than :data:`MAX_NESTING`."""
-    if "\x00" in gbnf:
+    (or adds it to a chain).  With ``triggers`` (regexes, as llama-server's grammar triggers of
+    ``common/sampling.cpp``): ``llama_sampler_init_grammar_lazy_patterns``, a grammar that allows
+    every token until the output so far matches one of them, and constrains from the match's
+    first capture group (else the whole match) on.  Raises :class:`GrammarError` when llama.cpp
+    cannot parse ``gbnf`` (it returns NULL and logs why) or when it nests deeper than
+    :data:`MAX_NESTING`."""
+    if "\x00" in gbnf or any("\x00" in t for t in triggers or []):
         raise GrammarError("the grammar holds a NUL character")
     if nesting_depth(gbnf) > MAX_NESTING:
         raise GrammarError(f"grammar nests groups deeper than {MAX_NESTING}")
-    ptr = llama.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+    if triggers:
+        for t in triggers:
+            try:
+                re.compile(t)
+            except re.error as exc:  # llama.cpp's std::regex would throw through the C API
+                raise GrammarError(f"grammar trigger {t!r} is not a regex: {exc}") from exc
+        pats = (ctypes.c_char_p * len(triggers))(*[t.encode() for t in triggers])
+        none = (llama.llama_token * 1)()
+        ptr = llama.llama_sampler_init_grammar_lazy_patterns(
+            vocab, gbnf.encode(), b"root", pats, len(triggers), none, 0
+        )
+    else:
+        ptr = llama.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
     if not ptr:
         raise GrammarError(
             "llama.cpp cannot parse the grammar (a syntax error, an undefined rule, no 'root' rule, or left recursion)"

@@ -76,6 +76,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logit_bias: list[tuple[int, float]] = []  # (token, bias added to its logit); -inf bans it
     grammar: str = ""  # GBNF (llama.cpp grammars/README.md), root rule ``root``
     json_schema: str = ""  # a JSON schema as JSON text; turned into GBNF by the worker (``grammar`` wins)
+    schema_rule: str = ""  # set: ``json_schema``'s GBNF is added to ``grammar`` as this rule (engine/grammar.py)
+    grammar_triggers: list[str] = []  # set: a lazy grammar, from the first match of one of these regexes on
 
 
 AttentionFormat = Literal["per_layer", "aggregated"]

@@ -70,8 +70,8 @@ class SamplerChain:
     """
 
     def __init__(self, params: SamplingParams, vocab: llama.llama_vocab_p, n_vocab: int) -> None:
-        gbnf = gbnf_of(params.grammar, params.json_schema)
-        self.grammar = grammar_sampler(vocab, gbnf) if gbnf else None  # kept out of the chain (see sample)
+        gbnf = gbnf_of(params.grammar, params.json_schema, params.schema_rule)
+        self.grammar = grammar_sampler(vocab, gbnf, params.grammar_triggers) if gbnf else None  # beside the chain
         self.n_vocab = n_vocab
         self.ptr = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         self._history: list[tuple[llama.llama_sampler_p, int]] = []  # (sampler, window) fed the context

@@ -142,6 +142,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     from orchestrator.api.llama_server.slots import SlotController
     from orchestrator.api.native.classify import classify
     from orchestrator.api.native.preview import PreviewController
+    from orchestrator.api.openai.responses import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
 
     route_handlers += [
@@ -150,6 +151,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         classify,
         AdminController,
         OpenAIController,
+        ResponsesController,
         LlamaServerController,
         KoboldController,
     ]

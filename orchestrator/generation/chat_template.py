@@ -4,13 +4,15 @@ The template is rendered with jinja2's ``ImmutableSandboxedEnvironment``, as
 llama-cpp-python's ``Jinja2ChatFormatter`` (``llama_cpp/llama_chat_format.py``) and
 llama-server's ``--jinja`` mode do: ``trim_blocks``/``lstrip_blocks``, the globals
 ``raise_exception`` and ``strftime_now``, and the variables ``messages``, ``bos_token``,
-``eos_token``, ``add_generation_prompt`` and ``tools``.  There is no hand-written
+``eos_token``, ``add_generation_prompt`` and ``tools``; ``tojson`` is transformers' (no HTML
+escaping, ``indent`` taken), as tool-calling templates are written for it.  There is no hand-written
 template here: a model without one gets ``INVALID_REQUEST`` on chat requests.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any
 
 import jinja2
@@ -26,6 +28,14 @@ def _raise_exception(message: str) -> None:
 
 def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    """transformers' ``tojson`` filter (``utils/chat_template_utils.py``): plain ``json.dumps``,
+    without jinja2's HTML escaping, taking ``indent`` as tool-calling templates pass it."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def message_text(content: Any) -> str:
@@ -57,6 +67,7 @@ class ChatTemplate:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "this model has no chat template (tokenizer.chat_template)")
         env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        env.filters["tojson"] = _tojson
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as exc:

@@ -199,6 +199,8 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     logit_bias: BiasPairs = []
     grammar: str = ""
     json_schema: str = ""
+    schema_rule: str = ""  # engine.protocol.SamplingParams: set by the tool-call paths, not by clients
+    grammar_triggers: list[str] = []
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
 
 

@@ -50,7 +50,7 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     srv.stop()
 
 
-LENGTHS = ("max_new_tokens", "max_length", "max_tokens", "max_completion_tokens", "n_predict")
+LENGTHS = ("max_new_tokens", "max_length", "max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
 CHEAP = 4
 # generation routes -> the length field set when a valid case gives none
 GENERATION_ROUTES = {
@@ -62,12 +62,14 @@ GENERATION_ROUTES = {
     "/v1/completions": "max_tokens",
     "/completion": "n_predict",
     "/completions": "n_predict",
+    "/v1/responses": "max_output_tokens",
+    "/responses": "max_output_tokens",
 }
 # endless event streams (the admin page's feed): covered by the admin page test, not fuzzed
 ENDLESS = ("/admin/events",)
 # llama-server's and OpenAI's paths answer errors in their shape (CompatErrorBody)
 COMPAT_PATHS = ("/v1/chat/", "/chat/", "/v1/completions", "/completion", "/v1/models", "/models", "/props",
-                "/slots", "/v1/slots", "/tokenize", "/detokenize")  # fmt: skip
+                "/slots", "/v1/slots", "/tokenize", "/detokenize", "/v1/responses", "/responses")  # fmt: skip
 
 
 def cheap(case: schemathesis.Case) -> None:

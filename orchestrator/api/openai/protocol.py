@@ -95,9 +95,27 @@ class LegacyLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A tool call's function: ``arguments`` is JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    """One of an assistant message's ``tool_calls`` (OpenAI Chat Completions)."""
+
+    id: str
+    type: str
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """The assistant's message: ``content`` is null when the answer is only tool calls."""
+
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -218,6 +236,8 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(OpenAIRequest, kw_only=True):

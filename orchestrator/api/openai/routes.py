@@ -47,6 +47,7 @@ from orchestrator.generation.request import (
     CanonicalRequest,
 )
 from orchestrator.generation.stop_text import StopTextFilter
+from orchestrator.generation.tool_calls import ToolCall, ToolPlan, plan_of
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
@@ -66,21 +67,12 @@ def _slot(data: OpenAIRequest, request: Request[Any, Any, Any]) -> str:
     return "0"
 
 
-def _warn_ignored(data: OpenAIRequest) -> None:
-    if isinstance(data, ChatCompletionRequest) and data.tools:
-        log.warning(
-            "OpenAI fields not supported, ignored",
-            fields=["tools (rendered by the template; tool calls are not parsed)"],
-        )
-
-
 def canonical(
     data: OpenAIRequest, request: Request[Any, Any, Any], ids: list[int], services: Services, n_probs: int
 ) -> CanonicalRequest:
     """The generation request for an OpenAI body whose prompt is ``ids`` (bad values: ``INVALID_REQUEST``)."""
     if data.n is not None and data.n != 1:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n} is not supported: this server returns one choice (n=1)")
-    _warn_ignored(data)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     att = data.attention
     fields = data.sampler_fields()
@@ -146,8 +138,17 @@ def _usage(done: DoneOut) -> dict[str, Any]:
 class Shape:
     """Builds the response objects of one request (chat or text completion)."""
 
-    def __init__(self, chat: bool, model: str, req: CanonicalRequest, want_logprobs: bool, pieces: list[bytes]) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        req: CanonicalRequest,
+        want_logprobs: bool,
+        pieces: list[bytes],
+        tools: ToolPlan | None = None,
+    ) -> None:
         self.chat = chat
+        self.tools = tools if tools is not None and tools.active else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
@@ -181,15 +182,21 @@ class Shape:
         choice = {"index": 0, "text": text or "", "finish_reason": finish}
         return self.envelope("text_completion", [self.extras(choice, tokens)])
 
+    def calls_chunk(self, calls: list[ToolCall]) -> dict[str, Any]:
+        """A streamed chunk carrying whole tool calls (``delta.tool_calls[i]`` with ``index``)."""
+        delta = {"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}
+        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}])
+
     def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
-        """The non-streaming response."""
+        """The non-streaming response (a chat answer parsed for tool calls when the request has tools)."""
         finish = FINISH.get(done.finish_reason, "stop")
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-            }
+            content, calls = self.tools.parse(text) if self.tools else (text, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+                finish = "tool_calls"
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
             body = self.envelope("chat.completion", [self.extras(choice, tokens)])
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish}
@@ -217,6 +224,7 @@ async def respond(
 
     async def events() -> AsyncIterator[bytes]:
         filt = StopTextFilter(stops)
+        split = shape.tools.splitter() if shape.tools else None
         pending: list[TokenOut] = []
         try:
             if shape.chat:
@@ -229,14 +237,25 @@ async def respond(
                         continue
                     pending.append(ev)
                     text = filt.feed(ev.text)
+                    if split is not None:
+                        text = split.feed(text)
                     if text:
                         yield sse_data(shape.chunk(text, pending))
                         pending = []
                 elif isinstance(ev, DoneOut):
                     rest = filt.finish(ev.stop_string)
+                    finish = FINISH.get(ev.finish_reason, "stop")
+                    calls: list[ToolCall] = []
+                    if split is not None:  # the tail first: it may complete a held call
+                        rest = split.feed(rest)
+                        held, calls = split.finish()
+                        rest += held
                     if rest or pending:
                         yield sse_data(shape.chunk(rest, pending))
-                    last = shape.chunk(None if shape.chat else "", [], FINISH.get(ev.finish_reason, "stop"))
+                    if calls:
+                        yield sse_data(shape.calls_chunk(calls))
+                        finish = "tool_calls"
+                    last = shape.chunk(None if shape.chat else "", [], finish)
                     yield sse_data(last)
                     if include_usage:
                         usage = shape.envelope(last["object"], [])
@@ -249,6 +268,23 @@ async def respond(
         yield b"data: [DONE]\n\n"
 
     return EventStream(events())
+
+
+async def chat_shape(services: Services, request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Shape:
+    """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
+    the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_calls`."""
+    info = services.generation.info
+    special = info.special_tokens
+    bos = str(special.get("bos_token", ""))
+    template = ChatTemplate(info.chat_template, bos, str(special.get("eos_token", "")))
+    plan = plan_of(info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
+    messages = plan.messages(data.messages) if plan else data.messages
+    text = template.render(messages, add_generation_prompt=True, tools=plan.template_tools() if plan else None)
+    ids = (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
+    req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
+    if plan:
+        plan.constrain(req)
+    return Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces(), plan)
 
 
 def _top_n(logprobs: bool | None, top: int | None) -> int:
@@ -286,17 +322,7 @@ class OpenAIController(Controller):
     async def chat(
         self, request: Request[Any, Any, Any], services: Services, data: ChatCompletionRequest
     ) -> EventStream | ChatCompletion:
-        info = services.generation.info
-        special = info.special_tokens
-        template = ChatTemplate(
-            info.chat_template, str(special.get("bos_token", "")), str(special.get("eos_token", ""))
-        )
-        text = template.render(data.messages, add_generation_prompt=True, tools=data.tools)
-        bos = str(special.get("bos_token", ""))
-        ids = (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
-        n_probs = _top_n(data.logprobs, data.top_logprobs)
-        req = canonical(data, request, ids, services, n_probs)
-        shape = Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces())
+        shape = await chat_shape(services, request, data)
         return await respond(services, request, data, shape, ChatCompletion)
 
     @post(
