@@ -21,7 +21,6 @@ from orchestrator.api.kobold import protocol as kobold
 from orchestrator.api.llama_server import protocol as llama_server
 from orchestrator.api.native import protocol as native
 from orchestrator.api.openai import protocol as openai
-from orchestrator.api.openai import responses as responses_api
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
 from orchestrator.config import Settings
@@ -138,8 +137,8 @@ REQUEST_BODIES = [
     openai.CompletionRequest,
     openai.StreamOptions,
     openai.AttentionOption,
-    responses_api.ResponsesRequest,
-    responses_api.TextFormat,
+    openai.ResponsesRequest,
+    openai.TextFormat,
     llama_server.CompletionBody,
     kobold.GenkeyBody,
     kobold.TokenCountBody,

@@ -37,18 +37,17 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from litestar import Controller, Request, post
 
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, started_run
-from orchestrator.api.openai.protocol import ChatCompletionRequest
+from orchestrator.api.openai.protocol import ChatCompletionRequest, ResponseObject, ResponsesRequest, TextOptions
 from orchestrator.api.openai.routes import Shape, chat_shape
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, TokenOut
-from orchestrator.generation.request import Float32, Probability, Seed, TokenCount
 from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
@@ -58,82 +57,6 @@ MAX_KEPT = 1024
 """Conversations kept for ``previous_response_id`` (per process, oldest dropped first)."""
 
 _json = msgspec.json.Encoder()
-
-
-class TextFormat(msgspec.Struct, kw_only=True):
-    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with ``schema`` (flat, as the
-    Responses API writes it)."""
-
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class TextOptions(msgspec.Struct, kw_only=True):
-    """``text``: the output's ``format``."""
-
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(msgspec.Struct, kw_only=True):
-    """``POST /v1/responses`` (OpenAI's fields this server reads; others are accepted and unused).
-    ``slot_id`` (slotserve's extension, as on chat completions) picks the slot of a new conversation."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: TokenCount | None = None
-    temperature: Float32 | None = None
-    top_p: Probability | None = None
-    seed: Seed | None = None
-    stream: bool = False
-    previous_response_id: str | None = None
-    store: bool = True
-    metadata: dict[str, str] | None = None
-    text: TextOptions | None = None
-    user: str | None = None
-    slot_id: str | int | None = None
-    background: bool | None = None
-
-
-class ResponseUsage(msgspec.Struct, kw_only=True):
-    """``usage`` of a response (``input_tokens_details.cached_tokens``: prompt tokens from the slot's cache)."""
-
-    input_tokens: int
-    input_tokens_details: dict[str, int]
-    output_tokens: int
-    output_tokens_details: dict[str, int]
-    total_tokens: int
-
-
-class ResponseObject(msgspec.Struct, kw_only=True):
-    """OpenAI's response object (``output``: ``message`` and ``function_call`` items, module docstring)."""
-
-    id: str
-    object: str
-    created_at: int
-    status: str
-    error: dict[str, Any] | None
-    incomplete_details: dict[str, str] | None
-    instructions: str | None
-    max_output_tokens: int | None
-    model: str
-    output: list[dict[str, Any]]
-    parallel_tool_calls: bool
-    previous_response_id: str | None
-    temperature: float | None
-    top_p: float | None
-    tool_choice: str | dict[str, Any]
-    tools: list[dict[str, Any]]
-    text: dict[str, Any]
-    truncation: str
-    metadata: dict[str, str]
-    store: bool
-    usage: ResponseUsage | None
 
 
 class Kept(msgspec.Struct):
