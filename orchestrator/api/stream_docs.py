@@ -9,7 +9,7 @@ stream, each event's fields and their JSON types as msgspec's JSON Schema gives 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -23,6 +23,7 @@ from orchestrator.api.native.protocol import (
     SseTokenEvent,
     TokenEvent,
 )
+from orchestrator.api.openai.protocol import ResponseStreamEvent
 from orchestrator.web.errors import ErrorEvent
 
 STREAMS: list[tuple[str, list[type[msgspec.Struct]]]] = [
@@ -34,6 +35,7 @@ STREAMS: list[tuple[str, list[type[msgspec.Struct]]]] = [
         [QueuedEvent, ProgressEvent, BinaryTokenFrame, DoneEvent, ErrorEvent],
     ),
     ("GET /admin/events", [SlotsEvent, AttentionEvent, ErrorEvent]),
+    ("POST /v1/responses with stream (OpenAI's Responses events)", list(get_args(ResponseStreamEvent))),
 ]
 """Each stream and the events it sends, in the order a client meets them."""
 
@@ -61,8 +63,9 @@ def render() -> str:
         "# Stream events",
         "",
         "Generated from the msgspec Structs that encode them (`python -m orchestrator.api.stream_docs >",
-        "docs/stream-events.md`; `tests/test_docs.py` checks it is current). The OpenAI and llama-server",
-        "streams are chunks of their completion objects, in the OpenAPI schema. Field semantics: [api.md](api.md).",
+        "docs/stream-events.md`; `tests/test_docs.py` checks it is current). OpenAI's chat and text",
+        "completion streams and llama-server's `/completion` stream send chunks of their completion objects",
+        "(in the OpenAPI schema). Field semantics: [api.md](api.md).",
         "",
     ]
     for title, events in STREAMS:

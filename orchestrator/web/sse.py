@@ -88,6 +88,13 @@ class JsonEvent(ServerSentEventMessage):
         return b"".join((b"event: message\ndata: ", self.data, b"\n\n"))
 
 
+def named_event(event: msgspec.Struct) -> bytes:
+    """``event: <type>\ndata: {json}\n\n``: ``event`` (a Struct tagged by its ``type``) as OpenAI's
+    Responses API frames its events, the event name being the tag."""
+    tag = event.__struct_config__.tag
+    return b"event: " + str(tag).encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
+
+
 def json_event(event: msgspec.Struct) -> JsonEvent:
     """``event`` encoded by msgspec as one KoboldCpp-framed event."""
     return JsonEvent(data=_json.encode(event))

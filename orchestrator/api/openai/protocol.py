@@ -292,18 +292,56 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     background: bool | None = None
 
 
+class TokenDetails(msgspec.Struct, kw_only=True):
+    """``input_tokens_details`` / ``output_tokens_details`` of a response's usage."""
+
+    cached_tokens: int | UnsetType = UNSET
+    reasoning_tokens: int | UnsetType = UNSET
+
+
 class ResponseUsage(msgspec.Struct, kw_only=True):
     """``usage`` of a response (``input_tokens_details.cached_tokens``: prompt tokens from the slot's cache)."""
 
     input_tokens: int
-    input_tokens_details: dict[str, int]
+    input_tokens_details: TokenDetails
     output_tokens: int
-    output_tokens_details: dict[str, int]
+    output_tokens_details: TokenDetails
     total_tokens: int
 
 
+class OutputText(msgspec.Struct, kw_only=True, tag="output_text", tag_field="type"):
+    """A ``message`` item's text part."""
+
+    text: str
+    annotations: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class MessageItem(msgspec.Struct, kw_only=True, tag="message", tag_field="type"):
+    """An output item: the assistant's message (``content``: its text part, once complete)."""
+
+    id: str
+    status: str
+    role: str = "assistant"
+    content: list[OutputText]
+
+
+class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_field="type"):
+    """An output item: one tool call (``arguments``: JSON text)."""
+
+    id: str
+    status: str
+    call_id: str
+    name: str
+    arguments: str
+
+
+OutputItem = MessageItem | FunctionCallItem
+"""An item of a response's ``output``."""
+
+
 class ResponseObject(msgspec.Struct, kw_only=True):
-    """OpenAI's response object (``output``: ``message`` and ``function_call`` items, module docstring)."""
+    """OpenAI's response object (``output``: ``message`` and ``function_call`` items)."""
 
     id: str
     object: str
@@ -314,7 +352,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[dict[str, Any]]
+    output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
     temperature: float | None
@@ -326,3 +364,126 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     metadata: dict[str, str]
     store: bool
     usage: ResponseUsage | None
+
+
+# Streaming events of the Responses API (OpenAI's API reference, "Responses streaming"): each is sent as
+# ``event: <type>`` + ``data: {json}`` (orchestrator.web.sse.named_event) and numbered by
+# ``sequence_number`` from 0.
+
+
+class ResponseEvent(msgspec.Struct, kw_only=True, tag_field="type"):
+    """What every Responses streaming event carries: its place in the stream."""
+
+    sequence_number: int
+
+
+class ResponseCreated(ResponseEvent, kw_only=True, tag="response.created"):
+    """First event: the response as it starts."""
+
+    response: ResponseObject
+
+
+class ResponseInProgress(ResponseEvent, kw_only=True, tag="response.in_progress"):
+    """The response is being generated."""
+
+    response: ResponseObject
+
+
+class ResponseCompleted(ResponseEvent, kw_only=True, tag="response.completed"):
+    """Last event: the whole response (``status`` ``incomplete`` when ``max_output_tokens`` ended it)."""
+
+    response: ResponseObject
+
+
+class OutputItemAdded(ResponseEvent, kw_only=True, tag="response.output_item.added"):
+    """An output item starts."""
+
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDone(ResponseEvent, kw_only=True, tag="response.output_item.done"):
+    """An output item is complete."""
+
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAdded(ResponseEvent, kw_only=True, tag="response.content_part.added"):
+    """A message's text part starts (empty)."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDone(ResponseEvent, kw_only=True, tag="response.content_part.done"):
+    """A message's text part is complete."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(ResponseEvent, kw_only=True, tag="response.output_text.delta"):
+    """More text of a message."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class OutputTextDone(ResponseEvent, kw_only=True, tag="response.output_text.done"):
+    """A message's whole text."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class FunctionCallArgumentsDelta(ResponseEvent, kw_only=True, tag="response.function_call_arguments.delta"):
+    """More of a tool call's arguments (a whole call's arguments at once here)."""
+
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(ResponseEvent, kw_only=True, tag="response.function_call_arguments.done"):
+    """A tool call's whole arguments."""
+
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ResponseError(ResponseEvent, kw_only=True, tag="error"):
+    """The engine failed mid-way: the stream ends after this."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
+ResponseStreamEvent = (
+    ResponseCreated
+    | ResponseInProgress
+    | OutputItemAdded
+    | ContentPartAdded
+    | OutputTextDelta
+    | OutputTextDone
+    | ContentPartDone
+    | FunctionCallArgumentsDelta
+    | FunctionCallArgumentsDone
+    | OutputItemDone
+    | ResponseCompleted
+    | ResponseError
+)
+"""Every event of a streamed response, in the order a client meets them."""

@@ -33,6 +33,7 @@ and not shared between nodes, and the oldest entries are dropped first; an unkno
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from collections import OrderedDict
@@ -44,19 +45,40 @@ from litestar import Controller, Request, post
 
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, started_run
-from orchestrator.api.openai.protocol import ChatCompletionRequest, ResponseObject, ResponsesRequest, TextOptions
+from orchestrator.api.openai.protocol import (
+    ChatCompletionRequest,
+    ContentPartAdded,
+    ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    FunctionCallItem,
+    MessageItem,
+    OutputItem,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputText,
+    OutputTextDelta,
+    OutputTextDone,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseError,
+    ResponseInProgress,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    TextOptions,
+    TokenDetails,
+)
 from orchestrator.api.openai.routes import Shape, chat_shape
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
-from orchestrator.web.sse import EventStream, streamable
+from orchestrator.web.sse import EventStream, named_event, streamable
 
 MAX_KEPT = 1024
 """Conversations kept for ``previous_response_id`` (per process, oldest dropped first)."""
-
-_json = msgspec.json.Encoder()
 
 
 class Kept(msgspec.Struct):
@@ -185,70 +207,67 @@ class Answer:
         self.id = "resp_" + secrets.token_hex(24)
         self.msg_id = "msg_" + secrets.token_hex(24)
         self.created = int(time.time())
-        self.output: list[dict[str, Any]] = []
-        self.usage: dict[str, Any] | None = None
+        self.output: list[OutputItem] = []
+        self.usage: ResponseUsage | None = None
         self.status = "in_progress"
-        self.incomplete: dict[str, Any] | None = None
+        self.incomplete: dict[str, str] | None = None
 
-    def message(self, text: str, status: str = "completed") -> dict[str, Any]:
-        """The ``message`` output item holding ``text``."""
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        content = [part] if status == "completed" else []
-        return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant", "content": content}
+    def message(self, text: str, status: str = "completed") -> MessageItem:
+        """The ``message`` output item holding ``text`` (no part while in progress)."""
+        content = [OutputText(text=text)] if status == "completed" else []
+        return MessageItem(id=self.msg_id, status=status, content=content)
 
     @staticmethod
-    def function_call(call: ToolCall, arguments: str | None = None, status: str = "completed") -> dict[str, Any]:
+    def function_call(call: ToolCall, arguments: str | None = None, status: str = "completed") -> FunctionCallItem:
         """A ``function_call`` output item (``arguments`` as given, default the call's)."""
-        return {
-            "id": "fc_" + call.id.removeprefix("call_"),
-            "type": "function_call",
-            "status": status,
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": call.arguments if arguments is None else arguments,
-        }
+        return FunctionCallItem(
+            id="fc_" + call.id.removeprefix("call_"),
+            status=status,
+            call_id=call.id,
+            name=call.name,
+            arguments=call.arguments if arguments is None else arguments,
+        )
 
     def end(self, done: DoneOut) -> None:
         """Record the end: usage and status (``incomplete`` when the token limit stopped it)."""
-        d = done
-        self.usage = {
-            "input_tokens": d.n_prompt,
-            "input_tokens_details": {"cached_tokens": d.n_cached},
-            "output_tokens": d.n_generated,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": d.n_prompt + d.n_generated,
-        }
-        if d.finish_reason == "length":
+        self.usage = ResponseUsage(
+            input_tokens=done.n_prompt,
+            input_tokens_details=TokenDetails(cached_tokens=done.n_cached),
+            output_tokens=done.n_generated,
+            output_tokens_details=TokenDetails(reasoning_tokens=0),
+            total_tokens=done.n_prompt + done.n_generated,
+        )
+        if done.finish_reason == "length":
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ResponseObject:
         """The response object as it stands."""
         data = self.data
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": self.status,
-            "error": None,
-            "incomplete_details": self.incomplete,
-            "instructions": data.instructions,
-            "max_output_tokens": data.max_output_tokens,
-            "model": self.shape.model,
-            "output": self.output,
-            "parallel_tool_calls": bool(data.parallel_tool_calls),
-            "previous_response_id": data.previous_response_id,
-            "temperature": data.temperature,
-            "top_p": data.top_p,
-            "tool_choice": data.tool_choice if data.tool_choice is not None else "auto",
-            "tools": data.tools or [],
-            "text": {"format": {"type": "text"}} if data.text is None else msgspec.to_builtins(data.text),
-            "truncation": "disabled",
-            "metadata": data.metadata or {},
-            "store": data.store,
-            "usage": self.usage,
-        }
+        return ResponseObject(
+            id=self.id,
+            object="response",
+            created_at=self.created,
+            status=self.status,
+            error=None,
+            incomplete_details=self.incomplete,
+            instructions=data.instructions,
+            max_output_tokens=data.max_output_tokens,
+            model=self.shape.model,
+            output=list(self.output),
+            parallel_tool_calls=bool(data.parallel_tool_calls),
+            previous_response_id=data.previous_response_id,
+            temperature=data.temperature,
+            top_p=data.top_p,
+            tool_choice=data.tool_choice if data.tool_choice is not None else "auto",
+            tools=data.tools or [],
+            text={"format": {"type": "text"}} if data.text is None else msgspec.to_builtins(data.text),
+            truncation="disabled",
+            metadata=data.metadata or {},
+            store=data.store,
+            usage=self.usage,
+        )
 
     def remember(self, messages: list[dict[str, Any]], text: str | None, calls: list[ToolCall], slot: str) -> None:
         """Keep the conversation (``messages`` plus this answer) for ``previous_response_id``."""
@@ -314,87 +333,89 @@ class ResponsesController(Controller):
             answer.output += [answer.function_call(c) for c in calls]
             answer.end(got.end)
             answer.remember(messages, content, calls, got.end.slot_id)
-            return msgspec.convert(answer.body(), ResponseObject)
+            return answer.body()
         run = await started_run(services, shape.req, request)
         return EventStream(_events(answer, run, messages, route_of(request)))
 
 
 async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], route: str) -> AsyncIterator[bytes]:
-    """The Responses streaming events of one run (module docstring)."""
-    seq = 0
-
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal seq
-        seq += 1
-        return (
-            b"event: "
-            + kind.encode()
-            + b"\ndata: "
-            + _json.encode({"type": kind, "sequence_number": seq - 1, **fields})
-            + b"\n\n"
-        )
-
+    """The Responses streaming events of one run (module docstring), numbered from 0."""
+    seq = itertools.count()
     shape = answer.shape
     split = shape.tools.splitter() if shape.tools else None
     text = ""
     opened = False
-    where = {"item_id": answer.msg_id, "output_index": 0, "content_index": 0}
+    where: dict[str, Any] = {"item_id": answer.msg_id, "output_index": 0, "content_index": 0}
 
     def open_message() -> list[bytes]:
         nonlocal opened
+        if opened:
+            return []
         opened = True
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = answer.message("", "in_progress")
         return [
-            event("response.output_item.added", output_index=0, item=answer.message("", "in_progress")),
-            event("response.content_part.added", **where, part=part),
+            named_event(OutputItemAdded(sequence_number=next(seq), output_index=0, item=item)),
+            named_event(ContentPartAdded(sequence_number=next(seq), **where, part=OutputText(text=""))),
         ]
 
+    def delta(piece: str) -> bytes:
+        return named_event(OutputTextDelta(sequence_number=next(seq), **where, delta=piece))
+
     try:
-        yield event("response.created", response=answer.body())
-        yield event("response.in_progress", response=answer.body())
+        yield named_event(ResponseCreated(sequence_number=next(seq), response=answer.body()))
+        yield named_event(ResponseInProgress(sequence_number=next(seq), response=answer.body()))
         async for ev in run:
             if isinstance(ev, TokenOut) and not ev.is_stop:
                 piece = split.feed(ev.text) if split is not None else ev.text
                 if piece:
-                    for b in open_message() if not opened else []:
+                    for b in open_message():
                         yield b
                     text += piece
-                    yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                    yield delta(piece)
             elif isinstance(ev, DoneOut):
                 calls: list[ToolCall] = []
                 if split is not None:
                     held, calls = split.finish()
                     if held:
-                        for b in open_message() if not opened else []:
+                        for b in open_message():
                             yield b
                         text += held
-                        yield event("response.output_text.delta", **where, delta=held, logprobs=[])
+                        yield delta(held)
                 if opened or not calls:
-                    for b in open_message() if not opened else []:
+                    for b in open_message():
                         yield b
                     item = answer.message(text)
-                    yield event("response.output_text.done", **where, text=text, logprobs=[])
-                    yield event("response.content_part.done", **where, part=item["content"][0])
-                    yield event("response.output_item.done", output_index=0, item=item)
+                    yield named_event(OutputTextDone(sequence_number=next(seq), **where, text=text))
+                    yield named_event(ContentPartDone(sequence_number=next(seq), **where, part=item.content[0]))
+                    yield named_event(OutputItemDone(sequence_number=next(seq), output_index=0, item=item))
                     answer.output.append(item)
                 for call in calls:
                     index = len(answer.output)
-                    item = answer.function_call(call)
-                    yield event(
-                        "response.output_item.added",
-                        output_index=index,
-                        item=answer.function_call(call, "", "in_progress"),
+                    call_item = answer.function_call(call)
+                    started = answer.function_call(call, "", "in_progress")
+                    yield named_event(OutputItemAdded(sequence_number=next(seq), output_index=index, item=started))
+                    item_id, args = call_item.id, call.arguments
+                    yield named_event(
+                        FunctionCallArgumentsDelta(
+                            sequence_number=next(seq), item_id=item_id, output_index=index, delta=args
+                        )
                     )
-                    at = {"item_id": item["id"], "output_index": index}
-                    yield event("response.function_call_arguments.delta", **at, delta=call.arguments)
-                    yield event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments)
-                    yield event("response.output_item.done", output_index=index, item=item)
-                    answer.output.append(item)
+                    yield named_event(
+                        FunctionCallArgumentsDone(
+                            sequence_number=next(seq),
+                            item_id=item_id,
+                            output_index=index,
+                            name=call.name,
+                            arguments=args,
+                        )
+                    )
+                    yield named_event(OutputItemDone(sequence_number=next(seq), output_index=index, item=call_item))
+                    answer.output.append(call_item)
                 answer.end(ev)
                 answer.remember(messages, text or None, calls, ev.slot_id)
-                yield event("response.completed", response=answer.body())
+                yield named_event(ResponseCompleted(sequence_number=next(seq), response=answer.body()))
     except Exception as exc:  # the worker failed mid-stream: an error event ends the stream
         err = compat_error_body(report(exc, route))["error"]
-        yield event("error", code=str(err["code"]), message=err["message"], param=None)
+        yield named_event(ResponseError(sequence_number=next(seq), code=str(err["code"]), message=err["message"]))
     finally:
         await run.aclose()
