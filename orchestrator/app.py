@@ -25,6 +25,7 @@ from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admission import AdmissionQueue
+from orchestrator.anonymous import AnonymousSlots
 from orchestrator.api.generate import GenerateController
 from orchestrator.api.health import MetricsController, health
 from orchestrator.api.model import ModelController
@@ -39,6 +40,7 @@ from orchestrator.generation import GenerationService
 from orchestrator.lease_keeper import LeaseKeeper
 from orchestrator.origins import origin_middleware
 from orchestrator.services import Services, provide_services, provide_slot_ops
+from orchestrator.slot_header import slot_header_middleware
 from orchestrator.slots import Slot, SlotRegistry
 
 log = structlog.get_logger("slotserve")
@@ -75,7 +77,9 @@ def build_services(settings: Settings) -> Services:
     )
     registry.wait_s = settings.slot_wait_s
     classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None
-    return Services(settings, engine, registry, GenerationService(engine, registry), archive, classifier)
+    anonymous = AnonymousSlots(registry, settings.slot_prompt_similarity, settings.anon_slots)
+    generation = GenerationService(engine, registry, anonymous)
+    return Services(settings, engine, registry, generation, archive, classifier)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:
@@ -121,7 +125,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         structlog.contextvars.clear_contextvars()
 
     cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
-    middleware = [origin_middleware(cors)]
+    middleware = [origin_middleware(cors), slot_header_middleware]
     if settings.api_key:
         middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
     prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)

@@ -19,6 +19,7 @@ from engine.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admin_feed import AttentionFeed
 from orchestrator.admission import WaitHooks
+from orchestrator.anonymous import DEFAULT_SLOT, AnonymousSlots
 from orchestrator.engine_api import EngineClient, EngineEvent, EngineRequestError, GenerationStream, TokenOutput
 from orchestrator.errors import ApiError
 from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
@@ -72,7 +73,7 @@ class DoneOut:
     done: proto.Done
     text: str = ""
     generation_time_ms: float = 0.0
-    slot_id: str = "0"
+    slot_id: str = DEFAULT_SLOT
 
 
 def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -194,6 +195,8 @@ class RunControl:
     sequence (1 = next; see :mod:`orchestrator.admission`); cancelling a queued request
     ends its wait (``CLIENT_GONE``) and frees its place.  ``watched``: a handler watches the
     client for a disconnect on its behalf (``orchestrator.api.generate.cancelled_on_disconnect``).
+    ``slot_id``: the slot the request uses, known as soon as it is chosen (before any wait for an
+    engine sequence); HTTP answers report it in ``X-Slot-Id`` (:mod:`orchestrator.slot_header`).
     """
 
     def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
@@ -202,6 +205,11 @@ class RunControl:
         self.pending = False
         self.watched = False
         self.hooks = WaitHooks(on_queued)
+        self.slot_id: str | None = None
+
+    def chose(self, slot_id: str) -> None:
+        """The request uses ``slot_id`` (called by :class:`GenerationService`)."""
+        self.slot_id = slot_id
 
     async def bind(self, engine: EngineClient, req: int) -> None:
         """Called by ``run`` at the first event (the worker knows the request by then)."""
@@ -222,9 +230,10 @@ class RunControl:
 class GenerationService:
     """Runs generations for the API (see module docstring)."""
 
-    def __init__(self, engine: EngineClient, registry: SlotRegistry) -> None:
+    def __init__(self, engine: EngineClient, registry: SlotRegistry, anonymous: AnonymousSlots | None = None) -> None:
         self.engine = engine
         self.registry = registry
+        self.anonymous = anonymous if anonymous is not None else AnonymousSlots(registry)
         self.feed = AttentionFeed()  # the admin page's live view of generated tokens
 
     @property
@@ -300,7 +309,14 @@ class GenerationService:
         params = await self.checked_params(req)
         capture = capture_options(req, info.attention_layers)
         hooks = control.hooks if control is not None else None
-        async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
+        on_chosen = control.chose if control is not None else None
+        if req.slot is None:  # docs/api.md, "Requests without a slot id"
+            holding = self.anonymous.use(ids, hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen)
+        else:
+            if on_chosen is not None:
+                on_chosen(req.slot)
+            holding = self.registry.use(req.slot, wait=req.wait, hooks=hooks)
+        async with holding as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
             assert slot.seq is not None
@@ -386,7 +402,8 @@ class GenerationService:
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
-        slot_id = check_slot_id(str(named if named is not None else "0"))
+        # naming no slot: the slot of the latest request that named none (docs/api.md)
+        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last or DEFAULT_SLOT))
         params = await self.checked_params(req.canonical(slot_id))
         require_attention(req.output_attentions, info.attention_layers)
         capture = proto.CaptureOptions(
@@ -409,6 +426,8 @@ class GenerationService:
                         # the fork is taken before any later request
                         events = await self.engine.preview(slot.seq, [], append, params, capture)
         cache_hit = events is not None
+        if cache_hit and control is not None:
+            control.chose(slot_id)
         if events is None:
             if not req.input_ids:
                 raise ApiError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")

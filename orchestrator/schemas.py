@@ -197,8 +197,8 @@ class GenerateRequest(SamplerFields, kw_only=True):
             attention_layers=self.attention_layers,
             hidden_state=self.output_hidden_states,
             n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),
-            slot="0" if slot is None else str(slot),
-            wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
+            slot=None if slot is None else str(slot),  # None: chosen by prompt (orchestrator/anonymous.py)
+            wait=self.wait or slot is None,  # a request naming no slot queues, as KoboldCpp does
             progress=self.return_progress,
             **self.sampler_settings(defaults),
         )
@@ -263,8 +263,9 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     attention_layers: list[int] | None
     hidden_state: bool
     n_probs: int
-    slot: str
+    slot: str | None  # None: the request names no slot (docs/api.md, "Requests without a slot id")
     wait: bool
+    cache_prompt: bool = True  # llama-server's: False, a request naming no slot gets a new, empty one
     progress: bool = False
     presence_penalty: float = DEFAULT.presence_penalty
     frequency_penalty: float = DEFAULT.frequency_penalty

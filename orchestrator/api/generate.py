@@ -23,6 +23,7 @@ from orchestrator.generation import DoneOut, RunControl, Started, TokenOut
 from orchestrator.responses import GenerateResponse, event_stream
 from orchestrator.schemas import GenerateRequest
 from orchestrator.services import Services
+from orchestrator.slot_header import watch_slot
 from orchestrator.stop_text import StopTextFilter, trim_stop
 
 log = structlog.get_logger("slotserve.api")
@@ -97,6 +98,7 @@ async def cancelled_on_disconnect(
     Start it only once the request's body has been read (it reads the ASGI ``receive`` channel
     for ``http.disconnect``).  Nested blocks with the same ``control`` share one watcher."""
     control = control or RunControl()
+    watch_slot(request.scope, control)  # X-Slot-Id on the answer
     if control.watched:
         yield control
         return
