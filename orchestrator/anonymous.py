@@ -12,7 +12,7 @@ conversations (docs/api.md, "Requests without a slot id"):
   is prefilled once for everyone;
 * an *anonymous* slot (id ``anon-<16 hex digits>``) is taken over only when the request
   continues its conversation (:func:`continues`: it keeps the slot's tokens, or, pruned in its
-  middle, still holds the slot's latest tokens); one that only shares a prefix with the request
+  middle, still holds most of them); one that only shares a prefix with the request
   (another client's conversation under the same system prompt) is forked like a named slot and
   left as it was.  llama-server instead overwrites it, saving it to its prompt cache first when
   the request keeps less than half of it.
@@ -44,7 +44,8 @@ log = structlog.get_logger("slotserve.anonymous")
 
 ANON_PREFIX = "anon-"
 DEFAULT_SLOT = "0"
-TAIL = 16  # a slot's last tokens that a pruned prompt still holds when it continues the slot
+TAIL = 16  # tokens of a run of a slot that a pruned prompt continuing it still holds
+WINDOWS = 32  # runs of a slot looked for in a prompt
 TAIL_SLACK = 8  # trailing tokens of a slot a continuing prompt may lack (re-tokenized text)
 MAX_TRIES = 3  # a chosen slot taken by another request meanwhile: choose again
 
@@ -83,25 +84,36 @@ class Candidate:
     resident: bool
 
 
-def contains(hay: Sequence[int], needle: Sequence[int]) -> bool:
-    """True when ``needle`` occurs in ``hay`` as a contiguous run (a byte search over int64s)."""
-    h, n = array("q", hay).tobytes(), array("q", needle).tobytes()
-    i = h.find(n)
+def _bytes(tokens: Sequence[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def contains(hay: bytes, needle: Sequence[int]) -> bool:
+    """True when ``needle`` occurs as a contiguous run in the tokens ``hay`` (:func:`_bytes`: int64s)."""
+    n = _bytes(needle)
+    i = hay.find(n)
     while i != -1 and i % 8:
-        i = h.find(n, i + 1)
+        i = hay.find(n, i + 1)
     return i != -1
 
 
 def continues(tokens: Sequence[int], ids: Sequence[int], lcp: int) -> bool:
     """Whether prompt ``ids`` continues the conversation a slot's ``tokens`` hold, sharing ``lcp``
-    tokens with it: it keeps all of them but at most :data:`TAIL_SLACK` (a re-tokenized end) and
-    at least half, or, pruned in its middle, it still holds the slot's last :data:`TAIL` tokens
-    (the latest answer) after the shared prefix.  Another client's prompt that only shares a
-    prefix (a system prompt, a first message) holds neither."""
+    tokens with it as a prefix.  Either it keeps all of them but at most :data:`TAIL_SLACK` (a
+    re-tokenized or trimmed end) and at least half; or, pruned in its middle or trimmed at its
+    front, it still holds at least half of the slot's tokens after the prefix: of up to
+    :data:`WINDOWS` runs of :data:`TAIL` tokens taken evenly from them, half or more occur in the
+    prompt after the prefix (what cache reuse can move into place).  Another client's prompt that
+    only shares a prefix (a system prompt, a first message) holds none of them."""
     rest = len(tokens) - lcp
     if rest <= TAIL_SLACK:
         return 2 * lcp >= len(tokens)
-    return rest > TAIL and contains(ids[lcp:], tokens[-TAIL:])
+    if rest < TAIL:
+        return False
+    hay = _bytes(ids[lcp:])
+    stride = max(TAIL, rest // WINDOWS)
+    runs = [tokens[i : i + TAIL] for i in range(lcp, len(tokens) - TAIL + 1, stride)]
+    return 2 * sum(contains(hay, run) for run in runs) >= len(runs)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from orchestrator.anonymous import Candidate, common_prefix, contains, continues, is_anonymous, pick
+from orchestrator.anonymous import Candidate, _bytes, common_prefix, contains, continues, is_anonymous, pick
 from orchestrator.slot_header import header_value
 from tests.conftest import CHAT, ServerProc
 from tests.orchestrator.client import tokenize
@@ -46,7 +46,8 @@ def test_prefix_and_pick_rules() -> None:
     assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5]) == 4
     assert common_prefix([1, 2, 9, 4], [1, 2, 3, 4]) == 2
     assert common_prefix([], [1]) == 0 and common_prefix([7] * 1000 + [1], [7] * 1000 + [2]) == 1000
-    assert contains([5, 1, 2, 3], [1, 2]) and not contains([1, 3, 2], [1, 2]) and not contains([1 << 8], [1])
+    assert contains(_bytes([5, 1, 2, 3]), [1, 2]) and not contains(_bytes([1, 3, 2]), [1, 2])
+    assert not contains(_bytes([1 << 8]), [1])
     ids = list(range(100))
     named = Candidate("sys", list(range(40)), False)
     mine = Candidate("anon-a", list(range(100)), True)  # the prompt continues it
@@ -59,12 +60,16 @@ def test_prefix_and_pick_rules() -> None:
     assert p is not None and (p.slot_id, p.take_over) == ("anon-b", False)
     assert pick(ids, [Candidate("c", [*range(10), 1], True)], 0.1) is None  # 10/100 is not > 0.1
     assert pick(ids, [], 0.1) is None
-    # pruned in its middle right after a short prefix (similarity 5/300): still its own slot, by its tail
+    # pruned in its middle right after a short prefix (similarity 5/330): still its own slot
     slot = list(range(1000, 1400))
-    pruned = slot[:5] + slot[100:200] + slot[300:] + [7] * 40
+    pruned = slot[:5] + slot[60:200] + slot[260:] + [7] * 40  # two chunks of 55 and 60 pruned
     p = pick(pruned, [Candidate("anon-d", slot, False), named], 0.1)
     assert p is not None and (p.slot_id, p.lcp, p.take_over) == ("anon-d", 5, True)
+    # the slot's own last tokens are not in the prompt (the client keeps another reply), the rest is
+    p = pick(pruned[:-40] + [3] * 40, [Candidate("anon-d", slot + [9] * 30, False)], 0.1)
+    assert p is not None and p.take_over
     assert continues(list(range(50)), list(range(45)), 45)  # a re-tokenized end: 5 tokens short
+    assert not continues(list(range(50)), list(range(30)), 30)  # a regenerated answer: forked
     assert is_anonymous("anon-0123456789abcdef") and not is_anonymous("0")
     assert header_value("alice") == b"alice" and header_value("é 1") == b"%C3%A9 1"
 
