@@ -144,7 +144,7 @@ def test_requests_without_a_slot_id_at_once(server: ServerProc) -> None:
     body = sillytavern_body("User: Tell me a story.\nAssistant:", max_length=30)  # no slot id: one each
     results: list[httpx.Response] = []
     threads = [threading.Thread(target=lambda: results.append(
-        httpx.post(server.url + "/api/v1/generate", json=body, timeout=120))) for _ in range(2)]  # fmt: skip
+        httpx.post(server.url + "/api/v1/generate", json=body, timeout=600))) for _ in range(2)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
