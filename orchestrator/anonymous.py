@@ -101,10 +101,12 @@ def continues(tokens: Sequence[int], ids: Sequence[int], lcp: int) -> bool:
     """Whether prompt ``ids`` continues the conversation a slot's ``tokens`` hold, sharing ``lcp``
     tokens with it as a prefix.  Either it keeps all of them but at most :data:`TAIL_SLACK` (a
     re-tokenized or trimmed end) and at least half; or, pruned in its middle or trimmed at its
-    front, it still holds at least half of the slot's tokens after the prefix: of up to
-    :data:`WINDOWS` runs of :data:`TAIL` tokens taken evenly from them, half or more occur in the
-    prompt after the prefix (what cache reuse can move into place).  Another client's prompt that
-    only shares a prefix (a system prompt, a first message) holds none of them."""
+    front, it still holds at least half of the slot's tokens after the prefix, its latest ones
+    among them: of up to :data:`WINDOWS` runs of :data:`TAIL` tokens taken evenly from them, half
+    or more occur in the prompt after the prefix (what cache reuse can move into place), one of
+    the last quarter among them.  Another client's prompt that only shares a prefix (a system
+    prompt, a first message), or the same long text after another beginning, lacks the slot's
+    latest turns."""
     rest = len(tokens) - lcp
     if rest <= TAIL_SLACK:
         return 2 * lcp >= len(tokens)
@@ -112,8 +114,9 @@ def continues(tokens: Sequence[int], ids: Sequence[int], lcp: int) -> bool:
         return False
     hay = _bytes(ids[lcp:])
     stride = max(TAIL, rest // WINDOWS)
-    runs = [tokens[i : i + TAIL] for i in range(lcp, len(tokens) - TAIL + 1, stride)]
-    return 2 * sum(contains(hay, run) for run in runs) >= len(runs)
+    found = [contains(hay, tokens[i : i + TAIL]) for i in range(lcp, len(tokens) - TAIL + 1, stride)]
+    latest = found[-max(1, len(found) // 4) :]  # the conversation's latest quarter: its own turns
+    return 2 * sum(found) >= len(found) and any(latest)
 
 
 @dataclass(frozen=True)

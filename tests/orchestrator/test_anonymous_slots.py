@@ -70,6 +70,9 @@ def test_prefix_and_pick_rules() -> None:
     assert p is not None and p.take_over
     assert continues(list(range(50)), list(range(45)), 45)  # a re-tokenized end: 5 tokens short
     assert not continues(list(range(50)), list(range(30)), 30)  # a regenerated answer: forked
+    # another client with the same long system text after another first token: not a continuation
+    shared = list(range(2000, 2150))
+    assert not continues([1, *shared, *range(3000, 3080)], [2, *shared, *range(4000, 4020)], 0)
     assert is_anonymous("anon-0123456789abcdef") and not is_anonymous("0")
     assert header_value("alice") == b"alice" and header_value("é 1") == b"%C3%A9 1"
 
@@ -177,7 +180,7 @@ def test_two_users_json_api(srv: ServerProc) -> None:
 def test_two_users_openai_without_user(srv: ServerProc) -> None:
     """OpenAI chat without ``user``: the messages are rendered by the chat template each turn."""
     history: dict[str, list[dict[str, Any]]] = {u: [] for u in QUESTIONS}
-    messages: dict[str, list[dict[str, str]]] = {u: [{"role": "system", "content": SYSTEM[20:-11]}] for u in QUESTIONS}
+    messages: dict[str, list[dict[str, str]]] = {u: [{"role": "system", "content": SYSTEM[19:-11]}] for u in QUESTIONS}
 
     def turn(u: str) -> dict[str, Any]:
         body = {"model": "m", "messages": messages[u], "max_tokens": N_GEN, "temperature": 0}
@@ -201,6 +204,8 @@ def test_two_users_openai_without_user(srv: ServerProc) -> None:
         for prev, t in itertools.pairwise(user):
             assert t["cached"] >= prev["prompt"], "the previous prompt at least (the answer is re-tokenized)"
     assert history["A"][0]["slot"] != history["B"][0]["slot"]
+    earlier = {t["slot"] for api in ("kobold", "json") for t in TURNS.get(api, [])}
+    assert not earlier & {t["slot"] for t in TURNS["openai"]}, "the same first turns forked, not taken over"
 
 
 def _tokens(srv: ServerProc, slot: str) -> list[int]:
