@@ -33,12 +33,14 @@ from orchestrator.config import Settings
 from orchestrator.generation.service import GenerationService
 from orchestrator.services import Services, provide_services, provide_slot_ops
 from orchestrator.slots.admission import AdmissionQueue
+from orchestrator.slots.anonymous import AnonymousSlots
 from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import Slot, SlotRegistry
 from orchestrator.web.auth import api_key_middleware
 from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.origins import origin_middleware
+from orchestrator.web.slot_header import slot_header_middleware
 from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.interface import EngineClient
 
@@ -77,7 +79,8 @@ def build_services(settings: Settings) -> Services:
     registry.wait_s = settings.slot_wait_s
     classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None
     feed = AttentionFeed()  # the admin page's live view of generated tokens
-    generation = GenerationService(engine, registry, feed)
+    anonymous = AnonymousSlots(registry, settings.slot_prompt_similarity, settings.anon_slots)
+    generation = GenerationService(engine, registry, anonymous, feed)
     return Services(settings, engine, registry, generation, archive, classifier, feed)
 
 
@@ -124,7 +127,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         structlog.contextvars.clear_contextvars()
 
     cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
-    middleware = [origin_middleware(cors)]
+    middleware = [origin_middleware(cors), slot_header_middleware]
     if settings.api_key:
         middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
     prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)

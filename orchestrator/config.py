@@ -117,6 +117,26 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         msgspec.Meta(ge=0),
         Flag("seconds a request waits for a busy slot (then SLOT_BUSY)", "--slot-wait", metavar="S"),
     ] = 300.0
+    slot_prompt_similarity: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=1),
+        Flag(
+            "a request naming no slot uses the slot whose tokens share more than this fraction of its prompt as"
+            " a prefix (llama-server's; 0: off, such requests use slot 0)",
+            "--slot-prompt-similarity",
+            "-sps",
+            metavar="F",
+        ),
+    ] = 0.1
+    anon_slots: Annotated[
+        int,
+        Positive,
+        Flag(
+            "anonymous slots (of requests naming no slot) this node keeps; the least recently used idle one is"
+            " deleted for a new one",
+            "--anon-slots",
+        ),
+    ] = 64
     queue_size: Annotated[
         int, NonNegative, Flag("requests that may wait for a free engine sequence (0: 429 at once)", "--queue-size")
     ] = 64

@@ -177,8 +177,9 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     attention_layers: list[int] | None
     hidden_state: bool
     n_probs: int
-    slot: str
+    slot: str | None  # None: the request names no slot (docs/api.md, "Requests without a slot id")
     wait: bool
+    cache_prompt: bool = True  # llama-server's: False, a request naming no slot gets a new, empty one
     progress: bool = False
     presence_penalty: float = DEFAULT.presence_penalty
     frequency_penalty: float = DEFAULT.frequency_penalty

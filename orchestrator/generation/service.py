@@ -27,6 +27,7 @@ from orchestrator.generation.events import (
 from orchestrator.generation.request import AppendToken, CanonicalRequest, PreviewRequest
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
+from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.worker.interface import EngineClient, EngineRequestError, GenerationStream
 
@@ -120,6 +121,8 @@ class RunControl:
     sequence (1 = next; see :mod:`orchestrator.slots.admission`); cancelling a queued request
     ends its wait (``CLIENT_GONE``) and frees its place.  ``watched``: a handler watches the
     client for a disconnect on its behalf (``orchestrator.api.native.generate.cancelled_on_disconnect``).
+    ``slot_id``: the slot the request uses, known as soon as it is chosen (before any wait for an
+    engine sequence); HTTP answers report it in ``X-Slot-Id`` (:mod:`orchestrator.web.slot_header`).
     """
 
     def __init__(self, on_queued: Callable[[int], Awaitable[None]] | None = None) -> None:
@@ -128,6 +131,11 @@ class RunControl:
         self.pending = False
         self.watched = False
         self.hooks = WaitHooks(on_queued)
+        self.slot_id: str | None = None
+
+    def chose(self, slot_id: str) -> None:
+        """The request uses ``slot_id`` (called by :class:`GenerationService`)."""
+        self.slot_id = slot_id
 
     async def bind(self, engine: EngineClient, req: int) -> None:
         """Called by ``run`` at the first event (the worker knows the request by then)."""
@@ -148,9 +156,16 @@ class RunControl:
 class GenerationService:
     """Runs generations for the API (see module docstring)."""
 
-    def __init__(self, engine: EngineClient, registry: SlotRegistry, watcher: TokenWatcher | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        registry: SlotRegistry,
+        anonymous: AnonymousSlots | None = None,
+        watcher: TokenWatcher | None = None,
+    ) -> None:
         self.engine = engine
         self.registry = registry
+        self.anonymous = anonymous if anonymous is not None else AnonymousSlots(registry)
         self.watcher = watcher  # sees every generated token too (the admin page's live feed)
 
     @property
@@ -226,7 +241,14 @@ class GenerationService:
         params = await self.checked_params(req)
         capture = capture_options(req, info.attention_layers)
         hooks = control.hooks if control is not None else None
-        async with self.registry.use(req.slot, wait=req.wait, hooks=hooks) as slot:
+        on_chosen = control.chose if control is not None else None
+        if req.slot is None:  # docs/api.md, "Requests without a slot id"
+            holding = self.anonymous.use(ids, hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen)
+        else:
+            if on_chosen is not None:
+                on_chosen(req.slot)
+            holding = self.registry.use(req.slot, wait=req.wait, hooks=hooks)
+        async with holding as slot:
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
             assert slot.seq is not None
@@ -313,7 +335,8 @@ class GenerationService:
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
-        slot_id = check_slot_id(str(named if named is not None else "0"))
+        # naming no slot: the slot of the latest request that named none (docs/api.md)
+        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last or DEFAULT_SLOT))
         params = await self.checked_params(req.canonical(slot_id))
         require_attention(req.output_attentions, info.attention_layers)
         capture = proto.CaptureOptions(
@@ -336,6 +359,8 @@ class GenerationService:
                         # the fork is taken before any later request
                         events = await self.engine.preview(slot.seq, [], append, params, capture)
         cache_hit = events is not None
+        if cache_hit and control is not None:
+            control.chose(slot_id)
         if events is None:
             if not req.input_ids:
                 raise ServiceError(ErrorCode.NO_CACHED_CONTEXT, "No cached context available")

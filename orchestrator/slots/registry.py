@@ -349,6 +349,23 @@ class SlotRegistry(Residency):
         self._dirty.discard(slot.id)
         self._grant_free()
 
+    async def delete(self, slot: Slot) -> bool:
+        """Delete an idle slot entirely (takes its lock): its cells, its stored copy, its lease and
+        its registry entry.  False, nothing done, when a request holds it or its stored copy cannot
+        be deleted (``STORE_UNAVAILABLE``, another node's: logged)."""
+        async with slot.lock:
+            if slot.busy or self.slots.get(slot.id) is not slot:
+                return False
+            try:
+                await self.erase(slot)
+            except ServiceError as exc:
+                log.warning("could not delete a slot", slot_id=slot.id, error=exc.message)
+                return False
+            await self.forget(slot)
+            if self.leases is not None:
+                await self.leases.release(slot.id)
+        return True
+
     # ------------------------------------------------------------------ KV operations (lock held)
 
     async def tokens(self, slot: Slot) -> list[int]:
@@ -361,6 +378,13 @@ class SlotRegistry(Residency):
             meta = await self.archive.lookup(slot.id)
             return list(meta.tokens) if meta is not None else []
         return []
+
+    async def peek_tokens(self, slot: Slot) -> list[int] | None:
+        """A resident slot's tokens read from the engine without its lock (a snapshot, for choosing
+        a slot: :mod:`orchestrator.slots.anonymous`); None when it is not resident."""
+        if not self.is_resident(slot):
+            return None
+        return await self.engine.tokens(slot.seq)  # type: ignore[arg-type]
 
     async def state(self, slot: Slot) -> tuple[list[int], proto.Buffer] | None:
         """The slot's tokens and llama.cpp sequence state (``llama_state_seq_get_data``'s format):

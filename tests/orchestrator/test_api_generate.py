@@ -120,13 +120,16 @@ def test_stop_string_from_kobold_stop_sequence(server: ServerProc, ids: list[int
     assert needle in body["generated_text"]
 
 
-def test_prefix_reuse_on_the_default_slot(server: ServerProc, ids: list[int]) -> None:
-    """Requests without a slot use slot 0; a follow-up that extends the context reuses its KV."""
+def test_prefix_reuse_without_a_slot_id(server: ServerProc, ids: list[int]) -> None:
+    """A request without a slot gets an anonymous one (named in X-Slot-Id); a follow-up that
+    extends the context finds that slot again and reuses its KV."""
     body = {"input_ids": ids, "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-    first = httpx.post(server.url + "/api/v1/generate", json=body, timeout=60).json()
-    assert first["slot_id"] == 0
+    r = httpx.post(server.url + "/api/v1/generate", json=body, timeout=60)
+    first = r.json()
+    assert str(first["slot_id"]).startswith("anon-") and r.headers["x-slot-id"] == first["slot_id"]
     follow = ids + [t["token_id"] for t in first["generated_tokens"]] + tokenize(server.url, "\nThanks!")
     second = httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": follow}, timeout=60).json()
+    assert second["slot_id"] == first["slot_id"]
     assert second["cached_tokens"] == len(ids) + 6
     assert second["prompt_tokens"] == len(follow)
 

@@ -140,11 +140,11 @@ def test_sillytavern_body_and_unsupported_fields_warned(server: ServerProc) -> N
     assert streamed[-1]["finish_reason"] in ("stop", "length")
 
 
-def test_default_slot_requests_queue(server: ServerProc) -> None:
-    body = sillytavern_body("User: Tell me a story.\nAssistant:", max_length=30)  # no slot id: slot "0"
+def test_requests_without_a_slot_id_at_once(server: ServerProc) -> None:
+    body = sillytavern_body("User: Tell me a story.\nAssistant:", max_length=30)  # no slot id: one each
     results: list[httpx.Response] = []
     threads = [threading.Thread(target=lambda: results.append(
-        httpx.post(server.url + "/api/v1/generate", json=body, timeout=120))) for _ in range(2)]  # fmt: skip
+        httpx.post(server.url + "/api/v1/generate", json=body, timeout=600))) for _ in range(2)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
@@ -158,7 +158,8 @@ def slot_zero_busy(srv: ServerProc) -> bool:
 
 @pytest.mark.slow
 def test_queue_wait_is_bounded(start_server) -> None:  # type: ignore[no-untyped-def]
-    srv = start_server("--slot-wait", "1", "--ctx-size", "1024", "--no-persist")
+    # requests naming no slot share slot "0" (matching off), so the second waits for the first
+    srv = start_server("--slot-wait", "1", "--ctx-size", "1024", "--no-persist", "--slot-prompt-similarity", "0")
     long = {"prompt": STORY, "max_length": 500, "ignore_eos": True}
     t = threading.Thread(target=lambda: httpx.post(srv.url + "/api/v1/generate", json=long, timeout=120))
     t.start()

@@ -150,7 +150,9 @@ def test_generation_beside_a_preview(server: ServerProc, turn) -> None:  # type:
 
 def test_no_cached_context(server: ServerProc, turn) -> None:  # type: ignore[no-untyped-def]
     ids, append = turn
-    httpx.post(f"{server.url}/slots/0", params={"action": "erase"})
+    # a preview naming no slot forks the slot of the latest generation that named none: empty it
+    g = httpx.post(server.url + "/api/v1/generate", json={"input_ids": ids, "max_new_tokens": 1}, timeout=120)
+    httpx.post(f"{server.url}/slots/{g.headers['x-slot-id']}", params={"action": "erase"}).raise_for_status()
     r = preview(server, append_tokens=append)
     assert r.status_code == 400
     assert r.json() == {"error": "No cached context available", "error_code": "NO_CACHED_CONTEXT"}

@@ -6,9 +6,11 @@ Field names and shapes are llama-server's (llama.cpp ``tools/server/README.md``;
 its own test suite (``tools/server/tests/unit``) work unchanged.  Errors have its shape,
 ``{"error": {"code", "message", "type"}}`` (:mod:`orchestrator.api.compat`).
 
-Slots: ``id_slot`` names the slot (an integer as llama-server's, or any slotserve slot id);
-``-1`` or none means slot ``"0"``, and a busy slot is waited for (bounded) where
-llama-server would pick another idle slot.  ``cache_prompt: false`` empties the slot first.
+Slots: ``id_slot`` names the slot (an integer as llama-server's, or any slotserve slot id), and a
+busy slot is waited for (bounded) where llama-server would pick another idle slot; ``-1`` or
+none lets the server choose by prompt similarity as llama-server does
+(:mod:`orchestrator.slots.anonymous`), and ``id_slot`` in the answer says which.  ``cache_prompt:
+false`` empties a named slot first, and gives a request naming none a new, empty slot.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class Completion:
     def __init__(self, body: CompletionBody, req: CanonicalRequest, info: proto.ModelInfo, pieces: list[bytes]):
         self.body, self.req, self.info, self.pieces = body, req, info, pieces
         self.model, self.n_ctx = info.model_name, info.n_ctx
-        self.slot_out = slot_id_out(req.slot)
+        self.slot_out: int | str = -1 if req.slot is None else slot_id_out(req.slot)  # set once a slot is chosen
 
     def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
         """A streamed chunk (``stop: false``)."""
@@ -180,7 +182,7 @@ class Completion:
             "index": 0,
             "content": text,
             "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
-            "id_slot": self.slot_out,
+            "id_slot": slot_id_out(done.slot_id),
             "stop": True,
             "model": self.model,
             "tokens_predicted": d.n_generated,
@@ -230,7 +232,9 @@ async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks
         **body.sampler_fields(),
     ).canonical()
     req.wait = True
-    if not body.cache_prompt:
+    if not body.cache_prompt and req.slot is None:
+        req.cache_prompt = False  # a new, empty slot
+    elif not body.cache_prompt and req.slot is not None:
         async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
             await ops.erase(s)
     info = services.generation.info
@@ -289,6 +293,8 @@ class LlamaServerController(Controller):
                 final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
                 return msgspec.convert(final, LlamaCompletion)
             run = await started_run(services, c.req, request, control)
+            if control.slot_id is not None:
+                c.slot_out = slot_id_out(control.slot_id)
 
         async def events() -> AsyncIterator[bytes]:
             filt = StopTextFilter(stops)

@@ -39,6 +39,7 @@ from orchestrator.services import Services
 from orchestrator.web.body import json_route
 from orchestrator.web.encode import encoded
 from orchestrator.web.errors import ErrorEvent, report, route_of
+from orchestrator.web.slot_header import watch_slot
 from orchestrator.web.sse import JsonEvent, QueuedComment, event_stream, json_event
 
 log = structlog.get_logger("slotserve.api")
@@ -85,6 +86,7 @@ async def cancelled_on_disconnect(
     Start it only once the request's body has been read (it reads the ASGI ``receive`` channel
     for ``http.disconnect``).  Nested blocks with the same ``control`` share one watcher."""
     control = control or RunControl()
+    watch_slot(request.scope, control)  # X-Slot-Id on the answer
     if control.watched:
         yield control
         return

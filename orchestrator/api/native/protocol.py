@@ -137,8 +137,8 @@ class GenerateRequest(SamplerFields, kw_only=True):
             attention_layers=self.attention_layers,
             hidden_state=self.output_hidden_states,
             n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),
-            slot="0" if slot is None else str(slot),
-            wait=self.wait or slot is None,  # the default slot queues, as KoboldCpp does
+            slot=None if slot is None else str(slot),  # None: chosen by prompt (orchestrator/slots/anonymous.py)
+            wait=self.wait or slot is None,  # a request naming no slot queues, as KoboldCpp does
             progress=self.return_progress,
             **self.sampler_settings(defaults),
         )

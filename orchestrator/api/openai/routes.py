@@ -11,7 +11,9 @@ is llama-server's native completion, see :mod:`orchestrator.api.llama_server.rou
 slotserve extensions (docs/api.md "OpenAI-compatible API"):
 
 * the slot (KV cache) a request uses: ``slot_id`` in the body, else the ``X-Slot-Id``
-  header, else ``user``, else slot ``"0"``.  A busy slot is waited for (bounded).
+  header, else ``user``; a busy slot is waited for (bounded).  Naming none, the server chooses
+  by prompt similarity (:mod:`orchestrator.slots.anonymous`); the ``X-Slot-Id`` response header (and
+  ``slot_id`` in a non-streamed answer) says which.
 * ``"attention": {"format": "aggregated"|"per_layer", "dtype", "layers"}`` adds each
   generated token's attention (base64, as on the other JSON paths) to the choice, per chunk.
 """
@@ -60,11 +62,11 @@ T = TypeVar("T")
 FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "stop"}
 
 
-def _slot(data: OpenAIRequest, request: Request[Any, Any, Any]) -> str:
+def _slot(data: OpenAIRequest, request: Request[Any, Any, Any]) -> str | None:
     for v in (data.slot_id, request.headers.get("x-slot-id"), data.user):
         if v is not None and str(v) != "":
             return str(v)
-    return "0"
+    return None
 
 
 def canonical(
