@@ -21,6 +21,7 @@ from orchestrator.admin_feed import AttentionFeed
 from orchestrator.admission import WaitHooks
 from orchestrator.engine_api import EngineClient, EngineEvent, EngineRequestError, GenerationStream, TokenOutput
 from orchestrator.errors import ApiError
+from orchestrator.residency import uncancellable
 from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
 from orchestrator.slots import SlotRegistry, check_slot_id
 
@@ -356,7 +357,10 @@ class GenerationService:
                 refused = exc.refused and not took
                 raise
             finally:
-                await events.aclose()
+                # Wait for the engine to end the generation even if this task is cancelled (a
+                # client that left): the slot's lock is released only once its sequence is idle,
+                # so a save or the slot's next request never finds it generating.
+                await uncancellable(events.aclose())
                 if refused:
                     log.info("generation refused", request_id=req.request_id)
                 else:

@@ -129,9 +129,10 @@ class GenerateController(Controller):
         pieces = await services.generation.pieces()
         jobs = kobold.jobs_of(request.app.state)
         async with cancelled_on_disconnect(request) as control:
-            with jobs.track(data.genkey, control) as job:
+            with jobs.track(data.genkey, control, req.seed) as job:
                 async for ev in services.generation.run(req, control):
                     if isinstance(ev, TokenOut):
+                        job.n_tokens += 1
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         tokens.append(self._token(ev, req.n_probs, pieces))
@@ -141,7 +142,7 @@ class GenerateController(Controller):
                             attention.append(entry)
                     elif isinstance(ev, DoneOut):
                         done = ev
-                        jobs.finished(ev.done, req.seed)
+                        jobs.finished(job, ev.done)
         assert done is not None
         body = wire.done_event(done, req.request_id)
         kobold_text = trim_stop(done.text, done.done.stop_string) if data.trim_stop else done.text
@@ -194,13 +195,13 @@ class GenerateController(Controller):
         filt = StopTextFilter(req.stop_strings if data.trim_stop else [])
 
         async def events() -> AsyncIterator[ServerSentEventMessage]:
-            with jobs.track(data.genkey, control) as job:
+            with jobs.track(data.genkey, control, req.seed) as job:
                 try:
                     async for comment in _queued_comments(first, positions):
                         yield comment
                     async for ev in run:
                         if isinstance(ev, DoneOut):
-                            jobs.finished(ev.done, req.seed)
+                            jobs.finished(job, ev.done)
                             if req.attention:
                                 yield _sse(wire.done_event(ev, req.request_id))
                                 return
@@ -214,6 +215,7 @@ class GenerateController(Controller):
                             continue
                         if not isinstance(ev, TokenOut):
                             continue
+                        job.n_tokens += 1
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         if req.attention:
