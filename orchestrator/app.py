@@ -75,7 +75,9 @@ def build_services(settings: Settings) -> Services:
     )
     registry.wait_s = settings.slot_wait_s
     classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None
-    return Services(settings, engine, registry, GenerationService(engine, registry), archive, classifier)
+    generation = GenerationService(engine, registry)
+    generation.default_seed = settings.seed
+    return Services(settings, engine, registry, generation, archive, classifier)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:
@@ -120,7 +122,14 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     async def before_request(_: Request[Any, Any, Any]) -> None:
         structlog.contextvars.clear_contextvars()
 
-    cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
+    # llama-server's CORS answer (common/common.h cors_methods, cors_credentials): GET, POST, DELETE, OPTIONS
+    cors = CORSConfig(
+        allow_origins=list(settings.allowed_origins),
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+        allow_headers=["*"],
+        allow_credentials=True,
+        expose_headers=["*"],
+    )
     middleware = [origin_middleware(cors)]
     if settings.api_key:
         middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
@@ -136,6 +145,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     from orchestrator.api.admin import AdminController
     from orchestrator.api.classify import classify
     from orchestrator.api.kobold import KoboldController
+    from orchestrator.api.llama_chat import LlamaChatController
     from orchestrator.api.llama_server import LlamaServerController
     from orchestrator.api.openai import OpenAIController
     from orchestrator.api.preview import PreviewController
@@ -148,6 +158,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         AdminController,
         OpenAIController,
         LlamaServerController,
+        LlamaChatController,
         KoboldController,
     ]
     return Litestar(

@@ -40,9 +40,12 @@ class ModelMeta(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
-    """OpenAI's model object."""
+    """OpenAI's model object, with llama-server's ``aliases`` and ``tags`` (its ``--alias``/``--tags``)
+    and ``meta`` (``server-context.cpp`` ``get_res_model_info``)."""
 
     id: str
+    aliases: list[str]
+    tags: list[str]
     object: str
     created: int
     owned_by: str
@@ -129,6 +132,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     object: str
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
     slot_id: int | str
@@ -141,6 +145,7 @@ class TextCompletion(msgspec.Struct, kw_only=True):
     object: str
     created: int
     model: str
+    system_fingerprint: str
     choices: list[TextChoice]
     usage: Usage
     slot_id: int | str

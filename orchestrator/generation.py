@@ -227,6 +227,7 @@ class GenerationService:
         self.engine = engine
         self.registry = registry
         self.feed = AttentionFeed()  # the admin page's live view of generated tokens
+        self.default_seed = -1  # --seed: the seed of a request that gives none (-1: random)
 
     @property
     def info(self) -> proto.ModelInfo:
@@ -250,7 +251,9 @@ class GenerationService:
         if len(ids) + req.max_new_tokens > info.n_ctx:
             raise ApiError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"context of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds n_ctx {info.n_ctx}",
+                # llama-server's words (server-context.cpp), which its clients and tests look for
+                f"request ({len(ids)} tokens + max_new_tokens {req.max_new_tokens}) exceeds the available"
+                f" context size ({info.n_ctx} tokens), try increasing it",
                 n_ctx=info.n_ctx,
                 context_length=len(ids),
             )
@@ -274,6 +277,8 @@ class GenerationService:
         schema is built once by the worker first, so one llama.cpp cannot use is
         ``INVALID_GRAMMAR`` before any slot is touched."""
         await self.resolve_bias(req)
+        if req.seed == -1:
+            req.seed = self.default_seed
         params = sampling_params(req, self.info)
         if params.grammar or params.json_schema:
             await self.engine.check_sampling(params)

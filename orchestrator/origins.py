@@ -18,7 +18,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from litestar.config.cors import CORSConfig
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import ErrorCode
 from orchestrator.errors import ApiError, send_error
@@ -42,13 +42,29 @@ def refused_origin(scope: Scope, cors: CORSConfig) -> str | None:
     return origin
 
 
+def preflight_ok(send: Send) -> Send:
+    """``send`` with a preflight's status turned into 200, as llama-server answers every ``OPTIONS``
+    (``server-http.cpp``: its CORS headers on a 200; a refused origin gets none of them); Litestar's
+    CORS middleware answers 204 (allowed) or 400 (refused)."""
+
+    async def send_200(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] in (204, 400):
+            message = {**message, "status": 200}
+        await send(message)
+
+    return send_200
+
+
 def origin_middleware(cors: CORSConfig) -> Callable[[ASGIApp], ASGIApp]:
     """ASGI middleware factory: requests from an origin ``cors`` refuses get 403 (see the module docstring)."""
 
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
             kind = scope["type"]
-            if kind in ("http", "websocket") and scope.get("method") != "OPTIONS":
+            if kind == "http" and scope.get("method") == "OPTIONS":
+                await app(scope, receive, preflight_ok(send))
+                return
+            if kind in ("http", "websocket"):
                 origin = refused_origin(scope, cors)
                 if origin is not None:
                     if kind == "websocket":

@@ -287,7 +287,8 @@ class PreviewResponse(msgspec.Struct, kw_only=True):
 class SlotEntry(msgspec.Struct, kw_only=True):
     """One entry of ``GET /slots`` (docs/api.md, "Slots"): llama-server's ``id``, ``n_ctx``,
     ``is_processing`` and its task fields (resident slots), plus where the slot lives
-    (``place``: resident, parked...), its sizes in bytes and timestamps."""
+    (``place``: resident, parked, empty), its sizes in bytes and timestamps; ``named``: a
+    slotserve conversation beyond llama-server's ``n_parallel`` numbered slots."""
 
     id: int | str
     n_ctx: int
@@ -309,6 +310,7 @@ class SlotEntry(msgspec.Struct, kw_only=True):
     n_prompt_tokens_cache: int | UnsetType = UNSET
     params: dict[str, Any] | UnsetType = UNSET
     next_token: list[dict[str, Any]] | UnsetType = UNSET
+    named: bool | UnsetType = UNSET
 
 
 class SlotInfo(msgspec.Struct, kw_only=True):

@@ -24,6 +24,12 @@ class Services:
     generation: GenerationService
     archive: SlotArchive | None = None  # the state store (None: --no-persist)
     classifier: EngineClient | None = None  # the classifier worker (--classifier-model)
+    embedder: EngineClient | None = None  # the embeddings worker (--embeddings), started on first use
+
+    @property
+    def model_id(self) -> str:
+        """The model's name in API responses: ``--alias`` (:attr:`Settings.model_id`) or the model's own."""
+        return self.settings.model_id or self.generation.info.model_name
 
 
 def provide_services(state: State) -> Services:

@@ -196,9 +196,11 @@ def _probs(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
 class Completion:
     """One ``/completion`` request: its canonical form and the response shapes."""
 
-    def __init__(self, body: CompletionBody, req: CanonicalRequest, info: proto.ModelInfo, pieces: list[bytes]):
+    def __init__(
+        self, body: CompletionBody, req: CanonicalRequest, info: proto.ModelInfo, pieces: list[bytes], model: str
+    ):
         self.body, self.req, self.info, self.pieces = body, req, info, pieces
-        self.model, self.n_ctx = info.model_name, info.n_ctx
+        self.model, self.n_ctx = model, info.n_ctx
         self.slot_out = slot_id_out(req.slot)
 
     def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
@@ -277,7 +279,7 @@ async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks
         async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
             await ops.erase(s)
     info = services.generation.info
-    return Completion(body, req, info, await services.generation.pieces())
+    return Completion(body, req, info, await services.generation.pieces(), services.model_id)
 
 
 class LlamaServerController(Controller):
@@ -295,10 +297,14 @@ class LlamaServerController(Controller):
         special = info.special_tokens
         return Props(
             default_generation_settings=msgspec.convert(
-                {"params": params_json(None), "n_ctx": info.n_ctx}, DefaultSettings
+                {
+                    "params": params_json(msgspec.structs.replace(DEFAULT_PARAMS, seed=services.settings.seed)),
+                    "n_ctx": info.n_ctx,
+                },
+                DefaultSettings,
             ),
             total_slots=services.settings.worker.engine.n_slots,
-            model_alias=info.model_name,
+            model_alias=services.model_id,
             model_path=info.model_path,
             modalities=Modalities(vision=False, video=False, audio=False),
             endpoint_slots=True,

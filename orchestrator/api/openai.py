@@ -27,6 +27,7 @@ import msgspec
 import structlog
 from litestar import Controller, Request, get, post
 
+from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator import wire
 from orchestrator.api.compat import (
@@ -40,7 +41,7 @@ from orchestrator.api.compat import (
     sse_data,
     started_run,
 )
-from orchestrator.chat_template import ChatTemplate
+from orchestrator.api.llama_chat import chat_ids, chat_prompt
 from orchestrator.compat_responses import ChatCompletion, ModelCard, ModelList, ModelMeta, TextCompletion, streamable
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.generation import DoneOut, TokenOut
@@ -200,6 +201,12 @@ def canonical(
     return req
 
 
+def fingerprint(info: proto.ModelInfo) -> str:
+    """``system_fingerprint``: the build that served the request (llama-server sends its
+    ``llama_build_info()``, ``server-task.cpp``; here llama-cpp-python's version, whose llama.cpp serves)."""
+    return f"llama-cpp-python-{info.llama_cpp_version}-slotserve"
+
+
 def _logprob_entry(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
     return {
         "token": piece_text(t.piece),
@@ -237,7 +244,9 @@ def _usage(done: DoneOut) -> dict[str, Any]:
 class Shape:
     """Builds the response objects of one request (chat or text completion)."""
 
-    def __init__(self, chat: bool, model: str, req: CanonicalRequest, want_logprobs: bool, pieces: list[bytes]) -> None:
+    def __init__(
+        self, chat: bool, model: str, req: CanonicalRequest, want_logprobs: bool, pieces: list[bytes], fingerprint: str
+    ) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
@@ -245,10 +254,18 @@ class Shape:
         self.req = req
         self.want_logprobs = want_logprobs
         self.pieces = pieces
+        self.fingerprint = fingerprint
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """The fields every response/chunk carries."""
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
 
     def extras(self, choice: dict[str, Any], tokens: list[TokenOut]) -> dict[str, Any]:
         """Add ``logprobs`` (when asked) and the ``attention`` extension for ``tokens``."""
@@ -314,7 +331,7 @@ async def respond(
         try:
             if shape.chat:
                 role = shape.chunk(None, [])
-                role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                role["choices"][0]["delta"] = {"role": "assistant", "content": None}  # as llama-server
                 yield sse_data(role)
             async for ev in run:
                 if isinstance(ev, TokenOut):
@@ -367,7 +384,15 @@ class OpenAIController(Controller):
             n_params=info.n_params,
             size=info.size_bytes,
         )
-        card = ModelCard(id=info.model_name, object="model", created=int(time.time()), owned_by="slotserve", meta=meta)
+        card = ModelCard(
+            id=services.model_id,
+            aliases=sorted(services.settings.alias),
+            tags=sorted(services.settings.tags),
+            object="model",
+            created=int(time.time()),
+            owned_by="slotserve",
+            meta=meta,
+        )
         return ModelList(object="list", data=[card])
 
     @post(
@@ -380,16 +405,12 @@ class OpenAIController(Controller):
         self, request: Request[Any, Any, Any], services: Services, data: ChatCompletionRequest
     ) -> EventStream | ChatCompletion:
         info = services.generation.info
-        special = info.special_tokens
-        template = ChatTemplate(
-            info.chat_template, str(special.get("bos_token", "")), str(special.get("eos_token", ""))
-        )
-        text = template.render(data.messages, add_generation_prompt=True, tools=data.tools)
-        bos = str(special.get("bos_token", ""))
-        ids = (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
+        ids = await chat_ids(services, chat_prompt(services, data.messages, data.tools))
         n_probs = _top_n(data.logprobs, data.top_logprobs)
         req = canonical(data, request, ids, services, n_probs)
-        shape = Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces())
+        shape = Shape(
+            True, services.model_id, req, bool(data.logprobs), await services.generation.pieces(), fingerprint(info)
+        )
         return await respond(services, request, data, shape, ChatCompletion)
 
     @post(
@@ -409,5 +430,12 @@ class OpenAIController(Controller):
             raise ApiError(ErrorCode.INVALID_REQUEST, "logprobs must be in 0..5")
         ids = await prompt_ids(services, prompt)
         req = canonical(data, request, ids, services, data.logprobs or 0)
-        shape = Shape(False, info.model_name, req, data.logprobs is not None, await services.generation.pieces())
+        shape = Shape(
+            False,
+            services.model_id,
+            req,
+            data.logprobs is not None,
+            await services.generation.pieces(),
+            fingerprint(info),
+        )
         return await respond(services, request, data, shape, TextCompletion)
