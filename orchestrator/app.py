@@ -37,7 +37,7 @@ from orchestrator.engine_client import WorkerClient
 from orchestrator.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.generation import GenerationService
 from orchestrator.lease_keeper import LeaseKeeper
-from orchestrator.origins import origin_middleware
+from orchestrator.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.services import Services, provide_services, provide_slot_ops
 from orchestrator.slots import Slot, SlotRegistry
 
@@ -125,7 +125,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     # llama-server's CORS answer (common/common.h cors_methods, cors_credentials): GET, POST, DELETE, OPTIONS
     cors = CORSConfig(
         allow_origins=list(settings.allowed_origins),
-        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+        allow_methods=list(CORS_METHODS),
         allow_headers=["*"],
         allow_credentials=True,
         expose_headers=["*"],
@@ -186,6 +186,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             )
         ],
         before_request=before_request,
+        before_send=[preflight_ok],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="slotserve", version="0.1.0", path="/schema"),
         debug=False,

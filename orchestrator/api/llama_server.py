@@ -27,14 +27,13 @@ from orchestrator.api.compat import (
     COMPAT_ERRORS,
     EventStream,
     collect,
-    one_prompt,
     piece_text,
-    prompt_ids,
     remaining,
     sse_data,
     started_run,
 )
 from orchestrator.api.generate import cancelled_on_disconnect
+from orchestrator.api.prompts import Prompt, SubPrompt, split_prompts, subprompt_ids
 from orchestrator.compat_responses import DefaultSettings, LlamaCompletion, Modalities, Props, streamable
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.generation import DoneOut, TokenOut, sampling_params
@@ -72,7 +71,7 @@ class CompletionBody(SamplerFields, kw_only=True):
     """``POST /completion`` (llama-server README, "POST /completion": options; the further samplers,
     ``grammar`` and ``json_schema`` in :class:`orchestrator.schemas.SamplerFields`)."""
 
-    prompt: str | list[int | str]
+    prompt: Prompt
     n_predict: NPredict | None = None  # None: the server's --n-predict
     stream: bool = False
     cache_prompt: bool = True
@@ -89,6 +88,7 @@ class CompletionBody(SamplerFields, kw_only=True):
     ignore_eos: bool = False
     return_tokens: bool = False
     post_sampling_probs: bool = False
+    response_fields: list[str] | None = None
 
 
 def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dict[str, Any]:
@@ -197,16 +197,22 @@ class Completion:
     """One ``/completion`` request: its canonical form and the response shapes."""
 
     def __init__(
-        self, body: CompletionBody, req: CanonicalRequest, info: proto.ModelInfo, pieces: list[bytes], model: str
+        self,
+        body: CompletionBody,
+        req: CanonicalRequest,
+        info: proto.ModelInfo,
+        pieces: list[bytes],
+        model: str,
+        index: int = 0,
     ):
-        self.body, self.req, self.info, self.pieces = body, req, info, pieces
+        self.body, self.req, self.info, self.pieces, self.index = body, req, info, pieces, index
         self.model, self.n_ctx = model, info.n_ctx
         self.slot_out = slot_id_out(req.slot)
 
     def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
         """A streamed chunk (``stop: false``)."""
         out: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "content": text,
             "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
             "stop": False,
@@ -222,7 +228,7 @@ class Completion:
         """The last (or only) response (``stop: true``, ``timings``)."""
         d = done.done
         out: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "content": text,
             "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
             "id_slot": self.slot_out,
@@ -244,13 +250,48 @@ class Completion:
         return out
 
 
+def nested_values(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:
+    """``response_fields``: the values at ``paths`` (``"a/b"`` reads ``result["a"]["b"]``), keyed by
+    the path; paths that lead nowhere are left out (llama-server ``json_get_nested_values``)."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        node: Any = result
+        for key in path.split("/"):
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            out[path] = node
+    return out
+
+
+async def _complete(
+    request: Request[Any, Any, Any],
+    services: Services,
+    ops: SlotOps,
+    data: CompletionBody,
+    prompt: SubPrompt,
+    index: int,
+) -> dict[str, Any]:
+    """One prompt of a non-streamed ``/completion``, run to its end: llama-server's final result."""
+    async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
+        c = await _prepare(services, ops, data, control.hooks, prompt, index)
+        got = await collect(services, c.req, request, control)
+    kept = [t for t in got.tokens if not t.is_stop]
+    filt = StopTextFilter(c.req.stop_strings)
+    text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
+    return c.final(text, got.tokens, got.end, await services.engine.detokenize(c.req.input_ids or []))
+
+
 def _warn_ignored(body: CompletionBody) -> None:
     if body.post_sampling_probs:
         log.warning("llama-server fields not supported, ignored", fields=["post_sampling_probs"])
 
 
-async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks) -> Completion:
-    ids = await prompt_ids(services, one_prompt(body.prompt))
+async def _prepare(
+    services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks, prompt: SubPrompt, index: int = 0
+) -> Completion:
+    ids = await subprompt_ids(services, prompt)
     if not 0 <= body.n_probs <= 100:
         raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
     _warn_ignored(body)
@@ -279,7 +320,7 @@ async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks
         async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
             await ops.erase(s)
     info = services.generation.info
-    return Completion(body, req, info, await services.generation.pieces(), services.model_id)
+    return Completion(body, req, info, await services.generation.pieces(), services.model_id, index)
 
 
 class LlamaServerController(Controller):
@@ -325,18 +366,22 @@ class LlamaServerController(Controller):
     )
     async def completion(
         self, request: Request[Any, Any, Any], services: Services, ops: SlotOps, data: CompletionBody
-    ) -> EventStream | LlamaCompletion:
+    ) -> EventStream | LlamaCompletion | list[LlamaCompletion] | dict[str, Any]:
+        prompts = split_prompts(data.prompt)
+        if not data.stream:
+            results = [await _complete(request, services, ops, data, p, i) for i, p in enumerate(prompts)]
+            if data.response_fields:  # llama-server's json_get_nested_values, per result
+                picked = [nested_values(data.response_fields, r) for r in results]
+                return picked[0] if len(picked) == 1 else picked  # type: ignore[return-value]
+            typed = [msgspec.convert(r, LlamaCompletion) for r in results]
+            return typed[0] if len(typed) == 1 else typed
+        if len(prompts) > 1:
+            raise ApiError(
+                ErrorCode.INVALID_REQUEST, "several prompts are answered without stream; stream one at a time"
+            )
         async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
-            c = await _prepare(services, ops, data, control.hooks)
-            ids = c.req.input_ids or []
+            c = await _prepare(services, ops, data, control.hooks, prompts[0])
             stops = c.req.stop_strings
-            if not data.stream:
-                got = await collect(services, c.req, request, control)
-                kept = [t for t in got.tokens if not t.is_stop]
-                filt = StopTextFilter(stops)
-                text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.done.stop_string)
-                final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
-                return msgspec.convert(final, LlamaCompletion)
             run = await started_run(services, c.req, request, control)
 
         async def events() -> AsyncIterator[bytes]:

@@ -66,7 +66,7 @@ def numbered_first(seen: dict[str, dict[str, Any]], n_parallel: int, n_ctx: int)
     ``is_processing``; an unused one is ``place: "empty"``), then every other slot known here
     (slotserve's named conversations and numbers past ``n_parallel``), marked ``named: true``."""
     out = [
-        seen.pop(str(i), None)
+        seen.pop(str(i), {})
         or {
             "id": i,
             "n_ctx": n_ctx,
