@@ -23,6 +23,7 @@ from orchestrator.engine_api import EngineClient, EngineEvent, EngineRequestErro
 from orchestrator.errors import ApiError
 from orchestrator.residency import uncancellable
 from orchestrator.schemas import AppendToken, CanonicalRequest, PreviewRequest
+from orchestrator.slot import Slot
 from orchestrator.slots import SlotRegistry, check_slot_id
 
 log = structlog.get_logger("slotserve.generate")
@@ -289,7 +290,10 @@ class GenerationService:
         return self.engine.pieces
 
     async def run(
-        self, req: CanonicalRequest, control: RunControl | None = None
+        self,
+        req: CanonicalRequest,
+        control: RunControl | None = None,
+        then: Callable[[Slot], Awaitable[None]] | None = None,
     ) -> AsyncGenerator[Started | TokenOut | proto.Progress | DoneOut, None]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
@@ -300,6 +304,8 @@ class GenerationService:
         Raises :class:`ApiError` before the first yield for a bad request, and
         ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
         Closing the iterator early cancels the generation within one decode step.
+        ``then(slot)`` is awaited once the engine has finished the generation, the slot still
+        held (:mod:`orchestrator.choices` forks the prefilled prompt there).
         """
         info = self.info
         ids = await self.input_ids(req)
@@ -355,6 +361,8 @@ class GenerationService:
                         if self.registry.strict:  # stored before answered (--durability strict)
                             await events.aclose()  # the engine is done with the sequence
                             await self.registry.commit_turn(slot)
+                        if then is not None:
+                            await then(slot)
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
                         yield DoneOut(event, text, (time.perf_counter() - t0) * 1000, slot.id)

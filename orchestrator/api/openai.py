@@ -41,10 +41,12 @@ from orchestrator.api.compat import (
     sse_data,
     started_run,
 )
+from orchestrator.api.generate import cancelled_on_disconnect
 from orchestrator.api.llama_chat import chat_ids, chat_prompt
+from orchestrator.choices import ChoiceEvent, forked_choices
 from orchestrator.compat_responses import ChatCompletion, ModelCard, ModelList, ModelMeta, TextCompletion, streamable
 from orchestrator.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
-from orchestrator.generation import DoneOut, TokenOut
+from orchestrator.generation import DoneOut, RunControl, TokenOut
 from orchestrator.schemas import (
     AttentionDtype,
     AttentionFormat,
@@ -170,8 +172,8 @@ def canonical(
     data: OpenAIRequest, request: Request[Any, Any, Any], ids: list[int], services: Services, n_probs: int
 ) -> CanonicalRequest:
     """The generation request for an OpenAI body whose prompt is ``ids`` (bad values: ``INVALID_REQUEST``)."""
-    if data.n is not None and data.n != 1:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n} is not supported: this server returns one choice (n=1)")
+    if data.n is not None and data.n < 1:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n}: n must be at least 1")
     _warn_ignored(data)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     att = data.attention
@@ -282,28 +284,35 @@ class Shape:
             ]
         return choice
 
-    def chunk(self, text: str | None, tokens: list[TokenOut], finish: str | None = None) -> dict[str, Any]:
-        """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+    def chunk(
+        self, text: str | None, tokens: list[TokenOut], finish: str | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``."""
         if self.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
             return self.envelope("chat.completion.chunk", [self.extras(choice, tokens)])
-        choice = {"index": 0, "text": text or "", "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "finish_reason": finish}
         return self.envelope("text_completion", [self.extras(choice, tokens)])
 
-    def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
-        """The non-streaming response."""
+    def choice(self, index: int, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
+        """Choice ``index`` of the non-streaming response."""
         finish = FINISH.get(done.done.finish_reason, "stop")
         if self.chat:
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish,
             }
-            body = self.envelope("chat.completion", [self.extras(choice, tokens)])
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-            body = self.envelope("text_completion", [self.extras(choice, tokens)])
+            choice = {"index": index, "text": text, "finish_reason": finish}
+        return self.extras(choice, tokens)
+
+    def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
+        """The non-streaming response."""
+        body = self.envelope(
+            "chat.completion" if self.chat else "text_completion", [self.choice(0, text, tokens, done)]
+        )
         body["usage"] = _usage(done)
         body["slot_id"] = wire.slot_id_out(done.slot_id)
         return body
@@ -316,6 +325,8 @@ async def respond(
     or an SSE stream when ``data.stream``."""
     req = shape.req
     stops = list(req.stop_strings)
+    if (data.n or 1) > 1:
+        return await respond_choices(services, request, data, shape, kind)
     if not data.stream:
         got = await collect(services, req, request)
         kept = [t for t in got.tokens if not t.is_stop]
@@ -359,6 +370,91 @@ async def respond(
         yield b"data: [DONE]\n\n"
 
     return EventStream(events())
+
+
+async def respond_choices(
+    services: Services, request: Request[Any, Any, Any], data: OpenAIRequest, shape: Shape, kind: type[T]
+) -> EventStream | T:
+    """:func:`respond` for ``n`` > 1: ``n`` choices, forks of one prefilled prompt
+    (:mod:`orchestrator.choices`), indexed 0..n-1; streamed chunks carry their choice's
+    ``index``; ``usage`` counts the prompt once and every choice's tokens."""
+    n = data.n or 1
+    control = RunControl()
+    events = forked_choices(services.generation, shape.req, n, services.settings.worker.engine.n_spare, control)
+    async with cancelled_on_disconnect(request, control):
+        first = await anext(events)  # prefilled and forked: a bad request is a plain 4xx
+    assert isinstance(first, DoneOut)
+    prompt = first.done
+    stops = list(shape.req.stop_strings)
+
+    def usage(generated: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt.n_prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt.n_prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": prompt.n_cached},
+        }
+
+    if not data.stream:
+        tokens: list[list[TokenOut]] = [[] for _ in range(n)]
+        ends: list[DoneOut | None] = [None] * n
+        async with cancelled_on_disconnect(request, control):
+            try:
+                async for ev in events:
+                    if isinstance(ev, ChoiceEvent) and isinstance(ev.event, TokenOut):
+                        if not ev.event.is_stop:
+                            tokens[ev.index].append(ev.event)
+                    elif isinstance(ev, ChoiceEvent):
+                        ends[ev.index] = ev.event  # type: ignore[assignment]
+            finally:
+                await events.aclose()
+        choices = []
+        for i, end in enumerate(ends):
+            assert end is not None
+            filt = StopTextFilter(stops)
+            text = "".join(filt.feed(t.text) for t in tokens[i]) + filt.finish(end.done.stop_string)
+            choices.append(shape.choice(i, text, tokens[i], end))
+        body = shape.envelope("chat.completion" if shape.chat else "text_completion", choices)
+        body["usage"] = usage(sum(e.done.n_generated for e in ends if e is not None))
+        body["slot_id"] = wire.slot_id_out(first.slot_id)
+        return msgspec.convert(body, kind)
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+
+    async def stream() -> AsyncIterator[bytes]:
+        filters = [StopTextFilter(stops) for _ in range(n)]
+        generated = 0
+        try:
+            if shape.chat:
+                for i in range(n):
+                    role = shape.chunk(None, [], index=i)
+                    role["choices"][0]["delta"] = {"role": "assistant", "content": None}  # as llama-server
+                    yield sse_data(role)
+            async for ev in events:
+                if not isinstance(ev, ChoiceEvent):
+                    continue
+                i, e = ev.index, ev.event
+                if isinstance(e, TokenOut):
+                    text = "" if e.is_stop else filters[i].feed(e.text)
+                    if text:
+                        yield sse_data(shape.chunk(text, [e], index=i))
+                else:
+                    generated += e.done.n_generated
+                    rest = filters[i].finish(e.done.stop_string)
+                    if rest:
+                        yield sse_data(shape.chunk(rest, [], index=i))
+                    finish = FINISH.get(e.done.finish_reason, "stop")
+                    yield sse_data(shape.chunk(None if shape.chat else "", [], finish, index=i))
+            if include_usage:
+                last = shape.envelope("chat.completion.chunk" if shape.chat else "text_completion", [])
+                last["usage"] = usage(generated)
+                yield sse_data(last)
+        except Exception as exc:  # the worker failed mid-stream: an error event, then the end
+            yield sse_data(compat_error_body(report(exc, route_of(request))))
+        finally:
+            await events.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return EventStream(stream())
 
 
 def _top_n(logprobs: bool | None, top: int | None) -> int:
