@@ -36,6 +36,7 @@ from orchestrator.engine_api import EngineClient
 from orchestrator.engine_client import WorkerClient
 from orchestrator.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.generation import GenerationService
+from orchestrator.lazy_worker import LazyWorker
 from orchestrator.lease_keeper import LeaseKeeper
 from orchestrator.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.services import Services, provide_services, provide_slot_ops
@@ -77,7 +78,8 @@ def build_services(settings: Settings) -> Services:
     classifier = WorkerClient(settings.classifier) if settings.classifier is not None else None
     generation = GenerationService(engine, registry)
     generation.default_seed = settings.seed
-    return Services(settings, engine, registry, generation, archive, classifier)
+    embedder = LazyWorker(settings.embedder) if settings.embedder is not None else None
+    return Services(settings, engine, registry, generation, archive, classifier, embedder)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:
@@ -117,6 +119,8 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             await svc.registry.shutdown()
             if svc.classifier is not None:
                 await svc.classifier.close()
+            if svc.embedder is not None:
+                await svc.embedder.close()
             await svc.engine.close()
 
     async def before_request(_: Request[Any, Any, Any]) -> None:
@@ -144,6 +148,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     ]
     from orchestrator.api.admin import AdminController
     from orchestrator.api.classify import classify
+    from orchestrator.api.embeddings import EmbeddingsController
     from orchestrator.api.kobold import KoboldController
     from orchestrator.api.llama_chat import LlamaChatController
     from orchestrator.api.llama_server import LlamaServerController
@@ -159,6 +164,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         OpenAIController,
         LlamaServerController,
         LlamaChatController,
+        EmbeddingsController,
         KoboldController,
     ]
     return Litestar(

@@ -190,6 +190,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return ReadLimits(self.max_header_bytes, self.header_timeout_s, self.body_timeout_s)
 
     @property
+    def embedder(self) -> WorkerOptions | None:
+        """The embeddings worker's options (``--embeddings``): the served model pooled, with the
+        first worker's threads and repacking."""
+        if not self.embeddings:
+            return None
+        engine = self.worker.engine
+        return WorkerOptions(
+            EngineSettings(model=engine.model, n_threads=engine.n_threads, repack=engine.repack, embedder=True)
+        )
+
+    @property
     def classifier(self) -> WorkerOptions | None:
         """The second worker's options with ``--classifier-model`` (the first's threads and repacking)."""
         if self.classifier_model is None:

@@ -10,6 +10,7 @@ from orchestrator.archive import SlotArchive
 from orchestrator.config import Settings
 from orchestrator.engine_api import EngineClient
 from orchestrator.generation import GenerationService
+from orchestrator.lazy_worker import LazyWorker
 from orchestrator.slot_ops import SlotOps
 from orchestrator.slots import SlotRegistry
 
@@ -24,7 +25,7 @@ class Services:
     generation: GenerationService
     archive: SlotArchive | None = None  # the state store (None: --no-persist)
     classifier: EngineClient | None = None  # the classifier worker (--classifier-model)
-    embedder: EngineClient | None = None  # the embeddings worker (--embeddings), started on first use
+    embedder: LazyWorker | None = None  # the embeddings worker (--embeddings), started on first use
 
     @property
     def model_id(self) -> str:
