@@ -35,7 +35,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     :mod:`orchestrator.admission`.  ``store_timeout_s``: deadline of one state-store call
     (:class:`storage.timeouts.TimeoutStore`).  ``durability``: ``strict`` (a turn is answered once
     its state is stored) or ``write-behind`` (answered at once, stored ``write_delay_ms`` later;
-    docs/operations.md).  ``seed``, ``alias``, ``tags``, ``context_shift`` and ``embeddings`` are
+    docs/operations.md).  ``seed``, ``alias``, ``tags`` and ``embeddings`` are
     llama-server's flags of the same names (llama.cpp ``common/arg.cpp``).
     """
 
@@ -168,14 +168,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     tags: Annotated[
         tuple[str, ...], Flag("model tags /v1/models reports, comma-separated (llama-server's --tags)", "--tags")
     ] = ()
-    context_shift: Annotated[
-        bool,
-        Flag(
-            "a generation that fills the window shifts its context (drops the older half after the first"
-            " n_keep tokens) and goes on, as llama-server's --context-shift",
-            "--context-shift",
-        ),
-    ] = False
     embeddings: Annotated[
         bool,
         Flag(

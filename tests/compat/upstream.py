@@ -44,9 +44,13 @@ def run(name: str, extra: list[str]) -> int:
     (work / "pytest.ini").write_text("[pytest]\n")
     report = work / "report.xml"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", name, *extra]
-    rc = subprocess.call(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={report}", name, *extra]
+    with open(work / "pytest.log", "wb") as log:  # the partial record if the run is cut short
+        rc = subprocess.call(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}
+    if not report.exists():
+        print(f"{name}: no report (see {work / 'pytest.log'})")
+        return rc
     for case in ET.parse(report).getroot().iter("testcase"):
         failure = case.find("failure")
         if failure is None:
