@@ -17,7 +17,7 @@ from litestar.routes import WebSocketRoute
 
 from engine.errors import ErrorCode
 from orchestrator import schemas
-from orchestrator.api import kobold, llama_server, openai
+from orchestrator.api import embeddings, kobold, llama_chat, llama_server, openai, prompts
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
 from orchestrator.config import Settings
@@ -134,6 +134,9 @@ REQUEST_BODIES = [
     openai.StreamOptions,
     openai.AttentionOption,
     llama_server.CompletionBody,
+    prompts.PromptObject,
+    llama_chat.ChatPromptBody,
+    embeddings.EmbeddingsRequest,
     kobold.GenkeyBody,
     kobold.TokenCountBody,
 ]
