@@ -124,7 +124,9 @@ def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dic
         "mirostat_tau": p.mirostat_tau,
         "mirostat_eta": p.mirostat_eta,
         "grammar": p.grammar,
-        "logit_bias": [{"bias": b, "token": t} for t, b in p.logit_bias],
+        # a banned token is llama-server's -inf bias, which its JSON writes as null
+        "logit_bias": [{"bias": b, "token": t} for t, b in p.logit_bias]
+        + [{"bias": None, "token": t} for t in p.banned_tokens],
         "samplers": SAMPLERS,
     }
     if n_ctx is not None:
@@ -316,6 +318,8 @@ async def _prepare(
         **body.sampler_fields(),
     ).canonical()
     req.wait = True
+    if body.ignore_eos:  # llama-server bans the end-of-generation tokens (-inf logit bias), not just goes on
+        req.banned_tokens = sorted(set(req.banned_tokens) | set(services.generation.info.eog_token_ids))
     if not body.cache_prompt:
         async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
             await ops.erase(s)

@@ -38,13 +38,24 @@ def stop_server_after_each_test():
 def run(name: str, extra: list[str]) -> int:
     """Run ``unit/<name>`` against slotserve; print the per-test outcome; pytest's exit status."""
     work = Path(tempfile.mkdtemp(prefix="llama-tests-"))
-    shutil.copy(UPSTREAM / "unit" / name, work / name)
+    shutil.copytree(UPSTREAM / "unit", work / "unit")  # as laid out upstream: some files import others
+    (work / "fixtures").symlink_to(UPSTREAM / "fixtures")
     (work / "utils.py").write_text("from tests.compat.upstream_utils import *  # noqa: F403\n")
     (work / "conftest.py").write_text(CONFTEST)
     (work / "pytest.ini").write_text("[pytest]\n")
     report = work / "report.xml"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={report}", name, *extra]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{work}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+        f"unit/{name}",
+        *extra,
+    ]
     with open(work / "pytest.log", "wb") as log:  # the partial record if the run is cut short
         rc = subprocess.call(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     counts = {"PASSED": 0, "FAILED": 0, "SKIPPED": 0}

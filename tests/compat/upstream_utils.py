@@ -82,7 +82,9 @@ NOT_OFFERED = ("enable_ctx_shift", "model_draft", "n_ga", "n_ga_w", "lora_files"
 def slotserve_args(server: Any) -> list[str]:
     """``slotserve serve`` flags for a llama.cpp ``ServerProcess``'s options; raises
     :class:`NeedsTestModel` or :class:`NotOffered` for what slotserve cannot stand in for."""
-    if server.model_file or server.model_url or (server.model_hf_repo or STAND_IN_REPO) != STAND_IN_REPO:
+    if not (server.model_file or server.model_url or server.model_hf_repo):
+        raise NotOffered("needs a flag we do not offer: llama-server's router mode (no model, --models-dir)")
+    if server.model_file or server.model_url or server.model_hf_repo != STAND_IN_REPO:
         raise NeedsTestModel(f"needs llama-server's test model {server.model_hf_repo or server.model_file}")
     if server.model_hf_file and server.model_hf_repo == STAND_IN_REPO:
         raise NeedsTestModel(f"needs llama-server's test model {server.model_hf_file}")

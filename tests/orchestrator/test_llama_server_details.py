@@ -77,6 +77,10 @@ def test_completion_prompts_fields_and_seed(srv: ServerProc) -> None:
     picked = post(srv, "/completion", {**base, "prompt": text, "response_fields": fields})
     assert picked == {"content": one["content"], "generation_settings/n_predict": 4}
     assert httpx.get(srv.url + "/props", timeout=30).json()["default_generation_settings"]["params"]["seed"] == 42
+    # ignore_eos bans the end-of-generation tokens, reported as llama-server's -inf (null) biases
+    banned = post(srv, "/completion", {**base, "prompt": text, "ignore_eos": True})["generation_settings"]
+    assert banned["logit_bias"] and all(b["bias"] is None for b in banned["logit_bias"])
+    assert post(srv, "/completion", {**base, "prompt": text})["generation_settings"]["logit_bias"] == []
 
 
 def test_models_fingerprint_and_first_chunk(srv: ServerProc) -> None:
