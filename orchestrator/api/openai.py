@@ -204,9 +204,10 @@ def canonical(
 
 
 def fingerprint(info: proto.ModelInfo) -> str:
-    """``system_fingerprint``: the build that served the request (llama-server sends its
-    ``llama_build_info()``, ``server-task.cpp``; here llama-cpp-python's version, whose llama.cpp serves)."""
-    return f"llama-cpp-python-{info.llama_cpp_version}-slotserve"
+    """``system_fingerprint``: the build that served the request, in llama-server's form (its
+    ``llama_build_info()``, ``"b<build>-<commit>"``, ``server-task.cpp``); the build here is the
+    llama-cpp-python version whose llama.cpp serves, e.g. ``b0.3.36-slotserve``."""
+    return f"b{info.llama_cpp_version}-slotserve"
 
 
 def _logprob_entry(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
