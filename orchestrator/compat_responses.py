@@ -186,9 +186,10 @@ class Timings(msgspec.Struct, kw_only=True):
 
 
 class LogitBiasEntry(msgspec.Struct, kw_only=True):
-    """One logit bias as llama-server reports it (``task_params::format_logit_bias``); ``-inf``: banned."""
+    """One logit bias as llama-server reports it (``task_params::format_logit_bias``); null (its JSON for
+    ``-inf``): a banned token."""
 
-    bias: float
+    bias: float | None
     token: int
 
 
