@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import llama_cpp as llama
 import numpy as np
@@ -31,42 +32,44 @@ from engine.settings import EngineSettings
 
 
 class Classifier:
-    """A classifier context over ``model``.
+    """A classifier context over ``model`` (or, with ``embed``, an embedder: each input's pooled
+    embedding, ``float[n_embd]``, as ``llama_get_embeddings_seq`` returns it for mean, CLS or last
+    pooling; ``pooling`` is the ``llama_pooling_type`` in use).
 
     ``n_seq`` inputs are decoded together in one batch when their tokens fit
     ``n_ctx``.  Raises :class:`ModelLoadError` when the model is not a classifier
     (pooling type other than rank, or ``n_cls_out < 2``).
     """
 
-    def __init__(self, model: Model, n_threads: int, n_seq: int = 8) -> None:
+    def __init__(self, model: Model, n_threads: int, n_seq: int = 8, embed: bool = False) -> None:
         self.model = model
-        n_out = int(llama.llama_model_n_cls_out(model.ptr))
         self.n_ctx = int(model.n_ctx_train)
-        cp = llama.llama_context_default_params()
-        cp.embeddings = True
-        cp.pooling_type = llama.LLAMA_POOLING_TYPE_RANK
-        cp.n_ctx = self.n_ctx
-        cp.n_batch = self.n_ctx
-        cp.n_ubatch = self.n_ctx
-        cp.n_seq_max = n_seq
-        cp.n_threads = n_threads
-        cp.n_threads_batch = n_threads
-        cp.no_perf = True
-        ctx = llama.llama_init_from_model(model.ptr, cp)
-        if not ctx:
-            raise ModelLoadError(f"llama.cpp could not create a classifier context for {model.path}")
-        self.ctx = ctx
-        if llama.llama_pooling_type(ctx) != llama.LLAMA_POOLING_TYPE_RANK or n_out < 2:
-            self.close()
-            raise ModelLoadError(
-                f"{model.path} is not a classifier: it needs pooling type rank and n_cls_out > 1 (has {n_out})"
-            )
+        self.ctx = None
+        if embed:
+            # an embedder: the model's own pooling (mean, cls, last), else mean (llama-server's
+            # /v1/embeddings needs a pooled output; ``--pooling mean`` is what its README shows)
+            ctx, cp = self._context(llama.LLAMA_POOLING_TYPE_UNSPECIFIED, n_seq, n_threads)
+            if llama.llama_pooling_type(ctx) in (llama.LLAMA_POOLING_TYPE_NONE, llama.LLAMA_POOLING_TYPE_RANK):
+                llama.llama_free(ctx)
+                ctx, cp = self._context(llama.LLAMA_POOLING_TYPE_MEAN, n_seq, n_threads)
+            self.ctx = ctx
+            n_out = int(model.n_embd)
+        else:
+            n_out = int(llama.llama_model_n_cls_out(model.ptr))
+            self.ctx, cp = self._context(llama.LLAMA_POOLING_TYPE_RANK, n_seq, n_threads)
+            if llama.llama_pooling_type(self.ctx) != llama.LLAMA_POOLING_TYPE_RANK or n_out < 2:
+                self.close()
+                raise ModelLoadError(
+                    f"{model.path} is not a classifier: it needs pooling type rank and n_cls_out > 1 (has {n_out})"
+                )
+        ctx = self.ctx
+        self.pooling = int(llama.llama_pooling_type(ctx))
         self.n_out = n_out
         self.n_seq = n_seq
         # what engine.model_info reads: a context of n_ctx tokens and no slots
         self.config = EngineSettings(n_ctx=self.n_ctx, n_slots=0, n_spare=0, n_threads=n_threads, capture=False)
         self.n_cells = self.n_ctx
-        self.labels = [self._label(i) for i in range(n_out)]
+        self.labels = [] if embed else [self._label(i) for i in range(n_out)]
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
         self.self_check_ms = 0.0  # no attention capture to check
@@ -76,6 +79,27 @@ class Classifier:
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp chose for "auto"
         self.flash_choice = FlashAttnChoice("auto", "llama.cpp's choice (classifier context)")
         self.batch = llama.llama_batch_init(self.n_ctx, 0, 1)
+
+    def _context(self, pooling: int, n_seq: int, n_threads: int) -> tuple[llama.llama_context_p, Any]:
+        """A context pooling with ``pooling`` whose batch holds one whole sequence of ``n_ctx`` tokens."""
+        cp = llama.llama_context_default_params()
+        cp.embeddings = True
+        cp.pooling_type = pooling
+        cp.n_ctx = self.n_ctx
+        cp.n_batch = self.n_ctx
+        cp.n_ubatch = self.n_ctx
+        cp.n_seq_max = n_seq
+        cp.n_threads = n_threads
+        cp.n_threads_batch = n_threads
+        cp.no_perf = True
+        if pooling != llama.LLAMA_POOLING_TYPE_RANK:
+            # one KV stream for the sequences of a batch, as llama-cpp-python's embedding contexts
+            # (llama.py: kv_unified); split streams pooled the first sequence wrongly in a batch
+            cp.kv_unified = True
+        ctx = llama.llama_init_from_model(self.model.ptr, cp)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not create a pooled context for {self.model.path}")
+        return ctx, cp
 
     def _label(self, i: int) -> str:
         name = llama.llama_model_cls_label(self.model.ptr, i)

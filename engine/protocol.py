@@ -252,7 +252,8 @@ class LoadFile(SeqRequest):
 
 
 class Classify(Message):
-    """Classify each text with the worker's classifier model (reply ``Classified``)."""
+    """Classify each text with the worker's classifier model, or embed it with an embedder
+    worker (``EngineSettings.embedder``: the rows are pooled embeddings; reply ``Classified``)."""
 
     texts: list[str]
 

@@ -149,6 +149,10 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     classifier: Annotated[
         bool, Flag("serve the model as a sequence classifier (pooling rank)", "--classifier", serve=False)
     ] = False
+    embedder: Annotated[
+        bool,
+        Flag("serve the model's pooled embeddings (its own pooling, else mean)", "--embedder", serve=False),
+    ] = False
 
     def __post_init__(self) -> None:
         """Refuse what llama.cpp would refuse only when it creates the context: a quantized V cache

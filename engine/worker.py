@@ -252,9 +252,9 @@ def start_engine(config: EngineSettings, report: Callable[..., None]) -> Engine 
         on_progress=progress,
     )
     try:
-        if config.classifier:
+        if config.classifier or config.embedder:
             report("creating_context")
-            return Classifier(model, config.n_threads)
+            return Classifier(model, config.n_threads, embed=config.embedder)
         log_kv_cache(config, model)
         return Engine(model, config, on_stage=report)
     except BaseException:

@@ -39,10 +39,11 @@ from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import Slot, SlotRegistry
 from orchestrator.web.auth import api_key_middleware
 from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
-from orchestrator.web.origins import origin_middleware
+from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.web.slot_header import slot_header_middleware
 from orchestrator.worker.client import WorkerClient
 from orchestrator.worker.interface import EngineClient
+from orchestrator.worker.lazy import LazyWorker
 
 log = structlog.get_logger("slotserve")
 
@@ -81,7 +82,9 @@ def build_services(settings: Settings) -> Services:
     feed = AttentionFeed()  # the admin page's live view of generated tokens
     anonymous = AnonymousSlots(registry, settings.slot_prompt_similarity, settings.anon_slots)
     generation = GenerationService(engine, registry, anonymous, feed)
-    return Services(settings, engine, registry, generation, archive, classifier, feed)
+    generation.default_seed = settings.seed
+    embedder = LazyWorker(settings.embedder) if settings.embedder is not None else None
+    return Services(settings, engine, registry, generation, archive, classifier, feed, embedder)
 
 
 def create_app(settings: Settings, services: Services | None = None) -> Litestar:
@@ -121,12 +124,21 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             await svc.registry.shutdown()
             if svc.classifier is not None:
                 await svc.classifier.close()
+            if svc.embedder is not None:
+                await svc.embedder.close()
             await svc.engine.close()
 
     async def before_request(_: Request[Any, Any, Any]) -> None:
         structlog.contextvars.clear_contextvars()
 
-    cors = CORSConfig(allow_origins=list(settings.allowed_origins), allow_headers=["*"], expose_headers=["*"])
+    # llama-server's CORS answer (common/common.h cors_methods, cors_credentials): GET, POST, DELETE, OPTIONS
+    cors = CORSConfig(
+        allow_origins=list(settings.allowed_origins),
+        allow_methods=list(CORS_METHODS),
+        allow_headers=["*"],
+        allow_credentials=True,
+        expose_headers=["*"],
+    )
     middleware = [origin_middleware(cors), slot_header_middleware]
     if settings.api_key:
         middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
@@ -141,10 +153,12 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     ]
     from orchestrator.admin.routes import AdminController
     from orchestrator.api.kobold.routes import KoboldController
+    from orchestrator.api.llama_server.chat import LlamaChatController
     from orchestrator.api.llama_server.routes import LlamaServerController
     from orchestrator.api.llama_server.slots import SlotController
     from orchestrator.api.native.classify import classify
     from orchestrator.api.native.preview import PreviewController
+    from orchestrator.api.openai.embeddings import EmbeddingsController
     from orchestrator.api.openai.responses import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
 
@@ -156,6 +170,8 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         OpenAIController,
         ResponsesController,
         LlamaServerController,
+        LlamaChatController,
+        EmbeddingsController,
         KoboldController,
     ]
     return Litestar(
@@ -183,6 +199,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             )
         ],
         before_request=before_request,
+        before_send=[preflight_ok],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="slotserve", version="0.1.0", path="/schema"),
         debug=False,

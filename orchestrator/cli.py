@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 import msgspec
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.app import create_app
 
     keep_heap_mapped()  # per-token attention frames received into mapped memory (engine/heap.py)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
@@ -83,7 +84,27 @@ def main(argv: list[str] | None = None) -> int:
         # never negotiate permessage-deflate, whatever the client offers.
         ws_per_message_deflate=False,
     )
+    hosts = [h.strip() for h in settings.host.split(",") if h.strip()]
+    server = uvicorn.Server(config)
+    if len(hosts) > 1:  # llama-server's --host list: one listening socket per address
+        server.run(sockets=[listen_socket(h, settings.port) for h in hosts])
+    else:
+        server.run()
     return 0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host`` (an IPv4 or IPv6 address or a name) and ``port``; an IPv6
+    one is IPv6-only, as llama-server binds ``::`` in a list (llama.cpp ``common/arg.cpp``, ``--host``)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind(addr)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 if __name__ == "__main__":

@@ -38,10 +38,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     its state is stored) or ``write-behind`` (answered at once, stored ``write_delay_ms`` later;
     docs/operations.md).  ``stream_window`` / ``stream_window_bytes``: how far a generation may run
     ahead of what its client has taken, in tokens and in tensor bytes (flow control, :mod:`engine.flow`).
+    ``seed``, ``alias``, ``tags`` and ``embeddings`` are
+    llama-server's flags of the same names (llama.cpp ``common/arg.cpp``).
     """
 
+    @property
+    def model_id(self) -> str | None:
+        """The model name the API reports: the first ``--alias`` in sorted order, as llama-server
+        takes it from its alias set (``server-context.cpp``); None: the model's own name."""
+        return min(self.alias) if self.alias else None
+
     worker: WorkerOptions = msgspec.field(default_factory=WorkerOptions)
-    host: Annotated[str, Flag("where to listen", "--host", metavar="HOST")] = "127.0.0.1"
+    host: Annotated[str, Flag("where to listen (comma-separated: several addresses)", "--host", metavar="HOST")] = (
+        "127.0.0.1"
+    )
     port: Annotated[int, msgspec.Meta(ge=0, le=65535), Flag("where to listen", "--port")] = 5001
     api_key: Annotated[
         str | None, Flag("require this key (Bearer, X-Api-Key)", "--api-key", env="SLOTSERVE_API_KEY", metavar="KEY")
@@ -178,11 +188,47 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         Flag("classifier GGUF (pooling rank) served by POST /classify", "--classifier-model", metavar="PATH"),
     ] = None
     log_level: Annotated[str, Flag("uvicorn log level", "--log-level", metavar="L")] = "info"
+    seed: Annotated[
+        int,
+        msgspec.Meta(ge=-1, le=2**32 - 1),
+        Flag("sampling seed of requests that give none (-1: random; llama-server's --seed)", "--seed", "-s"),
+    ] = -1
+    alias: Annotated[
+        tuple[str, ...],
+        Flag(
+            "model names the API reports, comma-separated (the first in sorted order is the id;"
+            " llama-server's --alias)",
+            "--alias",
+            "-a",
+            metavar="LIST",
+        ),
+    ] = ()
+    tags: Annotated[
+        tuple[str, ...], Flag("model tags /v1/models reports, comma-separated (llama-server's --tags)", "--tags")
+    ] = ()
+    embeddings: Annotated[
+        bool,
+        Flag(
+            "serve POST /v1/embeddings (a second, pooled context of the model; llama-server's --embeddings)",
+            "--embeddings",
+        ),
+    ] = True
 
     @property
     def read_limits(self) -> ReadLimits:
         """How a request may arrive (uvicorn's protocol, :mod:`orchestrator.web.read_limits`)."""
         return ReadLimits(self.max_header_bytes, self.header_timeout_s, self.body_timeout_s)
+
+    @property
+    def embedder(self) -> WorkerOptions | None:
+        """The embeddings worker's options (``--embeddings``): the served model pooled, with the
+        first worker's threads and repacking."""
+        if not self.embeddings:
+            return None
+        engine = self.worker.engine
+        return WorkerOptions(
+            EngineSettings(model=engine.model, n_threads=engine.n_threads, repack=engine.repack, embedder=True)
+        )
 
     @property
     def classifier(self) -> WorkerOptions | None:

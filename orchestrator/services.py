@@ -13,6 +13,7 @@ from orchestrator.slots.operations import SlotOps
 from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import SlotRegistry
 from orchestrator.worker.interface import EngineClient
+from orchestrator.worker.lazy import LazyWorker
 
 
 @dataclass
@@ -27,6 +28,12 @@ class Services:
     archive: SlotArchive | None = None  # the state store (None: --no-persist)
     classifier: EngineClient | None = None  # the classifier worker (--classifier-model)
     feed: AttentionFeed = field(default_factory=AttentionFeed)  # the admin page's live view of generated tokens
+    embedder: LazyWorker | None = None  # the embeddings worker (--embeddings), started on first use
+
+    @property
+    def model_id(self) -> str:
+        """The model's name in API responses: ``--alias`` (:attr:`Settings.model_id`) or the model's own."""
+        return self.settings.model_id or self.generation.info.model_name
 
 
 def provide_services(state: State) -> Services:

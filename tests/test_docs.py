@@ -140,6 +140,9 @@ REQUEST_BODIES = [
     openai.ResponsesRequest,
     openai.TextFormat,
     llama_server.CompletionBody,
+    llama_server.PromptObject,
+    llama_server.ChatPromptBody,
+    openai.EmbeddingsRequest,
     kobold.GenkeyBody,
     kobold.TokenCountBody,
 ]

@@ -28,7 +28,9 @@ from orchestrator.generation.request import AppendToken, CanonicalRequest, Previ
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
+from orchestrator.slots.model import Slot
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
+from orchestrator.slots.residency import uncancellable
 from orchestrator.worker.interface import EngineClient, EngineRequestError, GenerationStream
 
 log = structlog.get_logger("slotserve.generate")
@@ -167,6 +169,7 @@ class GenerationService:
         self.registry = registry
         self.anonymous = anonymous if anonymous is not None else AnonymousSlots(registry)
         self.watcher = watcher  # sees every generated token too (the admin page's live feed)
+        self.default_seed = -1  # --seed: the seed of a request that gives none (-1: random)
 
     @property
     def info(self) -> proto.ModelInfo:
@@ -190,7 +193,9 @@ class GenerationService:
         if len(ids) + req.max_new_tokens > info.n_ctx:
             raise ServiceError(
                 ErrorCode.CONTEXT_OVERFLOW,
-                f"context of {len(ids)} tokens + max_new_tokens {req.max_new_tokens} exceeds n_ctx {info.n_ctx}",
+                # llama-server's words (server-context.cpp), which its clients and tests look for
+                f"request ({len(ids)} tokens + max_new_tokens {req.max_new_tokens}) exceeds the available"
+                f" context size ({info.n_ctx} tokens), try increasing it",
                 n_ctx=info.n_ctx,
                 context_length=len(ids),
             )
@@ -214,6 +219,8 @@ class GenerationService:
         schema is built once by the worker first, so one llama.cpp cannot use is
         ``INVALID_GRAMMAR`` before any slot is touched."""
         await self.resolve_bias(req)
+        if req.seed == -1:
+            req.seed = self.default_seed
         params = sampling_params(req, self.info)
         if params.grammar or params.json_schema:
             await self.engine.check_sampling(params)
@@ -224,7 +231,10 @@ class GenerationService:
         return self.engine.pieces
 
     async def run(
-        self, req: CanonicalRequest, control: RunControl | None = None
+        self,
+        req: CanonicalRequest,
+        control: RunControl | None = None,
+        then: Callable[[Slot], Awaitable[None]] | None = None,
     ) -> AsyncGenerator[Started | TokenOut | ProgressOut | DoneOut, None]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
@@ -235,6 +245,8 @@ class GenerationService:
         Raises :class:`ServiceError` before the first yield for a bad request, and
         ``EngineRequestError``/``EngineDeadError`` if the worker fails mid-way.
         Closing the iterator early cancels the generation within one decode step.
+        ``then(slot)`` is awaited once the engine has finished the generation, the slot still
+        held (:mod:`orchestrator.generation.choices` forks the prefilled prompt there).
         """
         info = self.info
         ids = await self.input_ids(req)
@@ -298,6 +310,8 @@ class GenerationService:
                         if self.registry.strict:  # stored before answered (--durability strict)
                             await events.aclose()  # the engine is done with the sequence
                             await self.registry.commit_turn(slot)
+                        if then is not None:
+                            await then(slot)
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
                         yield DoneOut.of(event, text, (time.perf_counter() - t0) * 1000, slot.id)
@@ -305,7 +319,10 @@ class GenerationService:
                 refused = exc.refused and not took
                 raise
             finally:
-                await events.aclose()
+                # Wait for the engine to end the generation even if this task is cancelled (a
+                # client that left): the slot's lock is released only once its sequence is idle,
+                # so a save or the slot's next request never finds it generating.
+                await uncancellable(events.aclose())
                 if refused:
                     log.info("generation refused", request_id=req.request_id)
                 else:

@@ -26,7 +26,7 @@ import msgspec
 import structlog
 from litestar import MediaType, Request, Response
 from litestar.connection import ASGIConnection
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.openapi import ResponseSpec
 from litestar.types import ExceptionHandlersMap, Send
 
@@ -260,8 +260,18 @@ def exception_handlers(render: Callable[[ApiError], Any]) -> ExceptionHandlersMa
     return dict.fromkeys(TO_API_ERROR, handler)
 
 
-EXCEPTION_HANDLERS = exception_handlers(ApiError.body)
-"""The app's handlers: every error as ``{"error", "error_code"}`` JSON."""
+def _unknown_route(request: Request[Any, Any, Any], exc: NotFoundException) -> Response[Any]:
+    """A path no route serves (or Litestar's own 404): llama-server's and OpenAI's error object
+    (:func:`compat_error_body`, as llama-server answers an unknown path), except under slotserve's
+    own ``/api/`` and ``/admin/`` paths (``{"error", "error_code"}``)."""
+    err = report(exc, route_of(request))
+    own = request.url.path.startswith(("/api/", "/admin"))
+    body = err.body() if own else compat_error_body(err)
+    return Response(body, status_code=err.status, media_type=MediaType.JSON)
+
+
+EXCEPTION_HANDLERS = {**exception_handlers(ApiError.body), NotFoundException: _unknown_route}
+"""The app's handlers: every error as ``{"error", "error_code"}`` JSON (an unknown path: see :func:`_unknown_route`)."""
 
 ERROR_TYPE_OF_STATUS = {
     401: "authentication_error",

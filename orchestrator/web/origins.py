@@ -18,7 +18,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from litestar.config.cors import CORSConfig
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Method, Receive, Scope, Send
 
 from engine.errors import ErrorCode
 from orchestrator.web.errors import ApiError, send_error
@@ -40,6 +40,34 @@ def refused_origin(scope: Scope, cors: CORSConfig) -> str | None:
     if host is not None and urlsplit(origin).netloc.lower() == host.lower():
         return None
     return origin
+
+
+CORS_METHODS: tuple[Method, ...] = ("GET", "POST", "DELETE", "OPTIONS")
+"""The methods a preflight allows, in llama-server's order (llama.cpp ``common/common.h`` ``cors_methods``)."""
+
+
+async def preflight_ok(message: Message, scope: Scope) -> None:
+    """Litestar ``before_send`` hook giving CORS answers llama-server's form (``server-http.cpp``):
+    a preflight is answered 200 (Litestar's CORS middleware answers 204 when allowed, 400 when
+    refused; a refused origin still gets no ``Access-Control-Allow-Origin``), and an allowed
+    origin is named in ``Access-Control-Allow-Origin`` rather than ``*``, as a response with
+    ``Access-Control-Allow-Credentials: true`` must (Fetch standard, "CORS check")."""
+    if message["type"] != "http.response.start":
+        return
+    if scope.get("method") == "OPTIONS" and message["status"] in (204, 400):
+        message["status"] = 200
+    origin = _header(scope, b"origin")
+    if origin is not None:
+        headers = message.get("headers") or []
+        message["headers"] = [(k, _llama_cors_value(k.lower(), v, origin)) for k, v in headers]
+
+
+def _llama_cors_value(name: bytes, value: bytes, origin: str) -> bytes:
+    if name == b"access-control-allow-origin" and value == b"*":
+        return origin.encode("latin-1")
+    if name == b"access-control-allow-methods":  # Litestar sorts them
+        return ", ".join(CORS_METHODS).encode()
+    return value
 
 
 def origin_middleware(cors: CORSConfig) -> Callable[[ASGIApp], ASGIApp]:

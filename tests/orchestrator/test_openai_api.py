@@ -128,8 +128,8 @@ def test_attention_extension(server: ServerProc) -> None:
 
 def test_errors_have_openai_shape(client) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=ASK, n=2)
-    assert e.value.status_code == 400 and "n=2" in e.value.message
+        client.chat.completions.create(model="m", messages=ASK, n=0)
+    assert e.value.status_code == 400 and "n=0" in e.value.message
     assert e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=ASK, max_tokens=100_000)

@@ -56,7 +56,10 @@ log = structlog.get_logger("slotserve.kobold")
 
 KOBOLDCPP_VERSION = "1.82.4"  # the KoboldCpp release whose API this follows
 KOBOLD_API_VERSION = "1.2.5"  # /api/v1/info/version, as KoboldCpp answers
-STOP_REASON = {"length": 0, "stop_token": 1, "stop_string": 2, "cancelled": -1}
+STOP_REASON = {"length": 0, "stop_token": 1, "stop_string": 2, "cancelled": 0}
+"""KoboldCpp's ``stop_reason`` (``expose.h``: INVALID -1, OUT_OF_TOKENS 0, EOS_TOKEN_HIT 1, CUSTOM_STOPPER 2).
+``gpttype_generate`` sets OUT_OF_TOKENS when a generation starts and changes it only for an end-of-stream
+token or a stop string, so an aborted generation reports 0."""
 # Sampler fields Lite/SillyTavern send; a value other than the neutral one cannot be honoured.
 # (llama.cpp has no top-a, tail-free, smoothing or slope sampler; typical, nsigma, presence_penalty,
 # dynatemp_range, DRY, XTC, Mirostat, logit_bias and grammar are honoured.)
@@ -80,7 +83,11 @@ class Job:
     """A running Kobold generation: how to stop it and its text so far."""
 
     control: RunControl
+    seed: int = -1
     text: list[str] = field(default_factory=list)
+    n_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
 
 
 @dataclass
@@ -88,17 +95,24 @@ class KoboldJobs:
     """Running generations by ``genkey`` and KoboldCpp's ``perf`` figures (one per app)."""
 
     running: dict[str, list[Job]] = field(default_factory=dict)
-    last: DoneOut | None = None
+    last_process_s: float = 0.0
+    last_eval_s: float = 0.0
+    last_token_count: int = 0
+    stop_reason: int = -1
     last_seed: int = -1
     total_gens: int = 0
     started: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
 
     @contextmanager
-    def track(self, genkey: str | None, control: RunControl) -> Iterator[Job]:
-        """Register a generation under ``genkey`` (``""`` when the client sent none) while it runs."""
+    def track(self, genkey: str | None, control: RunControl, seed: int = -1) -> Iterator[Job]:
+        """Register a generation under ``genkey`` (``""`` when the client sent none) while it runs.
+
+        One that ends without :meth:`finished` (its client left: KoboldAI Lite's Abort closes its
+        stream) is counted as KoboldCpp counts an aborted one: ``stop_reason`` 0, its tokens so far
+        (``Job.n_tokens``), its time as ``last_eval``."""
         key = genkey or ""
-        job = Job(control)
+        job = Job(control, seed)
         self.running.setdefault(key, []).append(job)
         self.last_request = time.time()
         try:
@@ -108,10 +122,18 @@ class KoboldJobs:
             jobs.remove(job)
             if not jobs:
                 del self.running[key]
+            if not job.done and (job.n_tokens or job.control.req is not None):
+                self._record(0.0, time.monotonic() - job.started, job.n_tokens, 0, job.seed)
 
-    def finished(self, done: DoneOut, seed: int) -> None:
-        """Record a finished generation for ``/api/extra/perf``."""
-        self.last, self.last_seed = done, seed
+    def finished(self, job: Job, done: DoneOut) -> None:
+        """Record ``job``'s end (the engine's ``done``) for ``/api/extra/perf``."""
+        job.done = True
+        reason = STOP_REASON.get(done.finish_reason, -1)
+        self._record(done.t_prefill_ms / 1000, done.t_generate_ms / 1000, done.n_generated, reason, job.seed)
+
+    def _record(self, process_s: float, eval_s: float, n_tokens: int, reason: int, seed: int) -> None:
+        self.last_process_s, self.last_eval_s, self.last_token_count = process_s, eval_s, n_tokens
+        self.stop_reason, self.last_seed = reason, seed
         self.total_gens += 1
         self.last_request = time.time()
 
@@ -257,16 +279,15 @@ class KoboldController(Controller):
     @get("/api/extra/perf", summary="KoboldCpp: last generation's figures and server status", responses=ERROR_RESPONSES)
     async def perf(self, request: Request[Any, Any, Any], services: Services) -> KoboldPerf:
         jobs = jobs_of(request.app.state)
-        last = jobs.last
         now = time.time()
         busy = any(s.busy for s in services.registry.slots.values())
         return KoboldPerf(
-            last_process=(last.t_prefill_ms / 1000) if last else 0,
-            last_eval=(last.t_generate_ms / 1000) if last else 0,
-            last_token_count=last.n_generated if last else 0,
+            last_process=jobs.last_process_s,
+            last_eval=jobs.last_eval_s,
+            last_token_count=jobs.last_token_count,
             last_seed=jobs.last_seed,
             total_gens=jobs.total_gens,
-            stop_reason=STOP_REASON.get(last.finish_reason, -1) if last else -1,
+            stop_reason=jobs.stop_reason,
             total_img_gens=0,
             queue=services.registry.n_waiting,
             idle=0 if busy else 1,

@@ -59,7 +59,8 @@ class RestoreStateRequest(msgspec.Struct, kw_only=True):
 class SlotEntry(msgspec.Struct, kw_only=True):
     """One entry of ``GET /slots`` (docs/api.md, "Slots"): llama-server's ``id``, ``n_ctx``,
     ``is_processing`` and its task fields (resident slots), plus where the slot lives
-    (``place``: resident, parked...), its sizes in bytes and timestamps."""
+    (``place``: resident, parked, empty), its sizes in bytes and timestamps; ``named``: a
+    slotserve conversation beyond llama-server's ``n_parallel`` numbered slots."""
 
     id: int | str
     n_ctx: int
@@ -81,6 +82,7 @@ class SlotEntry(msgspec.Struct, kw_only=True):
     n_prompt_tokens_cache: int | UnsetType = UNSET
     params: dict[str, Any] | UnsetType = UNSET
     next_token: list[dict[str, Any]] | UnsetType = UNSET
+    named: bool | UnsetType = UNSET
 
 
 class SlotInfo(msgspec.Struct, kw_only=True):
@@ -206,9 +208,10 @@ class Timings(msgspec.Struct, kw_only=True):
 
 
 class LogitBiasEntry(msgspec.Struct, kw_only=True):
-    """One logit bias as llama-server reports it (``task_params::format_logit_bias``); ``-inf``: banned."""
+    """One logit bias as llama-server reports it (``task_params::format_logit_bias``); null (its JSON for
+    ``-inf``): a banned token."""
 
-    bias: float
+    bias: float | None
     token: int
 
 
@@ -300,14 +303,29 @@ class Props(msgspec.Struct, kw_only=True):
     is_sleeping: bool
 
 
+JSON_PROMPT_STRING_KEY = "prompt_string"
+
+
+class PromptObject(msgspec.Struct, kw_only=True):
+    """``{"prompt_string": ..., "multimodal_data": [base64, ...]}`` (multimodal data is refused)."""
+
+    prompt_string: str | list[int | str]
+    multimodal_data: list[str] | None = None
+
+
+SubPrompt = str | list[int | str] | PromptObject
+Prompt = str | list[int | str | list[int | str] | PromptObject] | PromptObject
+"""The ``prompt`` field's type (see the module docstring)."""
+
+
 NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
 
 
 class CompletionBody(SamplerFields, kw_only=True):
     """``POST /completion`` (llama-server README, "POST /completion": options; the further samplers,
-    ``grammar`` and ``json_schema`` in :class:`orchestrator.schemas.SamplerFields`)."""
+    ``grammar`` and ``json_schema`` in :class:`orchestrator.generation.request.SamplerFields`)."""
 
-    prompt: str | list[int | str]
+    prompt: Prompt
     n_predict: NPredict | None = None  # None: the server's --n-predict
     stream: bool = False
     cache_prompt: bool = True
@@ -324,6 +342,7 @@ class CompletionBody(SamplerFields, kw_only=True):
     ignore_eos: bool = False
     return_tokens: bool = False
     post_sampling_probs: bool = False
+    response_fields: list[str] | None = None
 
 
 class SlotAction(StrEnum):
@@ -351,3 +370,25 @@ SlotActionResponse = (
 )
 """What ``POST /slots/{id}`` answers, by action (``save-state`` with ``Accept:
 application/octet-stream``: the raw SES1 bytes instead)."""
+
+
+# ---------------------------------------------------------------------------------- chat templates
+
+
+class ChatPromptBody(msgspec.Struct, kw_only=True):
+    """The part of a chat completion body that makes its prompt (other fields are ignored here)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+class AppliedTemplate(msgspec.Struct, kw_only=True):
+    """``POST /apply-template``: the prompt text the chat template makes of the messages."""
+
+    prompt: str
+
+
+class InputTokens(msgspec.Struct, kw_only=True):
+    """``POST /chat/completions/input_tokens``: how many tokens the messages' prompt is."""
+
+    input_tokens: int

@@ -24,21 +24,26 @@ from litestar import Controller, Request, get, post
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
-from orchestrator.api.llama_server.protocol import CompletionBody, DefaultSettings, LlamaCompletion, Modalities, Props
+from orchestrator.api.compat import COMPAT_ERRORS, collect, piece_text, remaining, started_run
+from orchestrator.api.llama_server.prompts import split_prompts, subprompt_ids
+from orchestrator.api.llama_server.protocol import (
+    CompletionBody,
+    DefaultSettings,
+    LlamaCompletion,
+    Modalities,
+    Props,
+    SubPrompt,
+)
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import GenerateRequest
 from orchestrator.generation.events import DoneOut, TokenOut
-from orchestrator.generation.request import (
-    CanonicalRequest,
-)
+from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import sampling_params
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
 from orchestrator.slots.admission import WaitHooks
-from orchestrator.slots.model import slot_id_out
+from orchestrator.slots.model import Slot, slot_id_out
 from orchestrator.slots.operations import SlotOps
-from orchestrator.slots.registry import Slot
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 
@@ -83,7 +88,9 @@ def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dic
         "mirostat_tau": p.mirostat_tau,
         "mirostat_eta": p.mirostat_eta,
         "grammar": p.grammar,
-        "logit_bias": [{"bias": b, "token": t} for t, b in p.logit_bias],
+        # a banned token is llama-server's -inf bias, which its JSON writes as null
+        "logit_bias": [{"bias": b, "token": t} for t, b in p.logit_bias]
+        + [{"bias": None, "token": t} for t in p.banned_tokens],
         "samplers": SAMPLERS,
     }
     if n_ctx is not None:
@@ -155,15 +162,23 @@ def _probs(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
 class Completion:
     """One ``/completion`` request: its canonical form and the response shapes."""
 
-    def __init__(self, body: CompletionBody, req: CanonicalRequest, info: proto.ModelInfo, pieces: list[bytes]):
-        self.body, self.req, self.info, self.pieces = body, req, info, pieces
-        self.model, self.n_ctx = info.model_name, info.n_ctx
+    def __init__(
+        self,
+        body: CompletionBody,
+        req: CanonicalRequest,
+        info: proto.ModelInfo,
+        pieces: list[bytes],
+        model: str,
+        index: int = 0,
+    ):
+        self.body, self.req, self.info, self.pieces, self.index = body, req, info, pieces, index
+        self.model, self.n_ctx = model, info.n_ctx
         self.slot_out: int | str = -1 if req.slot is None else slot_id_out(req.slot)  # set once a slot is chosen
 
     def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
         """A streamed chunk (``stop: false``)."""
         out: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "content": text,
             "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
             "stop": False,
@@ -179,7 +194,7 @@ class Completion:
         """The last (or only) response (``stop: true``, ``timings``)."""
         d = done
         out: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "content": text,
             "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
             "id_slot": slot_id_out(done.slot_id),
@@ -201,13 +216,48 @@ class Completion:
         return out
 
 
+def nested_values(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:
+    """``response_fields``: the values at ``paths`` (``"a/b"`` reads ``result["a"]["b"]``), keyed by
+    the path; paths that lead nowhere are left out (llama-server ``json_get_nested_values``)."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        node: Any = result
+        for key in path.split("/"):
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            out[path] = node
+    return out
+
+
+async def _complete(
+    request: Request[Any, Any, Any],
+    services: Services,
+    ops: SlotOps,
+    data: CompletionBody,
+    prompt: SubPrompt,
+    index: int,
+) -> dict[str, Any]:
+    """One prompt of a non-streamed ``/completion``, run to its end: llama-server's final result."""
+    async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
+        c = await _prepare(services, ops, data, control.hooks, prompt, index)
+        got = await collect(services, c.req, request, control)
+    kept = [t for t in got.tokens if not t.is_stop]
+    filt = StopTextFilter(c.req.stop_strings)
+    text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
+    return c.final(text, got.tokens, got.end, await services.engine.detokenize(c.req.input_ids or []))
+
+
 def _warn_ignored(body: CompletionBody) -> None:
     if body.post_sampling_probs:
         log.warning("llama-server fields not supported, ignored", fields=["post_sampling_probs"])
 
 
-async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks) -> Completion:
-    ids = await prompt_ids(services, one_prompt(body.prompt))
+async def _prepare(
+    services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks, prompt: SubPrompt, index: int = 0
+) -> Completion:
+    ids = await subprompt_ids(services, prompt)
     if not 0 <= body.n_probs <= 100:
         raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
     _warn_ignored(body)
@@ -232,13 +282,15 @@ async def _prepare(services: Services, ops: SlotOps, body: CompletionBody, hooks
         **body.sampler_fields(),
     ).canonical()
     req.wait = True
+    if body.ignore_eos:  # llama-server bans the end-of-generation tokens (-inf logit bias), not just goes on
+        req.banned_tokens = sorted(set(req.banned_tokens) | set(services.generation.info.eog_token_ids))
     if not body.cache_prompt and req.slot is None:
         req.cache_prompt = False  # a new, empty slot
     elif not body.cache_prompt and req.slot is not None:
         async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
             await ops.erase(s)
     info = services.generation.info
-    return Completion(body, req, info, await services.generation.pieces())
+    return Completion(body, req, info, await services.generation.pieces(), services.model_id, index)
 
 
 class LlamaServerController(Controller):
@@ -256,10 +308,14 @@ class LlamaServerController(Controller):
         special = info.special_tokens
         return Props(
             default_generation_settings=msgspec.convert(
-                {"params": params_json(None), "n_ctx": info.n_ctx}, DefaultSettings
+                {
+                    "params": params_json(msgspec.structs.replace(DEFAULT_PARAMS, seed=services.settings.seed)),
+                    "n_ctx": info.n_ctx,
+                },
+                DefaultSettings,
             ),
             total_slots=services.settings.worker.engine.n_slots,
-            model_alias=info.model_name,
+            model_alias=services.model_id,
             model_path=info.model_path,
             modalities=Modalities(vision=False, video=False, audio=False),
             endpoint_slots=True,
@@ -280,18 +336,22 @@ class LlamaServerController(Controller):
     )
     async def completion(
         self, request: Request[Any, Any, Any], services: Services, ops: SlotOps, data: CompletionBody
-    ) -> EventStream | LlamaCompletion:
+    ) -> EventStream | LlamaCompletion | list[LlamaCompletion] | dict[str, Any]:
+        prompts = split_prompts(data.prompt)
+        if not data.stream:
+            results = [await _complete(request, services, ops, data, p, i) for i, p in enumerate(prompts)]
+            if data.response_fields:  # llama-server's json_get_nested_values, per result
+                picked = [nested_values(data.response_fields, r) for r in results]
+                return picked[0] if len(picked) == 1 else picked  # type: ignore[return-value]
+            typed = [msgspec.convert(r, LlamaCompletion) for r in results]
+            return typed[0] if len(typed) == 1 else typed
+        if len(prompts) > 1:
+            raise ApiError(
+                ErrorCode.INVALID_REQUEST, "several prompts are answered without stream; stream one at a time"
+            )
         async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
-            c = await _prepare(services, ops, data, control.hooks)
-            ids = c.req.input_ids or []
+            c = await _prepare(services, ops, data, control.hooks, prompts[0])
             stops = c.req.stop_strings
-            if not data.stream:
-                got = await collect(services, c.req, request, control)
-                kept = [t for t in got.tokens if not t.is_stop]
-                filt = StopTextFilter(stops)
-                text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
-                final = c.final(text, got.tokens, got.end, await services.engine.detokenize(ids))
-                return msgspec.convert(final, LlamaCompletion)
             run = await started_run(services, c.req, request, control)
             if control.slot_id is not None:
                 c.slot_out = slot_id_out(control.slot_id)

@@ -63,6 +63,28 @@ OCTET = "application/octet-stream"
 MAX_STATE_BYTES = 4 << 30
 
 
+def numbered_first(seen: dict[str, dict[str, Any]], n_parallel: int, n_ctx: int) -> list[dict[str, Any]]:
+    """``GET /slots`` in llama-server's order: its ``n_parallel`` numbered slots ``0..n_parallel-1``
+    always (llama-server's ``server_slot::to_json``: ``id``, ``n_ctx``, ``speculative``,
+    ``is_processing``; an unused one is ``place: "empty"``), then every other slot known here
+    (slotserve's named conversations and numbers past ``n_parallel``), marked ``named: true``."""
+    out = [
+        seen.pop(str(i), {})
+        or {
+            "id": i,
+            "n_ctx": n_ctx,
+            "speculative": False,
+            "is_processing": False,
+            "n_tokens": 0,
+            "place": "empty",
+            "stored_bytes": None,
+            "state_bytes": None,
+        }
+        for i in range(n_parallel)
+    ]
+    return out + [{**entry, "named": True} for entry in seen.values()]
+
+
 READ_ONLY_ACTIONS = (SlotAction.SAVE_STATE, SlotAction.TOKENS)  # every other action changes a slot: admin key
 
 
@@ -297,7 +319,7 @@ class SlotController(Controller):
             )
             entry.setdefault("stored_bytes", slot.stored_bytes)
             entry.setdefault("state_bytes", slot.raw_bytes)
-        return msgspec.convert(list(seen.values()), list[SlotEntry])
+        return msgspec.convert(numbered_first(seen, services.settings.worker.engine.n_slots, n_ctx), list[SlotEntry])
 
     @get(
         "/v1/slots/{slot_id:str}/info",

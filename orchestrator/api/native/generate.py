@@ -119,9 +119,10 @@ class GenerateController(Controller):
         pieces = await services.generation.pieces()
         jobs = kobold.jobs_of(request.app.state)
         async with cancelled_on_disconnect(request) as control:
-            with jobs.track(data.genkey, control) as job:
+            with jobs.track(data.genkey, control, req.seed) as job:
                 async for ev in services.generation.run(req, control):
                     if isinstance(ev, TokenOut):
+                        job.n_tokens += 1
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         tokens.append(self._token(ev, req.n_probs, pieces))
@@ -129,7 +130,7 @@ class GenerateController(Controller):
                             attention.append(token_attention(ev, req.attention_format, req.attention_dtype))
                     elif isinstance(ev, DoneOut):
                         done = ev
-                        jobs.finished(ev, req.seed)
+                        jobs.finished(job, ev)
         assert done is not None
         end = done_event(done, req.request_id)
         kobold_text = trim_stop(done.text, done.stop_string) if data.trim_stop else done.text
@@ -191,13 +192,13 @@ class GenerateController(Controller):
         filt = StopTextFilter(req.stop_strings if data.trim_stop else [])
 
         async def events() -> AsyncIterator[ServerSentEventMessage]:
-            with jobs.track(data.genkey, control) as job:
+            with jobs.track(data.genkey, control, req.seed) as job:
                 try:
                     async for comment in _queued_comments(first, positions):
                         yield comment
                     async for ev in run:
                         if isinstance(ev, DoneOut):
-                            jobs.finished(ev, req.seed)
+                            jobs.finished(job, ev)
                             if req.attention:
                                 yield json_event(done_event(ev, req.request_id))
                                 return
@@ -211,6 +212,7 @@ class GenerateController(Controller):
                             continue
                         if not isinstance(ev, TokenOut):
                             continue
+                        job.n_tokens += 1
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         if req.attention:

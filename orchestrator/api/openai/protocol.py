@@ -38,9 +38,12 @@ class ModelMeta(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
-    """OpenAI's model object."""
+    """OpenAI's model object, with llama-server's ``aliases`` and ``tags`` (its ``--alias``/``--tags``)
+    and ``meta`` (``server-context.cpp`` ``get_res_model_info``)."""
 
     id: str
+    aliases: list[str]
+    tags: list[str]
     object: str
     created: int
     owned_by: str
@@ -145,6 +148,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     object: str
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
     slot_id: int | str
@@ -157,6 +161,7 @@ class TextCompletion(msgspec.Struct, kw_only=True):
     object: str
     created: int
     model: str
+    system_fingerprint: str
     choices: list[TextChoice]
     usage: Usage
     slot_id: int | str
@@ -487,3 +492,40 @@ ResponseStreamEvent = (
     | ResponseError
 )
 """Every event of a streamed response, in the order a client meets them."""
+
+
+# ---------------------------------------------------------------------------------- embeddings
+
+
+class EmbeddingsRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's embeddings body (``dimensions`` and ``user`` are accepted and not used)."""
+
+    input: str | list[str]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class Embedding(msgspec.Struct, kw_only=True):
+    """One input's vector (``float[n_embd]``, or its float32 bytes in base64)."""
+
+    object: str
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingsUsage(msgspec.Struct, kw_only=True):
+    """Tokens read (every input, special tokens included)."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(msgspec.Struct, kw_only=True):
+    """``POST /v1/embeddings``: one :class:`Embedding` per input, in input order."""
+
+    object: str
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingsUsage

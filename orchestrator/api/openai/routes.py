@@ -29,8 +29,11 @@ import msgspec
 import structlog
 from litestar import Controller, Request, get, post
 
+from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
+from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
+from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import GenerateRequest, attention_of
 from orchestrator.api.openai.protocol import (
     MAX_TOP_LOGPROBS,
@@ -43,11 +46,12 @@ from orchestrator.api.openai.protocol import (
     OpenAIRequest,
     TextCompletion,
 )
-from orchestrator.generation.chat_template import ChatTemplate
+from orchestrator.generation.choices import ChoiceEvent, forked_choices
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.request import (
     CanonicalRequest,
 )
+from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.generation.tool_calls import ToolCall, ToolPlan, plan_of
 from orchestrator.services import Services
@@ -73,8 +77,8 @@ def canonical(
     data: OpenAIRequest, request: Request[Any, Any, Any], ids: list[int], services: Services, n_probs: int
 ) -> CanonicalRequest:
     """The generation request for an OpenAI body whose prompt is ``ids`` (bad values: ``INVALID_REQUEST``)."""
-    if data.n is not None and data.n != 1:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n} is not supported: this server returns one choice (n=1)")
+    if data.n is not None and data.n < 1:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"n={data.n}: n must be at least 1")
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     att = data.attention
     fields = data.sampler_fields()
@@ -101,6 +105,13 @@ def canonical(
     ).canonical()
     req.wait = True
     return req
+
+
+def fingerprint(info: proto.ModelInfo) -> str:
+    """``system_fingerprint``: the build that served the request, in llama-server's form (its
+    ``llama_build_info()``, ``"b<build>-<commit>"``, ``server-task.cpp``); the build here is the
+    llama-cpp-python version whose llama.cpp serves, e.g. ``b0.3.36-slotserve``."""
+    return f"b{info.llama_cpp_version}-slotserve"
 
 
 def _logprob_entry(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
@@ -147,6 +158,7 @@ class Shape:
         req: CanonicalRequest,
         want_logprobs: bool,
         pieces: list[bytes],
+        fingerprint: str,
         tools: ToolPlan | None = None,
     ) -> None:
         self.chat = chat
@@ -157,10 +169,18 @@ class Shape:
         self.req = req
         self.want_logprobs = want_logprobs
         self.pieces = pieces
+        self.fingerprint = fingerprint
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """The fields every response/chunk carries."""
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
 
     def extras(self, choice: dict[str, Any], tokens: list[TokenOut]) -> dict[str, Any]:
         """Add ``logprobs`` (when asked) and the ``attention`` extension for ``tokens``."""
@@ -175,13 +195,15 @@ class Shape:
             choice["attention"] = [attention_of(t, self.req.attention_format, self.req.attention_dtype) for t in tokens]
         return choice
 
-    def chunk(self, text: str | None, tokens: list[TokenOut], finish: str | None = None) -> dict[str, Any]:
-        """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+    def chunk(
+        self, text: str | None, tokens: list[TokenOut], finish: str | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``."""
         if self.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
             return self.envelope("chat.completion.chunk", [self.extras(choice, tokens)])
-        choice = {"index": 0, "text": text or "", "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "finish_reason": finish}
         return self.envelope("text_completion", [self.extras(choice, tokens)])
 
     def calls_chunk(self, calls: list[ToolCall]) -> dict[str, Any]:
@@ -189,8 +211,9 @@ class Shape:
         delta = {"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}
         return self.envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}])
 
-    def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
-        """The non-streaming response (a chat answer parsed for tool calls when the request has tools)."""
+    def choice(self, index: int, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
+        """Choice ``index`` of the non-streaming response (a chat answer parsed for tool calls when the
+        request has tools)."""
         finish = FINISH.get(done.finish_reason, "stop")
         if self.chat:
             content, calls = self.tools.parse(text) if self.tools else (text, [])
@@ -198,11 +221,16 @@ class Shape:
             if calls:
                 message["tool_calls"] = [c.openai() for c in calls]
                 finish = "tool_calls"
-            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
-            body = self.envelope("chat.completion", [self.extras(choice, tokens)])
+            choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-            body = self.envelope("text_completion", [self.extras(choice, tokens)])
+            choice = {"index": index, "text": text, "finish_reason": finish}
+        return self.extras(choice, tokens)
+
+    def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
+        """The non-streaming response."""
+        body = self.envelope(
+            "chat.completion" if self.chat else "text_completion", [self.choice(0, text, tokens, done)]
+        )
         body["usage"] = _usage(done)
         body["slot_id"] = slot_id_out(done.slot_id)
         return body
@@ -215,6 +243,8 @@ async def respond(
     or an SSE stream when ``data.stream``."""
     req = shape.req
     stops = list(req.stop_strings)
+    if (data.n or 1) > 1:
+        return await respond_choices(services, request, data, shape, kind)
     if not data.stream:
         got = await collect(services, req, request)
         kept = [t for t in got.tokens if not t.is_stop]
@@ -231,7 +261,7 @@ async def respond(
         try:
             if shape.chat:
                 role = shape.chunk(None, [])
-                role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                role["choices"][0]["delta"] = {"role": "assistant", "content": None}  # as llama-server
                 yield sse_data(role)
             async for ev in run:
                 if isinstance(ev, TokenOut):
@@ -276,17 +306,99 @@ async def chat_shape(services: Services, request: Request[Any, Any, Any], data: 
     """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
     the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_calls`."""
     info = services.generation.info
-    special = info.special_tokens
-    bos = str(special.get("bos_token", ""))
-    template = ChatTemplate(info.chat_template, bos, str(special.get("eos_token", "")))
     plan = plan_of(info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
     messages = plan.messages(data.messages) if plan else data.messages
-    text = template.render(messages, add_generation_prompt=True, tools=plan.template_tools() if plan else None)
-    ids = (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
+    ids = await chat_ids(services, chat_prompt(services, messages, plan.template_tools() if plan else None))
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     if plan:
         plan.constrain(req)
-    return Shape(True, info.model_name, req, bool(data.logprobs), await services.generation.pieces(), plan)
+    pieces = await services.generation.pieces()
+    return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(info), plan)
+
+
+async def respond_choices(
+    services: Services, request: Request[Any, Any, Any], data: OpenAIRequest, shape: Shape, kind: type[T]
+) -> EventStream | T:
+    """:func:`respond` for ``n`` > 1: ``n`` choices, forks of one prefilled prompt
+    (:mod:`orchestrator.generation.choices`), indexed 0..n-1; streamed chunks carry their choice's
+    ``index``; ``usage`` counts the prompt once and every choice's tokens."""
+    n = data.n or 1
+    control = RunControl()
+    events = forked_choices(services.generation, shape.req, n, services.settings.worker.engine.n_spare, control)
+    async with cancelled_on_disconnect(request, control):
+        first = await anext(events)  # prefilled and forked: a bad request is a plain 4xx
+    assert isinstance(first, DoneOut)
+    prompt = first
+    stops = list(shape.req.stop_strings)
+
+    def usage(generated: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt.n_prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt.n_prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": prompt.n_cached},
+        }
+
+    if not data.stream:
+        tokens: list[list[TokenOut]] = [[] for _ in range(n)]
+        ends: list[DoneOut | None] = [None] * n
+        async with cancelled_on_disconnect(request, control):
+            try:
+                async for ev in events:
+                    if isinstance(ev, ChoiceEvent) and isinstance(ev.event, TokenOut):
+                        if not ev.event.is_stop:
+                            tokens[ev.index].append(ev.event)
+                    elif isinstance(ev, ChoiceEvent):
+                        ends[ev.index] = ev.event  # type: ignore[assignment]
+            finally:
+                await events.aclose()
+        choices = []
+        for i, end in enumerate(ends):
+            assert end is not None
+            filt = StopTextFilter(stops)
+            text = "".join(filt.feed(t.text) for t in tokens[i]) + filt.finish(end.stop_string)
+            choices.append(shape.choice(i, text, tokens[i], end))
+        body = shape.envelope("chat.completion" if shape.chat else "text_completion", choices)
+        body["usage"] = usage(sum(e.n_generated for e in ends if e is not None))
+        body["slot_id"] = slot_id_out(first.slot_id)
+        return msgspec.convert(body, kind)
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+
+    async def stream() -> AsyncIterator[bytes]:
+        filters = [StopTextFilter(stops) for _ in range(n)]
+        generated = 0
+        try:
+            if shape.chat:
+                for i in range(n):
+                    role = shape.chunk(None, [], index=i)
+                    role["choices"][0]["delta"] = {"role": "assistant", "content": None}  # as llama-server
+                    yield sse_data(role)
+            async for ev in events:
+                if not isinstance(ev, ChoiceEvent):
+                    continue
+                i, e = ev.index, ev.event
+                if isinstance(e, TokenOut):
+                    text = "" if e.is_stop else filters[i].feed(e.text)
+                    if text:
+                        yield sse_data(shape.chunk(text, [e], index=i))
+                else:
+                    generated += e.n_generated
+                    rest = filters[i].finish(e.stop_string)
+                    if rest:
+                        yield sse_data(shape.chunk(rest, [], index=i))
+                    finish = FINISH.get(e.finish_reason, "stop")
+                    yield sse_data(shape.chunk(None if shape.chat else "", [], finish, index=i))
+            if include_usage:
+                last = shape.envelope("chat.completion.chunk" if shape.chat else "text_completion", [])
+                last["usage"] = usage(generated)
+                yield sse_data(last)
+        except Exception as exc:  # the worker failed mid-stream: an error event, then the end
+            yield sse_data(compat_error_body(report(exc, route_of(request))))
+        finally:
+            await events.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return EventStream(stream())
 
 
 def _top_n(logprobs: bool | None, top: int | None) -> int:
@@ -312,7 +424,15 @@ class OpenAIController(Controller):
             n_params=info.n_params,
             size=info.size_bytes,
         )
-        card = ModelCard(id=info.model_name, object="model", created=int(time.time()), owned_by="slotserve", meta=meta)
+        card = ModelCard(
+            id=services.model_id,
+            aliases=sorted(services.settings.alias),
+            tags=sorted(services.settings.tags),
+            object="model",
+            created=int(time.time()),
+            owned_by="slotserve",
+            meta=meta,
+        )
         return ModelList(object="list", data=[card])
 
     @post(
@@ -344,5 +464,12 @@ class OpenAIController(Controller):
             raise ApiError(ErrorCode.INVALID_REQUEST, "logprobs must be in 0..5")
         ids = await prompt_ids(services, prompt)
         req = canonical(data, request, ids, services, data.logprobs or 0)
-        shape = Shape(False, info.model_name, req, data.logprobs is not None, await services.generation.pieces())
+        shape = Shape(
+            False,
+            services.model_id,
+            req,
+            data.logprobs is not None,
+            await services.generation.pieces(),
+            fingerprint(info),
+        )
         return await respond(services, request, data, shape, TextCompletion)
