@@ -15,6 +15,7 @@ import msgspec
 
 from orchestrator.admin.protocol import AttentionEvent, SlotsEvent
 from orchestrator.api.kobold.protocol import KoboldTokenEvent
+from orchestrator.api.llama_server.protocol import LlamaCompletion, LlamaCompletionChunk
 from orchestrator.api.native.protocol import (
     BinaryTokenFrame,
     DoneEvent,
@@ -23,7 +24,7 @@ from orchestrator.api.native.protocol import (
     SseTokenEvent,
     TokenEvent,
 )
-from orchestrator.api.openai.protocol import ResponseStreamEvent
+from orchestrator.api.openai.protocol import ChatCompletionChunk, ResponseStreamEvent, TextCompletionChunk
 from orchestrator.web.errors import ErrorEvent
 
 STREAMS: list[tuple[str, list[type[msgspec.Struct]]]] = [
@@ -35,6 +36,9 @@ STREAMS: list[tuple[str, list[type[msgspec.Struct]]]] = [
         [QueuedEvent, ProgressEvent, BinaryTokenFrame, DoneEvent, ErrorEvent],
     ),
     ("GET /admin/events", [SlotsEvent, AttentionEvent, ErrorEvent]),
+    ("POST /v1/chat/completions with stream (then data: [DONE])", [ChatCompletionChunk]),
+    ("POST /v1/completions with stream (then data: [DONE])", [TextCompletionChunk]),
+    ("POST /completion with stream (llama-server's)", [LlamaCompletionChunk, LlamaCompletion]),
     ("POST /v1/responses with stream (OpenAI's Responses events)", list(get_args(ResponseStreamEvent))),
 ]
 """Each stream and the events it sends, in the order a client meets them."""
@@ -63,9 +67,7 @@ def render() -> str:
         "# Stream events",
         "",
         "Generated from the msgspec Structs that encode them (`python -m orchestrator.api.stream_docs >",
-        "docs/stream-events.md`; `tests/test_docs.py` checks it is current). OpenAI's chat and text",
-        "completion streams and llama-server's `/completion` stream send chunks of their completion objects",
-        "(in the OpenAPI schema). Field semantics: [api.md](api.md).",
+        "docs/stream-events.md`; `tests/test_docs.py` checks it is current). Field semantics: [api.md](api.md).",
         "",
     ]
     for title, events in STREAMS:

@@ -274,6 +274,20 @@ class LlamaCompletion(msgspec.Struct, kw_only=True):
     completion_probabilities: list[CompletionProb] | UnsetType = UNSET
 
 
+class LlamaCompletionChunk(msgspec.Struct, kw_only=True):
+    """A streamed ``/completion`` chunk (``stream: true``; ``data: {json}`` events): generated text so far
+    not yet sent, with ``stop: false``; the last event is a :class:`LlamaCompletion` (``stop: true``)."""
+
+    index: int
+    content: str
+    tokens: list[int]
+    stop: bool = False
+    id_slot: int | str
+    tokens_predicted: int
+    tokens_evaluated: int
+    completion_probabilities: list[CompletionProb] | UnsetType = UNSET
+
+
 class DefaultSettings(msgspec.Struct, kw_only=True):
     params: SamplerSettings
     n_ctx: int

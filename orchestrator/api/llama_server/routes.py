@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import structlog
 from litestar import Controller, Request, get, post
+from msgspec import UNSET
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
@@ -28,11 +29,16 @@ from orchestrator.api.compat import COMPAT_ERRORS, collect, piece_text, remainin
 from orchestrator.api.llama_server.prompts import split_prompts, subprompt_ids
 from orchestrator.api.llama_server.protocol import (
     CompletionBody,
+    CompletionProb,
     DefaultSettings,
     LlamaCompletion,
+    LlamaCompletionChunk,
     Modalities,
     Props,
+    SamplerSettings,
     SubPrompt,
+    Timings,
+    TokenProb,
 )
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import GenerateRequest
@@ -127,36 +133,30 @@ def check_slot_number(slot_id: str) -> None:
         raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
 
 
-def _timings(d: DoneOut) -> dict[str, Any]:
+def _timings(d: DoneOut) -> Timings:
     def rate(n: int, ms: float) -> tuple[float, float]:
         return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
 
     p_tok, p_s = rate(d.n_prefilled, d.t_prefill_ms)
     g_tok, g_s = rate(d.n_generated, d.t_generate_ms)
-    return {
-        "cache_n": d.n_cached,
-        "prompt_n": d.n_prefilled,
-        "prompt_ms": d.t_prefill_ms,
-        "prompt_per_token_ms": p_tok,
-        "prompt_per_second": p_s,
-        "predicted_n": d.n_generated,
-        "predicted_ms": d.t_generate_ms,
-        "predicted_per_token_ms": g_tok,
-        "predicted_per_second": g_s,
-    }
+    return Timings(
+        cache_n=d.n_cached,
+        prompt_n=d.n_prefilled,
+        prompt_ms=d.t_prefill_ms,
+        prompt_per_token_ms=p_tok,
+        prompt_per_second=p_s,
+        predicted_n=d.n_generated,
+        predicted_ms=d.t_generate_ms,
+        predicted_per_token_ms=g_tok,
+        predicted_per_second=g_s,
+    )
 
 
-def _probs(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
-    return {
-        "id": t.token_id,
-        "token": piece_text(t.piece),
-        "bytes": list(t.piece),
-        "logprob": t.logprob,
-        "top_logprobs": [
-            {"id": tok, "token": piece_text(pieces[tok]), "bytes": list(pieces[tok]), "logprob": lp}
-            for tok, lp in t.top
-        ],
-    }
+def _probs(t: TokenOut, pieces: list[bytes]) -> CompletionProb:
+    top = [TokenProb(id=tok, token=piece_text(pieces[tok]), bytes_=list(pieces[tok]), logprob=lp) for tok, lp in t.top]
+    return CompletionProb(
+        id=t.token_id, token=piece_text(t.piece), bytes_=list(t.piece), logprob=t.logprob, top_logprobs=top
+    )
 
 
 class Completion:
@@ -175,45 +175,43 @@ class Completion:
         self.model, self.n_ctx = model, info.n_ctx
         self.slot_out: int | str = -1 if req.slot is None else slot_id_out(req.slot)  # set once a slot is chosen
 
-    def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> dict[str, Any]:
+    def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> LlamaCompletionChunk:
         """A streamed chunk (``stop: false``)."""
-        out: dict[str, Any] = {
-            "index": self.index,
-            "content": text,
-            "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
-            "stop": False,
-            "id_slot": self.slot_out,
-            "tokens_predicted": n_done,
-            "tokens_evaluated": len(self.req.input_ids or ()),
-        }
-        if self.body.n_probs:
-            out["completion_probabilities"] = [_probs(t, self.pieces) for t in tokens]
-        return out
+        return LlamaCompletionChunk(
+            index=self.index,
+            content=text,
+            tokens=[t.token_id for t in tokens] if self.body.return_tokens else [],
+            id_slot=self.slot_out,
+            tokens_predicted=n_done,
+            tokens_evaluated=len(self.req.input_ids or ()),
+            completion_probabilities=[_probs(t, self.pieces) for t in tokens] if self.body.n_probs else UNSET,
+        )
 
-    def final(self, text: str, tokens: list[TokenOut], done: DoneOut, prompt: str) -> dict[str, Any]:
+    def final(self, text: str, tokens: list[TokenOut], done: DoneOut, prompt: str) -> LlamaCompletion:
         """The last (or only) response (``stop: true``, ``timings``)."""
         d = done
-        out: dict[str, Any] = {
-            "index": self.index,
-            "content": text,
-            "tokens": [t.token_id for t in tokens] if self.body.return_tokens else [],
-            "id_slot": slot_id_out(done.slot_id),
-            "stop": True,
-            "model": self.model,
-            "tokens_predicted": d.n_generated,
-            "tokens_evaluated": d.n_prompt,
-            "generation_settings": params_json(sampling_params(self.req, self.info), self.n_ctx),
-            "prompt": prompt,
-            "has_new_line": "\n" in text,
-            "truncated": False,
-            "stop_type": STOP_TYPE.get(d.finish_reason, "none"),
-            "stopping_word": d.stop_string,
-            "tokens_cached": d.seq_tokens,
-            "timings": _timings(d),
-        }
-        if self.body.n_probs and not self.body.stream:
-            out["completion_probabilities"] = [_probs(t, self.pieces) for t in tokens]
-        return out
+        probs = self.body.n_probs and not self.body.stream
+        return LlamaCompletion(
+            index=self.index,
+            content=text,
+            tokens=[t.token_id for t in tokens] if self.body.return_tokens else [],
+            id_slot=slot_id_out(done.slot_id),
+            stop=True,
+            model=self.model,
+            tokens_predicted=d.n_generated,
+            tokens_evaluated=d.n_prompt,
+            generation_settings=msgspec.convert(
+                params_json(sampling_params(self.req, self.info), self.n_ctx), SamplerSettings
+            ),
+            prompt=prompt,
+            has_new_line="\n" in text,
+            truncated=False,
+            stop_type=STOP_TYPE.get(d.finish_reason, "none"),
+            stopping_word=d.stop_string,
+            tokens_cached=d.seq_tokens,
+            timings=_timings(d),
+            completion_probabilities=[_probs(t, self.pieces) for t in tokens] if probs else UNSET,
+        )
 
 
 def nested_values(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +236,7 @@ async def _complete(
     data: CompletionBody,
     prompt: SubPrompt,
     index: int,
-) -> dict[str, Any]:
+) -> LlamaCompletion:
     """One prompt of a non-streamed ``/completion``, run to its end: llama-server's final result."""
     async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
         c = await _prepare(services, ops, data, control.hooks, prompt, index)
@@ -341,10 +339,9 @@ class LlamaServerController(Controller):
         if not data.stream:
             results = [await _complete(request, services, ops, data, p, i) for i, p in enumerate(prompts)]
             if data.response_fields:  # llama-server's json_get_nested_values, per result
-                picked = [nested_values(data.response_fields, r) for r in results]
+                picked = [nested_values(data.response_fields, msgspec.to_builtins(r)) for r in results]
                 return picked[0] if len(picked) == 1 else picked  # type: ignore[return-value]
-            typed = [msgspec.convert(r, LlamaCompletion) for r in results]
-            return typed[0] if len(typed) == 1 else typed
+            return results[0] if len(results) == 1 else results
         if len(prompts) > 1:
             raise ApiError(
                 ErrorCode.INVALID_REQUEST, "several prompts are answered without stream; stream one at a time"

@@ -113,6 +113,12 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
+class ToolCallDelta(ToolCallOut, kw_only=True):
+    """A tool call in a streamed chunk's ``delta.tool_calls`` (``index``: which call)."""
+
+    index: int
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     """The assistant's message: ``content`` is null when the answer is only tool calls."""
 
@@ -165,6 +171,54 @@ class TextCompletion(msgspec.Struct, kw_only=True):
     choices: list[TextChoice]
     usage: Usage
     slot_id: int | str
+
+
+# Stream chunks (``stream: true``): ``data: {json}`` server-sent events ending ``data: [DONE]``, as OpenAI's
+# API reference ("The chat completion chunk object") and llama-server (``to_json_oaicompat*_stream``) send them.
+
+
+class ChatDelta(msgspec.Struct, kw_only=True):
+    """What a chat chunk adds: the first chunk ``role`` (and ``content: null``, as llama-server), then
+    ``content`` pieces or whole ``tool_calls``; the last chunk an empty delta with ``finish_reason``."""
+
+    role: str | UnsetType = UNSET
+    content: str | UnsetType | None = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    """A chat chunk's choice ``index`` (``n`` > 1: one per choice); ``attention`` per token (extension)."""
+
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+    logprobs: ChatLogprobs | UnsetType = UNSET
+    attention: list[Attention | None] | UnsetType = UNSET
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One streamed chat chunk (``object``: ``chat.completion.chunk``); the last one before ``[DONE]`` has
+    no choices and the ``usage`` when ``stream_options.include_usage``."""
+
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | UnsetType = UNSET
+
+
+class TextCompletionChunk(msgspec.Struct, kw_only=True):
+    """One streamed text completion chunk (``object``: ``text_completion``, as OpenAI streams them)."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[TextChoice]
+    usage: Usage | UnsetType = UNSET
 
 
 MAX_TOP_LOGPROBS = 20

@@ -25,26 +25,42 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-import msgspec
 import structlog
 from litestar import Controller, Request, get, post
+from msgspec import UNSET, UnsetType
 
 from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
 from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
 from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import GenerateRequest, attention_of
+from orchestrator.api.native.protocol import Attention, GenerateRequest, attention_of
 from orchestrator.api.openai.protocol import (
     MAX_TOP_LOGPROBS,
+    ChatChoice,
+    ChatChunkChoice,
     ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
     CompletionRequest,
+    FunctionCall,
+    LegacyLogprobs,
+    LogprobEntry,
     ModelCard,
     ModelList,
     ModelMeta,
     OpenAIRequest,
+    PromptTokensDetails,
+    TextChoice,
     TextCompletion,
+    TextCompletionChunk,
+    ToolCallDelta,
+    ToolCallOut,
+    TopLogprobEntry,
+    Usage,
 )
 from orchestrator.generation.choices import ChoiceEvent, forked_choices
 from orchestrator.generation.events import DoneOut, TokenOut
@@ -114,42 +130,40 @@ def fingerprint(info: proto.ModelInfo) -> str:
     return f"b{info.llama_cpp_version}-slotserve"
 
 
-def _logprob_entry(t: TokenOut, pieces: list[bytes]) -> dict[str, Any]:
-    return {
-        "token": piece_text(t.piece),
-        "logprob": t.logprob,
-        "bytes": list(t.piece),
-        "top_logprobs": [
-            {"token": piece_text(pieces[tok]), "logprob": lp, "bytes": list(pieces[tok])} for tok, lp in t.top
-        ],
-    }
+def _logprob_entry(t: TokenOut, pieces: list[bytes]) -> LogprobEntry:
+    top = [TopLogprobEntry(token=piece_text(pieces[tok]), logprob=lp, bytes_=list(pieces[tok])) for tok, lp in t.top]
+    return LogprobEntry(token=piece_text(t.piece), logprob=t.logprob, bytes_=list(t.piece), top_logprobs=top)
 
 
-def _legacy_logprobs(tokens: list[TokenOut], pieces: list[bytes]) -> dict[str, Any]:
+def _legacy_logprobs(tokens: list[TokenOut], pieces: list[bytes]) -> LegacyLogprobs:
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
         pos += len(t.text)
-    return {
-        "tokens": [piece_text(t.piece) for t in tokens],
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{piece_text(pieces[tok]): lp for tok, lp in t.top} for t in tokens],
-        "text_offset": offsets,
-    }
+    return LegacyLogprobs(
+        tokens=[piece_text(t.piece) for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[{piece_text(pieces[tok]): lp for tok, lp in t.top} for t in tokens],
+        text_offset=offsets,
+    )
 
 
-def _usage(done: DoneOut) -> dict[str, Any]:
-    d = done
-    return {
-        "prompt_tokens": d.n_prompt,
-        "completion_tokens": d.n_generated,
-        "total_tokens": d.n_prompt + d.n_generated,
-        "prompt_tokens_details": {"cached_tokens": d.n_cached},
-    }
+def usage_of(n_prompt: int, n_cached: int, n_generated: int) -> Usage:
+    """OpenAI's ``usage``: ``cached_tokens`` are the prompt tokens reused from the slot's KV cache."""
+    return Usage(
+        prompt_tokens=n_prompt,
+        completion_tokens=n_generated,
+        total_tokens=n_prompt + n_generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=n_cached),
+    )
+
+
+def _usage(done: DoneOut) -> Usage:
+    return usage_of(done.n_prompt, done.n_cached, done.n_generated)
 
 
 class Shape:
-    """Builds the response objects of one request (chat or text completion)."""
+    """Builds the response objects and stream chunks of one request (chat or text completion)."""
 
     def __init__(
         self,
@@ -171,69 +185,129 @@ class Shape:
         self.pieces = pieces
         self.fingerprint = fingerprint
 
-    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        """The fields every response/chunk carries."""
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
+    def _attention(self, tokens: list[TokenOut]) -> list[Attention | None] | UnsetType:
+        """The ``attention`` extension for ``tokens`` (unset unless asked for)."""
+        if not self.req.attention:
+            return UNSET
+        return [attention_of(t, self.req.attention_format, self.req.attention_dtype) for t in tokens]
 
-    def extras(self, choice: dict[str, Any], tokens: list[TokenOut]) -> dict[str, Any]:
-        """Add ``logprobs`` (when asked) and the ``attention`` extension for ``tokens``."""
-        if self.want_logprobs and tokens:
-            if self.chat:
-                choice["logprobs"] = {"content": [_logprob_entry(t, self.pieces) for t in tokens]}
-            else:
-                choice["logprobs"] = _legacy_logprobs(tokens, self.pieces)
-        elif not self.chat:
-            choice["logprobs"] = None
-        if self.req.attention:
-            choice["attention"] = [attention_of(t, self.req.attention_format, self.req.attention_dtype) for t in tokens]
-        return choice
+    def _chat_logprobs(self, tokens: list[TokenOut]) -> ChatLogprobs | UnsetType:
+        if not (self.want_logprobs and tokens):
+            return UNSET
+        return ChatLogprobs(content=[_logprob_entry(t, self.pieces) for t in tokens])
+
+    def _text_choice(self, index: int, text: str, tokens: list[TokenOut], finish: str | None) -> TextChoice:
+        logprobs = _legacy_logprobs(tokens, self.pieces) if self.want_logprobs and tokens else None
+        return TextChoice(
+            index=index, text=text, finish_reason=finish, logprobs=logprobs, attention=self._attention(tokens)
+        )
+
+    def _chat_chunk(self, choices: list[ChatChunkChoice], usage: Usage | UnsetType = UNSET) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            usage=usage,
+        )
+
+    def _text_chunk(self, choices: list[TextChoice], usage: Usage | UnsetType = UNSET) -> TextCompletionChunk:
+        return TextCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            usage=usage,
+        )
+
+    def role_chunk(self, index: int = 0) -> ChatCompletionChunk:
+        """A chat stream's first chunk of choice ``index``: the role, ``content: null`` as llama-server."""
+        delta = ChatDelta(role="assistant", content=None)
+        return self._chat_chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=None)])
 
     def chunk(
         self, text: str | None, tokens: list[TokenOut], finish: str | None = None, index: int = 0
-    ) -> dict[str, Any]:
-        """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``."""
+    ) -> ChatCompletionChunk | TextCompletionChunk:
+        """One streamed chunk of choice ``index``: ``text`` (None: an empty chat delta) and its tokens'
+        logprobs and attention, or the end (``finish``)."""
         if self.chat:
-            delta: dict[str, Any] = {} if text is None else {"content": text}
-            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
-            return self.envelope("chat.completion.chunk", [self.extras(choice, tokens)])
-        choice = {"index": index, "text": text or "", "finish_reason": finish}
-        return self.envelope("text_completion", [self.extras(choice, tokens)])
+            delta = ChatDelta() if text is None else ChatDelta(content=text)
+            choice = ChatChunkChoice(
+                index=index,
+                delta=delta,
+                finish_reason=finish,
+                logprobs=self._chat_logprobs(tokens),
+                attention=self._attention(tokens),
+            )
+            return self._chat_chunk([choice])
+        return self._text_chunk([self._text_choice(index, text or "", tokens, finish)])
 
-    def calls_chunk(self, calls: list[ToolCall]) -> dict[str, Any]:
+    def calls_chunk(self, calls: list[ToolCall]) -> ChatCompletionChunk:
         """A streamed chunk carrying whole tool calls (``delta.tool_calls[i]`` with ``index``)."""
-        delta = {"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}
-        return self.envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": None}])
+        deltas = [
+            ToolCallDelta(index=i, id=c.id, type="function", function=FunctionCall(name=c.name, arguments=c.arguments))
+            for i, c in enumerate(calls)
+        ]
+        return self._chat_chunk([ChatChunkChoice(index=0, delta=ChatDelta(tool_calls=deltas), finish_reason=None)])
 
-    def choice(self, index: int, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk | TextCompletionChunk:
+        """The last chunk before ``[DONE]`` with ``stream_options.include_usage``: no choices, the usage."""
+        return self._chat_chunk([], usage) if self.chat else self._text_chunk([], usage)
+
+    def choice(self, index: int, text: str, tokens: list[TokenOut], done: DoneOut) -> ChatChoice | TextChoice:
         """Choice ``index`` of the non-streaming response (a chat answer parsed for tool calls when the
         request has tools)."""
         finish = FINISH.get(done.finish_reason, "stop")
-        if self.chat:
-            content, calls = self.tools.parse(text) if self.tools else (text, [])
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [c.openai() for c in calls]
-                finish = "tool_calls"
-            choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text, "finish_reason": finish}
-        return self.extras(choice, tokens)
-
-    def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> dict[str, Any]:
-        """The non-streaming response."""
-        body = self.envelope(
-            "chat.completion" if self.chat else "text_completion", [self.choice(0, text, tokens, done)]
+        if not self.chat:
+            return self._text_choice(index, text, tokens, finish)
+        content, calls = self.tools.parse(text) if self.tools else (text, [])
+        message = ChatMessage(role="assistant", content=content)
+        if calls:
+            message.tool_calls = [
+                ToolCallOut(id=c.id, type="function", function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in calls
+            ]
+            finish = "tool_calls"
+        return ChatChoice(
+            index=index,
+            message=message,
+            finish_reason=finish,
+            logprobs=self._chat_logprobs(tokens),
+            attention=self._attention(tokens),
         )
-        body["usage"] = _usage(done)
-        body["slot_id"] = slot_id_out(done.slot_id)
-        return body
+
+    def completion(
+        self, choices: list[ChatChoice | TextChoice], usage: Usage, slot_id: str
+    ) -> ChatCompletion | TextCompletion:
+        """The non-streaming response of ``choices`` (``slot_id``: slotserve's extension)."""
+        slot = slot_id_out(slot_id)
+        if self.chat:
+            return ChatCompletion(
+                id=self.id,
+                object="chat.completion",
+                created=self.created,
+                model=self.model,
+                system_fingerprint=self.fingerprint,
+                choices=[c for c in choices if isinstance(c, ChatChoice)],
+                usage=usage,
+                slot_id=slot,
+            )
+        return TextCompletion(
+            id=self.id,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=[c for c in choices if isinstance(c, TextChoice)],
+            usage=usage,
+            slot_id=slot,
+        )
+
+    def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> ChatCompletion | TextCompletion:
+        """The non-streaming response of one choice."""
+        return self.completion([self.choice(0, text, tokens, done)], _usage(done), done.slot_id)
 
 
 async def respond(
@@ -250,7 +324,7 @@ async def respond(
         kept = [t for t in got.tokens if not t.is_stop]
         filt = StopTextFilter(stops)
         text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
-        return msgspec.convert(shape.final(text, kept, got.end), kind)
+        return shape.final(text, kept, got.end)  # type: ignore[return-value]  # kind: the route's own
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     run = await started_run(services, req, request)
 
@@ -260,9 +334,7 @@ async def respond(
         pending: list[TokenOut] = []
         try:
             if shape.chat:
-                role = shape.chunk(None, [])
-                role["choices"][0]["delta"] = {"role": "assistant", "content": None}  # as llama-server
-                yield sse_data(role)
+                yield sse_data(shape.role_chunk())
             async for ev in run:
                 if isinstance(ev, TokenOut):
                     if ev.is_stop:
@@ -287,12 +359,9 @@ async def respond(
                     if calls:
                         yield sse_data(shape.calls_chunk(calls))
                         finish = "tool_calls"
-                    last = shape.chunk(None if shape.chat else "", [], finish)
-                    yield sse_data(last)
+                    yield sse_data(shape.chunk(None if shape.chat else "", [], finish))
                     if include_usage:
-                        usage = shape.envelope(last["object"], [])
-                        usage["usage"] = _usage(ev)
-                        yield sse_data(usage)
+                        yield sse_data(shape.usage_chunk(_usage(ev)))
         except Exception as exc:  # the worker failed mid-stream: an error event, then the end
             yield sse_data(compat_error_body(report(exc, route_of(request))))
         finally:
@@ -331,13 +400,8 @@ async def respond_choices(
     prompt = first
     stops = list(shape.req.stop_strings)
 
-    def usage(generated: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": prompt.n_prompt,
-            "completion_tokens": generated,
-            "total_tokens": prompt.n_prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": prompt.n_cached},
-        }
+    def usage(generated: int) -> Usage:
+        return usage_of(prompt.n_prompt, prompt.n_cached, generated)
 
     if not data.stream:
         tokens: list[list[TokenOut]] = [[] for _ in range(n)]
@@ -352,16 +416,14 @@ async def respond_choices(
                         ends[ev.index] = ev.event  # type: ignore[assignment]
             finally:
                 await events.aclose()
-        choices = []
+        choices: list[ChatChoice | TextChoice] = []
         for i, end in enumerate(ends):
             assert end is not None
             filt = StopTextFilter(stops)
             text = "".join(filt.feed(t.text) for t in tokens[i]) + filt.finish(end.stop_string)
             choices.append(shape.choice(i, text, tokens[i], end))
-        body = shape.envelope("chat.completion" if shape.chat else "text_completion", choices)
-        body["usage"] = usage(sum(e.n_generated for e in ends if e is not None))
-        body["slot_id"] = slot_id_out(first.slot_id)
-        return msgspec.convert(body, kind)
+        generated = sum(e.n_generated for e in ends if e is not None)
+        return shape.completion(choices, usage(generated), first.slot_id)  # type: ignore[return-value]
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
 
     async def stream() -> AsyncIterator[bytes]:
@@ -370,9 +432,7 @@ async def respond_choices(
         try:
             if shape.chat:
                 for i in range(n):
-                    role = shape.chunk(None, [], index=i)
-                    role["choices"][0]["delta"] = {"role": "assistant", "content": None}  # as llama-server
-                    yield sse_data(role)
+                    yield sse_data(shape.role_chunk(i))
             async for ev in events:
                 if not isinstance(ev, ChoiceEvent):
                     continue
@@ -389,9 +449,7 @@ async def respond_choices(
                     finish = FINISH.get(e.finish_reason, "stop")
                     yield sse_data(shape.chunk(None if shape.chat else "", [], finish, index=i))
             if include_usage:
-                last = shape.envelope("chat.completion.chunk" if shape.chat else "text_completion", [])
-                last["usage"] = usage(generated)
-                yield sse_data(last)
+                yield sse_data(shape.usage_chunk(usage(generated)))
         except Exception as exc:  # the worker failed mid-stream: an error event, then the end
             yield sse_data(compat_error_body(report(exc, route_of(request))))
         finally:
