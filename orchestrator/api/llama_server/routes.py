@@ -37,9 +37,9 @@ from orchestrator.api.llama_server.protocol import (
     Props,
     SamplerSettings,
     SubPrompt,
-    Timings,
     TokenProb,
 )
+from orchestrator.api.llama_server.timings import timings_of
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import GenerateRequest
 from orchestrator.generation.events import DoneOut, TokenOut
@@ -133,25 +133,6 @@ def check_slot_number(slot_id: str) -> None:
         raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
 
 
-def _timings(d: DoneOut) -> Timings:
-    def rate(n: int, ms: float) -> tuple[float, float]:
-        return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
-
-    p_tok, p_s = rate(d.n_prefilled, d.t_prefill_ms)
-    g_tok, g_s = rate(d.n_generated, d.t_generate_ms)
-    return Timings(
-        cache_n=d.n_cached,
-        prompt_n=d.n_prefilled,
-        prompt_ms=d.t_prefill_ms,
-        prompt_per_token_ms=p_tok,
-        prompt_per_second=p_s,
-        predicted_n=d.n_generated,
-        predicted_ms=d.t_generate_ms,
-        predicted_per_token_ms=g_tok,
-        predicted_per_second=g_s,
-    )
-
-
 def _probs(t: TokenOut, pieces: list[bytes]) -> CompletionProb:
     top = [TokenProb(id=tok, token=piece_text(pieces[tok]), bytes_=list(pieces[tok]), logprob=lp) for tok, lp in t.top]
     return CompletionProb(
@@ -209,7 +190,7 @@ class Completion:
             stop_type=STOP_TYPE.get(d.finish_reason, "none"),
             stopping_word=d.stop_string,
             tokens_cached=d.seq_tokens,
-            timings=_timings(d),
+            timings=timings_of(d),
             completion_probabilities=[_probs(t, self.pieces) for t in tokens] if probs else UNSET,
         )
 

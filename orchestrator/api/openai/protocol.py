@@ -14,7 +14,8 @@ from msgspec import UNSET, UnsetType
 
 from engine.errors import ErrorCode
 from engine.protocol import AttentionDtype, AttentionFormat
-from orchestrator.api.native.protocol import Attention
+from orchestrator.api.llama_server.protocol import LlamaCompletion, Timings
+from orchestrator.api.native.protocol import Attention, PromptProgress
 from orchestrator.generation.request import (
     Float32,
     NonNegFloat32,
@@ -148,7 +149,8 @@ class TextChoice(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
-    """``POST /v1/chat/completions`` without ``stream`` (``slot_id``: slotserve's extension)."""
+    """``POST /v1/chat/completions`` without ``stream`` (``slot_id``: slotserve's extension; ``__verbose``:
+    llama-server's, with ``verbose: true``, its ``/completion`` answer of the same generation)."""
 
     id: str
     object: str
@@ -158,10 +160,12 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     slot_id: int | str
+    verbose: LlamaCompletion | UnsetType = msgspec.field(default=UNSET, name="__verbose")
 
 
 class TextCompletion(msgspec.Struct, kw_only=True):
-    """``POST /v1/completions`` without ``stream`` (``slot_id``: slotserve's extension)."""
+    """``POST /v1/completions`` without ``stream`` (``slot_id``: slotserve's extension; ``__verbose`` as in
+    :class:`ChatCompletion`)."""
 
     id: str
     object: str
@@ -171,6 +175,7 @@ class TextCompletion(msgspec.Struct, kw_only=True):
     choices: list[TextChoice]
     usage: Usage
     slot_id: int | str
+    verbose: LlamaCompletion | UnsetType = msgspec.field(default=UNSET, name="__verbose")
 
 
 # Stream chunks (``stream: true``): ``data: {json}`` server-sent events ending ``data: [DONE]``, as OpenAI's
@@ -198,7 +203,13 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     """One streamed chat chunk (``object``: ``chat.completion.chunk``); the last one before ``[DONE]`` has
-    no choices and the ``usage`` when ``stream_options.include_usage``."""
+    no choices and the ``usage`` when ``stream_options.include_usage``.
+
+    llama-server's extras (``server-task.cpp``, ``to_json_oaicompat_chat*``), each only when asked for:
+    ``timings`` (``timings_per_token``: on every chunk after the first, the last one's final),
+    ``prompt_progress`` (``return_progress``: chunks with the role delta, one per prefill step before the
+    first token) and ``__verbose`` (``verbose``: on the finishing chunk, llama-server's ``/completion``
+    final answer of the generation, its ``content`` empty as in a stream)."""
 
     id: str
     object: str = "chat.completion.chunk"
@@ -207,10 +218,15 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | UnsetType = UNSET
+    timings: Timings | UnsetType = UNSET
+    prompt_progress: PromptProgress | UnsetType = UNSET
+    verbose: LlamaCompletion | UnsetType = msgspec.field(default=UNSET, name="__verbose")
 
 
 class TextCompletionChunk(msgspec.Struct, kw_only=True):
-    """One streamed text completion chunk (``object``: ``text_completion``, as OpenAI streams them)."""
+    """One streamed text completion chunk (``object``: ``text_completion``, as OpenAI streams them), with
+    llama-server's ``timings``, ``prompt_progress`` (a chunk of empty text) and ``__verbose`` as in
+    :class:`ChatCompletionChunk`."""
 
     id: str
     object: str = "text_completion"
@@ -219,6 +235,9 @@ class TextCompletionChunk(msgspec.Struct, kw_only=True):
     system_fingerprint: str
     choices: list[TextChoice]
     usage: Usage | UnsetType = UNSET
+    timings: Timings | UnsetType = UNSET
+    prompt_progress: PromptProgress | UnsetType = UNSET
+    verbose: LlamaCompletion | UnsetType = msgspec.field(default=UNSET, name="__verbose")
 
 
 MAX_TOP_LOGPROBS = 20
@@ -286,6 +305,9 @@ class OpenAIRequest(SamplerFields, kw_only=True):
     min_p: Probability | None = None
     repeat_penalty: NonNegFloat32 | None = None
     ignore_eos: bool = False
+    timings_per_token: bool = False
+    return_progress: bool = False
+    verbose: bool = False
 
 
 class ChatCompletionRequest(OpenAIRequest, kw_only=True):

@@ -33,8 +33,11 @@ from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
 from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
+from orchestrator.api.llama_server.protocol import CompletionBody, LlamaCompletion
+from orchestrator.api.llama_server.routes import Completion
+from orchestrator.api.llama_server.timings import TimingsClock, timings_of
 from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import Attention, GenerateRequest, attention_of
+from orchestrator.api.native.protocol import Attention, GenerateRequest, PromptProgress, attention_of
 from orchestrator.api.openai.protocol import (
     MAX_TOP_LOGPROBS,
     ChatChoice,
@@ -63,7 +66,7 @@ from orchestrator.api.openai.protocol import (
     Usage,
 )
 from orchestrator.generation.choices import ChoiceEvent, forked_choices
-from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.request import (
     CanonicalRequest,
 )
@@ -118,6 +121,7 @@ def canonical(
         attention_layers=att.layers if att else None,
         n_probs=n_probs,
         id_slot=_slot(data, request),
+        return_progress=data.stream and (data.n or 1) == 1 and (data.return_progress or data.timings_per_token),
     ).canonical()
     req.wait = True
     return req
@@ -244,6 +248,13 @@ class Shape:
             return self._chat_chunk([choice])
         return self._text_chunk([self._text_choice(index, text or "", tokens, finish)])
 
+    def progress_chunk(self, p: ProgressOut) -> ChatCompletionChunk | TextCompletionChunk:
+        """A prefill step's chunk (``return_progress``): llama-server's ``prompt_progress`` on a chunk with
+        the role delta (chat) or empty text (``server-task.cpp``, ``to_json_oaicompat*``)."""
+        c = self.role_chunk() if self.chat else self._text_chunk([self._text_choice(0, "", [], None)])
+        c.prompt_progress = PromptProgress(total=p.total, cache=p.cache, processed=p.processed, time_ms=p.time_ms)
+        return c
+
     def calls_chunk(self, calls: list[ToolCall]) -> ChatCompletionChunk:
         """A streamed chunk carrying whole tool calls (``delta.tool_calls[i]`` with ``index``)."""
         deltas = [
@@ -310,6 +321,17 @@ class Shape:
         return self.completion([self.choice(0, text, tokens, done)], _usage(done), done.slot_id)
 
 
+async def verbose_of(
+    services: Services, shape: Shape, text: str, tokens: list[TokenOut], done: DoneOut
+) -> LlamaCompletion:
+    """llama-server's ``__verbose`` (``verbose: true``): its native ``/completion`` answer of the same
+    generation (``to_json_non_oaicompat``, ``server-task.cpp``), the prompt as the template rendered it."""
+    c = Completion(
+        CompletionBody(prompt="", return_tokens=True), shape.req, services.generation.info, shape.pieces, shape.model
+    )
+    return c.final(text, tokens, done, await services.engine.detokenize(shape.req.input_ids or []))
+
+
 async def respond(
     services: Services, request: Request[Any, Any, Any], data: OpenAIRequest, shape: Shape, kind: type[T]
 ) -> EventStream | T:
@@ -324,9 +346,13 @@ async def respond(
         kept = [t for t in got.tokens if not t.is_stop]
         filt = StopTextFilter(stops)
         text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
-        return shape.final(text, kept, got.end)  # type: ignore[return-value]  # kind: the route's own
+        answer = shape.final(text, kept, got.end)
+        if data.verbose:
+            answer.verbose = await verbose_of(services, shape, text, kept, got.end)
+        return answer  # type: ignore[return-value]  # kind: the route's own
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     run = await started_run(services, req, request)
+    clock = TimingsClock() if data.timings_per_token else None
 
     async def events() -> AsyncIterator[bytes]:
         filt = StopTextFilter(stops)
@@ -336,7 +362,14 @@ async def respond(
             if shape.chat:
                 yield sse_data(shape.role_chunk())
             async for ev in run:
-                if isinstance(ev, TokenOut):
+                if isinstance(ev, ProgressOut):
+                    if clock is not None:
+                        clock.progress(ev)
+                    if data.return_progress:
+                        yield sse_data(shape.progress_chunk(ev))
+                elif isinstance(ev, TokenOut):
+                    if clock is not None:
+                        clock.token()
                     if ev.is_stop:
                         continue
                     pending.append(ev)
@@ -344,7 +377,10 @@ async def respond(
                     if split is not None:
                         text = split.feed(text)
                     if text:
-                        yield sse_data(shape.chunk(text, pending))
+                        chunk = shape.chunk(text, pending)
+                        if clock is not None:
+                            chunk.timings = clock.now()
+                        yield sse_data(chunk)
                         pending = []
                 elif isinstance(ev, DoneOut):
                     rest = filt.finish(ev.stop_string)
@@ -355,13 +391,22 @@ async def respond(
                         held, calls = split.finish()
                         rest += held
                     if rest or pending:
-                        yield sse_data(shape.chunk(rest, pending))
+                        chunk = shape.chunk(rest, pending)
+                        if clock is not None:
+                            chunk.timings = clock.now()
+                        yield sse_data(chunk)
                     if calls:
                         yield sse_data(shape.calls_chunk(calls))
                         finish = "tool_calls"
-                    yield sse_data(shape.chunk(None if shape.chat else "", [], finish))
-                    if include_usage:
-                        yield sse_data(shape.usage_chunk(_usage(ev)))
+                    last = shape.chunk(None if shape.chat else "", [], finish)
+                    if data.verbose:  # as llama-server's stream: no content (it went in the chunks)
+                        last.verbose = await verbose_of(services, shape, "", [], ev)
+                    usage = shape.usage_chunk(_usage(ev)) if include_usage else None
+                    if clock is not None:  # the final timings go on the last chunk (llama-server)
+                        (usage or last).timings = timings_of(ev)
+                    yield sse_data(last)
+                    if usage is not None:
+                        yield sse_data(usage)
         except Exception as exc:  # the worker failed mid-stream: an error event, then the end
             yield sse_data(compat_error_body(report(exc, route_of(request))))
         finally:

@@ -1,0 +1,71 @@
+"""llama-server's ``timings`` object: of a finished generation, and while a stream runs.
+
+The shape is llama-server's ``result_timings::to_json`` (``tools/server/server-task.cpp``): prompt tokens
+decoded (``prompt_n``, besides ``cache_n`` reused from the KV cache) and generated (``predicted_n``), their
+milliseconds, milliseconds per token and tokens per second (0 where a count or a time is 0).
+"""
+
+from __future__ import annotations
+
+import time
+
+from orchestrator.api.llama_server.protocol import Timings
+from orchestrator.generation.events import DoneOut, ProgressOut
+
+
+def _timings(cache_n: int, prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float) -> Timings:
+    def rate(n: int, ms: float) -> tuple[float, float]:
+        return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
+
+    p_tok, p_s = rate(prompt_n, prompt_ms)
+    g_tok, g_s = rate(predicted_n, predicted_ms)
+    return Timings(
+        cache_n=cache_n,
+        prompt_n=prompt_n,
+        prompt_ms=prompt_ms,
+        prompt_per_token_ms=p_tok,
+        prompt_per_second=p_s,
+        predicted_n=predicted_n,
+        predicted_ms=predicted_ms,
+        predicted_per_token_ms=g_tok,
+        predicted_per_second=g_s,
+    )
+
+
+def timings_of(d: DoneOut) -> Timings:
+    """The ``timings`` of a finished generation (the worker's counts and milliseconds)."""
+    return _timings(d.n_cached, d.n_prefilled, d.t_prefill_ms, d.n_generated, d.t_generate_ms)
+
+
+class TimingsClock:
+    """``timings`` so far of a running generation, as llama-server adds them to every streamed chunk
+    with ``timings_per_token`` (its ``slot.stats`` at each token).
+
+    Fed the run's :class:`ProgressOut` events (the request must ask for them: ``req.progress``) and its
+    tokens: the prompt figures are the last progress report's (the worker's clock); generation time is
+    measured here, from the end of the prefill (the last report, else the first token) to now.
+    """
+
+    def __init__(self) -> None:
+        self.cache_n = 0
+        self.prompt_n = 0
+        self.prompt_ms = 0.0
+        self.predicted_n = 0
+        self.t_generate: float | None = None  # time.perf_counter() when generation began
+
+    def progress(self, p: ProgressOut) -> None:
+        """A prefill step: ``p.processed`` of the prompt's tokens are in the cache, ``p.cache`` reused."""
+        self.cache_n, self.prompt_n, self.prompt_ms = p.cache, p.processed - p.cache, p.time_ms
+        self.t_generate = time.perf_counter()
+
+    def token(self) -> None:
+        """One more generated token."""
+        self.predicted_n += 1
+        if self.t_generate is None:
+            self.t_generate = time.perf_counter()
+
+    def now(self) -> Timings:
+        """The ``timings`` as of now."""
+        t0 = self.t_generate if self.t_generate is not None else time.perf_counter()
+        ms = (time.perf_counter() - t0) * 1000.0
+        return _timings(self.cache_n, self.prompt_n, self.prompt_ms, self.predicted_n, ms)
