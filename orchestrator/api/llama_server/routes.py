@@ -134,11 +134,14 @@ def check_slot_number(slot_id: str) -> None:
 
 
 def _timings(d: DoneOut) -> Timings:
+    """llama-server's ``timings`` (``result_timings`` in ``server-common.h``): generation rates
+    are over the decode steps, one fewer than the tokens, the first coming from the prompt's logits."""
+
     def rate(n: int, ms: float) -> tuple[float, float]:
         return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
 
     p_tok, p_s = rate(d.n_prefilled, d.t_prefill_ms)
-    g_tok, g_s = rate(d.n_generated, d.t_generate_ms)
+    g_tok, g_s = rate(max(d.n_generated - 1, 0), d.t_generate_ms)
     return Timings(
         cache_n=d.n_cached,
         prompt_n=d.n_prefilled,
