@@ -31,6 +31,7 @@ from orchestrator.api.native.model import ModelController
 from orchestrator.api.native.ws import binary_stream, event_stream
 from orchestrator.config import Settings
 from orchestrator.generation.service import GenerationService
+from orchestrator.llama_metrics import LLAMA_SERVER
 from orchestrator.services import Services, provide_services, provide_slot_ops
 from orchestrator.slots.admission import AdmissionQueue
 from orchestrator.slots.anonymous import AnonymousSlots
@@ -39,6 +40,7 @@ from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import Slot, SlotRegistry
 from orchestrator.web.auth import api_key_middleware
 from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
+from orchestrator.web.header_case import canonical_header_names
 from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.web.slot_header import slot_header_middleware
 from orchestrator.worker.client import WorkerClient
@@ -83,6 +85,7 @@ def build_services(settings: Settings) -> Services:
     anonymous = AnonymousSlots(registry, settings.slot_prompt_similarity, settings.anon_slots)
     generation = GenerationService(engine, registry, anonymous, feed)
     generation.default_seed = settings.seed
+    LLAMA_SERVER.n_batch = settings.worker.engine.n_batch  # llama-server's n_decode_total counts prefill chunks
     embedder = LazyWorker(settings.embedder) if settings.embedder is not None else None
     return Services(settings, engine, registry, generation, archive, classifier, feed, embedder)
 
@@ -199,7 +202,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             )
         ],
         before_request=before_request,
-        before_send=[preflight_ok],
+        before_send=[preflight_ok, canonical_header_names],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="slotserve", version="0.1.0", path="/schema"),
         debug=False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 from engine.protocol import Done
+from orchestrator.llama_metrics import LLAMA_SERVER
 
 TOKENS_GENERATED = Counter("slotserve_tokens_generated_total", "Tokens generated")
 PROMPT_TOKENS = Counter("slotserve_prompt_tokens_total", "Prompt tokens prefilled (not served from the KV cache)")
@@ -32,7 +33,8 @@ QUEUE_REFUSED = Counter("slotserve_queue_refused_total", "Requests refused by th
 
 
 def record_generation(done: Done) -> None:
-    """Count a finished generation."""
+    """Count a finished generation (slotserve's metrics and llama-server's ``llamacpp:*``)."""
+    LLAMA_SERVER.record(done)
     TOKENS_GENERATED.inc(done.n_generated)
     PROMPT_TOKENS.inc(done.n_prefilled)
     CACHED_TOKENS.inc(done.n_cached)
@@ -43,4 +45,5 @@ def record_generation(done: Done) -> None:
 def record_abandoned(n_generated: int) -> None:
     """Count a generation whose client left (or whose worker died) before its end."""
     TOKENS_GENERATED.inc(n_generated)
+    LLAMA_SERVER.record_abandoned(n_generated)
     GENERATIONS.labels("abandoned").inc()

@@ -2,11 +2,13 @@
 slots, ``/apply-template``, ``/chat/completions/input_tokens``, ``response_fields``, several
 prompts in one ``/completion``, ``{"prompt_string"}``, ``system_fingerprint``, ``--alias``/``--tags``
 in ``/v1/models``, ``--seed``, the first streamed chat chunk, the overflow message, CORS preflight,
-unknown routes and two assistant messages at the end."""
+unknown routes and two assistant messages at the end; llama-server's ``llamacpp:*`` metrics and its
+capitalisation of the CORS and ``Process-Start-Time-Unix`` header names."""
 
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -110,3 +112,72 @@ def test_error_texts_cors_and_unknown_routes(srv: ServerProc) -> None:
         assert r.status_code == 404 and r.json()["error"]["code"] == 404 and r.json()["error_code"] == "NOT_FOUND"
     own = httpx.get(srv.url + "/api/v1/nothing", timeout=30)
     assert own.status_code == 404 and own.json()["error_code"] == "NOT_FOUND"
+
+
+def raw_head(srv: ServerProc, request: bytes) -> bytes:
+    """The response's status line and headers as the server wrote them (names not lowered by a client)."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(request)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(65536)
+            assert chunk, head
+            head += chunk
+    return head.split(b"\r\n\r\n")[0]
+
+
+def test_header_names_have_llama_server_capitalisation(srv: ServerProc) -> None:
+    head = raw_head(srv, b"OPTIONS /completions HTTP/1.1\r\nHost: x\r\nOrigin: web.mydomain.fr\r\n"
+                         b"Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: Authorization\r\n"
+                         b"Connection: close\r\n\r\n")  # fmt: skip
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 200 OK"
+    for line in (b"Access-Control-Allow-Origin: web.mydomain.fr", b"Access-Control-Allow-Credentials: true",
+                 b"Access-Control-Allow-Methods: GET, POST, DELETE, OPTIONS"):  # fmt: skip
+        assert line in lines, head
+    # the requested headers are named (llama-server answers "*", which browsers do not apply to
+    # Authorization nor to requests with credentials: Fetch standard, "CORS-preflight fetch")
+    allowed = next(line for line in lines if line.startswith(b"Access-Control-Allow-Headers: "))
+    assert b"Authorization" in allowed
+    head = raw_head(srv, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    start = [line for line in head.split(b"\r\n") if line.startswith(b"Process-Start-Time-Unix: ")]
+    assert len(start) == 1 and int(start[0].split(b": ")[1]) > 1_700_000_000, head
+    assert b"content-type: text/plain" in head  # the others as uvicorn writes them
+
+
+def llama_metrics(srv: ServerProc) -> dict[str, tuple[str, float]]:
+    """``llamacpp:*`` samples of ``/metrics``: name -> (its ``# TYPE``, value)."""
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    types = dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE llamacpp:"))
+    helps = {line.split(" ")[2] for line in text.splitlines() if line.startswith("# HELP llamacpp:")}
+    values = dict(line.split(" ") for line in text.splitlines() if line.startswith("llamacpp:"))
+    assert set(values) == set(types) == helps
+    return {name: (types[name], float(v)) for name, v in values.items()}
+
+
+def test_llama_server_metrics_count_completions(srv: ServerProc) -> None:
+    before = llama_metrics(srv)
+    assert "slotserve_tokens_generated_total" in httpx.get(srv.url + "/metrics", timeout=30).text  # ours stay
+    timings = [post(srv, "/completion", {"prompt": "the quick brown fox", "n_predict": n, "ignore_eos": True})["timings"]
+               for n in (1, 6, 6)]  # fmt: skip
+    after = llama_metrics(srv)
+    counters = ["prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total", "tokens_predicted_total",
+                "tokens_predicted_seconds_total", "n_decode_total", "n_tokens_max", "spec_decode_num_drafts_total"]  # fmt: skip
+    gauges = ["prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing", "requests_deferred",
+              "n_busy_slots_per_decode"]  # fmt: skip
+    assert all(after[f"llamacpp:{n}"][0] == "counter" for n in counters)
+    assert all(after[f"llamacpp:{n}"][0] == "gauge" for n in gauges)
+
+    def delta(name: str) -> float:
+        return after[f"llamacpp:{name}"][1] - before[f"llamacpp:{name}"][1]
+
+    assert delta("prompt_tokens_total") == sum(t["prompt_n"] for t in timings)
+    assert delta("prompt_tokens_cached_total") == sum(t["cache_n"] for t in timings) > 0
+    assert delta("tokens_predicted_total") == sum(t["predicted_n"] for t in timings) == 13
+    assert delta("prompt_seconds_total") == pytest.approx(sum(t["prompt_ms"] for t in timings) / 1000)
+    assert delta("n_decode_total") >= 3 + 5 + 5  # a prefill step each, then a step per token after the first
+    assert after["llamacpp:requests_processing"][1] == 0 and after["llamacpp:n_tokens_max"][1] >= 6
+    assert after["llamacpp:predicted_tokens_seconds"][1] > 0  # since the previous scrape
+    # llama-server's rates are over decode steps: the first token comes from the prompt's logits
+    assert timings[0]["predicted_n"] == 1 and timings[0]["predicted_per_second"] == 0.0
+    assert timings[1]["predicted_per_second"] == pytest.approx(1e3 / timings[1]["predicted_ms"] * 5)

@@ -14,11 +14,14 @@ from orchestrator.generation.events import DoneOut, ProgressOut
 
 
 def _timings(cache_n: int, prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float) -> Timings:
+    """Generation rates are over the decode steps, one fewer than the tokens: the first token comes from the
+    prompt's logits (llama-server's ``result_timings``, ``server-common.h``)."""
+
     def rate(n: int, ms: float) -> tuple[float, float]:
         return (ms / n if n else 0.0), (1000.0 * n / ms if ms > 0 else 0.0)
 
     p_tok, p_s = rate(prompt_n, prompt_ms)
-    g_tok, g_s = rate(predicted_n, predicted_ms)
+    g_tok, g_s = rate(max(predicted_n - 1, 0), predicted_ms)
     return Timings(
         cache_n=cache_n,
         prompt_n=prompt_n,

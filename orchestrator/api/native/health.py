@@ -1,4 +1,5 @@
-"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status; ``GET /metrics``."""
+"""``GET /health`` (llama-server's: 200 ok, 503 while no model) with store and slot status; ``GET /metrics``
+(slotserve's and llama-server's metrics)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from litestar.plugins.prometheus import PrometheusController
 
 from engine.errors import ErrorCode
 from orchestrator.api.native.protocol import HealthError, HealthResponse
+from orchestrator.llama_metrics import LLAMA_SERVER, PROCESS_START_HEADER
 from orchestrator.services import Services
 
 
@@ -48,8 +50,14 @@ async def health(services: Services) -> Response[HealthResponse]:
 
 
 class MetricsController(PrometheusController):
-    """``GET /metrics``: Litestar's Prometheus exposition, documented as the text it is."""
+    """``GET /metrics``: Litestar's Prometheus exposition (slotserve's metrics), then llama-server's
+    ``llamacpp:*`` metrics and its ``Process-Start-Time-Unix`` header
+    (:mod:`orchestrator.llama_metrics`), documented as the text it is."""
 
     @get(media_type=MediaType.TEXT, summary="Prometheus metrics (text exposition format)")
-    async def get(self) -> Response[bytes]:
-        return await PrometheusController.get.fn(self)  # type: ignore[no-any-return]
+    async def get(self, services: Services) -> Response[bytes]:
+        own: Response[bytes] = await PrometheusController.get.fn(self)
+        slots = services.registry.slots.values()
+        llama = LLAMA_SERVER.render(sum(1 for s in slots if s.busy), services.registry.n_waiting)
+        headers = {**own.headers, PROCESS_START_HEADER: str(LLAMA_SERVER.t_start)}
+        return Response(own.content + llama.encode(), headers=headers)
