@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from orchestrator.api.native.protocol import MessageSpan
+from orchestrator.api.native.protocol import MessageSpan, PromptProgress
 from orchestrator.generation.request import (
     INT32_MAX,
     Float32,
@@ -286,6 +286,8 @@ class LlamaCompletionChunk(msgspec.Struct, kw_only=True):
     tokens_predicted: int
     tokens_evaluated: int
     completion_probabilities: list[CompletionProb] | UnsetType = UNSET
+    timings: Timings | UnsetType = UNSET  # timings_per_token: the timings so far
+    prompt_progress: PromptProgress | UnsetType = UNSET  # return_progress: a prefill step (no text)
 
 
 class DefaultSettings(msgspec.Struct, kw_only=True):
@@ -357,6 +359,8 @@ class CompletionBody(SamplerFields, kw_only=True):
     return_tokens: bool = False
     post_sampling_probs: bool = False
     response_fields: list[str] | None = None
+    timings_per_token: bool = False
+    return_progress: bool = False
 
 
 class SlotAction(StrEnum):

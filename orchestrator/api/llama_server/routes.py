@@ -39,10 +39,10 @@ from orchestrator.api.llama_server.protocol import (
     SubPrompt,
     TokenProb,
 )
-from orchestrator.api.llama_server.timings import timings_of
+from orchestrator.api.llama_server.timings import TimingsClock, timings_of
 from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import GenerateRequest
-from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.api.native.protocol import GenerateRequest, PromptProgress
+from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import sampling_params
 from orchestrator.generation.stop_text import StopTextFilter
@@ -121,7 +121,7 @@ def slot_task_fields(slot: Slot) -> dict[str, Any]:
                 "has_next_token": slot.busy,
                 "has_new_line": False,
                 "n_remain": max(0, n_remain) if slot.busy else -1,
-                "n_decoded": slot.n_decoded,
+                "n_decoded": slot.n_decoded if slot.busy else 0,  # an idle slot: 0, as llama-server (its stats reset)
             }
         ],
     }
@@ -329,6 +329,7 @@ class LlamaServerController(Controller):
             )
         async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
             c = await _prepare(services, ops, data, control.hooks, prompts[0])
+            c.req.progress = data.return_progress or data.timings_per_token  # prefill figures
             stops = c.req.stop_strings
             run = await started_run(services, c.req, request, control)
             if control.slot_id is not None:
@@ -338,19 +339,37 @@ class LlamaServerController(Controller):
             filt = StopTextFilter(stops)
             pending: list[TokenOut] = []
             n = 0
+            clock = TimingsClock() if data.timings_per_token else None
+
+            def timed(chunk: LlamaCompletionChunk) -> LlamaCompletionChunk:
+                if clock is not None:
+                    chunk.timings = clock.now()
+                return chunk
+
             try:
                 async for ev in run:
-                    if isinstance(ev, TokenOut):
+                    if isinstance(ev, ProgressOut):
+                        if clock is not None:
+                            clock.progress(ev)
+                        if data.return_progress:
+                            chunk = timed(c.partial("", [], n))
+                            chunk.prompt_progress = PromptProgress(
+                                total=ev.total, cache=ev.cache, processed=ev.processed, time_ms=ev.time_ms
+                            )
+                            yield sse_data(chunk)
+                    elif isinstance(ev, TokenOut):
                         n += 1
+                        if clock is not None:
+                            clock.token()
                         pending.append(ev)
                         text = filt.feed("" if ev.is_stop else ev.text)
                         if text or ev.is_stop:
-                            yield sse_data(c.partial(text, pending, n))
+                            yield sse_data(timed(c.partial(text, pending, n)))
                             pending = []
                     elif isinstance(ev, DoneOut):
                         rest = filt.finish(ev.stop_string)
                         if rest or pending:
-                            yield sse_data(c.partial(rest, pending, n))
+                            yield sse_data(timed(c.partial(rest, pending, n)))
                         yield sse_data(c.final("", [], ev, ""))
             except Exception as exc:
                 yield sse_data(compat_error_body(report(exc, route_of(request))))

@@ -58,7 +58,8 @@ class TimingsClock:
 
     def progress(self, p: ProgressOut) -> None:
         """A prefill step: ``p.processed`` of the prompt's tokens are in the cache, ``p.cache`` reused."""
-        self.cache_n, self.prompt_n, self.prompt_ms = p.cache, p.processed - p.cache, p.time_ms
+        decoded = p.processed - p.cache  # before the first batch: none, and no time spent on it (llama-server)
+        self.cache_n, self.prompt_n, self.prompt_ms = p.cache, decoded, p.time_ms if decoded > 0 else 0.0
         self.t_generate = time.perf_counter()
 
     def token(self) -> None:
@@ -70,5 +71,5 @@ class TimingsClock:
     def now(self) -> Timings:
         """The ``timings`` as of now."""
         t0 = self.t_generate if self.t_generate is not None else time.perf_counter()
-        ms = (time.perf_counter() - t0) * 1000.0
+        ms = (time.perf_counter() - t0) * 1000.0 if self.predicted_n else 0.0  # nothing generated: no time
         return _timings(self.cache_n, self.prompt_n, self.prompt_ms, self.predicted_n, ms)
