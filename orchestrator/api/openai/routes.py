@@ -206,25 +206,15 @@ class Shape:
             index=index, text=text, finish_reason=finish, logprobs=logprobs, attention=self._attention(tokens)
         )
 
+    def _head(self) -> dict[str, Any]:
+        """The fields every response and chunk of this request carries."""
+        return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
+
     def _chat_chunk(self, choices: list[ChatChunkChoice], usage: Usage | UnsetType = UNSET) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            system_fingerprint=self.fingerprint,
-            choices=choices,
-            usage=usage,
-        )
+        return ChatCompletionChunk(choices=choices, usage=usage, **self._head())
 
     def _text_chunk(self, choices: list[TextChoice], usage: Usage | UnsetType = UNSET) -> TextCompletionChunk:
-        return TextCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            system_fingerprint=self.fingerprint,
-            choices=choices,
-            usage=usage,
-        )
+        return TextCompletionChunk(choices=choices, usage=usage, **self._head())
 
     def role_chunk(self, index: int = 0) -> ChatCompletionChunk:
         """A chat stream's first chunk of choice ``index``: the role, ``content: null`` as llama-server."""
@@ -293,28 +283,12 @@ class Shape:
         self, choices: list[ChatChoice | TextChoice], usage: Usage, slot_id: str
     ) -> ChatCompletion | TextCompletion:
         """The non-streaming response of ``choices`` (``slot_id``: slotserve's extension)."""
-        slot = slot_id_out(slot_id)
+        tail: dict[str, Any] = {"usage": usage, "slot_id": slot_id_out(slot_id), **self._head()}
         if self.chat:
-            return ChatCompletion(
-                id=self.id,
-                object="chat.completion",
-                created=self.created,
-                model=self.model,
-                system_fingerprint=self.fingerprint,
-                choices=[c for c in choices if isinstance(c, ChatChoice)],
-                usage=usage,
-                slot_id=slot,
-            )
-        return TextCompletion(
-            id=self.id,
-            object="text_completion",
-            created=self.created,
-            model=self.model,
-            system_fingerprint=self.fingerprint,
-            choices=[c for c in choices if isinstance(c, TextChoice)],
-            usage=usage,
-            slot_id=slot,
-        )
+            chat = [c for c in choices if isinstance(c, ChatChoice)]
+            return ChatCompletion(object="chat.completion", choices=chat, **tail)
+        text = [c for c in choices if isinstance(c, TextChoice)]
+        return TextCompletion(object="text_completion", choices=text, **tail)
 
     def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> ChatCompletion | TextCompletion:
         """The non-streaming response of one choice."""
