@@ -55,7 +55,9 @@ def test_refused_without_the_admin_key(admin_server: ServerProc) -> None:
         assert r.status_code == 401 and r.json()["error_code"] == "UNAUTHORIZED", r.text
     # read-only listing follows --api-key; nothing was changed by the refused actions
     listing = httpx.get(srv.url + "/slots", headers=api(srv), timeout=10).json()
-    assert [s["id"] for s in listing] == ["kept"] and listing[0]["n_tokens"] > 0
+    # llama-server's numbered slots 0..n_parallel-1 first (unused: "empty"), then the named conversations
+    assert [s["id"] for s in listing] == [0, 1, "kept"] and [s["place"] for s in listing[:2]] == ["empty", "empty"]
+    assert listing[2]["named"] is True and listing[2]["n_tokens"] > 0
     r = httpx.post(f"{srv.url}/slots/kept?action=tokens", headers=api(srv), timeout=10)
     assert r.status_code == 200
     # the admin key passes both checks
