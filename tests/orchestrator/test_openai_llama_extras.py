@@ -103,3 +103,24 @@ def test_verbose_adds_llama_server_answer(server: ServerProc) -> None:
         server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "verbose": True}, timeout=120
     )
     assert text.status_code == 200 and text.json()["__verbose"]["prompt"].endswith("Hello")
+
+
+def test_responses_stream_with_llama_telemetry(server: ServerProc) -> None:
+    """``/v1/responses`` streams take llama-server's ``return_progress`` and ``timings_per_token``: a
+    ``response.in_progress`` event per prefill step, ``timings`` on the text deltas and the last event."""
+    body = {"input": "What is the best book? " * 20, "max_output_tokens": 6, "temperature": 0, "stream": True}
+    events: list[dict[str, Any]] = []
+    with httpx.stream(
+        "POST", server.url + "/v1/responses", json={**body, "return_progress": True, "timings_per_token": True},
+        timeout=120,
+    ) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    progress = [e for e in events if "prompt_progress" in e]
+    assert progress and all(e["type"] == "response.in_progress" for e in progress)
+    done = [p["prompt_progress"]["processed"] for p in progress]
+    assert done == sorted(done) and done[-1] == progress[-1]["prompt_progress"]["total"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all("timings" in e for e in deltas)
+    assert events[-1]["type"] == "response.completed" and events[-1]["timings"]["predicted_n"] >= 1
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -371,6 +371,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     slot_id: str | int | None = None
     background: bool | None = None
+    timings_per_token: bool = False  # llama-server's: ``timings`` on the text deltas and the last event
+    return_progress: bool = False  # llama-server's: ``prompt_progress`` on ``response.in_progress`` events
 
 
 class TokenDetails(msgspec.Struct, kw_only=True):
@@ -465,15 +467,20 @@ class ResponseCreated(ResponseEvent, kw_only=True, tag="response.created"):
 
 
 class ResponseInProgress(ResponseEvent, kw_only=True, tag="response.in_progress"):
-    """The response is being generated."""
+    """The response is being generated; with ``return_progress`` (llama-server's), one more per prefill step,
+    with its ``prompt_progress``."""
 
     response: ResponseObject
+    prompt_progress: PromptProgress | UnsetType = UNSET
+    timings: Timings | UnsetType = UNSET
 
 
 class ResponseCompleted(ResponseEvent, kw_only=True, tag="response.completed"):
-    """Last event: the whole response (``status`` ``incomplete`` when ``max_output_tokens`` ended it)."""
+    """Last event: the whole response (``status`` ``incomplete`` when ``max_output_tokens`` ended it);
+    ``timings`` (llama-server's, ``timings_per_token``) the generation's."""
 
     response: ResponseObject
+    timings: Timings | UnsetType = UNSET
 
 
 class OutputItemAdded(ResponseEvent, kw_only=True, tag="response.output_item.added"):
@@ -516,6 +523,7 @@ class OutputTextDelta(ResponseEvent, kw_only=True, tag="response.output_text.del
     content_index: int
     delta: str
     logprobs: list[Any] = msgspec.field(default_factory=list)
+    timings: Timings | UnsetType = UNSET  # timings_per_token (llama-server's): the timings so far
 
 
 class OutputTextDone(ResponseEvent, kw_only=True, tag="response.output_text.done"):

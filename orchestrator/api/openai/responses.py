@@ -42,9 +42,13 @@ from typing import Any
 
 import msgspec
 from litestar import Controller, Request, post
+from msgspec import UNSET, UnsetType
 
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, started_run
+from orchestrator.api.llama_server.protocol import Timings
+from orchestrator.api.llama_server.timings import TimingsClock, timings_of
+from orchestrator.api.native.protocol import PromptProgress
 from orchestrator.api.openai.protocol import (
     ChatCompletionRequest,
     ContentPartAdded,
@@ -71,7 +75,7 @@ from orchestrator.api.openai.protocol import (
 )
 from orchestrator.api.openai.routes import Shape, chat_shape
 from orchestrator.generation.chat_template import message_text
-from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
@@ -295,6 +299,9 @@ def _chat_request(data: ResponsesRequest, messages: list[dict[str, Any]], slot: 
         "response_format": _response_format(data.text),
         "user": data.user,
         "slot_id": slot if slot is not None else data.slot_id,
+        "stream": data.stream,
+        "timings_per_token": data.timings_per_token,
+        "return_progress": data.return_progress,
     }
     try:
         return msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
@@ -358,13 +365,35 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
             named_event(ContentPartAdded(sequence_number=next(seq), **where, part=OutputText(text=""))),
         ]
 
+    clock = TimingsClock() if answer.data.timings_per_token else None
+
+    def timings() -> Timings | UnsetType:
+        return clock.now() if clock is not None else UNSET
+
     def delta(piece: str) -> bytes:
-        return named_event(OutputTextDelta(sequence_number=next(seq), **where, delta=piece))
+        return named_event(OutputTextDelta(sequence_number=next(seq), **where, delta=piece, timings=timings()))
 
     try:
         yield named_event(ResponseCreated(sequence_number=next(seq), response=answer.body()))
         yield named_event(ResponseInProgress(sequence_number=next(seq), response=answer.body()))
         async for ev in run:
+            if isinstance(ev, ProgressOut):
+                if clock is not None:
+                    clock.progress(ev)
+                if answer.data.return_progress:
+                    progress = PromptProgress(
+                        total=ev.total, cache=ev.cache, processed=ev.processed, time_ms=ev.time_ms
+                    )
+                    yield named_event(
+                        ResponseInProgress(
+                            sequence_number=next(seq),
+                            response=answer.body(),
+                            prompt_progress=progress,
+                            timings=timings(),
+                        )
+                    )
+            elif isinstance(ev, TokenOut) and clock is not None:
+                clock.token()
             if isinstance(ev, TokenOut) and not ev.is_stop:
                 piece = split.feed(ev.text) if split is not None else ev.text
                 if piece:
@@ -413,7 +442,8 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
                     answer.output.append(call_item)
                 answer.end(ev)
                 answer.remember(messages, text or None, calls, ev.slot_id)
-                yield named_event(ResponseCompleted(sequence_number=next(seq), response=answer.body()))
+                final = timings_of(ev) if clock is not None else UNSET
+                yield named_event(ResponseCompleted(sequence_number=next(seq), response=answer.body(), timings=final))
     except Exception as exc:  # the worker failed mid-stream: an error event ends the stream
         err = compat_error_body(report(exc, route))["error"]
         yield named_event(ResponseError(sequence_number=next(seq), code=str(err["code"]), message=err["message"]))
