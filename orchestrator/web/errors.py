@@ -281,7 +281,19 @@ ERROR_TYPE_OF_STATUS = {
     503: "unavailable_error",
 }
 
-COMPAT_ERROR_PATHS = ("/v1/", "/chat/", "/completion", "/models", "/props", "/slots", "/tokenize", "/detokenize")
+COMPAT_ERROR_PATHS = (
+    "/v1/",
+    "/chat/",
+    "/completion",
+    "/models",
+    "/props",
+    "/slots",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/responses",
+    "/embeddings",
+)
 """Paths of OpenAI's and llama-server's APIs, whose errors take :func:`compat_error_body`'s shape
 (docs/api.md, "Errors")."""
 

@@ -39,9 +39,9 @@ def event_stream(description: str) -> dict[int, ResponseSpec]:
     return {**ERROR_RESPONSES, 200: spec}
 
 
-def streamable(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
-    """``responses=`` of a route that answers ``body`` as JSON, or server-sent events with
-    ``stream: true``, with the error statuses in llama-server's/OpenAI's shape."""
+def streamable(body: Any) -> dict[int, ResponseSpec]:
+    """``responses=`` of a route that answers ``body`` (a Struct, or a union of the answers it may give) as
+    JSON, or server-sent events with ``stream: true``, with the error statuses in llama-server's/OpenAI's shape."""
     spec = ResponseSpec(
         body,
         description="the completion; with ``stream: true`` server-sent events (text/event-stream) instead",

@@ -69,7 +69,8 @@ GENERATION_ROUTES = {
 ENDLESS = ("/admin/events",)
 # llama-server's and OpenAI's paths answer errors in their shape (CompatErrorBody)
 COMPAT_PATHS = ("/v1/chat/", "/chat/", "/v1/completions", "/completion", "/v1/models", "/models", "/props",
-                "/slots", "/v1/slots", "/tokenize", "/detokenize", "/v1/responses", "/responses")  # fmt: skip
+                "/slots", "/v1/slots", "/tokenize", "/detokenize", "/v1/responses", "/responses", "/apply-template",
+                "/v1/embeddings", "/embeddings")  # fmt: skip
 
 
 def cheap(case: schemathesis.Case) -> None:

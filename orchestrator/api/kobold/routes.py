@@ -85,7 +85,7 @@ class Job:
     control: RunControl
     seed: int = -1
     text: list[str] = field(default_factory=list)
-    n_tokens: int = 0
+    n_generated: int = 0
     started: float = field(default_factory=time.monotonic)
     done: bool = False
 
@@ -110,7 +110,7 @@ class KoboldJobs:
 
         One that ends without :meth:`finished` (its client left: KoboldAI Lite's Abort closes its
         stream) is counted as KoboldCpp counts an aborted one: ``stop_reason`` 0, its tokens so far
-        (``Job.n_tokens``), its time as ``last_eval``."""
+        (``Job.n_generated``), its time as ``last_eval``."""
         key = genkey or ""
         job = Job(control, seed)
         self.running.setdefault(key, []).append(job)
@@ -122,8 +122,8 @@ class KoboldJobs:
             jobs.remove(job)
             if not jobs:
                 del self.running[key]
-            if not job.done and (job.n_tokens or job.control.req is not None):
-                self._record(0.0, time.monotonic() - job.started, job.n_tokens, 0, job.seed)
+            if not job.done and (job.n_generated or job.control.req is not None):
+                self._record(0.0, time.monotonic() - job.started, job.n_generated, 0, job.seed)
 
     def finished(self, job: Job, done: DoneOut) -> None:
         """Record ``job``'s end (the engine's ``done``) for ``/api/extra/perf``."""

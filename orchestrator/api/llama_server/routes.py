@@ -311,7 +311,7 @@ class LlamaServerController(Controller):
         ["/completion", "/completions"],
         status_code=200,
         summary="llama-server: native completion",
-        responses=streamable(LlamaCompletion),
+        responses=streamable(LlamaCompletion | list[LlamaCompletion]),  # several prompts: a list
     )
     async def completion(
         self, request: Request[Any, Any, Any], services: Services, ops: SlotOps, data: CompletionBody

@@ -122,7 +122,7 @@ class GenerateController(Controller):
             with jobs.track(data.genkey, control, req.seed) as job:
                 async for ev in services.generation.run(req, control):
                     if isinstance(ev, TokenOut):
-                        job.n_tokens += 1
+                        job.n_generated += 1
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         tokens.append(self._token(ev, req.n_probs, pieces))
@@ -212,7 +212,7 @@ class GenerateController(Controller):
                             continue
                         if not isinstance(ev, TokenOut):
                             continue
-                        job.n_tokens += 1
+                        job.n_generated += 1
                         if not ev.is_stop:
                             job.text.append(ev.text)
                         if req.attention:
