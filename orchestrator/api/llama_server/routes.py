@@ -339,18 +339,16 @@ class LlamaServerController(Controller):
             filt = StopTextFilter(stops)
             pending: list[TokenOut] = []
             n = 0
-            clock = TimingsClock() if data.timings_per_token else None
+            clock = TimingsClock(data.timings_per_token)
 
             def timed(chunk: LlamaCompletionChunk) -> LlamaCompletionChunk:
-                if clock is not None:
-                    chunk.timings = clock.now()
+                chunk.timings = clock.now()
                 return chunk
 
             try:
                 async for ev in run:
                     if isinstance(ev, ProgressOut):
-                        if clock is not None:
-                            clock.progress(ev)
+                        clock.progress(ev)
                         if data.return_progress:
                             chunk = timed(c.partial("", [], n))
                             chunk.prompt_progress = PromptProgress(
@@ -359,8 +357,7 @@ class LlamaServerController(Controller):
                             yield sse_data(chunk)
                     elif isinstance(ev, TokenOut):
                         n += 1
-                        if clock is not None:
-                            clock.token()
+                        clock.token()
                         pending.append(ev)
                         text = filt.feed("" if ev.is_stop else ev.text)
                         if text or ev.is_stop:

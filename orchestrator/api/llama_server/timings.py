@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+from msgspec import UNSET, UnsetType
+
 from orchestrator.api.llama_server.protocol import Timings
 from orchestrator.generation.events import DoneOut, ProgressOut
 
@@ -47,9 +49,12 @@ class TimingsClock:
     Fed the run's :class:`ProgressOut` events (the request must ask for them: ``req.progress``) and its
     tokens: the prompt figures are the last progress report's (the worker's clock); generation time is
     measured here, from the end of the prefill (the last report, else the first token) to now.
+    Off (``on`` false: the request did not ask for ``timings_per_token``), every
+    reading is unset, so a stream feeds it unconditionally.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
         self.cache_n = 0
         self.prompt_n = 0
         self.prompt_ms = 0.0
@@ -68,8 +73,14 @@ class TimingsClock:
         if self.t_generate is None:
             self.t_generate = time.perf_counter()
 
-    def now(self) -> Timings:
-        """The ``timings`` as of now."""
+    def now(self) -> Timings | UnsetType:
+        """The ``timings`` as of now (unset when off)."""
+        if not self.on:
+            return UNSET
         t0 = self.t_generate if self.t_generate is not None else time.perf_counter()
         ms = (time.perf_counter() - t0) * 1000.0 if self.predicted_n else 0.0  # nothing generated: no time
         return _timings(self.cache_n, self.prompt_n, self.prompt_ms, self.predicted_n, ms)
+
+    def final(self, done: DoneOut) -> Timings | UnsetType:
+        """The ``timings`` of the finished generation (the worker's figures; unset when off)."""
+        return timings_of(done) if self.on else UNSET

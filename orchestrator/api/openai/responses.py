@@ -42,12 +42,10 @@ from typing import Any
 
 import msgspec
 from litestar import Controller, Request, post
-from msgspec import UNSET, UnsetType
 
 from engine.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, started_run
-from orchestrator.api.llama_server.protocol import Timings
-from orchestrator.api.llama_server.timings import TimingsClock, timings_of
+from orchestrator.api.llama_server.timings import TimingsClock
 from orchestrator.api.native.protocol import PromptProgress
 from orchestrator.api.openai.protocol import (
     ChatCompletionRequest,
@@ -365,21 +363,17 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
             named_event(ContentPartAdded(sequence_number=next(seq), **where, part=OutputText(text=""))),
         ]
 
-    clock = TimingsClock() if answer.data.timings_per_token else None
-
-    def timings() -> Timings | UnsetType:
-        return clock.now() if clock is not None else UNSET
+    clock = TimingsClock(answer.data.timings_per_token)
 
     def delta(piece: str) -> bytes:
-        return named_event(OutputTextDelta(sequence_number=next(seq), **where, delta=piece, timings=timings()))
+        return named_event(OutputTextDelta(sequence_number=next(seq), **where, delta=piece, timings=clock.now()))
 
     try:
         yield named_event(ResponseCreated(sequence_number=next(seq), response=answer.body()))
         yield named_event(ResponseInProgress(sequence_number=next(seq), response=answer.body()))
         async for ev in run:
             if isinstance(ev, ProgressOut):
-                if clock is not None:
-                    clock.progress(ev)
+                clock.progress(ev)
                 if answer.data.return_progress:
                     progress = PromptProgress(
                         total=ev.total, cache=ev.cache, processed=ev.processed, time_ms=ev.time_ms
@@ -389,10 +383,10 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
                             sequence_number=next(seq),
                             response=answer.body(),
                             prompt_progress=progress,
-                            timings=timings(),
+                            timings=clock.now(),
                         )
                     )
-            elif isinstance(ev, TokenOut) and clock is not None:
+            elif isinstance(ev, TokenOut):
                 clock.token()
             if isinstance(ev, TokenOut) and not ev.is_stop:
                 piece = split.feed(ev.text) if split is not None else ev.text
@@ -442,7 +436,7 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
                     answer.output.append(call_item)
                 answer.end(ev)
                 answer.remember(messages, text or None, calls, ev.slot_id)
-                final = timings_of(ev) if clock is not None else UNSET
+                final = clock.final(ev)
                 yield named_event(ResponseCompleted(sequence_number=next(seq), response=answer.body(), timings=final))
     except Exception as exc:  # the worker failed mid-stream: an error event ends the stream
         err = compat_error_body(report(exc, route))["error"]

@@ -35,7 +35,7 @@ from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_te
 from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
 from orchestrator.api.llama_server.protocol import CompletionBody, LlamaCompletion
 from orchestrator.api.llama_server.routes import Completion
-from orchestrator.api.llama_server.timings import TimingsClock, timings_of
+from orchestrator.api.llama_server.timings import TimingsClock
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import Attention, GenerateRequest, PromptProgress, attention_of
 from orchestrator.api.openai.protocol import (
@@ -326,7 +326,7 @@ async def respond(
         return answer  # type: ignore[return-value]  # kind: the route's own
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     run = await started_run(services, req, request)
-    clock = TimingsClock() if data.timings_per_token else None
+    clock = TimingsClock(data.timings_per_token)
 
     async def events() -> AsyncIterator[bytes]:
         filt = StopTextFilter(stops)
@@ -337,13 +337,11 @@ async def respond(
                 yield sse_data(shape.role_chunk())
             async for ev in run:
                 if isinstance(ev, ProgressOut):
-                    if clock is not None:
-                        clock.progress(ev)
+                    clock.progress(ev)
                     if data.return_progress:
                         yield sse_data(shape.progress_chunk(ev))
                 elif isinstance(ev, TokenOut):
-                    if clock is not None:
-                        clock.token()
+                    clock.token()
                     if ev.is_stop:
                         continue
                     pending.append(ev)
@@ -352,8 +350,7 @@ async def respond(
                         text = split.feed(text)
                     if text:
                         chunk = shape.chunk(text, pending)
-                        if clock is not None:
-                            chunk.timings = clock.now()
+                        chunk.timings = clock.now()
                         yield sse_data(chunk)
                         pending = []
                 elif isinstance(ev, DoneOut):
@@ -366,8 +363,7 @@ async def respond(
                         rest += held
                     if rest or pending:
                         chunk = shape.chunk(rest, pending)
-                        if clock is not None:
-                            chunk.timings = clock.now()
+                        chunk.timings = clock.now()
                         yield sse_data(chunk)
                     if calls:
                         yield sse_data(shape.calls_chunk(calls))
@@ -376,8 +372,7 @@ async def respond(
                     if data.verbose:  # as llama-server's stream: no content (it went in the chunks)
                         last.verbose = await verbose_of(services, shape, "", [], ev)
                     usage = shape.usage_chunk(_usage(ev)) if include_usage else None
-                    if clock is not None:  # the final timings go on the last chunk (llama-server)
-                        (usage or last).timings = timings_of(ev)
+                    (usage or last).timings = clock.final(ev)  # the final timings on the last chunk (llama-server)
                     yield sse_data(last)
                     if usage is not None:
                         yield sse_data(usage)
