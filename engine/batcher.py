@@ -57,6 +57,8 @@ class Job:
     n_prefilled: int = 0
     t0: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
+    n_discarded: int = 0  # tokens context shifts dropped (Generate.n_keep)
+    shift: tuple[int, int] | None = None  # the last shift, reported on the next Token
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -78,6 +80,11 @@ class Batcher:
         self.emit = emit
         self.jobs: dict[int, Job] = {}
         self.commits: dict[int, int] = {}  # seq -> last token still to write to the KV cache
+
+    @property
+    def shifts(self) -> bool:
+        """Whether a full generation shifts its window (``--context-shift`` on a memory that can shift)."""
+        return self.engine.config.context_shift and self.engine.can_shift
 
     # ------------------------------------------------------------------ admission
 
@@ -127,7 +134,10 @@ class Batcher:
                 raise EngineError(ErrorCode.INVALID_REQUEST, f"no engine sequence {req.seq}")
             if self.busy(req.seq):
                 raise EngineError(ErrorCode.SLOT_BUSY, f"sequence {req.seq} is generating")
-            if len(req.input_ids) + p.max_new_tokens > n_ctx:
+            if self.shifts:  # the prompt must fit; the generation shifts the window when it fills it
+                if len(req.input_ids) >= n_ctx:
+                    raise EngineError(ErrorCode.CONTEXT_OVERFLOW, f"{len(req.input_ids)} tokens >= n_ctx {n_ctx}")
+            elif len(req.input_ids) + p.max_new_tokens > n_ctx:
                 raise EngineError(
                     ErrorCode.CONTEXT_OVERFLOW, f"{len(req.input_ids)} + {p.max_new_tokens} tokens > n_ctx {n_ctx}"
                 )
@@ -226,8 +236,8 @@ class Batcher:
                 owners.append(None)
                 budget -= 1
         self.commits.clear()
-        for job in self.jobs.values():
-            if job.last >= 0 and budget > 0 and not self.held(job):
+        for job in list(self.jobs.values()):
+            if job.last >= 0 and budget > 0 and not self.held(job) and self._room(job):
                 entries.append(self._entry(job, [job.last], True))
                 owners.append(job)
                 budget -= 1
@@ -263,6 +273,31 @@ class Batcher:
                     continue
             if e.logits:
                 self._sample(job, e)
+
+    def _room(self, job: Job) -> bool:
+        """Make room in ``job``'s window for its next token; False when it ended instead.
+
+        llama-server's rule (``server_context::pre_decode``, tools/server/server-context.cpp): once
+        the sequence's tokens + 1 reach the window, drop ``n_discard`` tokens after the first
+        ``n_keep`` (the request's, or half of the rest) and shift the later ones down
+        (:meth:`Engine.context_shift`).  Only a ``generate`` job shifts (a preview's fork shares its
+        slot's cells); without ``--context-shift`` admission keeps every job within its window.
+        """
+        eng = self.engine
+        n_ctx, n = eng.config.n_ctx, eng.seq_len(job.seq)
+        if n + 1 < n_ctx or not self.shifts or job.fork:
+            return True
+        n_keep = job.n_prompt if job.req.n_keep < 0 else job.req.n_keep
+        n_keep = min(n_ctx - 4, n_keep + (1 if eng.model.add_bos else 0))
+        n_left = n - n_keep
+        n_discard = min(job.req.n_discard or n_left // 2, max(0, n_left - 1))
+        if n_discard <= 0:  # nothing left to drop: end as at the window
+            self._finish(job, "length")
+            return False
+        eng.context_shift(job.seq, n_keep, n_discard)
+        job.n_discarded += n_discard
+        job.shift = (n_keep, n_discard)
+        return True
 
     def _progress(self, job: Job) -> None:
         """Emit ``Progress``: prompt tokens in the KV cache (cached + prefilled) of ``n_prompt``."""
@@ -303,7 +338,8 @@ class Batcher:
         job.generated.append(tok)
         job.text += piece
         n_ctx = e.pos0 + len(e.tokens)
-        self.emit(Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden), buffers)
+        self.emit(Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden, job.shift), buffers)
+        job.shift = None
         job.credit.emit(sum(b.nbytes for b in buffers))
         reason, stop = self._stop_reason(job, tok)
         job.last = tok
@@ -345,6 +381,8 @@ class Batcher:
                 t_generate_ms=(now - t_first) * 1000,
                 stop_string=stop,
                 seq_tokens=0 if job.fork else n_seq,
+                n_discarded=job.n_discarded,
+                truncated=job.n_discarded > 0 or n_seq >= self.engine.config.n_ctx,
             ),
             (),
         )

@@ -146,6 +146,12 @@ class Engine:
         return len(self.tokens.get(seq, ()))
 
     @property
+    def can_shift(self) -> bool:
+        """Whether a sequence's positions can be shifted (:meth:`context_shift`): the memory can shift
+        (``llama_memory_can_shift``) and holds no recurrent state (that holds the whole sequence)."""
+        return self.memory.can_shift and not self.shape.recurrent
+
+    @property
     def attention_layers(self) -> tuple[int, ...]:
         """Layers with an attention row (all of a transformer's, a hybrid model's attention layers, none of a
         recurrent model's; none without capture)."""
@@ -356,10 +362,13 @@ class Engine:
         n = self.seq_len(seq)
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"need n_keep >= 0, n_discard > 0, n_keep + n_discard <= {n}")
-        if self.shape.recurrent:
-            raise EngineError(ErrorCode.INVALID_REQUEST, self.memory.no_partial_reason)
-        if not self.memory.can_shift:
-            raise EngineError(ErrorCode.INVALID_REQUEST, "this model's KV cache cannot shift positions")
+        if not self.can_shift:
+            reason = (
+                self.memory.no_partial_reason
+                if self.shape.recurrent
+                else "this model's KV cache cannot shift positions"
+            )
+            raise EngineError(ErrorCode.INVALID_REQUEST, reason)
         self._drop_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
         llama.llama_memory_seq_add(self.mem, seq, n_keep + n_discard, -1, -n_discard)

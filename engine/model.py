@@ -156,6 +156,7 @@ class Model:
         self.n_embd = llama.llama_model_n_embd(model)
         self.n_ctx_train = llama.llama_model_n_ctx_train(model)
         self.bos = llama.llama_vocab_bos(self.vocab)
+        self.add_bos = bool(llama.llama_vocab_get_add_bos(self.vocab))  # a BOS starts every prompt
         self.eos = llama.llama_vocab_eos(self.vocab)
         self.eot = llama.llama_vocab_eot(self.vocab)
         self.pieces: list[bytes] = [self._piece(t) for t in range(self.n_vocab)]

@@ -16,8 +16,10 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     ``--no-repack`` is False), with ``repack_reason``; ``flash_attn``: whether llama.cpp computes
     attention with flash attention, with ``flash_attn_reason`` (what ``--flash-attn auto`` chose here:
     :func:`engine.backend.choose_flash_attn`); ``kv_unified``: one KV
-    stream for every sequence (False: one per sequence); ``capture``: how attention rows are
-    produced (``graph``: as outputs of llama.cpp's graph, libllama/ in this repository; ``off``);
+    stream for every sequence (False: one per sequence); ``context_shift``: ``--context-shift`` is on
+    and the model's memory can shift (a full generation shifts its window instead of ending);
+    ``capture``: how attention rows are produced (``graph``: as outputs of llama.cpp's graph, libllama/
+    in this repository; ``off``);
     ``system_info``: llama.cpp's ``llama_print_system_info`` line.
     """
 
@@ -33,6 +35,7 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     type_k: str
     type_v: str
     kv_unified: bool
+    context_shift: bool = False
     n_threads: int
     n_seq_max: int
     capture: str

@@ -22,7 +22,7 @@ def memory_info(engine: Engine) -> MemoryInfo:
         type=mem.kind,
         kv_caches=mem.shape.n_caches,
         sliding_window=engine.n_swa,
-        context_shift=mem.can_shift and not mem.shape.recurrent,
+        context_shift=engine.can_shift,
         partial_reuse=not mem.shape.recurrent,
     )
 
@@ -51,6 +51,7 @@ def runtime_info(engine: Engine) -> EngineRuntime:
         type_k=libggml.ggml_type_name(engine.type_k).decode(),
         type_v=libggml.ggml_type_name(engine.type_v).decode(),
         kv_unified=False,
+        context_shift=c.context_shift and engine.can_shift,
         n_threads=c.n_threads,
         n_seq_max=c.n_seq_max,
         capture="graph" if engine.capture is not None else "off",

@@ -139,6 +139,12 @@ class Generate(Message):
     # (``Ack``); past that the worker holds this sequence (other jobs go on).  0: that bound off.
     window: NonNegInt = 0
     window_bytes: NonNegInt = 0
+    # llama-server's context shift (``--context-shift``, EngineSettings.context_shift; tools/server/README.md,
+    # ``n_keep``/``n_discard``): when the sequence fills its window during generation, ``n_discard`` tokens
+    # (0: half of those after the kept ones) after the first ``n_keep`` (-1: the whole prompt; a BOS the
+    # model adds is kept beside them) are dropped and the rest moved down
+    n_keep: int = 0
+    n_discard: NonNegInt = 0
 
 
 class Cancel(Message):
@@ -297,9 +303,12 @@ class Token(Message):
     """One generated token.
 
     ``top`` is ``[(token_id, logprob), ...]`` best first.  ``n_ctx`` is the attention
-    length (``len(input_ids) + index``).  ``attention``: the token's attention rows
-    (``CaptureOptions``: ``[n_layers_sel, n_heads, n_ctx]`` or ``[n_ctx]``, float32 or
-    float16); ``hidden``: its final hidden state (``float32[n_embd]``).
+    length (``len(input_ids) + index``, less what context shifts dropped).  ``attention``: the token's
+    attention rows (``CaptureOptions``: ``[n_layers_sel, n_heads, n_ctx]`` or ``[n_ctx]``, float32 or
+    float16); ``hidden``: its final hidden state (``float32[n_embd]``).  ``shift``: set on the first token
+    after a context shift (``Generate.n_keep``): ``(n_keep, n_discard)``, the sequence's tokens
+    ``n_keep .. n_keep+n_discard-1`` were dropped and the later ones moved down by ``n_discard``
+    positions, so this row's position ``p >= n_keep`` is the earlier row's ``p + n_discard``.
     """
 
     index: int
@@ -310,6 +319,7 @@ class Token(Message):
     n_ctx: int = 0
     attention: Tensor | None = None
     hidden: Tensor | None = None
+    shift: tuple[int, int] | None = None
 
 
 class Progress(Message):
@@ -332,7 +342,9 @@ token, a stop string, or cancelled.  The APIs map it to their own (OpenAI's and 
 
 
 class Done(Message):
-    """End of a generation; ``seq_tokens``: the sequence's tokens now (0 for a preview)."""
+    """End of a generation; ``seq_tokens``: the sequence's tokens now (0 for a preview);
+    ``n_discarded``: tokens context shifts dropped (``Generate.n_keep``); ``truncated``: the generation
+    shifted its window or ended at it (llama-server's ``truncated``)."""
 
     finish_reason: FinishReason
     n_prompt: int
@@ -343,6 +355,8 @@ class Done(Message):
     t_generate_ms: float
     stop_string: str = ""
     seq_tokens: int = 0
+    n_discarded: int = 0
+    truncated: bool = False
 
 
 class Error(Message):

@@ -125,6 +125,15 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "--cache-reuse",
         ),
     ] = 0
+    context_shift: Annotated[
+        bool,
+        Flag(
+            "llama-server's --context-shift: a generation that fills its slot's window drops half of the tokens "
+            "after the kept prompt start (a request's n_keep, n_discard) and goes on, so max_tokens may exceed "
+            'the window; without it a request must fit the window (docs/api.md, "Context shift")',
+            "--context-shift",
+        ),
+    ] = False
     swa_full: Annotated[
         bool,
         Flag(

@@ -19,7 +19,7 @@ from litestar import Request
 from engine.errors import ErrorCode
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.generation.events import DoneOut, Started, TokenOut
-from orchestrator.generation.request import CanonicalRequest
+from orchestrator.generation.request import INT32_MAX, CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
@@ -95,5 +95,10 @@ async def prompt_ids(services: Services, prompt: str | list[int]) -> list[int]:
 
 
 def remaining(services: Services, n_prompt: int) -> int:
-    """Tokens left in the window after a prompt of ``n_prompt`` (the default generation length)."""
-    return max(0, services.generation.info.n_ctx - n_prompt)
+    """The default generation length: the tokens left in the window after a prompt of ``n_prompt``;
+    with ``--context-shift`` no limit (``INT32_MAX``: llama-server's ``n_predict`` -1 generates until an
+    end-of-generation token or the client leaves, shifting the window when it fills)."""
+    info = services.generation.info
+    if info.runtime.context_shift:
+        return INT32_MAX
+    return max(0, info.n_ctx - n_prompt)

@@ -24,7 +24,10 @@ class TokenOut:
     ``text`` is the token's text from an incremental UTF-8 decoder over the stream
     (a piece that ends mid-character yields ``""`` and the character comes with the
     next token, so concatenating ``text`` is always the exact output); ``piece`` are
-    the raw bytes.  ``attention`` is raw little-endian ``dtype`` bytes of ``shape``.
+    the raw bytes.  ``attention`` is raw little-endian ``dtype`` bytes of ``shape``.  ``shift``:
+    ``(n_keep, n_discard)`` on the first token after a context shift (``--context-shift``): the slot's
+    tokens ``n_keep .. n_keep+n_discard-1`` were dropped, so attention positions from ``n_keep`` on are
+    ``n_discard`` lower than before.
     """
 
     index: int
@@ -37,6 +40,7 @@ class TokenOut:
     attention_shape: list[int]
     hidden: bytes | None
     is_stop: bool
+    shift: tuple[int, int] | None = None
 
 
 @dataclass
@@ -74,7 +78,8 @@ class DoneOut:
     prompt, ``n_cached`` of it reused from the KV cache, ``n_prefilled`` decoded, ``n_generated`` new
     tokens, ``seq_tokens`` the slot's tokens now (0 for a preview).  Times in milliseconds:
     ``t_prefill_ms``, ``t_generate_ms`` (the worker's), and ``generation_time_ms`` (the whole request
-    as the orchestrator saw it).  ``text``: the whole output.
+    as the orchestrator saw it).  ``text``: the whole output.  ``n_discarded``: tokens context shifts
+    dropped; ``truncated``: the generation shifted its window or ended at it (llama-server's ``truncated``).
     """
 
     finish_reason: str
@@ -89,6 +94,8 @@ class DoneOut:
     text: str = ""
     generation_time_ms: float = 0.0
     slot_id: str = "0"
+    n_discarded: int = 0
+    truncated: bool = False
 
     @classmethod
     def of(cls, done: proto.Done, text: str, generation_time_ms: float, slot_id: str) -> DoneOut:
@@ -96,6 +103,7 @@ class DoneOut:
         return cls(
             done.finish_reason, done.n_prompt, done.n_cached, done.n_prefilled, done.n_generated,
             done.t_prefill_ms, done.t_generate_ms, done.stop_string, done.seq_tokens, text, generation_time_ms, slot_id,
+            done.n_discarded, done.truncated,
         )  # fmt: skip
 
 
@@ -132,6 +140,7 @@ class TokenStream:
             attention_shape=list(msg.attention.shape) if msg.attention is not None else [],
             hidden=out.hidden,
             is_stop=msg.token_id in self.stop_ids,
+            shift=msg.shift,
         )
 
 

@@ -42,6 +42,9 @@ Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 
 
+NKeep = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: the whole prompt")]
+
+
 TopK = Annotated[int, msgspec.Meta(ge=-(2**31), le=INT32_MAX, description="<= 0: off")]
 
 
@@ -95,7 +98,10 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     logit_bias: LogitBias | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
-    n_cache_reuse: TokenCount | None = None  # not a sampler: llama-server's prompt cache reuse (docs/api.md)
+    # not samplers (CONTEXT_FIELDS): llama-server's prompt cache reuse and context shift (docs/api.md)
+    n_cache_reuse: TokenCount | None = None
+    n_keep: NKeep | None = None
+    n_discard: TokenCount | None = None
 
     def sampler_fields(self) -> dict[str, Any]:
         """These fields as keyword arguments (to pass them on to a :class:`GenerateRequest`)."""
@@ -106,9 +112,9 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         (:class:`engine.protocol.SamplingParams`'s own unless an API has others); ``logit_bias`` as
         pairs, ``json_schema`` as JSON text."""
         fields = self.sampler_fields()
-        reuse = fields.pop("n_cache_reuse")  # not a sampler: no default in SamplingParams
+        context = {name: fields.pop(name) for name in CONTEXT_FIELDS}  # not samplers: no default in SamplingParams
         out = {name: getattr(defaults, name) if v is None else v for name, v in fields.items()}
-        out["n_cache_reuse"] = reuse
+        out.update((name, v) for name, v in context.items() if v is not None)
         breakers = self.dry_sequence_breakers
         out.update(
             dry_sequence_breakers=list(defaults.dry_sequence_breakers) if breakers is None else dry_breakers(breakers),
@@ -116,6 +122,11 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             json_schema=msgspec.json.encode(self.json_schema).decode() if self.json_schema is not None else "",
         )
         return out
+
+
+CONTEXT_FIELDS = ("n_cache_reuse", "n_keep", "n_discard")
+""":class:`SamplerFields` that are no samplers: how the slot's cache is reused and shifted
+(:class:`CanonicalRequest`'s defaults apply when a request leaves them out)."""
 
 
 BiasPairs = list[tuple[int | str, float]]
@@ -203,6 +214,8 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     schema_rule: str = ""  # engine.protocol.SamplingParams: set by the tool-call paths, not by clients
     grammar_triggers: list[str] = []
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
+    n_keep: int = 0  # llama-server's context shift (--context-shift): tokens kept at the start, -1 the prompt
+    n_discard: int = 0  # tokens a shift drops, 0: half of those after n_keep
 
 
 class AppendToken(msgspec.Struct):

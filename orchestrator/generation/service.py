@@ -190,7 +190,8 @@ class GenerationService:
         if not ids:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "the context is empty")
         check_tokens(ids, info.vocab_size, "input_ids")
-        if len(ids) + req.max_new_tokens > info.n_ctx:
+        shifts = info.runtime.context_shift  # --context-shift: only the prompt must fit, generation shifts
+        if len(ids) + (0 if shifts else req.max_new_tokens) > info.n_ctx - (1 if shifts else 0):
             raise ServiceError(
                 ErrorCode.CONTEXT_OVERFLOW,
                 # llama-server's words (server-context.cpp), which its clients and tests look for
@@ -271,8 +272,9 @@ class GenerationService:
             n_out = 0
             finished = False
             events = await self.engine.generate(
-                slot.seq, ids, params, capture, progress=req.progress, cache_reuse=req.n_cache_reuse
-            )
+                slot.seq, ids, params, capture, progress=req.progress, cache_reuse=req.n_cache_reuse,
+                n_keep=req.n_keep, n_discard=req.n_discard,
+            )  # fmt: skip
             took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
             try:
                 if control is not None:

@@ -344,11 +344,14 @@ class WorkerClient:
         capture: proto.CaptureOptions,
         progress: bool = False,
         cache_reuse: int | None = None,
+        n_keep: int = 0,
+        n_discard: int = 0,
     ) -> GenerationStream:
         """See :meth:`orchestrator.worker.interface.EngineClient.generate`."""
         msg = proto.Generate(
             self.new_id(), seq, "generate", list(input_ids), params, capture,
             progress=progress, window=self.window, window_bytes=self.window_bytes, cache_reuse=cache_reuse,
+            n_keep=n_keep, n_discard=n_discard,
         )  # fmt: skip
         return await self._open_stream(msg)
 

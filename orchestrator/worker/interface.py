@@ -195,6 +195,8 @@ class EngineClient(Protocol):
         capture: proto.CaptureOptions,
         progress: bool = False,
         cache_reuse: int | None = None,
+        n_keep: int = 0,
+        n_discard: int = 0,
     ) -> GenerationStream:
         """Generate on sequence ``seq`` from the context ``input_ids``.
 
@@ -202,7 +204,9 @@ class EngineClient(Protocol):
         with ``cache_reuse`` N > 0, runs of at least N tokens it holds further on, moved into
         place: llama-server's ``n_cache_reuse``; None: the engine's ``--cache-reuse``), the rest
         is prefilled; afterwards the sequence holds ``input_ids`` + the generated
-        tokens.  With ``progress``, ``Progress`` events come while prefilling.  The request
+        tokens (less what a context shift drops: with the engine's ``--context-shift``, a generation that
+        fills the window drops ``n_discard`` tokens after the first ``n_keep``, llama-server's fields;
+        ``proto.Generate``).  With ``progress``, ``Progress`` events come while prefilling.  The request
         is with the engine when this returns (later requests are applied after it).
         Errors (``SLOT_BUSY``, ``CONTEXT_OVERFLOW``, ``INVALID_REQUEST``, ``OOM``) are
         raised by the stream's iteration.  The engine may run only a few tokens ahead of

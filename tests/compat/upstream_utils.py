@@ -67,11 +67,12 @@ FLAGS: dict[str, tuple[str, bool]] = {
     "model_tags": ("--tags", True),
     "cors_origins": ("--cors-origin", True),
     "swa_full": ("--swa-full", False),
+    "enable_ctx_shift": ("--context-shift", False),
     "server_embeddings": ("--embeddings", False),
 }
 # options slotserve has as its fixed behaviour (the value the tests set is what it does anyway)
 ALWAYS = {"server_continuous_batching", "server_metrics", "jinja", "kv_unified", "n_gpu_layer", "offline"}
-NOT_OFFERED = ("enable_ctx_shift", "model_draft", "n_ga", "n_ga_w", "lora_files", "pooling", "server_reranking", "spec_type",
+NOT_OFFERED = ("model_draft", "n_ga", "n_ga_w", "lora_files", "pooling", "server_reranking", "spec_type",
                "spec_draft_n_min", "spec_draft_n_max", "spec_synth_len", "spec_synth_rates", "reasoning_format",
                "reasoning", "chat_template", "chat_template_file", "mmproj_url", "media_path", "sleep_idle_seconds",
                "cache_ram", "no_cache_idle_slots", "ui_mcp_proxy", "backend_sampling", "gcp_compat", "server_tools",

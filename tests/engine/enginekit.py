@@ -77,6 +77,7 @@ class Runner:
         append: list[int] | None = None,
         capture: CaptureOptions | None = None,
         cache_reuse: int | None = None,
+        n_keep: int = 0,
         **params: object,
     ) -> int:
         req = next(_req)
@@ -85,7 +86,9 @@ class Runner:
         # by default every attention layer's rows, where the model has any (a recurrent one has none)
         cap = capture if capture is not None else CaptureOptions(attention=bool(self.engine.attention_layers))
         sampling = SamplingParams(**params)  # type: ignore[arg-type]
-        self.batcher.submit(Generate(req, seq, mode, ids, sampling, cap, append or [], cache_reuse=cache_reuse))
+        self.batcher.submit(
+            Generate(req, seq, mode, ids, sampling, cap, append or [], cache_reuse=cache_reuse, n_keep=n_keep)
+        )
         return req
 
     def run(self) -> None:

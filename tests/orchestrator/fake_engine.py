@@ -272,9 +272,11 @@ class FakeEngine:
         capture: proto.CaptureOptions,
         progress: bool = False,
         cache_reuse: int | None = None,
+        n_keep: int = 0,
+        n_discard: int = 0,
     ) -> GenerationStream:
         """Prefill (prefix reuse) and ``max_new_tokens`` deterministic tokens, then ``Done``
-        (:class:`TokenOutput` per token); ``cache_reuse`` is not modelled."""
+        (:class:`TokenOutput` per token); ``cache_reuse`` and the context shift are not modelled."""
         msg = proto.Generate(self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress)
         return self._start(msg, lambda ev: TokenOutput(ev) if isinstance(ev, proto.Token) else ev)
 

@@ -186,7 +186,7 @@ class Completion:
             ),
             prompt=prompt,
             has_new_line="\n" in text,
-            truncated=False,
+            truncated=d.truncated,
             stop_type=STOP_TYPE.get(d.finish_reason, "none"),
             stopping_word=d.stop_string,
             tokens_cached=d.seq_tokens,

@@ -144,6 +144,7 @@ class GenerateController(Controller):
             cached_tokens=end.cached_tokens,
             slot_id=end.slot_id,
             stop_string=end.stop_string,
+            truncated=end.truncated,
             generated_tokens=tokens,
             generated_text=done.text,
             results=[KoboldResult(text=kobold_text, finish_reason=KOBOLD_FINISH.get(done.finish_reason))],

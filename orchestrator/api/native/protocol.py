@@ -170,9 +170,19 @@ class TokenText(msgspec.Struct, kw_only=True):
     bytes_: list[int] | UnsetType = msgspec.field(default=UNSET, name="bytes")
 
 
+class ContextShift(msgspec.Struct, kw_only=True):
+    """A context shift before this token (``--context-shift``; docs/api.md, "Context shift"): the slot's
+    tokens ``n_keep .. n_keep+n_discard-1`` were dropped and the later ones moved down, so from this
+    token on, attention position ``p >= n_keep`` is the earlier tokens' ``p + n_discard``."""
+
+    n_keep: int
+    n_discard: int
+
+
 class Attention(msgspec.Struct, kw_only=True):
     """One token's attention (docs/api.md, "Attention"): ``shape`` ``[n_layers, n_heads, context_length]``
-    (``per_layer``) or ``[context_length]`` (``aggregated``), ``data`` base64 of ``dtype`` values."""
+    (``per_layer``) or ``[context_length]`` (``aggregated``), ``data`` base64 of ``dtype`` values;
+    ``context_shift`` on the first row after a context shift."""
 
     format: str
     shape: list[int]
@@ -180,6 +190,12 @@ class Attention(msgspec.Struct, kw_only=True):
     encoding: str
     dtype: str
     data: str
+    context_shift: ContextShift | UnsetType = UNSET
+
+
+def context_shift_of(t: TokenOut) -> ContextShift | UnsetType:
+    """The :class:`ContextShift` before ``t``, if one came."""
+    return UNSET if t.shift is None else ContextShift(n_keep=t.shift[0], n_discard=t.shift[1])
 
 
 class TokenAttention(TokenText, kw_only=True):
@@ -204,7 +220,10 @@ def attention_of(t: TokenOut, fmt: str, dtype: str) -> Attention | None:
         return None
     data = base64.b64encode(t.attention).decode("ascii")
     shape = t.attention_shape
-    return Attention(format=fmt, shape=shape, context_length=shape[-1], encoding="base64", dtype=dtype, data=data)
+    return Attention(
+        format=fmt, shape=shape, context_length=shape[-1], encoding="base64", dtype=dtype, data=data,
+        context_shift=context_shift_of(t),
+    )  # fmt: skip
 
 
 def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
@@ -369,6 +388,7 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     cached_tokens: int
     slot_id: int | str
     stop_string: str | UnsetType = UNSET
+    truncated: bool | UnsetType = UNSET
     generated_tokens: list[GeneratedToken]
     generated_text: str
     results: list[KoboldResult]
@@ -488,6 +508,7 @@ class BinaryTokenFrame(msgspec.Struct, kw_only=True, tag="token", tag_field="typ
     index: int
     shape: list[int] | UnsetType = UNSET
     hidden_state: Hidden | UnsetType = UNSET
+    context_shift: ContextShift | UnsetType = UNSET
 
 
 class PromptProgress(msgspec.Struct, kw_only=True):
@@ -525,6 +546,7 @@ class DoneEvent(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
     cached_tokens: int
     slot_id: int | str
     stop_string: str | UnsetType = UNSET
+    truncated: bool | UnsetType = UNSET  # the context shifted (or the generation ended at the window)
 
 
 StreamEvent = TokenEvent | SseTokenEvent | BinaryTokenFrame | ProgressEvent | QueuedEvent | DoneEvent | ErrorEvent
@@ -563,8 +585,9 @@ def binary_token_frame(t: TokenOut) -> BinaryTokenFrame:
     tt = token_text(t)
     shape = UNSET if t.attention is None else t.attention_shape
     return BinaryTokenFrame(
-        token_id=tt.token_id, text=tt.text, bytes_=tt.bytes_, index=t.index, shape=shape, hidden_state=hidden_of(t)
-    )
+        token_id=tt.token_id, text=tt.text, bytes_=tt.bytes_, index=t.index, shape=shape, hidden_state=hidden_of(t),
+        context_shift=context_shift_of(t) if t.attention is not None else UNSET,
+    )  # fmt: skip
 
 
 def progress_event(p: ProgressOut, request_id: str | None) -> ProgressEvent:
@@ -584,4 +607,5 @@ def done_event(d: DoneOut, request_id: str | None) -> DoneEvent:
         cached_tokens=d.n_cached,
         slot_id=slot_id_out(d.slot_id),
         stop_string=d.stop_string or UNSET,
+        truncated=d.truncated or UNSET,
     )
