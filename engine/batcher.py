@@ -260,19 +260,19 @@ class Batcher:
         if status != 0:
             self._decode_failed(status, entries, owners)
             return
-        for e, job in zip(entries, owners, strict=True):
-            if job is None:
+        for e, owner in zip(entries, owners, strict=True):
+            if owner is None:
                 continue
-            if job.last < 0:
-                del job.pending[: len(e.tokens)]
-                job.n_prefilled += len(e.tokens)
-                if job.req.progress:
-                    self._progress(job)
-                if not job.pending and job.req.params.max_new_tokens == 0:
-                    self._finish(job, "length")
+            if owner.last < 0:
+                del owner.pending[: len(e.tokens)]
+                owner.n_prefilled += len(e.tokens)
+                if owner.req.progress:
+                    self._progress(owner)
+                if not owner.pending and owner.req.params.max_new_tokens == 0:
+                    self._finish(owner, "length")
                     continue
             if e.logits:
-                self._sample(job, e)
+                self._sample(owner, e)
 
     def _room(self, job: Job) -> bool:
         """Make room in ``job``'s window for its next token; False when it ended instead.
@@ -338,7 +338,10 @@ class Batcher:
         job.generated.append(tok)
         job.text += piece
         n_ctx = e.pos0 + len(e.tokens)
-        self.emit(Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden, job.shift), buffers)
+        self.emit(
+            Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden, job.shift),
+            [b.data for b in buffers],
+        )
         job.shift = None
         job.credit.emit(sum(b.nbytes for b in buffers))
         reason, stop = self._stop_reason(job, tok)

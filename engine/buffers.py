@@ -125,7 +125,7 @@ class BufferPool:
 
     def _settle(self) -> None:
         """Move the returned buffers that no view reaches any more (lock held) to the free ones."""
-        busy = []
+        busy: list[_Buffer] = []
         for b in self._returned:
             # the references: the list's, `b` and getrefcount's argument; a live view of b adds one
             (self._free if sys.getrefcount(b) <= 3 else busy).append(b)

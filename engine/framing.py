@@ -39,7 +39,10 @@ POOLED_BYTES = 1 << 20
 """Buffers this big or bigger are received into a :class:`engine.buffers.BufferPool`'s memory."""
 
 Buffer = bytes | bytearray | memoryview
-"""A raw buffer: anything exposing the buffer protocol as bytes."""
+"""A raw buffer: anything exposing the buffer protocol as bytes (an array's: its ``.data``)."""
+
+RecvBuffer = bytearray | memoryview
+"""A received raw buffer: a bytearray of its own, or a view of pooled memory (:data:`POOLED_BYTES`)."""
 
 
 class ProtocolError(RuntimeError):
@@ -166,7 +169,7 @@ STAGING_BYTES = 256 << 10
 MAX_BUFS = 1 << 12
 """Most raw buffers one frame may carry (a frame announcing more is malformed)."""
 
-Frame = tuple[bytearray, list[bytearray | memoryview]]
+Frame = tuple[bytearray, list[RecvBuffer]]
 
 RECEIVE_POOL = BufferPool(keep=1)
 """Where :class:`FrameStream` receives buffers of :data:`POOLED_BYTES` or more (a slot state from
@@ -285,6 +288,7 @@ class FrameStream(asyncio.BufferedProtocol):
             self._part += 1
         if self._part == len(self._parts):
             meta, *bufs = self._parts
+            assert isinstance(meta, bytearray)  # the meta part is always received into a bytearray
             self._frames.append((meta, bufs))
             self._readable.set()
             self._parts, self._part = [], -1
@@ -334,6 +338,7 @@ async def open_frame_stream(family: socket.AddressFamily, addr: str | tuple[str,
     if family == socket.AF_UNIX:
         _, stream = await loop.create_unix_connection(FrameStream, addr)  # type: ignore[arg-type]
     else:
-        host, port = addr  # type: ignore[misc]
+        assert isinstance(addr, tuple)
+        host, port = addr
         _, stream = await loop.create_connection(FrameStream, host, port)
     return stream

@@ -138,7 +138,7 @@ def read_seq_file(file: BinaryIO, alloc: Callable[[int], bytearray | memoryview]
     tokens, state_size = read_seq_head(file)
     state = alloc(8 + state_size)
     struct.pack_into("<Ii", state, 0, IO_MAGIC, 0)
-    if file.readinto(memoryview(state)[8:]) != len(state) - 8:  # type: ignore[arg-type]
+    if file.readinto(memoryview(state)[8:]) != len(state) - 8:  # type: ignore[attr-defined]
         raise BadStateError("the sequence-state file ended inside its state")
     return SeqFile(tokens, state)
 

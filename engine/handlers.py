@@ -18,10 +18,11 @@ from engine import protocol as proto
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
+from engine.framing import RecvBuffer
 from engine.state_file import load_seq_file, write_slot_file
 
 Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]
-Handler = Callable[[Any, list[bytearray]], None]
+Handler = Callable[[Any, list[RecvBuffer]], None]
 
 
 class EngineHandlers:
@@ -66,31 +67,31 @@ class EngineHandlers:
     def sequence(self, op: Callable[[Any], object]) -> Handler:
         """The handler of an operation on ``msg.seq`` that answers the sequence's tokens (``SeqTokens``)."""
 
-        def handle(msg: proto.SeqRequest, _: list[bytearray]) -> None:
+        def handle(msg: proto.SeqRequest, _: list[RecvBuffer]) -> None:
             self.check(msg)
             op(msg)
             self.send(proto.SeqTokens(msg.req, msg.seq, list(self.engine.tokens.get(msg.seq, []))), ())
 
         return handle
 
-    def status(self, msg: proto.Status, _: list[bytearray]) -> None:
+    def status(self, msg: proto.Status, _: list[RecvBuffer]) -> None:
         """Which sequences generate."""
         busy = sorted({j.seq for j in self.batcher.jobs.values() if not j.fork})
         self.send(proto.EngineState(msg.req, busy), ())
 
-    def check_sampling(self, msg: proto.CheckSampling, _: list[bytearray]) -> None:
+    def check_sampling(self, msg: proto.CheckSampling, _: list[RecvBuffer]) -> None:
         """Build ``msg.params``' sampler chain and free it (``INVALID_GRAMMAR`` when it cannot be built)."""
         self.batcher.new_chain(msg.params).close()
         self.send(proto.SamplingChecked(msg.req), ())
 
-    def fork(self, msg: proto.Fork, _: list[bytearray]) -> None:
+    def fork(self, msg: proto.Fork, _: list[RecvBuffer]) -> None:
         """Copy-on-write copy of ``seq`` into ``target`` (which must not be generating)."""
         self.check(msg)
         self.check(msg, msg.target, writes=True)
         self.engine.fork(msg.seq, msg.target)
         self.send(proto.SeqTokens(msg.req, msg.target, list(self.engine.tokens.get(msg.target, []))), ())
 
-    def save_state(self, msg: proto.SaveState, _: list[bytearray]) -> None:
+    def save_state(self, msg: proto.SaveState, _: list[RecvBuffer]) -> None:
         """The sequence's tokens and llama.cpp state (buffer 0)."""
         self.check(msg)
         t0 = time.perf_counter()
@@ -98,7 +99,7 @@ class EngineHandlers:
         t_ms = (time.perf_counter() - t0) * 1000
         self.send(proto.StateBlob(msg.req, msg.seq, tokens, t_ms, proto.Tensor.raw(blob)), [blob])
 
-    def restore_state(self, msg: proto.RestoreState, bufs: list[bytearray]) -> None:
+    def restore_state(self, msg: proto.RestoreState, bufs: list[RecvBuffer]) -> None:
         """Replace the sequence from tokens + the llama.cpp state the message describes."""
         if msg.state.dtype != "uint8" or len(msg.state.shape) != 1:
             raise EngineError(ErrorCode.BAD_STATE, f"a state is uint8[n] bytes, not {msg.state.dtype}{msg.state.shape}")
@@ -109,7 +110,7 @@ class EngineHandlers:
         t_ms = (time.perf_counter() - t0) * 1000
         self.send(proto.StateRestored(msg.req, msg.seq, len(msg.tokens), t_ms), ())
 
-    def save_file(self, msg: proto.SaveFile, _: list[bytearray]) -> None:
+    def save_file(self, msg: proto.SaveFile, _: list[RecvBuffer]) -> None:
         """Write the sequence as llama-server's slot file on a writer thread
         (:func:`engine.state_file.write_slot_file`), which answers when the file is in place."""
         self.check(msg)
@@ -130,7 +131,7 @@ class EngineHandlers:
         # not a daemon: a worker asked to stop still finishes the file (and renames it) first
         threading.Thread(target=write, name=f"slot-file-{msg.req}").start()
 
-    def load_file(self, msg: proto.LoadFile, _: list[bytearray]) -> None:
+    def load_file(self, msg: proto.LoadFile, _: list[RecvBuffer]) -> None:
         """Replace the sequence from a slot file (:func:`engine.state_file.load_seq_file`)."""
         self.check(msg)
         n, size, t_ms = load_seq_file(self.engine, msg.seq, Path(msg.path))

@@ -24,7 +24,17 @@ import msgspec
 
 from engine.buffers import BufferPool
 from engine.errors import ErrorCode
-from engine.framing import Buffer, FrameStream, NonNegInt, ProtocolError, Tensor, frame_chunks, recv_frame, send_chunks
+from engine.framing import (
+    Buffer,
+    FrameStream,
+    NonNegInt,
+    ProtocolError,
+    RecvBuffer,
+    Tensor,
+    frame_chunks,
+    recv_frame,
+    send_chunks,
+)
 from engine.model_facts import ModelInfo
 
 # ----------------------------------------------------------------------------- shared structs
@@ -491,7 +501,7 @@ def send_frame(sock: socket.socket, msg: Message, buffers: Sequence[Buffer] = ()
     send_chunks(sock, encode_frame(msg, buffers))
 
 
-def recv_request(sock: socket.socket, pool: BufferPool | None = None) -> tuple[Request, list[Buffer]]:
+def recv_request(sock: socket.socket, pool: BufferPool | None = None) -> tuple[Request, list[RecvBuffer]]:
     """Read one request frame from a blocking socket (worker side); ProtocolError when malformed.
     Large buffers are lent by ``pool`` when one is given (see :func:`engine.framing.recv_frame`)."""
     meta, bufs = recv_frame(sock, pool)
@@ -501,7 +511,7 @@ def recv_request(sock: socket.socket, pool: BufferPool | None = None) -> tuple[R
         raise ProtocolError(f"bad request frame: {exc}") from exc
 
 
-async def read_reply(stream: FrameStream) -> tuple[Reply, list[bytearray]]:
+async def read_reply(stream: FrameStream) -> tuple[Reply, list[RecvBuffer]]:
     """Read one reply frame from the worker's stream (orchestrator side); ProtocolError when
     malformed or once the stream is closed."""
     meta, bufs = await stream.read_frame()

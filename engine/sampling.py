@@ -122,7 +122,7 @@ class SamplerChain:
         pairs = [(tok, float("-inf")) for tok in p.banned_tokens] + list(p.logit_bias)
         biases = (llama.llama_logit_bias * len(pairs))()
         for i, (tok, bias) in enumerate(pairs):
-            biases[i].token, biases[i].bias = tok, bias
+            biases[i] = llama.llama_logit_bias(tok, bias)
         return llama.llama_sampler_init_logit_bias(n_vocab, len(pairs), biases)
 
     def accept_history(self, tokens: Iterable[int]) -> None:

@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import llama_cpp  # noqa: F401 - first of the native libraries, before numpy's (docs/hardware.md)
 import msgspec
@@ -32,7 +33,7 @@ from engine.buffers import BufferPool
 from engine.classifier import Classifier
 from engine.engine import Engine, EngineError
 from engine.errors import ErrorCode
-from engine.framing import parse_address
+from engine.framing import RecvBuffer, parse_address
 from engine.handlers import EngineHandlers, Handler
 from engine.heap import keep_heap_mapped
 from engine.model import Model, default_model_path, init_backend
@@ -50,6 +51,10 @@ def _die_with_parent() -> None:
         pass
 
 
+Inbound = tuple[proto.Request, list[RecvBuffer]]
+"""A request and its raw buffers, as the reader thread queues them."""
+
+
 class Worker:
     """Serves requests from one socket on one :class:`Engine` (generation) or :class:`Classifier`.
 
@@ -61,7 +66,7 @@ class Worker:
     def __init__(self, engine: Engine | Classifier, sock: socket.socket) -> None:
         self.engine = engine
         self.sock = sock
-        self.inbox: queue.Queue[tuple[proto.Request, list[proto.Buffer]] | None] = queue.Queue()
+        self.inbox: queue.Queue[Inbound | None] = queue.Queue()  # None: the peer is gone
         self.pool = BufferPool(keep=1)  # restore-state blobs land in memory already mapped
         self.running = True
         self.send_lock = threading.Lock()
@@ -100,18 +105,19 @@ class Worker:
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         while self.running:
             block = not self.has_work()
+            item: Inbound | Literal[False] | None  # False: the inbox is empty
             try:
                 item = self.inbox.get(block=block)
             except queue.Empty:
-                item = ()
-            while item != ():
+                item = False
+            while item is not False:
                 if item is None:
                     return
-                self._handle(*item)  # type: ignore[misc]
+                self._handle(*item)
                 try:
                     item = self.inbox.get_nowait()
                 except queue.Empty:
-                    item = ()
+                    item = False
             if self.running and self.batcher is not None and self.batcher.has_work():
                 self.batcher.step()
 
@@ -119,7 +125,7 @@ class Worker:
         """True while generations are active (a classifier answers each request at once)."""
         return self.batcher is not None and self.batcher.has_work()
 
-    def _handle(self, msg: proto.Request, bufs: list[proto.Buffer]) -> None:
+    def _handle(self, msg: proto.Request, bufs: list[RecvBuffer]) -> None:
         try:
             handler = self.handlers.get(type(msg))
             if handler is None:
@@ -137,26 +143,26 @@ class Worker:
             for buf in bufs:  # handlers keep no received buffer (a restore copies into the KV cache)
                 self.pool.give(buf)
 
-    def _tokenize(self, msg: proto.Tokenize, _: list[bytearray]) -> None:
+    def _tokenize(self, msg: proto.Tokenize, _: list[RecvBuffer]) -> None:
         model = self.engine.model
         ids = model.tokenize(msg.text, msg.add_special, msg.parse_special)
         self.send(proto.TokenizeResult(msg.req, ids, [model.pieces[t] for t in ids]))
 
-    def _detokenize(self, msg: proto.Detokenize, _: list[bytearray]) -> None:
+    def _detokenize(self, msg: proto.Detokenize, _: list[RecvBuffer]) -> None:
         self.send(proto.DetokenizeResult(msg.req, self.engine.model.detokenize(msg.ids)))
 
-    def _shutdown(self, msg: proto.Shutdown, _: list[bytearray]) -> None:
+    def _shutdown(self, msg: proto.Shutdown, _: list[RecvBuffer]) -> None:
         if self.batcher is not None:
             self.batcher.flush()
         self.running = False
         self.send(proto.Stopped(msg.req))
 
-    def _classify(self, msg: proto.Classify, _: list[bytearray]) -> None:
+    def _classify(self, msg: proto.Classify, _: list[RecvBuffer]) -> None:
         eng = self.engine
         assert isinstance(eng, Classifier)
         ids = [eng.tokenize(t) for t in msg.texts]
         logits = eng.classify(ids)
-        self.send(proto.Classified(msg.req, [len(i) for i in ids], proto.Tensor.of(logits, 0)), [logits])
+        self.send(proto.Classified(msg.req, [len(i) for i in ids], proto.Tensor.of(logits, 0)), [logits.data])
 
 
 def build_parser() -> argparse.ArgumentParser:

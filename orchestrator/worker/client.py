@@ -33,7 +33,7 @@ import structlog
 from engine import protocol as proto
 from engine.errors import ErrorCode
 from engine.flow import WINDOW_BYTES, WINDOW_TOKENS
-from engine.framing import RECEIVE_POOL, FrameStream, open_frame_stream, parse_address
+from engine.framing import RECEIVE_POOL, FrameStream, RecvBuffer, open_frame_stream, parse_address
 from orchestrator.worker.interface import (
     Classification,
     EngineDeadError,
@@ -49,7 +49,7 @@ log = structlog.get_logger("slotserve.engine")
 R = TypeVar("R", bound=proto.Message)
 
 
-Event = tuple[proto.Reply, list[bytearray]]
+Event = tuple[proto.Reply, list[RecvBuffer]]
 
 
 class WorkerClient:
@@ -258,7 +258,7 @@ class WorkerClient:
 
     async def _request(
         self, msg: proto.Message, answer: type[R], buffers: Sequence[proto.Buffer] = ()
-    ) -> tuple[R, list[bytearray]]:
+    ) -> tuple[R, list[RecvBuffer]]:
         """Send ``msg`` and return its single reply, an ``answer``; raise :class:`EngineRequestError` on ``Error``."""
         q: asyncio.Queue[Event | None] = asyncio.Queue()
         self._waiters[msg.req] = q
@@ -454,7 +454,7 @@ class WorkerClient:
         return reply
 
 
-def token_output(msg: proto.Token, bufs: list[bytearray]) -> TokenOutput:
+def token_output(msg: proto.Token, bufs: list[RecvBuffer]) -> TokenOutput:
     """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
     attention = msg.attention.take(bufs) if msg.attention is not None else None
     hidden = msg.hidden.take(bufs) if msg.hidden is not None else None
