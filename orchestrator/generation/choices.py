@@ -53,8 +53,10 @@ async def forked_choices(
         most = max(1, n_spare)
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"n must be in 1..{most} (the server's --spare sequences)")
     info = generation.info
-    await generation.input_ids(req)  # its checks with the request's own max_new_tokens
+    ids = await generation.input_ids(req)  # its checks with the request's own max_new_tokens
     params = await generation.checked_params(req)
+    if info.runtime.context_shift:  # a fork cannot shift its window (its prompt is shared): it ends at it
+        params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens, info.n_ctx - len(ids)))
     capture = capture_options(req, info.attention_layers)
     streams: list[GenerationStream] = []
 

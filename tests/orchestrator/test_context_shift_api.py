@@ -75,3 +75,14 @@ def test_native_rows_follow_the_shifts(srv: ServerProc) -> None:
 def test_a_prompt_that_fills_the_window_is_refused(srv: ServerProc) -> None:
     r = httpx.post(srv.url + "/completion", json={"prompt": [1] * WINDOW, "n_predict": 4}, timeout=60)
     assert r.status_code == 400 and "exceeds the available context size" in r.text
+
+
+def test_forked_choices_end_at_the_window(srv: ServerProc) -> None:
+    """``n`` > 1 runs on copy-on-write forks of one prompt, which cannot shift (llama-server refuses a shift
+    for a shared prompt too): with no ``max_tokens`` each choice ends at the window instead."""
+    body = {"messages": [{"role": "user", "content": "Say many words."}], "n": 2, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    res = post(srv, "/v1/chat/completions", body)
+    assert [c["finish_reason"] for c in res["choices"]] == ["length", "length"]
+    n_prompt = res["usage"]["prompt_tokens"]
+    assert res["usage"]["completion_tokens"] == 2 * (WINDOW - n_prompt)
