@@ -135,16 +135,17 @@ def _documented_statuses() -> dict[int, list[str]]:
     return dict(sorted(out.items()))
 
 
-def _responses(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
+def error_responses(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
+    """``responses=`` of a route: every error status a route may answer, with ``body`` (a Struct)."""
     return {
         status: ResponseSpec(body, description=f"error ({', '.join(codes)})", generate_examples=False)
         for status, codes in _documented_statuses().items()
     }
 
 
-ERROR_RESPONSES = _responses(ErrorBody)
+ERROR_RESPONSES = error_responses(ErrorBody)
 """``responses=`` of every route: the error statuses with :class:`ErrorBody`."""
-COMPAT_ERROR_RESPONSES = _responses(CompatErrorBody)
+COMPAT_ERROR_RESPONSES = error_responses(CompatErrorBody)
 """``responses=`` of the llama-server and OpenAI routes: the error statuses with :class:`CompatErrorBody`."""
 STREAMABLE_COMPAT_RESPONSES = {
     **COMPAT_ERROR_RESPONSES,
