@@ -6,6 +6,7 @@ llama-server's ``server_chat_convert_anthropic_to_oai``) is checked without a se
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,6 +15,8 @@ import pytest
 
 from orchestrator.api.anthropic.protocol import MessagesRequest
 from orchestrator.api.anthropic.routes import chat_messages, chat_tool_choice, chat_tools, normalize_billing_header
+from orchestrator.generation.chat_template import ChatTemplate
+from orchestrator.generation.tool_calls import plan_of
 from orchestrator.web.errors import ApiError
 from tests.conftest import ServerProc
 
@@ -74,6 +77,46 @@ def test_messages_become_chat_messages_as_llama_server_makes_them() -> None:
         {"role": "tool", "tool_call_id": "t1", "content": "sunny", "name": "get_weather"},
         {"role": "tool", "tool_call_id": "t9", "content": "no such call"},
     ]
+
+
+# llama.cpp's copy of Qwen3's template, in the pinned llama.cpp's sources beside the repository (as tests/compat uses)
+LLAMA_CPP = Path(__file__).resolve().parents[3] / "llama" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+QWEN3 = LLAMA_CPP / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja"
+
+
+@pytest.mark.skipif(not QWEN3.exists(), reason="the pinned llama.cpp's sources are not beside the repository")
+def test_thinking_history_reaches_a_template_that_reads_it() -> None:
+    """llama.cpp's test_anthropic_thinking_history_in_count_tokens / _in_template need --chat-template-file,
+    which slotserve does not offer: the same check here, with the same template (Qwen3's, which renders an
+    assistant turn's ``reasoning_content`` in ``<think>``), through this module's conversion and tool plan."""
+    source = QWEN3.read_text()
+    thought = "I should check the project structure first."
+    call = {"type": "tool_use", "id": "call_1", "name": "list_files", "input": {"path": "."}}
+    tool = {"name": "list_files", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+
+    def prompt(blocks: list[dict[str, Any]]) -> str:
+        req = _request(
+            {
+                "tools": [tool],
+                "messages": [
+                    {"role": "user", "content": "Fix the bug"},
+                    {"role": "assistant", "content": blocks},
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "main.py"}],
+                    },
+                ],
+            }
+        )
+        plan = plan_of(source, chat_tools(req.tools), None, None)
+        assert plan is not None
+        return ChatTemplate(source, "", "<|im_end|>").render(
+            plan.messages(chat_messages(req)), tools=plan.template_tools()
+        )
+
+    without, with_thinking = prompt([call]), prompt([{"type": "thinking", "thinking": thought}, call])
+    assert f"<think>\n{thought}\n</think>" in with_thinking and thought not in without
+    assert '"name": "list_files", "arguments": {"path": "."}' in with_thinking  # the call, in the template's form
 
 
 def test_tools_and_tool_choice() -> None:
