@@ -282,11 +282,10 @@ def test_empty_messages_are_answered(server: ServerProc) -> None:
 
 # ------------------------------------------------------------------------------------ the Anthropic SDK
 
-anthropic = pytest.importorskip("anthropic")
-
 
 @pytest.fixture(scope="module")
 def client(server: ServerProc):  # type: ignore[no-untyped-def]
+    anthropic = pytest.importorskip("anthropic")  # the test extras install it; the tests above need no SDK
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
 
 
@@ -322,6 +321,6 @@ def test_sdk_stream_and_count(client) -> None:  # type: ignore[no-untyped-def]
     assert final.stop_reason in ("end_turn", "max_tokens")
     count = client.messages.count_tokens(model="m", messages=kw["messages"])
     assert count.input_tokens == final.usage.input_tokens + final.usage.cache_read_input_tokens
-    with pytest.raises(anthropic.BadRequestError) as e:
+    with pytest.raises(pytest.importorskip("anthropic").BadRequestError) as e:
         client.messages.create(model="m", max_tokens=5, messages=kw["messages"], extra_body={"top_p": 2})
     assert e.value.status_code == 400
