@@ -107,7 +107,7 @@ class ErrorEvent(ErrorFields, kw_only=True, omit_defaults=True, tag="error", tag
         return cls(request_id=request_id, error=err.message, error_code=err.code, **extra)
 
 
-class CompatError(msgspec.Struct, kw_only=True):
+class CompatError(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The inner ``error`` of llama-server's and OpenAI's error body: ``code`` (the HTTP status),
     ``message``, ``type`` (``invalid_request_error``, ``not_found_error``, ``exceed_context_size_error``...)."""
 

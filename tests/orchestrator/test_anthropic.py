@@ -6,6 +6,10 @@ llama-server's ``server_chat_convert_anthropic_to_oai``) is checked without a se
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ WEATHER = {
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+STORY = "Write a long story about a dragon who learns to bake bread, with many chapters."
 
 
 def _request(body: dict[str, Any]) -> MessagesRequest:
@@ -324,3 +329,26 @@ def test_sdk_stream_and_count(client) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(pytest.importorskip("anthropic").BadRequestError) as e:
         client.messages.create(model="m", max_tokens=5, messages=kw["messages"], extra_body={"top_p": 2})
     assert e.value.status_code == 400
+
+
+def test_worker_death_mid_stream_ends_with_an_error_event(start_server: Callable[..., ServerProc]) -> None:
+    """The engine worker dies after ``message_start``: the stream ends with Anthropic's ``error`` event
+    (the error body, ``error_code`` beside it), and the server answers again once its new worker is up."""
+    srv = start_server("--parallel", "1", "--ctx-size", "1024")
+    body = {"model": "m", "max_tokens": 600, "stream": True, "messages": [{"role": "user", "content": STORY}]}
+    frames: list[str] = []
+    with httpx.stream("POST", srv.url + "/v1/messages", json=body, timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            frames.append(line)
+            if line == "event: message_start":
+                os.kill(srv.worker_pid(), signal.SIGKILL)
+    names = [f.removeprefix("event: ") for f in frames if f.startswith("event: ")]
+    assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
+    err = json.loads(frames[frames.index("event: error") + 1].removeprefix("data: "))
+    assert err["type"] == "error" and err["error"]["code"] >= 500 and err["error"]["message"] and err["error_code"]
+    deadline = time.monotonic() + 300
+    while httpx.get(srv.url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    again = _post(srv, "/v1/messages", {"model": "m", "max_tokens": 2, "messages": ASK})
+    assert again.status_code == 200 and again.json()["type"] == "message"
