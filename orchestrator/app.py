@@ -155,6 +155,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         MetricsController,
     ]
     from orchestrator.admin.routes import AdminController
+    from orchestrator.api.anthropic.routes import MessagesController
     from orchestrator.api.kobold.routes import KoboldController
     from orchestrator.api.llama_server.chat import LlamaChatController
     from orchestrator.api.llama_server.routes import LlamaServerController
@@ -172,6 +173,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         AdminController,
         OpenAIController,
         ResponsesController,
+        MessagesController,
         LlamaServerController,
         LlamaChatController,
         EmbeddingsController,

@@ -14,6 +14,7 @@ from typing import Any, get_args
 import msgspec
 
 from orchestrator.admin.protocol import AttentionEvent, SlotsEvent
+from orchestrator.api.anthropic.protocol import MessageStreamEvent
 from orchestrator.api.kobold.protocol import KoboldTokenEvent
 from orchestrator.api.llama_server.protocol import LlamaCompletion, LlamaCompletionChunk
 from orchestrator.api.native.protocol import (
@@ -40,6 +41,7 @@ STREAMS: list[tuple[str, list[type[msgspec.Struct]]]] = [
     ("POST /v1/completions with stream (then data: [DONE])", [TextCompletionChunk]),
     ("POST /completion with stream (llama-server's)", [LlamaCompletionChunk, LlamaCompletion]),
     ("POST /v1/responses with stream (OpenAI's Responses events)", list(get_args(ResponseStreamEvent))),
+    ("POST /v1/messages with stream (Anthropic's Messages events)", list(get_args(MessageStreamEvent))),
 ]
 """Each stream and the events it sends, in the order a client meets them."""
 

@@ -38,10 +38,15 @@ def _tojson(
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+_MEDIA = {"image_url": "image", "input_audio": "audio"}
+
+
 def message_text(content: Any) -> str:
     """An OpenAI message ``content``: a string, null, or a list of ``{"type": "text", "text"}`` parts.
 
-    Raises ``INVALID_REQUEST`` for other part types (images, audio): this server reads text only.
+    Raises ``INVALID_REQUEST`` for other part types (images, audio): this server reads text only
+    (``image_url`` and ``input_audio`` parts with llama-server's message for a model without a
+    multimodal projector, ``tools/server/server-common.cpp``).
     """
     if content is None:
         return ""
@@ -50,6 +55,12 @@ def message_text(content: Any) -> str:
     if isinstance(content, list):
         out = []
         for part in content:
+            media = _MEDIA.get(str(part.get("type"))) if isinstance(part, dict) else None
+            if media is not None:
+                raise ServiceError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"{media} input is not supported - hint: if this is unexpected, you may need to provide the mmproj",
+                )
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ServiceError(
                     ErrorCode.INVALID_REQUEST, "message content parts must be {'type': 'text', 'text': str}"
@@ -78,13 +89,12 @@ class ChatTemplate:
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
     ) -> str:
-        """The prompt text for ``messages`` (each ``{"role", "content", ...}``).
+        """The prompt text for ``messages`` (each ``{"role", "content", ...}``; none: what the template
+        makes of an empty list, as llama-server renders it).
 
         Raises ``INVALID_REQUEST`` when a message is malformed or the template refuses it
         (``raise_exception``, e.g. roles out of order).
         """
-        if not messages:
-            raise ServiceError(ErrorCode.INVALID_REQUEST, "messages must not be empty")
         clean = []
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):

@@ -45,6 +45,7 @@ from typing import Any
 from engine.errors import ErrorCode
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.request import CanonicalRequest
+from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.service_error import ServiceError
 
 CALL_RULE = "tc-call"  # the GBNF rule under which the worker adds the calls' JSON schema
@@ -472,6 +473,31 @@ class ToolStream:
         if self.sent and content.startswith(self.sent):
             content = content[len(self.sent) :]
         return content, calls
+
+
+class AnswerText:
+    """A streamed chat answer's text as the client may see it: stop strings held back and cut
+    (:class:`StopTextFilter`, as llama-server never sends them), then, with a ``plan``, tool calls
+    held back and parsed (:class:`ToolStream`)."""
+
+    def __init__(self, stops: list[str], plan: ToolPlan | None) -> None:
+        self.stops = StopTextFilter(stops)
+        self.split = plan.splitter() if plan is not None else None
+
+    def feed(self, text: str) -> str:
+        """The content that can be sent now, of ``text`` and what was held."""
+        out = self.stops.feed(text)
+        return self.split.feed(out) if self.split is not None else out
+
+    def finish(self, stop_string: str = "") -> tuple[str, list[ToolCall]]:
+        """``(content, calls)`` at the end: the content not sent yet (cut before ``stop_string``, the
+        stop string that ended the generation, if any) and the tool calls parsed from what was held."""
+        rest = self.stops.finish(stop_string)
+        if self.split is None:
+            return rest, []
+        rest = self.split.feed(rest)  # the tail first: it may complete a held call
+        held, calls = self.split.finish()
+        return rest + held, calls
 
 
 def _object_arguments(message: dict[str, Any]) -> dict[str, Any]:

@@ -107,7 +107,7 @@ class ErrorEvent(ErrorFields, kw_only=True, omit_defaults=True, tag="error", tag
         return cls(request_id=request_id, error=err.message, error_code=err.code, **extra)
 
 
-class CompatError(msgspec.Struct, kw_only=True):
+class CompatError(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The inner ``error`` of llama-server's and OpenAI's error body: ``code`` (the HTTP status),
     ``message``, ``type`` (``invalid_request_error``, ``not_found_error``, ``exceed_context_size_error``...)."""
 
@@ -135,16 +135,17 @@ def _documented_statuses() -> dict[int, list[str]]:
     return dict(sorted(out.items()))
 
 
-def _responses(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
+def error_responses(body: type[msgspec.Struct]) -> dict[int, ResponseSpec]:
+    """``responses=`` of a route: every error status a route may answer, with ``body`` (a Struct)."""
     return {
         status: ResponseSpec(body, description=f"error ({', '.join(codes)})", generate_examples=False)
         for status, codes in _documented_statuses().items()
     }
 
 
-ERROR_RESPONSES = _responses(ErrorBody)
+ERROR_RESPONSES = error_responses(ErrorBody)
 """``responses=`` of every route: the error statuses with :class:`ErrorBody`."""
-COMPAT_ERROR_RESPONSES = _responses(CompatErrorBody)
+COMPAT_ERROR_RESPONSES = error_responses(CompatErrorBody)
 """``responses=`` of the llama-server and OpenAI routes: the error statuses with :class:`CompatErrorBody`."""
 STREAMABLE_COMPAT_RESPONSES = {
     **COMPAT_ERROR_RESPONSES,

@@ -39,15 +39,16 @@ def event_stream(description: str) -> dict[int, ResponseSpec]:
     return {**ERROR_RESPONSES, 200: spec}
 
 
-def streamable(body: Any) -> dict[int, ResponseSpec]:
+def streamable(body: Any, errors: dict[int, ResponseSpec] = COMPAT_ERROR_RESPONSES) -> dict[int, ResponseSpec]:
     """``responses=`` of a route that answers ``body`` (a Struct, or a union of the answers it may give) as
-    JSON, or server-sent events with ``stream: true``, with the error statuses in llama-server's/OpenAI's shape."""
+    JSON, or server-sent events with ``stream: true``, with the error statuses ``errors`` (default: in
+    llama-server's/OpenAI's shape)."""
     spec = ResponseSpec(
         body,
         description="the completion; with ``stream: true`` server-sent events (text/event-stream) instead",
         generate_examples=False,
     )
-    return {**COMPAT_ERROR_RESPONSES, 200: spec}
+    return {**errors, 200: spec}
 
 
 def sse_data(obj: Any) -> bytes:

@@ -64,6 +64,7 @@ GENERATION_ROUTES = {
     "/completions": "n_predict",
     "/v1/responses": "max_output_tokens",
     "/responses": "max_output_tokens",
+    "/v1/messages": "max_tokens",
 }
 # endless event streams (the admin page's feed): covered by the admin page test, not fuzzed
 ENDLESS = ("/admin/events",)
@@ -157,6 +158,8 @@ def test_schema_documents_the_real_error_body(server: ServerProc) -> None:
             if path in ("/health", "/v1/health", "/metrics"):
                 continue
             expect = "/CompatErrorBody" if path.startswith(COMPAT_PATHS) else "/ErrorBody"
+            if path.startswith("/v1/messages"):  # llama-server's body with Anthropic's "type": "error"
+                expect = "/MessageError"
             for status in ("400", "404", "409", "429", "503"):
                 ref = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
                 assert ref.endswith(expect), (method, path, status)

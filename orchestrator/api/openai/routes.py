@@ -72,7 +72,7 @@ from orchestrator.generation.request import (
 )
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import ToolCall, ToolPlan, plan_of
+from orchestrator.generation.tool_calls import AnswerText, ToolCall, ToolPlan, plan_of
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
@@ -329,8 +329,7 @@ async def respond(
     clock = TimingsClock(data.timings_per_token)
 
     async def events() -> AsyncIterator[bytes]:
-        filt = StopTextFilter(stops)
-        split = shape.tools.splitter() if shape.tools else None
+        answer = AnswerText(stops, shape.tools)
         pending: list[TokenOut] = []
         try:
             if shape.chat:
@@ -345,22 +344,15 @@ async def respond(
                     if ev.is_stop:
                         continue
                     pending.append(ev)
-                    text = filt.feed(ev.text)
-                    if split is not None:
-                        text = split.feed(text)
+                    text = answer.feed(ev.text)
                     if text:
                         chunk = shape.chunk(text, pending)
                         chunk.timings = clock.now()
                         yield sse_data(chunk)
                         pending = []
                 elif isinstance(ev, DoneOut):
-                    rest = filt.finish(ev.stop_string)
+                    rest, calls = answer.finish(ev.stop_string)
                     finish = FINISH.get(ev.finish_reason, "stop")
-                    calls: list[ToolCall] = []
-                    if split is not None:  # the tail first: it may complete a held call
-                        rest = split.feed(rest)
-                        held, calls = split.finish()
-                        rest += held
                     if rest or pending:
                         chunk = shape.chunk(rest, pending)
                         chunk.timings = clock.now()
@@ -388,15 +380,22 @@ async def respond(
 async def chat_shape(services: Services, request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Shape:
     """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
     the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_calls`."""
-    info = services.generation.info
-    plan = plan_of(info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
-    messages = plan.messages(data.messages) if plan else data.messages
-    ids = await chat_ids(services, chat_prompt(services, messages, plan.template_tools() if plan else None))
+    ids, plan = await chat_prompt_ids(services, data)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     if plan:
         plan.constrain(req)
     pieces = await services.generation.pieces()
-    return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(info), plan)
+    return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(services.generation.info), plan)
+
+
+async def chat_prompt_ids(services: Services, data: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
+    """The prompt tokens of a chat body (its ``messages`` and ``tools`` rendered by the model's
+    template, :func:`orchestrator.api.llama_server.chat.chat_prompt`) and its tool plan
+    (:func:`orchestrator.generation.tool_calls.plan_of`; None without tools)."""
+    plan = plan_of(services.generation.info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
+    messages = plan.messages(data.messages) if plan else data.messages
+    ids = await chat_ids(services, chat_prompt(services, messages, plan.template_tools() if plan else None))
+    return ids, plan
 
 
 async def respond_choices(
@@ -516,6 +515,8 @@ class OpenAIController(Controller):
     async def chat(
         self, request: Request[Any, Any, Any], services: Services, data: ChatCompletionRequest
     ) -> EventStream | ChatCompletion:
+        if not data.messages:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "messages must not be empty")
         shape = await chat_shape(services, request, data)
         return await respond(services, request, data, shape, ChatCompletion)
 

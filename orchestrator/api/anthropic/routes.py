@@ -1,0 +1,357 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, over the chat path.
+
+As llama-server does (``tools/server/server-chat.cpp`` ``server_chat_convert_anthropic_to_oai``), the
+request becomes an OpenAI chat request (:class:`orchestrator.api.openai.protocol.ChatCompletionRequest`,
+run by :func:`orchestrator.api.openai.routes.chat_shape`: the model's chat template, tool calls by
+:mod:`orchestrator.generation.tool_calls`, the slot by ``slot_id`` / ``X-Slot-Id`` or the server's choice):
+
+* ``system`` (a text or text blocks, joined) is a first system message; an
+  ``x-anthropic-billing-header:`` system text has its changing ``cch=`` stamp replaced by ``fffff``
+  (llama-server's ``normalize_anthropic_billing_header``: the prompt keeps its cached prefix);
+* a message's text blocks are its content, its ``thinking`` blocks its ``reasoning_content``, its
+  ``tool_use`` blocks its ``tool_calls`` (``input`` as the arguments' JSON); each ``tool_result``
+  block becomes a ``tool`` message after it (text blocks joined); images are refused with
+  llama-server's "image input is not supported" (400 here: llama-server answers 500);
+* ``tools`` (``input_schema`` the parameters) are function tools; ``tool_choice`` ``auto`` / ``any`` /
+  ``none`` are ``auto`` / ``required`` / ``none``, ``{"type": "tool", "name"}`` that named function
+  (llama-server makes it ``required``); ``stop_sequences`` are ``stop``; ``temperature``, ``top_p``,
+  ``top_k`` pass through; ``max_tokens`` defaults to 4096 (bounded by the window); ``metadata`` and
+  ``thinking`` are accepted and unused.
+
+The answer is llama-server's ``to_json_anthropic``: ``content`` a text block (when there is text) then
+one ``tool_use`` block per call; ``stop_reason`` ``tool_use`` when the answer calls tools, ``max_tokens``
+when the limit ended it, ``stop_sequence`` when a stop sequence did (Anthropic's value: llama-server
+says ``end_turn`` and fills ``stop_sequence``), else ``end_turn``; ``usage`` with
+``cache_read_input_tokens``; the id is Anthropic's form ``msg_...``.  Streamed (``stream: true``),
+the events are llama-server's ``to_json_anthropic_stream`` (no ``ping``, no ``[DONE]``), each
+block closed before the next opens (Anthropic's order; llama-server closes them all at the end);
+the tool calls are parsed from the whole answer (:class:`orchestrator.generation.tool_calls.AnswerText`),
+so each comes as one ``input_json_delta``.  Errors have llama-server's body under Anthropic's
+``"type": "error"`` (:class:`MessageError`), the stream's ``error`` event too.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, post
+
+from engine.errors import ErrorCode
+from orchestrator.api.anthropic.protocol import (
+    AnswerBlock,
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    ImageBlock,
+    InputJsonDelta,
+    Message,
+    MessageDelta,
+    MessageEnd,
+    MessageError,
+    MessagesRequest,
+    MessageStart,
+    MessageStop,
+    MessageTokens,
+    MessageUsage,
+    OutputUsage,
+    RedactedThinkingBlock,
+    StopReason,
+    TextBlock,
+    TextDelta,
+    ThinkingBlock,
+    ToolChoice,
+    ToolDef,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from orchestrator.api.compat import collect, started_run
+from orchestrator.api.openai.protocol import ChatCompletionRequest
+from orchestrator.api.openai.routes import Shape, chat_prompt_ids, chat_shape
+from orchestrator.generation.chat_template import message_text
+from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
+from orchestrator.generation.tool_calls import AnswerText, ToolCall
+from orchestrator.services import Services
+from orchestrator.slots.model import slot_id_out
+from orchestrator.web.errors import ApiError, compat_error_body, error_responses, exception_handlers, report, route_of
+from orchestrator.web.sse import EventStream, named_event, streamable
+
+DEFAULT_MAX_TOKENS = 4096
+"""``max_tokens`` when the request has none (llama-server's default for this API)."""
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+ERRORS = error_responses(MessageError)
+"""The error statuses of these routes, with :class:`MessageError`."""
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    """The error body of these routes: llama-server's (:func:`orchestrator.web.errors.compat_error_body`)
+    with Anthropic's ``"type": "error"`` (:class:`MessageError`)."""
+    return {"type": "error", **compat_error_body(err)}
+
+
+def normalize_billing_header(text: str) -> str:
+    """``text`` with the 5-character ``cch=`` stamp of an ``x-anthropic-billing-header:`` system prompt
+    replaced by ``fffff`` (llama-server's ``normalize_anthropic_billing_header``, llama.cpp PR 21793: the
+    stamp changes every request, and would end the cached prefix there); other texts unchanged."""
+    if not text.startswith(BILLING_HEADER):
+        return text
+    at = text.find("cch=", len(BILLING_HEADER))
+    if at < 0 or text[at + 9 : at + 10] != ";":
+        return text
+    return text[: at + 4] + "fffff" + text[at + 9 :]
+
+
+def _image_part(block: ImageBlock) -> dict[str, Any]:
+    """An image block as the OpenAI ``image_url`` part llama-server makes of it."""
+    src = block.source
+    url = f"data:{src.media_type or 'image/jpeg'};base64,{src.data or ''}" if src.type == "base64" else src.url
+    return {"type": "image_url", "image_url": {"url": url or ""}}
+
+
+def _result_text(content: str | list[TextBlock | ImageBlock] | None) -> str:
+    """A ``tool_result``'s content as the ``tool`` message's text (images refused: ``INVALID_REQUEST``)."""
+    if not isinstance(content, list):
+        return content or ""
+    parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlock) else _image_part(b) for b in content]
+    return message_text(parts)
+
+
+def chat_messages(data: MessagesRequest) -> list[dict[str, Any]]:
+    """``system`` and ``messages`` as OpenAI chat messages (module docstring)."""
+    out: list[dict[str, Any]] = []
+    if isinstance(data.system, str):
+        out.append({"role": "system", "content": normalize_billing_header(data.system)})
+    elif data.system is not None:
+        out.append({"role": "system", "content": "".join(normalize_billing_header(b.text) for b in data.system)})
+    names: dict[str, str] = {}
+    for m in data.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        parts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        reasoning = ""
+        for b in m.content:
+            if isinstance(b, TextBlock):
+                parts.append({"type": "text", "text": b.text})
+            elif isinstance(b, ImageBlock):
+                parts.append(_image_part(b))
+            elif isinstance(b, ThinkingBlock):
+                reasoning += b.thinking
+            elif isinstance(b, ToolUseBlock):
+                names[b.id] = b.name
+                arguments = json.dumps(b.input, ensure_ascii=False)
+                calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": arguments}})
+            elif isinstance(b, ToolResultBlock):
+                result = {"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b.content)}
+                if b.tool_use_id in names:
+                    result["name"] = names[b.tool_use_id]
+                results.append(result)
+            else:
+                assert isinstance(b, RedactedThinkingBlock)  # not for this model's eyes
+        if parts or calls or reasoning:
+            msg: dict[str, Any] = {"role": m.role, "content": parts or ""}
+            if calls:
+                msg["tool_calls"] = calls
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            out.append(msg)
+        out += results
+    return out
+
+
+def chat_tools(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
+    """Client tools as OpenAI function tools; Anthropic's server tools (another ``type``): ``INVALID_REQUEST``."""
+    if tools is None:
+        return None
+    out = []
+    for t in tools:
+        if t.type not in (None, "custom"):
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"tool {t.name!r}: type {t.type!r} is not supported")
+        fn = {"name": t.name, "description": t.description or "", "parameters": t.input_schema}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    """``tool_choice`` in OpenAI's form (module docstring); ``tool`` without ``name``: ``INVALID_REQUEST``."""
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise ApiError(ErrorCode.INVALID_REQUEST, "tool_choice of type 'tool' needs the tool's name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def chat_request(data: MessagesRequest) -> ChatCompletionRequest:
+    """The OpenAI chat request of a Messages request (streamed ones ask for prefill progress: the
+    ``message_start`` event's usage comes from it)."""
+    return ChatCompletionRequest(
+        messages=chat_messages(data),
+        tools=chat_tools(data.tools),
+        tool_choice=chat_tool_choice(data.tool_choice),
+        max_tokens=data.max_tokens,
+        temperature=data.temperature,
+        top_p=data.top_p,
+        top_k=data.top_k,
+        stop=data.stop_sequences,
+        stream=data.stream,
+        slot_id=data.slot_id,
+        return_progress=data.stream,
+    )
+
+
+def stop_reason(done: DoneOut, calls: list[ToolCall]) -> StopReason:
+    """Why the answer ended, in Anthropic's words (module docstring)."""
+    if done.finish_reason == "length":
+        return "max_tokens"
+    if calls:
+        return "tool_use"
+    return "stop_sequence" if done.finish_reason == "stop_string" else "end_turn"
+
+
+def tool_use(call: ToolCall) -> ToolUseBlock:
+    """A parsed call as a ``tool_use`` block (arguments that are not a JSON object: ``{}``, as llama-server)."""
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        args = {}
+    return ToolUseBlock(id=call.id, name=call.name, input=args if isinstance(args, dict) else {})
+
+
+class Answer:
+    """The message of one request, as its parts arrive."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.id = "msg_" + secrets.token_hex(12)
+
+    @staticmethod
+    def end(done: DoneOut, calls: list[ToolCall]) -> MessageEnd:
+        """Why the answer ended: ``stop_reason`` (module docstring) and the ``stop_sequence`` that ended it."""
+        sequence = done.stop_string if done.finish_reason == "stop_string" and done.stop_string else None
+        return MessageEnd(stop_reason=stop_reason(done, calls), stop_sequence=sequence)
+
+    def message(self, content: list[AnswerBlock], usage: MessageUsage, end: MessageEnd | None) -> Message:
+        """The message (``end`` None: as ``message_start`` shows it, not ended)."""
+        return Message(
+            id=self.id,
+            content=content,
+            model=self.shape.model,
+            stop_reason=end.stop_reason if end else None,
+            stop_sequence=end.stop_sequence if end else None,
+            usage=usage,
+        )
+
+
+def usage_of(n_prompt: int, n_cached: int, n_generated: int) -> MessageUsage:
+    """Anthropic's usage as llama-server counts it (:class:`MessageUsage`)."""
+    return MessageUsage(cache_read_input_tokens=n_cached, input_tokens=n_prompt - n_cached, output_tokens=n_generated)
+
+
+class MessagesController(Controller):
+    """``POST /v1/messages`` and ``/v1/messages/count_tokens`` (errors: :func:`error_body`)."""
+
+    exception_handlers = exception_handlers(error_body)  # type: ignore[assignment]
+
+    @post(
+        "/v1/messages",
+        status_code=200,
+        summary="Anthropic Messages API: create a message",
+        responses=streamable(Message, ERRORS),
+    )
+    async def create(
+        self, request: Request[Any, Any, Any], services: Services, data: MessagesRequest
+    ) -> EventStream | Message:
+        shape = await chat_shape(services, request, chat_request(data))
+        if data.max_tokens is None:
+            shape.req.max_new_tokens = min(shape.req.max_new_tokens, DEFAULT_MAX_TOKENS)
+        answer = Answer(shape)
+        stops = list(shape.req.stop_strings)
+        if not data.stream:
+            got = await collect(services, shape.req, request)
+            text = AnswerText(stops, shape.tools)
+            sent = "".join(text.feed(t.text) for t in got.tokens if not t.is_stop)
+            rest, calls = text.finish(got.end.stop_string)
+            content: list[AnswerBlock] = [TextBlock(text=sent + rest)] if sent + rest else []
+            content += [tool_use(c) for c in calls]
+            end = got.end
+            usage = usage_of(end.n_prompt, end.n_cached, end.n_generated)
+            message = answer.message(content, usage, answer.end(end, calls))
+            message.slot_id = slot_id_out(end.slot_id)
+            return message
+        run = await started_run(services, shape.req, request)
+        return EventStream(_events(answer, run, AnswerText(stops, shape.tools), route_of(request)))
+
+    @post(
+        "/v1/messages/count_tokens",
+        status_code=200,
+        summary="Anthropic Messages API: count a message's prompt tokens",
+        responses=ERRORS,
+    )
+    async def count_tokens(self, services: Services, data: MessagesRequest) -> MessageTokens:
+        ids, _ = await chat_prompt_ids(services, chat_request(data))
+        return MessageTokens(input_tokens=len(ids))
+
+
+async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> AsyncIterator[bytes]:
+    """The stream of one run (module docstring): ``message_start`` with the first token (its usage from the
+    last prefill progress), the text block, the tool calls' blocks, ``message_delta``, ``message_stop``."""
+    n_prompt, n_cached = len(answer.shape.req.input_ids or []), 0
+    started = opened = False
+
+    def start() -> list[bytes]:
+        nonlocal started
+        if started:
+            return []
+        started = True
+        message = answer.message([], usage_of(n_prompt, n_cached, 0), None)
+        return [named_event(MessageStart(message=message))]
+
+    def piece(delta: str) -> list[bytes]:
+        nonlocal opened
+        out = [] if opened else [named_event(ContentBlockStart(index=0, content_block=TextBlock(text="")))]
+        opened = True
+        return [*out, named_event(ContentBlockDelta(index=0, delta=TextDelta(text=delta)))]
+
+    try:
+        async for ev in run:
+            frames: list[bytes] = []
+            if isinstance(ev, ProgressOut):
+                n_prompt, n_cached = ev.total, ev.cache
+            elif isinstance(ev, TokenOut):
+                frames = start()
+                delta = "" if ev.is_stop else text.feed(ev.text)
+                if delta:
+                    frames += piece(delta)
+            elif isinstance(ev, DoneOut):
+                n_prompt, n_cached = ev.n_prompt, ev.n_cached
+                frames = start()
+                rest, calls = text.finish(ev.stop_string)
+                if rest:
+                    frames += piece(rest)
+                index = 0
+                if opened:
+                    frames.append(named_event(ContentBlockStop(index=0)))
+                    index = 1
+                for i, call in enumerate(calls, index):
+                    head = ToolUseBlock(id=call.id, name=call.name)
+                    frames.append(named_event(ContentBlockStart(index=i, content_block=head)))
+                    args = InputJsonDelta(partial_json=call.arguments)
+                    frames.append(named_event(ContentBlockDelta(index=i, delta=args)))
+                    frames.append(named_event(ContentBlockStop(index=i)))
+                usage = OutputUsage(output_tokens=ev.n_generated)
+                frames.append(named_event(MessageDelta(delta=answer.end(ev, calls), usage=usage)))
+                frames.append(named_event(MessageStop()))
+            for f in frames:
+                yield f
+    except Exception as exc:  # the worker failed mid-stream: an error event ends the stream
+        yield named_event(msgspec.convert(error_body(report(exc, route)), MessageError))
+    finally:
+        await run.aclose()
