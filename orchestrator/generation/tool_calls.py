@@ -574,7 +574,7 @@ class ToolStream:
 
     def _progress(self) -> None:
         call = self.open
-        if call is not None and call.args is not None:
+        if call is not None and call.args is not None and call.args.end is None:  # ended: sent whole then
             self._args_progress(call, None)
         if self.response is not None:
             self._response_progress(final=False)

@@ -12,6 +12,7 @@ exercised on a real engine.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Callable
@@ -195,7 +196,11 @@ STREAMED = [
         '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}]',
         ["[TOOL_CALLS]", "TOOL", '"name"'],
     ),
-    ("<|start_header_id|>ipython", ' <|python_tag|>{"name": "add", "parameters": {"a": 1.5e3, "b": null}}', ["{", "<|"]),
+    (
+        "<|start_header_id|>ipython",
+        ' <|python_tag|>{"name": "add", "parameters": {"a": 1.5e3, "b": null} , "id": "x"}',
+        ["{", "<|"],
+    ),
     (
         "{{ messages }}",
         '{"tool_calls": [{"name": "add", "arguments": {"a": 3}}, {"name": "get_weather", "arguments": {"city": "Pa"}}]}',
@@ -215,6 +220,10 @@ def test_stream_split_at_every_boundary_matches_the_whole(template: str, text: s
     whole_content, whole = plan.parse(text)
     expected = [(c.name, c.arguments) for c in whole]
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    rng = random.Random(21)
+    for _ in range(50):  # and as tokens of a few characters
+        cuts = sorted(rng.sample(range(1, len(text)), 12))
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
     for pieces in splits:
         out, content, calls = _streamed(plan, pieces)
         assert (content.strip() or None if calls else content) == whole_content, pieces
@@ -235,7 +244,15 @@ def test_stream_holds_back_what_may_be_a_call() -> None:
     plan = plan_of(QWEN25, [ADD], "auto", False)
     assert plan is not None
     split = plan.splitter()
-    pieces = ["Let", " me <to", "ol_c", 'all>\n{"name": "add", ', '"arguments": {"a": 1,', ' "b": 2}}', "\n</tool_call>"]
+    pieces = [
+        "Let",
+        " me <to",
+        "ol_c",
+        'all>\n{"name": "add", ',
+        '"arguments": {"a": 1,',
+        ' "b": 2}}',
+        "\n</tool_call>",
+    ]
     sent = [split.feed(p) for p in pieces]
     assert sent[:4] == [["Let"], [" me "], [], []]  # "<to" and the name wait
     (header, first), second = sent[4], sent[5]
