@@ -131,6 +131,7 @@ class JsonScan:
             json.loads(self.text[span.start : self.pos])
         except ValueError:
             self._state = _State.FAILED
+            self.pos = span.start  # a bad scalar fails where it starts
             return
         self._scalar = None
         self._close(span, self.pos)
