@@ -1,10 +1,11 @@
 """An incremental JSON scanner: reads one JSON value (RFC 8259) a piece of text at a time and says
 where each value inside it starts and ends, so a caller can act on a document before it is complete.
 
-It plays the part of llama.cpp's partial JSON parsing for streamed tool calls (``common/json-partial.cpp``
-and ``common/chat-parser.cpp`` of the pinned llama.cpp: a call's name and arguments are known, and sent,
-while the model is still writing them) without re-parsing the whole text at each token: each character is
-looked at once.  Positions are indices into the text the scanner was fed, counted from its first
+It plays the part of llama.cpp's partial parsing for streamed tool calls (``common_chat_parse`` with
+``is_partial``, ``common/chat.cpp``, over the PEG parser of ``common/peg-parser.cpp`` and
+``common/chat-peg-parser.cpp`` of the pinned llama.cpp: a call's name and arguments are known, and
+sent, while the model is still writing them) without re-parsing the whole text at each token: each
+character is looked at once.  Positions are indices into the text the scanner was fed, counted from its first
 character.  Values are located by their *path*: a tuple of object keys (``str``) and array indices
 (``int``) from the top-level value (``()``).
 """
