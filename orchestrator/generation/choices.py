@@ -12,7 +12,6 @@ here ``n`` is limited to the spare sequences (``--spare``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -23,6 +22,7 @@ import msgspec
 from engine import protocol as proto
 from engine.errors import ErrorCode
 from orchestrator.generation.events import DoneOut, TokenOut, TokenStream
+from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import GenerationService, RunControl, capture_options
 from orchestrator.service_error import ServiceError
@@ -82,39 +82,20 @@ async def forked_choices(
 
 async def _merged(streams: list[GenerationStream], stop_ids: set[int], slot_id: str) -> AsyncIterator[ChoiceEvent]:
     """The events of every fork, interleaved as they arrive, each tagged with its choice index."""
-    queue: asyncio.Queue[ChoiceEvent | BaseException] = asyncio.Queue()
 
-    async def pump(index: int, stream: GenerationStream) -> None:
+    async def events(index: int, stream: GenerationStream) -> AsyncIterator[ChoiceEvent]:
         converter = TokenStream(stop_ids)
         texts: list[str] = []
         t0 = time.perf_counter()
-        try:
-            async for event in converter.events(stream):
-                if isinstance(event, TokenOut):
-                    if not event.is_stop:
-                        texts.append(event.text)
-                    await queue.put(ChoiceEvent(index, event))
-                elif isinstance(event, proto.Done):
-                    text = "".join(texts) + converter.decoder.decode(b"", final=True)
-                    await queue.put(
-                        ChoiceEvent(index, DoneOut.of(event, text, (time.perf_counter() - t0) * 1000, slot_id))
-                    )
-        except BaseException as exc:
-            await queue.put(exc)
+        async for event in converter.events(stream):
+            if isinstance(event, TokenOut):
+                if not event.is_stop:
+                    texts.append(event.text)
+                yield ChoiceEvent(index, event)
+            elif isinstance(event, proto.Done):
+                text = "".join(texts) + converter.decoder.decode(b"", final=True)
+                yield ChoiceEvent(index, DoneOut.of(event, text, (time.perf_counter() - t0) * 1000, slot_id))
 
-    tasks = [asyncio.create_task(pump(i, s), name=f"choice-{i}") for i, s in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item.event, DoneOut):
-                left -= 1
+    async with contextlib.aclosing(interleaved([events(i, s) for i, s in enumerate(streams)])) as merged:
+        async for _, item in merged:
             yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t

@@ -44,12 +44,12 @@ from typing import Any
 
 from engine.errors import ErrorCode
 from orchestrator.generation.chat_template import message_text
+from orchestrator.generation.json_scan import JsonScan, Span
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.service_error import ServiceError
 
 CALL_RULE = "tc-call"  # the GBNF rule under which the worker adds the calls' JSON schema
-_JSON = json.JSONDecoder()
 GENERIC_INSTRUCTION = (
     "Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` "
     "reply to the user's request"
@@ -160,25 +160,6 @@ class ToolCall:
             "function": {"name": self.name, "arguments": self.arguments},
         }
         return call if index is None else {"index": index, **call}
-
-
-def _call(obj: Any, args_key: str = "arguments") -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    given = obj.get("id")
-    return ToolCall(obj["name"], text, given if isinstance(given, str) and given else call_id())
-
-
-def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
-    """The JSON value starting at ``pos`` (after spaces) and the index after it, or None."""
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    try:
-        return _JSON.raw_decode(text, pos)
-    except ValueError:
-        return None
 
 
 class ToolPlan:
@@ -315,189 +296,346 @@ class ToolPlan:
     # ------------------------------------------------------------------ output
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """``(content, calls)`` of a whole answer; text that holds no well-formed call is content."""
+        """``(content, calls)`` of a whole answer: :class:`ToolStream` fed ``text`` in one piece, so a
+        streamed answer and a whole one are parsed by the same code.  With calls, ``content`` is the
+        text around them stripped (None when empty); without, the text as it was."""
         if not self.active:
             return text, []
-        if self.format == ToolFormat.HERMES:
-            return _parse_hermes(text)
-        if self.format == ToolFormat.MISTRAL:
-            at = text.find("[TOOL_CALLS]")
-            got = _json_at(text, at + len("[TOOL_CALLS]")) if at >= 0 else None
-            if got is None:
-                return text, []
-            items = got[0] if isinstance(got[0], list) else [got[0]]
-            found = [c for c in (_call(i) for i in items) if c]
-            return (text[:at].strip() or None, found) if found else (text, [])
-        stripped = text.strip()
-        if self.format == ToolFormat.LLAMA3:
-            body = stripped.removeprefix("<|python_tag|>")
-            got = _json_at(body, 0)
-            one = _call(got[0], "parameters") if got and not body[got[1] :].strip() else None
-            return (None, [one]) if one else (text, [])
-        got = _json_at(stripped, 0)  # generic
-        if got is None or not isinstance(got[0], dict) or stripped[got[1] :].strip():
-            return _cut_response(stripped, text), []
-        obj = got[0]
-        if "tool_calls" in obj and isinstance(obj["tool_calls"], list):
-            found = [c for c in (_call(i) for i in obj["tool_calls"]) if c]
-            return (None, found) if found else (text, [])
-        if "tool_call" in obj:
-            one = _call(obj["tool_call"])
-            return (None, [one]) if one else (text, [])
-        if "response" in obj:
-            answer = obj["response"]
-            return answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False), []
-        return text, []
+        split = self.splitter()
+        pieces = split.feed(text) + split.finish()
+        content = "".join(p for p in pieces if isinstance(p, str))
+        if split.calls:
+            return content.strip() or None, split.calls
+        return content, []
 
     def splitter(self) -> ToolStream:
         """A :class:`ToolStream` for this plan's streamed output."""
         return ToolStream(self)
 
 
-_RESPONSE_HEAD = re.compile(r'\{\s*"response"\s*:\s*"')
+@dataclass
+class CallDelta:
+    """A piece of a streamed tool call, as llama-server's ``common_chat_msg_diff::tool_call_delta``
+    (``common/chat.h``): call ``index``'s first delta has its ``id`` and ``name`` (and ``arguments``
+    ""), the next ones pieces of ``arguments`` whose concatenation is the call's arguments."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
 
 
-def _cut_response(stripped: str, text: str) -> str:
-    """The text of a ``generic`` ``{"response": "...`` answer cut short (by ``max_tokens``), else ``text``."""
-    head = _RESPONSE_HEAD.match(stripped)
-    if head is None:
-        return text
-    body = stripped[head.end() :]
-    for cut in range(min(len(body), 6) + 1):  # drop a half-written escape at the end
-        try:
-            value = json.loads('"' + body[: len(body) - cut] + '"')
-        except ValueError:
-            continue
-        return value if isinstance(value, str) else text
-    return text
+Piece = str | CallDelta
+"""What :class:`ToolStream` gives out: content text, or a :class:`CallDelta`."""
+
+_ARGS_KEYS = ("arguments", "parameters")
+_HERMES_CLOSE = "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
 
 
-def _response_so_far(held: str) -> str:
-    """The text of a ``generic`` ``{"response": "...`` answer as far as it has arrived ("" for other
-    JSON): up to the string's closing quote, less a half-written escape or surrogate pair."""
-    stripped = held.lstrip()
-    head = _RESPONSE_HEAD.match(stripped)
-    if head is None:
-        return ""
-    body, i = stripped[head.end() :], 0
-    while i < len(body):
-        if body[i] == "\\":
-            i += 2
-        elif body[i] == '"':
-            body = body[:i]
-            break
-        else:
-            i += 1
-    value = _cut_response(stripped[: head.end()] + body, "")
-    return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value
+@dataclass
+class _Open:
+    """A call object being read: its name, id, and its arguments' value (a span of the scan)."""
 
-
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    calls: list[ToolCall] = []
-    content: list[str] = []
-    pos = 0
-    while (at := text.find("<tool_call>", pos)) >= 0:
-        got = _json_at(text, at + len("<tool_call>"))
-        one = _call(got[0]) if got else None
-        if got is None or one is None:
-            break
-        content.append(text[pos:at])
-        calls.append(one)
-        end = got[1]
-        close = text.find("</tool_call>", end)
-        pos = close + len("</tool_call>") if close >= 0 and not text[end:close].strip() else end
-    if not calls:
-        return text, []
-    content.append(text[pos:])
-    rest = "".join(content).strip()
-    return rest or None, calls
+    span: Span
+    name: str | None = None
+    id: str | None = None
+    args: Span | None = None
+    args_text: str = ""  # the arguments as known so far (raw JSON, or a string argument decoded)
+    raw_sent: int = 0  # a string argument: the raw index decoded up to
+    index: int | None = None  # the call's index once its header went out
 
 
 class ToolStream:
-    """Splits streamed text into content to send now and text held back as a possible call.
+    """Reads a model's answer as it streams and gives out content and tool-call pieces (:class:`Piece`)
+    as soon as they are certain, as llama-server's partial parsing does (``common_chat_parse`` with
+    ``is_partial`` and ``common_chat_msg_diff::compute_diffs``, ``common/chat.cpp``; the diffs become
+    ``delta.tool_calls`` in ``tools/server/server-task.cpp``).
 
-    ``hermes``/``mistral``: text before the call marker streams (less a tail that could be the
-    marker's start); from the marker on, everything is held.  ``llama3``: an answer that starts
-    (after spaces) like a call is held whole.  ``generic``: the JSON is held, the text of a
-    ``{"response": "..."}`` answer streams as it is decoded.  :meth:`finish` parses what was held
-    (:meth:`ToolPlan.parse`) and returns the content not sent yet.
+    * ``hermes`` / ``mistral``: text before the call marker (``<tool_call>`` / ``[TOOL_CALLS]``) is
+      content, less a tail that could be the marker's start (held until the next piece says);
+      after the marker the calls' JSON is scanned (:class:`JsonScan`): a call's ``{index, id,
+      name}`` goes out once its name is read and its arguments have begun, then its arguments'
+      JSON text piece by piece, exactly as the model wrote it (a string argument: its decoded
+      text), so the pieces concatenate to the call's final ``arguments``.  ``</tool_call>`` and the
+      spaces between calls are dropped; other text between or after calls is content.
+    * ``llama3``: an answer that starts (after spaces) with ``<|python_tag|>`` or ``{`` is held
+      until it is known to be a call (``{"name": ...}`` with its ``parameters``); otherwise it is
+      content.
+    * ``generic``: the whole answer is JSON; calls under ``tool_call`` / ``tool_calls``, and the
+      text of ``{"response": "..."}`` streams as content as it is decoded.
+
+    Text that was held as a possible call but is not JSON, or a call cut short before its arguments
+    began, is given out as content; a call cut short (``max_tokens``) after that stays, with the
+    arguments it has (as OpenAI's own cut calls do).  :attr:`calls` holds the calls given out so far.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.held = ""
-        self.holding = plan.format == ToolFormat.GENERIC
+        self.format = plan.format
+        self.calls: list[ToolCall] = []
         self.marker = {ToolFormat.HERMES: "<tool_call>", ToolFormat.MISTRAL: "[TOOL_CALLS]"}.get(plan.format, "")
-        self.started = False
-        self.sent = ""  # the generic answer's text sent so far
+        self.mode = {ToolFormat.LLAMA3: "start", ToolFormat.GENERIC: "json"}.get(plan.format, "text")
+        self.buf = ""  # text read but not yet given out nor consumed
+        self.prefix = ""  # text consumed before the scan (a marker), content again if the scan is no call
+        self.scan = JsonScan()
+        self.open: _Open | None = None
+        self.response: Span | None = None  # generic: the "response" string being streamed
+        self.response_sent = 0
+        self.emitted = False  # whether the current scan gave out anything
+        self.out: list[Piece] = []
 
-    def feed(self, text: str) -> str:
-        """The part of ``text`` (after what was held) that can be sent as content now."""
-        if self.holding:
-            self.held += text
-            if self.plan.format != ToolFormat.GENERIC:
-                return ""
-            value = _response_so_far(self.held)
-            new, self.sent = value[len(self.sent) :], value
-            return new
-        buf = self.held + text
-        if self.plan.format == ToolFormat.LLAMA3 and not self.started:
-            lead = buf.lstrip()
-            if not lead:
-                self.held = buf
-                return ""
-            self.started = True
-            if "<|python_tag|>".startswith(lead[:14]) or lead.startswith("{"):
-                self.holding, self.held = True, buf
-                return ""
+    # ------------------------------------------------------------------ giving out
+
+    def _content(self, text: str) -> None:
+        if text:
+            if self.out and isinstance(self.out[-1], str):
+                self.out[-1] += text
+            else:
+                self.out.append(text)
+
+    def _args(self, call: _Open, text: str) -> None:
+        assert call.index is not None
+        if not text:
+            return
+        self.calls[call.index].arguments += text
+        last = self.out[-1] if self.out else None
+        if isinstance(last, CallDelta) and last.index == call.index and last.name is None:
+            last.arguments += text
+        else:
+            self.out.append(CallDelta(call.index, text))
+
+    def _header(self, call: _Open) -> None:
+        if call.index is not None or call.name is None:
+            return
+        call.index = len(self.calls)
+        made = ToolCall(call.name, "", call.id or call_id())
+        self.calls.append(made)
+        self.out.append(CallDelta(call.index, "", made.id, made.name))
+        self.emitted = True
+
+    def _take(self) -> list[Piece]:
+        out, self.out = self.out, []
+        return out
+
+    # ------------------------------------------------------------------ reading
+
+    def feed(self, text: str) -> list[Piece]:
+        """The pieces that ``text`` (after what was read before) makes certain, in order."""
+        self.buf += text
+        self._run(final=False)
+        return self._take()
+
+    def finish(self) -> list[Piece]:
+        """The pieces left at the end of the answer (held text, a call cut short)."""
+        self._run(final=True)
+        if self.mode == "json":
+            self._events(self.scan.close())
+            if self.scan.done:
+                self._scan_done()
+            else:
+                self._give_up(final=True)
+        elif self.mode in ("start", "plain", "text") and (self.buf.strip() or not self.calls):
+            self._content(self.buf)  # held text; spaces held after a call are dropped
+        self.buf = ""
+        return self._take()
+
+    def _run(self, final: bool) -> None:
+        while True:
+            before = (self.mode, len(self.buf))
+            getattr(self, "_" + self.mode)(final)
+            if (self.mode, len(self.buf)) == before:
+                return
+
+    def _plain(self, final: bool) -> None:
+        self._content(self.buf)
+        self.buf = ""
+
+    def _text(self, final: bool) -> None:
         if not self.marker:
-            self.held = ""
-            return buf
-        at = buf.find(self.marker)
+            self.mode = "plain"
+            return
+        at = self.buf.find(self.marker)
         if at >= 0:
-            self.holding, self.held = True, buf[at:]
-            return buf[:at]
-        keep = next(
-            (k for k in range(min(len(self.marker) - 1, len(buf)), 0, -1) if self.marker.startswith(buf[-k:])), 0
-        )
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep]
+            self._content(self.buf[:at] if self.buf[:at].strip() or not self.calls else "")
+            self._start_scan(self.marker, self.buf[at + len(self.marker) :])
+            return
+        most = min(len(self.marker) - 1, len(self.buf))
+        keep = next((k for k in range(most, 0, -1) if self.marker.startswith(self.buf[-k:])), 0)
+        send = self.buf[: len(self.buf) - keep]
+        if self.calls and not send.strip():  # spaces after a call: held (dropped if nothing follows)
+            return
+        self._content(send)
+        self.buf = self.buf[len(send) :]
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """``(content, calls)`` of what was held, at the end of the answer."""
-        held, self.held = self.held, ""
-        if not self.holding:
-            return held, []
-        content, calls = self.plan.parse(held)
-        content = content or ""
-        if self.sent and content.startswith(self.sent):
-            content = content[len(self.sent) :]
-        return content, calls
+    def _start(self, final: bool) -> None:
+        """``llama3``: decide whether the answer is a call from how it starts."""
+        lead = self.buf.lstrip()
+        if lead.startswith(_PYTHON_TAG):
+            cut = len(self.buf) - len(lead) + len(_PYTHON_TAG)
+            self._start_scan(self.buf[:cut], self.buf[cut:])
+        elif lead.startswith("{"):
+            cut = len(self.buf) - len(lead)
+            self._start_scan(self.buf[:cut], lead)
+        elif lead and not _PYTHON_TAG.startswith(lead):
+            self.mode = "plain"
+
+    def _close(self, final: bool) -> None:
+        """``hermes``: after a call, its ``</tool_call>`` (and spaces) are dropped."""
+        lead = self.buf.lstrip()
+        if lead.startswith(_HERMES_CLOSE):
+            self.buf = lead[len(_HERMES_CLOSE) :]
+            self.mode = "text"
+        elif not _HERMES_CLOSE.startswith(lead):
+            self.mode = "text"
+
+    def _start_scan(self, prefix: str, rest: str) -> None:
+        self.prefix, self.buf = prefix, rest
+        self.scan, self.open, self.response, self.emitted = JsonScan(), None, None, False
+        self.mode = "json"
+
+    def _json(self, final: bool) -> None:
+        self._events(self.scan.feed(self.buf))
+        self.buf = ""
+        if self.scan.failed:
+            self._give_up(final)
+        elif self.scan.done:
+            self._scan_done()
+        else:
+            self._progress()
+
+    def _scan_done(self) -> None:
+        rest = self.scan.text[self.scan.end :]
+        if not self.emitted:  # JSON, but no call: content
+            self._content(self.prefix + self.scan.text[: self.scan.end])
+        self.buf = rest + self.buf
+        done_call = self.format == ToolFormat.HERMES and self.emitted
+        self.mode = "close" if done_call else "text" if self.marker else "plain"
+
+    def _give_up(self, final: bool) -> None:
+        """The scan failed (not JSON) or the answer ended inside it."""
+        if self.open is not None and self.open.index is not None:
+            self._progress()  # a call cut short keeps the arguments it has
+        elif final and self.response is not None:
+            self._response_progress(final=True)
+        if not self.emitted:
+            self._content(self.prefix + self.scan.text[: self.scan.end])
+        self.buf = self.scan.text[self.scan.end :] + self.buf
+        self.open = None
+        self.mode = "text" if self.marker else "plain"
+        if final:
+            self._content(self.buf)
+            self.buf = ""
+
+    def _is_call(self, span: Span) -> bool:
+        path = span.path
+        if span.kind != "{":
+            return False
+        if self.format == ToolFormat.GENERIC:
+            return path == ("tool_call",) or (len(path) == 2 and path[0] == "tool_calls" and isinstance(path[1], int))
+        if self.format == ToolFormat.MISTRAL:
+            return path == () or (len(path) == 1 and isinstance(path[0], int))
+        return path == ()
+
+    def _events(self, events: list[tuple[str, Span]]) -> None:
+        text = self.scan.text
+        for kind, span in events:
+            call = self.open
+            if kind == "start":
+                if self._is_call(span):
+                    self.open = _Open(span)
+                elif call is not None and span.path[:-1] == call.span.path and call.args is None:
+                    if span.path[-1] in _ARGS_KEYS:
+                        call.args, call.raw_sent = span, span.start + 1
+                elif self.format == ToolFormat.GENERIC and span.path == ("response",) and span.kind == '"':
+                    self.response, self.response_sent = span, span.start + 1
+                continue
+            assert span.end is not None
+            if call is not None and span is call.span:
+                self._end_call(call)
+            elif call is not None and span is call.args:
+                self._args_progress(call, span.end)
+            elif call is not None and span.path[:-1] == call.span.path and span.kind == '"':
+                key = span.path[-1]
+                if key in ("name", "id") and getattr(call, str(key)) is None:
+                    setattr(call, str(key), json.loads(text[span.start : span.end]))
+            elif span is self.response:
+                self._response_progress(final=True)
+            elif self.format == ToolFormat.GENERIC and span.path == ("response",):  # not a string: its JSON
+                self._content(text[span.start : span.end])
+                self.emitted = True
+
+    def _end_call(self, call: _Open) -> None:
+        self.open = None
+        if call.name is None:
+            return  # an object without a name: not a call
+        if call.args is None:
+            call.args_text = "{}"
+        self._header(call)
+        self._args(call, call.args_text[len(self.calls[call.index or 0].arguments) :])
+
+    def _progress(self) -> None:
+        call = self.open
+        if call is not None and call.args is not None and call.args.end is None:  # ended: sent whole then
+            self._args_progress(call, None)
+        if self.response is not None:
+            self._response_progress(final=False)
+
+    def _args_progress(self, call: _Open, end: int | None) -> None:
+        """The arguments as far as read (``end``: their end, once read); out once the name is known."""
+        args = call.args
+        assert args is not None
+        text = self.scan.text
+        if args.kind != '"':
+            call.args_text = text[args.start : end if end is not None else self.scan.pos]
+        else:
+            upto = end - 1 if end is not None else self.scan.safe
+            if upto > call.raw_sent:
+                call.args_text += json.loads('"' + text[call.raw_sent : upto] + '"')
+                call.raw_sent = upto
+        if call.name is not None:
+            self._header(call)
+            self._args(call, call.args_text[len(self.calls[call.index or 0].arguments) :])
+
+    def _response_progress(self, final: bool) -> None:
+        span = self.response
+        assert span is not None
+        upto = span.end - 1 if span.end is not None else self.scan.safe
+        if upto > self.response_sent:
+            self._content(json.loads('"' + self.scan.text[self.response_sent : upto] + '"'))
+            self.response_sent = upto
+            self.emitted = True
+        if span.end is not None or final:
+            self.response = None
 
 
 class AnswerText:
-    """A streamed chat answer's text as the client may see it: stop strings held back and cut
-    (:class:`StopTextFilter`, as llama-server never sends them), then, with a ``plan``, tool calls
-    held back and parsed (:class:`ToolStream`)."""
+    """A streamed answer as its client may see it: stop strings held back and cut (:class:`StopTextFilter`,
+    as llama-server never sends them), then, with a ``plan``, tool calls parsed as they arrive
+    (:class:`ToolStream`): content text and :class:`CallDelta` pieces (:data:`Piece`)."""
 
     def __init__(self, stops: list[str], plan: ToolPlan | None) -> None:
         self.stops = StopTextFilter(stops)
         self.split = plan.splitter() if plan is not None else None
 
-    def feed(self, text: str) -> str:
-        """The content that can be sent now, of ``text`` and what was held."""
-        out = self.stops.feed(text)
-        return self.split.feed(out) if self.split is not None else out
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The tool calls given out so far (their arguments as far as they went)."""
+        return self.split.calls if self.split is not None else []
 
-    def finish(self, stop_string: str = "") -> tuple[str, list[ToolCall]]:
-        """``(content, calls)`` at the end: the content not sent yet (cut before ``stop_string``, the
-        stop string that ended the generation, if any) and the tool calls parsed from what was held."""
-        rest = self.stops.finish(stop_string)
-        if self.split is None:
-            return rest, []
-        rest = self.split.feed(rest)  # the tail first: it may complete a held call
-        held, calls = self.split.finish()
-        return rest + held, calls
+    def _pieces(self, text: str) -> list[Piece]:
+        if self.split is not None:
+            return self.split.feed(text)
+        return [text] if text else []
+
+    def feed(self, text: str) -> list[Piece]:
+        """The pieces that can be sent now, of ``text`` and what was held."""
+        return self._pieces(self.stops.feed(text))
+
+    def finish(self, stop_string: str = "") -> list[Piece]:
+        """The pieces left at the end: what was held (cut before ``stop_string``, the stop string that ended
+        the generation, if any), a held call completed or given out as content."""
+        out = self._pieces(self.stops.finish(stop_string))
+        return out + self.split.finish() if self.split is not None else out
 
 
 def _object_arguments(message: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """llama-server's details on slotserve (issue 21, item 3): ``/slots`` as llama-server lists its
 slots, ``/apply-template``, ``/chat/completions/input_tokens``, ``response_fields``, several
-prompts in one ``/completion``, ``{"prompt_string"}``, ``system_fingerprint``, ``--alias``/``--tags``
+prompts in one ``/completion`` (streamed too), ``{"prompt_string"}``, ``system_fingerprint``, ``--alias``/``--tags``
 in ``/v1/models``, ``--seed``, the first streamed chat chunk, the overflow message, CORS preflight,
 unknown routes and two assistant messages at the end; llama-server's ``llamacpp:*`` metrics and its
 capitalisation of the CORS and ``Process-Start-Time-Unix`` header names."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -83,6 +84,54 @@ def test_completion_prompts_fields_and_seed(srv: ServerProc) -> None:
     banned = post(srv, "/completion", {**base, "prompt": text, "ignore_eos": True})["generation_settings"]
     assert banned["logit_bias"] and all(b["bias"] is None for b in banned["logit_bias"])
     assert post(srv, "/completion", {**base, "prompt": text})["generation_settings"]["logit_bias"] == []
+
+
+def _sse(srv: ServerProc, path: str, body: object, stop_after: int | None = None) -> list[dict]:  # type: ignore[type-arg]
+    """The ``data:`` events of a streamed answer (the first ``stop_after`` only: the client then leaves)."""
+    got: list[dict] = []  # type: ignore[type-arg]
+    with httpx.stream("POST", srv.url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got.append(json.loads(line[6:]))
+                if stop_after is not None and len(got) >= stop_after:
+                    break
+    return got
+
+
+def test_completion_streams_several_prompts(srv: ServerProc) -> None:
+    """llama-server's ``/completion`` with a list of prompts and ``stream``: the prompts run at once on
+    their slots, their chunks interleaved, each with its ``index``; each prompt's text is its
+    non-streamed answer's, and each ends with one ``stop: true`` chunk (stop type, timings)."""
+    prompts = ["The sky is", "Once upon a time, a"]
+    base = {"n_predict": 12, "temperature": 0, "cache_prompt": False}
+    whole = post(srv, "/completion", {**base, "prompt": prompts})
+    chunks = _sse(srv, "/completion", {**base, "prompt": prompts, "stream": True})
+    assert chunks and {c["index"] for c in chunks} == {0, 1}
+    for i, answer in enumerate(whole):
+        mine = [c for c in chunks if c["index"] == i]
+        assert "".join(c["content"] for c in mine) == answer["content"]
+        assert [c["stop"] for c in mine] == [False] * (len(mine) - 1) + [True]
+        assert mine[-1]["stop_type"] == answer["stop_type"] and mine[-1]["timings"]["predicted_n"] == 12
+        assert mine[-1]["tokens_predicted"] == answer["tokens_predicted"]
+    order = [c["index"] for c in chunks]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # interleaved: 1 starts before 0 ends
+    ids = post(srv, "/tokenize", {"content": prompts[0], "add_special": True})["tokens"]
+    three = _sse(srv, "/completion", {**base, "n_predict": 2, "prompt": [ids, prompts[1], prompts[0]], "stream": True})
+    assert sorted(c["index"] for c in three if c["stop"]) == [0, 1, 2]  # more prompts than slots: they wait
+    by = {i: "".join(c["content"] for c in three if c["index"] == i) for i in (0, 2)}
+    assert by[0] == by[2]
+
+
+def test_several_streamed_prompts_end_when_the_client_leaves(srv: ServerProc) -> None:
+    body = {"n_predict": 400, "temperature": 1.0, "ignore_eos": True, "prompt": ["Tell a story.", "Count: 1, 2,"]}
+    got = _sse(srv, "/completion", {**body, "stream": True}, stop_after=6)
+    assert len(got) == 6 and all(not c["stop"] for c in got)
+    deadline = time.monotonic() + 30
+    while any(s.get("is_processing") for s in httpx.get(srv.url + "/slots", timeout=30).json()):
+        assert time.monotonic() < deadline, "the generations went on after the client left"
+        time.sleep(0.2)
+    assert post(srv, "/completion", {"prompt": "Hi", "n_predict": 2})["stop"] is True  # the slots serve again
 
 
 def test_models_fingerprint_and_first_chunk(srv: ServerProc) -> None:

@@ -57,3 +57,39 @@ def test_more_choices_than_spare_sequences(client) -> None:  # type: ignore[no-u
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt="Hi", max_tokens=2, n=3)
     assert "--spare" in e.value.message and e.value.body["type"] == "invalid_request_error"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_streamed_choices_parse_their_tool_calls(client) -> None:  # type: ignore[no-untyped-def]
+    """``n`` = 2 with a required tool, streamed: each choice's call comes in pieces under its own choice
+    ``index`` (no call text in ``content``), and equals the non-streamed choices' calls."""
+    kw = dict(
+        model="m",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=40,
+        temperature=0,
+        n=2,
+    )
+    whole = client.chat.completions.create(**kw, user="n-tools")
+    args = {c.index: c.message.tool_calls[0].function.arguments for c in whole.choices}
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    content = ""
+    finish = {}
+    for chunk in client.chat.completions.create(**kw, user="n-tools-s", stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls[choice.index] += [tc.function.arguments or "" for tc in choice.delta.tool_calls or []]
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert not content and finish == {0: "tool_calls", 1: "tool_calls"}
+    assert {i: "".join(p) for i, p in calls.items()} == args and all(len(p) > 2 for p in calls.values())

@@ -12,6 +12,7 @@ exercised on a real engine.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from orchestrator.generation.tool_calls import ToolFormat, ToolPlan, detect_format, parse_tools, plan_of
+from orchestrator.generation.tool_calls import CallDelta, ToolFormat, ToolPlan, detect_format, parse_tools, plan_of
 from orchestrator.service_error import ServiceError
 from tests.conftest import ServerProc
 
@@ -147,8 +148,8 @@ def test_detect_format(template: str, fmt: ToolFormat) -> None:
         (
             "<|start_header_id|>ipython",
             '{"name": "add", "parameters": {}} and more',
-            '{"name": "add", "parameters": {}} and more',
-            [],
+            "and more",  # the call stands once read (it has streamed); text after it is content
+            [("add", {})],
         ),
         ("{{ messages }}", '{"tool_call": {"name": "add", "arguments": {"a": 3}}}', None, [("add", {"a": 3})]),
         ("{{ messages }}", '{"tool_calls": [{"name": "add", "arguments": {}}]}', None, [("add", {})]),
@@ -167,17 +168,103 @@ def test_parse_formats(template: str, text: str, content: str | None, calls: lis
     assert all(c.id.startswith("call_") and c.id != got[0].id for c in got[1:])
 
 
-def test_stream_splitter_holds_back_the_marker() -> None:
+def _streamed(plan: ToolPlan, pieces: list[str]) -> tuple[list[Any], str, list[tuple[str, str, str]]]:
+    """Feed ``pieces`` to a :class:`ToolStream`: everything it gave out, the content, and the calls
+    ``(id, name, arguments)`` put together from the deltas as a client does."""
+    split = plan.splitter()
+    out = [p for piece in pieces for p in split.feed(piece)] + split.finish()
+    calls: list[list[str]] = []
+    for p in out:
+        if isinstance(p, CallDelta):
+            if p.name is not None:
+                assert p.index == len(calls) and p.id and p.arguments == ""
+                calls.append([p.id, p.name, ""])
+            calls[p.index][2] += p.arguments
+    return out, "".join(p for p in out if isinstance(p, str)), [(i, n, a) for i, n, a in calls]
+
+
+STREAMED = [
+    (
+        QWEN25,
+        'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, "x\\"}y"]}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo \\u00e9"}}</tool_call>',
+        ["<tool_call>", "</tool_call>", '"name"'],
+    ),
+    (
+        "[TOOL_CALLS]",
+        'x[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}]',
+        ["[TOOL_CALLS]", "TOOL", '"name"'],
+    ),
+    (
+        "<|start_header_id|>ipython",
+        ' <|python_tag|>{"name": "add", "parameters": {"a": 1.5e3, "b": null} , "id": "x"}',
+        ["{", "<|"],
+    ),
+    (
+        "{{ messages }}",
+        '{"tool_calls": [{"name": "add", "arguments": {"a": 3}}, {"name": "get_weather", "arguments": {"city": "Pa"}}]}',
+        ["{", "tool"],
+    ),
+    ("{{ messages }}", '{"response": "Hello \\u00e9\\n\\ud83d\\ude00 <tool_call> !"}', ["{", "response"]),
+]
+
+
+@pytest.mark.parametrize(("template", "text", "leaks"), STREAMED)
+def test_stream_split_at_every_boundary_matches_the_whole(template: str, text: str, leaks: list[str]) -> None:
+    """Each format's answer streamed in two pieces split at every character, and one character at a
+    time: the content is the whole answer's (no call text in it), each call's argument pieces
+    concatenate to exactly the whole answer's ``arguments``, and the calls come in more than one piece."""
+    plan = plan_of(template, [WEATHER, ADD], "auto", True)
+    assert plan is not None
+    whole_content, whole = plan.parse(text)
+    expected = [(c.name, c.arguments) for c in whole]
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    rng = random.Random(21)
+    for _ in range(50):  # and as tokens of a few characters
+        cuts = sorted(rng.sample(range(1, len(text)), 12))
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    for pieces in splits:
+        out, content, calls = _streamed(plan, pieces)
+        assert (content.strip() or None if calls else content) == whole_content, pieces
+        assert not any(leak in content for leak in leaks if leak not in (whole_content or "")), (pieces, content)
+        assert [(n, a) for _, n, a in calls] == expected, pieces
+    if expected:  # one character at a time: every call's arguments arrive in several pieces, before its end
+        out, _, _ = _streamed(plan, list(text))
+        for index, (_, arguments) in enumerate(expected):
+            got = [p.arguments for p in out if isinstance(p, CallDelta) and p.index == index and p.name is None]
+            assert len(got) > 1 and "".join(got) == arguments
+    for _, arguments in expected:
+        json.loads(arguments)
+
+
+def test_stream_holds_back_what_may_be_a_call() -> None:
+    """Content goes out as soon as it cannot be the start of a call; a call's header goes out once its
+    name is read and its arguments have begun (llama-server's ``server-task.cpp`` holds it as long)."""
     plan = plan_of(QWEN25, [ADD], "auto", False)
     assert plan is not None
     split = plan.splitter()
-    pieces = ["Let", " me <to", "ol_c", 'all>\n{"name": "add", ', '"arguments": {"a": 1, "b": 2}}', "\n</tool_call>"]
+    pieces = [
+        "Let",
+        " me <to",
+        "ol_c",
+        'all>\n{"name": "add", ',
+        '"arguments": {"a": 1,',
+        ' "b": 2}}',
+        "\n</tool_call>",
+    ]
     sent = [split.feed(p) for p in pieces]
-    assert sent == ["Let", " me ", "", "", "", ""]
-    content, calls = split.finish()
-    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert sent[:4] == [["Let"], [" me "], [], []]  # "<to" and the name wait
+    (header, first), second = sent[4], sent[5]
+    assert (header.index, header.name, header.arguments) == (0, "add", "") and header.id.startswith("call_")
+    assert first == CallDelta(0, '{"a": 1,') and second == [CallDelta(0, ' "b": 2}')]
+    assert sent[6] == [] and split.finish() == []
     plain = plan.splitter()
-    assert plain.feed("a <b") + plain.feed("c>") == "a <bc>" and plain.finish() == ("", [])
+    assert plain.feed("a <t") + plain.feed("c>") + plain.finish() == ["a ", "<tc>"]
+    cut = plan.splitter()  # cut short before the arguments: text after all
+    assert cut.feed('<tool_call>{"name": "add", "argum') == [] and cut.finish() == ['<tool_call>{"name": "add", "argum']
+    broken = plan.splitter()  # not JSON after the marker: text
+    assert broken.feed("<tool_call> oops") + broken.finish() == ["<tool_call> oops"]
 
 
 def test_generic_answer_streams_as_it_is_decoded() -> None:
@@ -186,12 +273,12 @@ def test_generic_answer_streams_as_it_is_decoded() -> None:
     split = plan.splitter()
     pieces = ['{"res', 'ponse": "Hel', "lo \\", "u00e9\\n", "\\ud83d", "\\ude00", ' !"}']
     sent = [split.feed(p) for p in pieces]
-    assert sent == ["", "Hel", "lo ", "\u00e9\n", "", "\U0001f600", " !"]  # a lone surrogate waits for its pair
-    assert "".join(sent) + split.finish()[0] == "Hello \u00e9\n\U0001f600 !"
+    assert sent == [[], ["Hel"], ["lo "], ["\u00e9\n"], [], ["\U0001f600"], [" !"]]  # a lone surrogate waits
+    assert split.finish() == []
     calls = plan.splitter()
-    assert calls.feed('{"tool_call": {"name": "add", ') == "" and calls.feed('"arguments": {}}}') == ""
-    content, got = calls.finish()
-    assert content == "" and [c.name for c in got] == ["add"]
+    assert calls.feed('{"tool_call": {"name": "add", ') == []
+    header, args = calls.feed('"arguments": {}}}')
+    assert header.name == "add" and args == CallDelta(0, "{}") and calls.finish() == []
 
 
 def test_plan_refusals() -> None:
@@ -335,21 +422,30 @@ def test_agent_loop_openai_sdk(client) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_streamed_tool_call_matches_the_whole_answer(client) -> None:  # type: ignore[no-untyped-def]
+    """A required call streamed through the SDK: a first delta with the id, type and name, then the
+    arguments in several pieces; the SDK's accumulated call parses to the whole answer's."""
     kw: dict[str, Any] = dict(
-        model="m", messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=60, temperature=0
+        model="m", messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=60, temperature=0, seed=7
     )
     whole = client.chat.completions.create(**kw, user="tc-s1").choices[0]
     chunks = list(client.chat.completions.create(**kw, user="tc-s2", stream=True))
     deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert deltas and all(d.index == 0 for d in deltas) and deltas[0].id and deltas[0].type == "function"
-    name = "".join(d.function.name or "" for d in deltas)
-    arguments = "".join(d.function.arguments or "" for d in deltas)
-    assert (name, json.loads(arguments)) == (
-        whole.message.tool_calls[0].function.name,
-        json.loads(whole.message.tool_calls[0].function.arguments),
-    )
+    assert deltas[0].function.name == whole.message.tool_calls[0].function.name and deltas[0].function.arguments == ""
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    pieces = [d.function.arguments for d in deltas[1:]]
+    assert len(pieces) > 1 and all(pieces)  # streamed in pieces, not whole at the end
+    assert json.loads("".join(pieces)) == json.loads(whole.message.tool_calls[0].function.arguments)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["tool_calls"] and not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with client.chat.completions.stream(**kw, user="tc-s3") as stream:  # the SDK's own accumulation
+        kinds = [ev.type for ev in stream]
+        final = stream.get_final_completion().choices[0]
+    assert kinds.count("tool_calls.function.arguments.delta") > 1
+    (call,) = final.message.tool_calls
+    assert call.function.name == whole.message.tool_calls[0].function.name
+    assert json.loads(call.function.arguments) == json.loads(whole.message.tool_calls[0].function.arguments)
+    assert call.function.arguments == "".join(pieces)  # the same pieces at temperature 0
 
 
 def test_named_function_and_parallel_calls(client) -> None:  # type: ignore[no-untyped-def]
@@ -441,6 +537,12 @@ def test_langchain_bind_tools(server: ServerProc) -> None:
     ]
     final = llm.bind_tools([WEATHER], tool_choice="none").invoke(messages, user="tc-lc", max_tokens=10)
     assert isinstance(final.content, str) and final.content and not final.tool_calls
+    chunks = list(bound.stream([HumanMessage("What is the weather in Paris?")], user="tc-lc2"))
+    assert sum(1 for c in chunks if c.tool_call_chunks) > 2  # the header, then argument pieces
+    whole = chunks[0]
+    for c in chunks[1:]:
+        whole += c  # LangChain accumulates the tool_call_chunks into tool_calls
+    assert whole.tool_calls == [{**reply.tool_calls[0], "id": whole.tool_calls[0]["id"]}]
 
 
 # ----------------------------------------------------------------------------- the Responses API
@@ -520,6 +622,9 @@ def test_responses_function_call_loop(client) -> None:  # type: ignore[no-untype
     done = events[-1].response
     (call,) = done.output
     assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments)["city"]
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments  # streamed as the model wrote them
+    assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta")
     answer = client.responses.create(
         model="m",
         previous_response_id=done.id,
@@ -575,9 +680,8 @@ def test_hermes_template_calls_and_history(
         )
     )
     streamed = [tc for ch in stream if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-    assert [(d.function.name, d.function.arguments) for d in streamed] == [
-        (call.function.name, call.function.arguments)
-    ]
+    assert (streamed[0].function.name, streamed[0].function.arguments) == (call.function.name, "")
+    assert len(streamed) > 2 and "".join(d.function.arguments for d in streamed) == call.function.arguments
     history = [
         *ASK,
         first.choices[0].message.model_dump(exclude_none=True),

@@ -25,9 +25,11 @@ says ``end_turn`` and fills ``stop_sequence``), else ``end_turn``; ``usage`` wit
 ``cache_read_input_tokens``; the id is Anthropic's form ``msg_...``.  Streamed (``stream: true``),
 the events are llama-server's ``to_json_anthropic_stream`` (no ``ping``, no ``[DONE]``), each
 block closed before the next opens (Anthropic's order; llama-server closes them all at the end);
-the tool calls are parsed from the whole answer (:class:`orchestrator.generation.tool_calls.AnswerText`),
-so each comes as one ``input_json_delta``.  Errors have llama-server's body under Anthropic's
-``"type": "error"`` (:class:`MessageError`), the stream's ``error`` event too.
+text and tool calls are read as they stream (:class:`orchestrator.generation.tool_calls.AnswerText`,
+the OpenAI stream's parser): a ``tool_use`` block starts once its call's name is known and its
+``input_json_delta`` pieces are the arguments as the model writes them, as llama-server streams them.
+Errors have llama-server's body under Anthropic's ``"type": "error"`` (:class:`MessageError`), the
+stream's ``error`` event too.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ from orchestrator.api.openai.protocol import ChatCompletionRequest
 from orchestrator.api.openai.routes import Shape, chat_prompt_ids, chat_shape
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.tool_calls import AnswerText, ToolCall
+from orchestrator.generation.stop_text import StopTextFilter
+from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import ApiError, compat_error_body, error_responses, exception_handlers, report, route_of
@@ -276,10 +279,10 @@ class MessagesController(Controller):
         stops = list(shape.req.stop_strings)
         if not data.stream:
             got = await collect(services, shape.req, request)
-            text = AnswerText(stops, shape.tools)
-            sent = "".join(text.feed(t.text) for t in got.tokens if not t.is_stop)
-            rest, calls = text.finish(got.end.stop_string)
-            content: list[AnswerBlock] = [TextBlock(text=sent + rest)] if sent + rest else []
+            filt = StopTextFilter(stops)
+            whole = "".join(filt.feed(t.text) for t in got.tokens if not t.is_stop) + filt.finish(got.end.stop_string)
+            said, calls = shape.tools.parse(whole) if shape.tools else (whole, [])
+            content: list[AnswerBlock] = [TextBlock(text=said)] if said else []
             content += [tool_use(c) for c in calls]
             end = got.end
             usage = usage_of(end.n_prompt, end.n_cached, end.n_generated)
@@ -302,9 +305,14 @@ class MessagesController(Controller):
 
 async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> AsyncIterator[bytes]:
     """The stream of one run (module docstring): ``message_start`` with the first token (its usage from the
-    last prefill progress), the text block, the tool calls' blocks, ``message_delta``, ``message_stop``."""
+    last prefill progress), then content blocks in order as the answer's pieces come (:class:`AnswerText`):
+    text in a ``text`` block, each tool call in a ``tool_use`` block whose ``input_json_delta`` pieces are its
+    arguments as the model writes them (each block stopped before the next starts), then
+    ``message_delta`` and ``message_stop``."""
     n_prompt, n_cached = len(answer.shape.req.input_ids or []), 0
-    started = opened = False
+    started = False
+    block: tuple[int, int | None] | None = None  # the open block: its index, and its call's (None: text)
+    n_blocks = 0
 
     def start() -> list[bytes]:
         nonlocal started
@@ -314,11 +322,37 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
         message = answer.message([], usage_of(n_prompt, n_cached, 0), None)
         return [named_event(MessageStart(message=message))]
 
-    def piece(delta: str) -> list[bytes]:
-        nonlocal opened
-        out = [] if opened else [named_event(ContentBlockStart(index=0, content_block=TextBlock(text="")))]
-        opened = True
-        return [*out, named_event(ContentBlockDelta(index=0, delta=TextDelta(text=delta)))]
+    def open_block(call: int | None, head: TextBlock | ToolUseBlock) -> list[bytes]:
+        nonlocal block, n_blocks
+        out = close_block()
+        block, n_blocks = (n_blocks, call), n_blocks + 1
+        return [*out, named_event(ContentBlockStart(index=block[0], content_block=head))]
+
+    def close_block() -> list[bytes]:
+        nonlocal block
+        if block is None:
+            return []
+        index, block = block[0], None
+        return [named_event(ContentBlockStop(index=index))]
+
+    def frames_of(pieces: list[Piece]) -> list[bytes]:
+        out: list[bytes] = []
+        for piece in pieces:
+            if isinstance(piece, CallDelta):
+                if piece.name is not None:  # a call begins: its id and name
+                    out += open_block(piece.index, ToolUseBlock(id=piece.id or "", name=piece.name))
+                if piece.arguments and block is not None:
+                    out.append(
+                        named_event(
+                            ContentBlockDelta(index=block[0], delta=InputJsonDelta(partial_json=piece.arguments))
+                        )
+                    )
+            elif piece:
+                if block is None or block[1] is not None:
+                    out += open_block(None, TextBlock(text=""))
+                assert block is not None
+                out.append(named_event(ContentBlockDelta(index=block[0], delta=TextDelta(text=piece))))
+        return out
 
     try:
         async for ev in run:
@@ -327,27 +361,13 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
                 n_prompt, n_cached = ev.total, ev.cache
             elif isinstance(ev, TokenOut):
                 frames = start()
-                delta = "" if ev.is_stop else text.feed(ev.text)
-                if delta:
-                    frames += piece(delta)
+                if not ev.is_stop:
+                    frames += frames_of(text.feed(ev.text))
             elif isinstance(ev, DoneOut):
                 n_prompt, n_cached = ev.n_prompt, ev.n_cached
-                frames = start()
-                rest, calls = text.finish(ev.stop_string)
-                if rest:
-                    frames += piece(rest)
-                index = 0
-                if opened:
-                    frames.append(named_event(ContentBlockStop(index=0)))
-                    index = 1
-                for i, call in enumerate(calls, index):
-                    head = ToolUseBlock(id=call.id, name=call.name)
-                    frames.append(named_event(ContentBlockStart(index=i, content_block=head)))
-                    args = InputJsonDelta(partial_json=call.arguments)
-                    frames.append(named_event(ContentBlockDelta(index=i, delta=args)))
-                    frames.append(named_event(ContentBlockStop(index=i)))
+                frames = start() + frames_of(text.finish(ev.stop_string)) + close_block()
                 usage = OutputUsage(output_tokens=ev.n_generated)
-                frames.append(named_event(MessageDelta(delta=answer.end(ev, calls), usage=usage)))
+                frames.append(named_event(MessageDelta(delta=answer.end(ev, text.calls), usage=usage)))
                 frames.append(named_event(MessageStop()))
             for f in frames:
                 yield f

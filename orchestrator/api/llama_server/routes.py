@@ -15,6 +15,7 @@ false`` empties a named slot first, and gives a request naming none a new, empty
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,8 +44,9 @@ from orchestrator.api.llama_server.timings import TimingsClock, timings_of
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import GenerateRequest, PromptProgress
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
+from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
-from orchestrator.generation.service import sampling_params
+from orchestrator.generation.service import RunControl, sampling_params
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
 from orchestrator.slots.admission import WaitHooks
@@ -323,54 +325,93 @@ class LlamaServerController(Controller):
                 picked = [nested_values(data.response_fields, msgspec.to_builtins(r)) for r in results]
                 return picked[0] if len(picked) == 1 else picked  # type: ignore[return-value]
             return results[0] if len(results) == 1 else results
-        if len(prompts) > 1:
-            raise ApiError(
-                ErrorCode.INVALID_REQUEST, "several prompts are answered without stream; stream one at a time"
-            )
         async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
             c = await _prepare(services, ops, data, control.hooks, prompts[0])
             c.req.progress = data.return_progress or data.timings_per_token  # prefill figures
-            stops = c.req.stop_strings
-            run = await started_run(services, c.req, request, control)
+            run = await started_run(services, c.req, request, control)  # a bad first prompt: a plain 4xx
             if control.slot_id is not None:
                 c.slot_out = slot_id_out(control.slot_id)
 
-        async def events() -> AsyncIterator[bytes]:
-            filt = StopTextFilter(stops)
-            pending: list[TokenOut] = []
-            n = 0
-            clock = TimingsClock(data.timings_per_token)
-
-            def timed(chunk: LlamaCompletionChunk) -> LlamaCompletionChunk:
-                chunk.timings = clock.now()
-                return chunk
-
+        async def first() -> AsyncIterator[tuple[Completion, Any]]:
             try:
                 async for ev in run:
-                    if isinstance(ev, ProgressOut):
-                        clock.progress(ev)
-                        if data.return_progress:
-                            chunk = timed(c.partial("", [], n))
-                            chunk.prompt_progress = PromptProgress(
-                                total=ev.total, cache=ev.cache, processed=ev.processed, time_ms=ev.time_ms
-                            )
-                            yield sse_data(chunk)
-                    elif isinstance(ev, TokenOut):
-                        n += 1
-                        clock.token()
-                        pending.append(ev)
-                        text = filt.feed("" if ev.is_stop else ev.text)
-                        if text or ev.is_stop:
-                            yield sse_data(timed(c.partial(text, pending, n)))
-                            pending = []
-                    elif isinstance(ev, DoneOut):
-                        rest = filt.finish(ev.stop_string)
-                        if rest or pending:
-                            yield sse_data(timed(c.partial(rest, pending, n)))
-                        yield sse_data(c.final("", [], ev, ""))
-            except Exception as exc:
-                yield sse_data(compat_error_body(report(exc, route_of(request))))
+                    yield c, ev
             finally:
                 await run.aclose()
 
+        async def later(index: int, prompt: SubPrompt) -> AsyncIterator[tuple[Completion, Any]]:
+            """Prompt ``index``, started once the stream runs (it may wait for a slot the others hold)."""
+            control = RunControl()
+            control.watched = True  # the stream's end (a client leaving) cancels it
+            one = await _prepare(services, ops, data, control.hooks, prompt, index)
+            one.req.progress = c.req.progress
+            started = await started_run(services, one.req, request, control)
+            if control.slot_id is not None:
+                one.slot_out = slot_id_out(control.slot_id)
+            try:
+                async for ev in started:
+                    yield one, ev
+            finally:
+                await started.aclose()
+
+        sources = [first(), *(later(i, p) for i, p in enumerate(prompts) if i > 0)]
+
+        async def events() -> AsyncIterator[bytes]:
+            streams: dict[int, PromptStream] = {}
+            try:
+                async with contextlib.aclosing(interleaved(sources)) as merged:
+                    async for _, (one, ev) in merged:
+                        out = streams.setdefault(one.index, PromptStream(one, data))
+                        for chunk in out.event(ev):
+                            yield sse_data(chunk)
+            except Exception as exc:
+                yield sse_data(compat_error_body(report(exc, route_of(request))))
+
         return EventStream(events())
+
+
+class PromptStream:
+    """One prompt's streamed ``/completion`` chunks (llama-server's ``server_task_result_cmpl_partial``,
+    then its final result; ``tools/server/server-task.cpp``), each with the prompt's ``index``:
+    text as stop strings allow (:class:`StopTextFilter`), prefill progress (``return_progress``),
+    timings per chunk (``timings_per_token``)."""
+
+    def __init__(self, c: Completion, data: CompletionBody) -> None:
+        self.c, self.data = c, data
+        self.filt = StopTextFilter(c.req.stop_strings)
+        self.pending: list[TokenOut] = []
+        self.n = 0
+        self.clock = TimingsClock(data.timings_per_token)
+
+    def _timed(self, chunk: LlamaCompletionChunk) -> LlamaCompletionChunk:
+        chunk.timings = self.clock.now()
+        return chunk
+
+    def event(self, ev: Any) -> list[LlamaCompletionChunk | LlamaCompletion]:
+        """The chunks of one generation event (:class:`ProgressOut`, :class:`TokenOut`, :class:`DoneOut`)."""
+        c = self.c
+        if isinstance(ev, ProgressOut):
+            self.clock.progress(ev)
+            if not self.data.return_progress:
+                return []
+            chunk = self._timed(c.partial("", [], self.n))
+            chunk.prompt_progress = PromptProgress(
+                total=ev.total, cache=ev.cache, processed=ev.processed, time_ms=ev.time_ms
+            )
+            return [chunk]
+        if isinstance(ev, TokenOut):
+            self.n += 1
+            self.clock.token()
+            self.pending.append(ev)
+            text = self.filt.feed("" if ev.is_stop else ev.text)
+            if not (text or ev.is_stop):
+                return []
+            out, self.pending = self._timed(c.partial(text, self.pending, self.n)), []
+            return [out]
+        if isinstance(ev, DoneOut):
+            rest = self.filt.finish(ev.stop_string)
+            chunks: list[LlamaCompletionChunk | LlamaCompletion] = []
+            if rest or self.pending:
+                chunks.append(self._timed(c.partial(rest, self.pending, self.n)))
+            return [*chunks, c.final("", [], ev, "")]
+        return []

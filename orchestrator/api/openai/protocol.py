@@ -114,10 +114,24 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCallOut, kw_only=True):
-    """A tool call in a streamed chunk's ``delta.tool_calls`` (``index``: which call)."""
+class FunctionDelta(msgspec.Struct, kw_only=True):
+    """A streamed tool call's function: ``name`` on the call's first delta (with ``arguments`` ""),
+    then pieces of ``arguments`` (JSON text) that concatenate to the call's arguments."""
+
+    name: str | UnsetType = UNSET
+    arguments: str
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """A tool call in a streamed chunk's ``delta.tool_calls`` (``index``: which call), as OpenAI and
+    llama-server stream them (``server_chat_msg_diff_to_json_oaicompat``, ``tools/server/server-chat.cpp``):
+    the call's first delta has ``id``, ``type: "function"`` and ``function.name``, the next ones only
+    ``function.arguments`` pieces."""
 
     index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: FunctionDelta
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -184,7 +198,7 @@ class TextCompletion(msgspec.Struct, kw_only=True):
 
 class ChatDelta(msgspec.Struct, kw_only=True):
     """What a chat chunk adds: the first chunk ``role`` (and ``content: null``, as llama-server), then
-    ``content`` pieces or whole ``tool_calls``; the last chunk an empty delta with ``finish_reason``."""
+    ``content`` pieces or ``tool_calls`` pieces; the last chunk an empty delta with ``finish_reason``."""
 
     role: str | UnsetType = UNSET
     content: str | UnsetType | None = UNSET

@@ -15,8 +15,8 @@ Streaming sends ``event: <type>`` / ``data: {json}`` Server-Sent Events, each wi
 ``sequence_number``: ``response.created``, ``response.in_progress``, then per item
 ``response.output_item.added``, (``response.content_part.added``,
 ``response.output_text.delta``..., ``response.output_text.done``,
-``response.content_part.done``) or (``response.function_call_arguments.delta``,
-``response.function_call_arguments.done``), ``response.output_item.done``, and last
+``response.content_part.done``) or (``response.function_call_arguments.delta``... as the
+arguments arrive, ``response.function_call_arguments.done``), ``response.output_item.done``, and last
 ``response.completed`` (also when ``max_output_tokens`` ended the answer: its response then has
 ``status: "incomplete"``, as the SDK's ``responses.stream`` needs ``response.completed`` and as
 llama-server sends it), or ``error`` if the engine failed mid-way.  No ``[DONE]`` line: the
@@ -74,7 +74,7 @@ from orchestrator.api.openai.protocol import (
 from orchestrator.api.openai.routes import Shape, chat_shape
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.tool_calls import ToolCall
+from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, named_event, streamable
@@ -344,29 +344,53 @@ class ResponsesController(Controller):
 
 
 async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], route: str) -> AsyncIterator[bytes]:
-    """The Responses streaming events of one run (module docstring), numbered from 0."""
+    """The Responses streaming events of one run (module docstring), numbered from 0: text deltas as the
+    text arrives, and each tool call's item as soon as its name is known, then its arguments in pieces
+    (``response.function_call_arguments.delta``) as :class:`orchestrator.generation.tool_calls.AnswerText`
+    reads them."""
     seq = itertools.count()
     shape = answer.shape
-    split = shape.tools.splitter() if shape.tools else None
+    said = AnswerText(list(shape.req.stop_strings), shape.tools)
     text = ""
-    opened = False
-    where: dict[str, Any] = {"item_id": answer.msg_id, "output_index": 0, "content_index": 0}
+    where: dict[str, Any] = {"item_id": answer.msg_id, "content_index": 0}  # output_index: once opened
+    call_at: list[int] = []  # each call's output_index
+    clock = TimingsClock(answer.data.timings_per_token)
 
     def open_message() -> list[bytes]:
-        nonlocal opened
-        if opened:
+        if "output_index" in where:
             return []
-        opened = True
+        where["output_index"] = len(answer.output)
         item = answer.message("", "in_progress")
+        answer.output.append(item)
         return [
-            named_event(OutputItemAdded(sequence_number=next(seq), output_index=0, item=item)),
+            named_event(OutputItemAdded(sequence_number=next(seq), output_index=where["output_index"], item=item)),
             named_event(ContentPartAdded(sequence_number=next(seq), **where, part=OutputText(text=""))),
         ]
 
-    clock = TimingsClock(answer.data.timings_per_token)
-
-    def delta(piece: str) -> bytes:
-        return named_event(OutputTextDelta(sequence_number=next(seq), **where, delta=piece, timings=clock.now()))
+    def out(pieces: list[Piece]) -> list[bytes]:
+        nonlocal text
+        got: list[bytes] = []
+        for piece in pieces:
+            if isinstance(piece, CallDelta) and piece.name is not None:
+                call_at.append(len(answer.output))
+                started = answer.function_call(said.calls[piece.index], "", "in_progress")
+                answer.output.append(started)
+                got.append(
+                    named_event(OutputItemAdded(sequence_number=next(seq), output_index=call_at[-1], item=started))
+                )
+            elif isinstance(piece, CallDelta):
+                item_id, index = answer.output[call_at[piece.index]].id, call_at[piece.index]
+                delta = FunctionCallArgumentsDelta(
+                    sequence_number=next(seq), item_id=item_id, output_index=index, delta=piece.arguments
+                )
+                got.append(named_event(delta))
+            elif piece:
+                got += open_message()
+                text += piece
+                got.append(
+                    named_event(OutputTextDelta(sequence_number=next(seq), **where, delta=piece, timings=clock.now()))
+                )
+        return got
 
     try:
         yield named_event(ResponseCreated(sequence_number=next(seq), response=answer.body()))
@@ -389,51 +413,34 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
             elif isinstance(ev, TokenOut):
                 clock.token()
             if isinstance(ev, TokenOut) and not ev.is_stop:
-                piece = split.feed(ev.text) if split is not None else ev.text
-                if piece:
-                    for b in open_message():
-                        yield b
-                    text += piece
-                    yield delta(piece)
+                for b in out(said.feed(ev.text)):
+                    yield b
             elif isinstance(ev, DoneOut):
-                calls: list[ToolCall] = []
-                if split is not None:
-                    held, calls = split.finish()
-                    if held:
-                        for b in open_message():
-                            yield b
-                        text += held
-                        yield delta(held)
-                if opened or not calls:
+                for b in out(said.finish(ev.stop_string)):
+                    yield b
+                calls = said.calls
+                if "output_index" in where or not calls:
                     for b in open_message():
                         yield b
                     item = answer.message(text)
                     yield named_event(OutputTextDone(sequence_number=next(seq), **where, text=text))
                     yield named_event(ContentPartDone(sequence_number=next(seq), **where, part=item.content[0]))
-                    yield named_event(OutputItemDone(sequence_number=next(seq), output_index=0, item=item))
-                    answer.output.append(item)
-                for call in calls:
-                    index = len(answer.output)
+                    index = where["output_index"]
+                    yield named_event(OutputItemDone(sequence_number=next(seq), output_index=index, item=item))
+                    answer.output[index] = item
+                for call, index in zip(calls, call_at, strict=True):
                     call_item = answer.function_call(call)
-                    started = answer.function_call(call, "", "in_progress")
-                    yield named_event(OutputItemAdded(sequence_number=next(seq), output_index=index, item=started))
-                    item_id, args = call_item.id, call.arguments
-                    yield named_event(
-                        FunctionCallArgumentsDelta(
-                            sequence_number=next(seq), item_id=item_id, output_index=index, delta=args
-                        )
-                    )
                     yield named_event(
                         FunctionCallArgumentsDone(
                             sequence_number=next(seq),
-                            item_id=item_id,
+                            item_id=call_item.id,
                             output_index=index,
                             name=call.name,
-                            arguments=args,
+                            arguments=call.arguments,
                         )
                     )
                     yield named_event(OutputItemDone(sequence_number=next(seq), output_index=index, item=call_item))
-                    answer.output.append(call_item)
+                    answer.output[index] = call_item
                 answer.end(ev)
                 answer.remember(messages, text or None, calls, ev.slot_id)
                 final = clock.final(ev)

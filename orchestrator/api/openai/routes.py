@@ -50,6 +50,7 @@ from orchestrator.api.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     FunctionCall,
+    FunctionDelta,
     LegacyLogprobs,
     LogprobEntry,
     ModelCard,
@@ -72,7 +73,7 @@ from orchestrator.generation.request import (
 )
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, ToolCall, ToolPlan, plan_of
+from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan, plan_of
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
@@ -245,13 +246,35 @@ class Shape:
         c.prompt_progress = PromptProgress(total=p.total, cache=p.cache, processed=p.processed, time_ms=p.time_ms)
         return c
 
-    def calls_chunk(self, calls: list[ToolCall]) -> ChatCompletionChunk:
-        """A streamed chunk carrying whole tool calls (``delta.tool_calls[i]`` with ``index``)."""
-        deltas = [
-            ToolCallDelta(index=i, id=c.id, type="function", function=FunctionCall(name=c.name, arguments=c.arguments))
-            for i, c in enumerate(calls)
-        ]
-        return self._chat_chunk([ChatChunkChoice(index=0, delta=ChatDelta(tool_calls=deltas), finish_reason=None)])
+    def call_chunk(self, delta: CallDelta, index: int = 0) -> ChatCompletionChunk:
+        """A streamed chunk of choice ``index`` carrying a piece of a tool call (``delta.tool_calls[0]``
+        with the call's ``index``; its first piece with ``id``, ``type`` and ``function.name``)."""
+        call = ToolCallDelta(index=delta.index, function=FunctionDelta(arguments=delta.arguments))
+        if delta.name is not None:
+            call.id, call.type, call.function.name = delta.id or "", "function", delta.name
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[call]), finish_reason=None)
+        return self._chat_chunk([choice])
+
+    def piece_chunks(
+        self, pieces: list[Piece], tokens: list[TokenOut], index: int = 0
+    ) -> tuple[list[ChatCompletionChunk | TextCompletionChunk], list[TokenOut]]:
+        """The chunks of ``pieces`` (:class:`orchestrator.generation.tool_calls.ToolStream`'s content
+        and tool-call pieces) of choice ``index``; the first content chunk carries ``tokens``' logprobs.
+        Returns the chunks and the tokens not yet carried."""
+        out: list[ChatCompletionChunk | TextCompletionChunk] = []
+        for piece in pieces:
+            if isinstance(piece, CallDelta):
+                out.append(self.call_chunk(piece, index))
+            elif piece:
+                out.append(self.chunk(piece, tokens, index=index))
+                tokens = []
+        return out, tokens
+
+    def finish_of(self, done: DoneOut, calls: list[ToolCall]) -> str:
+        """A choice's ``finish_reason``: ``tool_calls`` when it called tools (unless cut by the token
+        limit: ``length``, as OpenAI), else from the engine's reason."""
+        finish = FINISH.get(done.finish_reason, "stop")
+        return "tool_calls" if calls and finish != "length" else finish
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk | TextCompletionChunk:
         """The last chunk before ``[DONE]`` with ``stream_options.include_usage``: no choices, the usage."""
@@ -260,17 +283,16 @@ class Shape:
     def choice(self, index: int, text: str, tokens: list[TokenOut], done: DoneOut) -> ChatChoice | TextChoice:
         """Choice ``index`` of the non-streaming response (a chat answer parsed for tool calls when the
         request has tools)."""
-        finish = FINISH.get(done.finish_reason, "stop")
         if not self.chat:
-            return self._text_choice(index, text, tokens, finish)
+            return self._text_choice(index, text, tokens, FINISH.get(done.finish_reason, "stop"))
         content, calls = self.tools.parse(text) if self.tools else (text, [])
         message = ChatMessage(role="assistant", content=content)
+        finish = self.finish_of(done, calls)
         if calls:
             message.tool_calls = [
                 ToolCallOut(id=c.id, type="function", function=FunctionCall(name=c.name, arguments=c.arguments))
                 for c in calls
             ]
-            finish = "tool_calls"
         return ChatChoice(
             index=index,
             message=message,
@@ -293,6 +315,35 @@ class Shape:
     def final(self, text: str, tokens: list[TokenOut], done: DoneOut) -> ChatCompletion | TextCompletion:
         """The non-streaming response of one choice."""
         return self.completion([self.choice(0, text, tokens, done)], _usage(done), done.slot_id)
+
+
+class ChoiceStream:
+    """One streamed choice's text on its way out: stop strings cut (:class:`StopTextFilter`), tool calls
+    parsed as they arrive (:class:`orchestrator.generation.tool_calls.ToolStream`), tokens held until a
+    chunk carries them."""
+
+    def __init__(self, shape: Shape, index: int = 0) -> None:
+        self.shape, self.index = shape, index
+        self.answer = AnswerText(list(shape.req.stop_strings), shape.tools)
+        self.pending: list[TokenOut] = []
+
+    def _chunks(self, pieces: list[Piece]) -> list[ChatCompletionChunk | TextCompletionChunk]:
+        chunks, self.pending = self.shape.piece_chunks(pieces, self.pending, self.index)
+        return chunks
+
+    def token(self, ev: TokenOut) -> list[ChatCompletionChunk | TextCompletionChunk]:
+        """The chunks a generated token makes ready (none for an end-of-generation token)."""
+        if ev.is_stop:
+            return []
+        self.pending.append(ev)
+        return self._chunks(self.answer.feed(ev.text))
+
+    def done(self, ev: DoneOut) -> tuple[list[ChatCompletionChunk | TextCompletionChunk], str]:
+        """The chunks left at the end (held text, the tokens not carried yet) and the ``finish_reason``."""
+        chunks = self._chunks(self.answer.finish(ev.stop_string))
+        if self.pending:
+            chunks.append(self.shape.chunk("", self.pending, index=self.index))
+        return chunks, self.shape.finish_of(ev, self.answer.calls)
 
 
 async def verbose_of(
@@ -329,8 +380,7 @@ async def respond(
     clock = TimingsClock(data.timings_per_token)
 
     async def events() -> AsyncIterator[bytes]:
-        answer = AnswerText(stops, shape.tools)
-        pending: list[TokenOut] = []
+        out = ChoiceStream(shape)
         try:
             if shape.chat:
                 yield sse_data(shape.role_chunk())
@@ -341,25 +391,14 @@ async def respond(
                         yield sse_data(shape.progress_chunk(ev))
                 elif isinstance(ev, TokenOut):
                     clock.token()
-                    if ev.is_stop:
-                        continue
-                    pending.append(ev)
-                    text = answer.feed(ev.text)
-                    if text:
-                        chunk = shape.chunk(text, pending)
+                    for chunk in out.token(ev):
                         chunk.timings = clock.now()
                         yield sse_data(chunk)
-                        pending = []
                 elif isinstance(ev, DoneOut):
-                    rest, calls = answer.finish(ev.stop_string)
-                    finish = FINISH.get(ev.finish_reason, "stop")
-                    if rest or pending:
-                        chunk = shape.chunk(rest, pending)
+                    chunks, finish = out.done(ev)
+                    for chunk in chunks:
                         chunk.timings = clock.now()
                         yield sse_data(chunk)
-                    if calls:
-                        yield sse_data(shape.calls_chunk(calls))
-                        finish = "tool_calls"
                     last = shape.chunk(None if shape.chat else "", [], finish)
                     if data.verbose:  # as llama-server's stream: no content (it went in the chunks)
                         last.verbose = await verbose_of(services, shape, "", [], ev)
@@ -440,7 +479,7 @@ async def respond_choices(
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
 
     async def stream() -> AsyncIterator[bytes]:
-        filters = [StopTextFilter(stops) for _ in range(n)]
+        outs = [ChoiceStream(shape, i) for i in range(n)]
         generated = 0
         try:
             if shape.chat:
@@ -451,15 +490,13 @@ async def respond_choices(
                     continue
                 i, e = ev.index, ev.event
                 if isinstance(e, TokenOut):
-                    text = "" if e.is_stop else filters[i].feed(e.text)
-                    if text:
-                        yield sse_data(shape.chunk(text, [e], index=i))
+                    for chunk in outs[i].token(e):
+                        yield sse_data(chunk)
                 else:
                     generated += e.n_generated
-                    rest = filters[i].finish(e.stop_string)
-                    if rest:
-                        yield sse_data(shape.chunk(rest, [], index=i))
-                    finish = FINISH.get(e.finish_reason, "stop")
+                    chunks, finish = outs[i].done(e)
+                    for chunk in chunks:
+                        yield sse_data(chunk)
                     yield sse_data(shape.chunk(None if shape.chat else "", [], finish, index=i))
             if include_usage:
                 yield sse_data(shape.usage_chunk(usage(generated)))
