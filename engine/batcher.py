@@ -324,7 +324,9 @@ class Batcher:
             return
         if not job.t_first:
             job.t_first = time.perf_counter()
-        lp, top = logprobs(logits, tok, p.n_probs) if logits is not None else (None, [])
+        post = job.chain.keep_candidates  # llama-server's post_sampling_probs: top_probs instead of top
+        lp, top = logprobs(logits, tok, 0 if post else p.n_probs) if logits is not None else (None, [])
+        prob, top_probs = job.chain.post_probs(p.n_probs) if post else (None, [])
         buffers: list[np.ndarray] = []
         attention = hidden = None
         if e.target is not None and e.target.out is not None:
@@ -339,7 +341,7 @@ class Batcher:
         job.text += piece
         n_ctx = e.pos0 + len(e.tokens)
         self.emit(
-            Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden, job.shift),
+            Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden, job.shift, prob, top_probs),
             [b.data for b in buffers],
         )
         job.shift = None

@@ -65,6 +65,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     n_probs: int = 0  # how many top_logprobs per token (0: none)
     logprobs: bool = False  # compute the sampled token's logprob
+    # llama-server's ``post_sampling_probs``: with ``n_probs`` > 0, ``Token.prob`` and ``Token.top_probs`` are the
+    # probabilities after the sampler chain (engine/sampling.py ``SamplerChain.post_probs``) instead of ``top``
+    post_sampling_probs: bool = False
     # llama-server's further samplers (tools/server/README.md, "POST /completion"; common/common.h
     # ``common_params_sampling``); each default turns its sampler off.  engine/sampling.py builds the chain.
     presence_penalty: float = 0.0
@@ -312,7 +315,11 @@ class Ready(Message):
 class Token(Message):
     """One generated token.
 
-    ``top`` is ``[(token_id, logprob), ...]`` best first.  ``n_ctx`` is the attention
+    ``top`` is ``[(token_id, logprob), ...]`` best first (the model's own distribution).  With
+    ``SamplingParams.post_sampling_probs`` (and ``n_probs`` > 0) ``top`` stays empty and ``prob`` is the
+    sampled token's probability after the sampler chain, ``top_probs`` ``[(token_id, prob), ...]`` the
+    ``n_probs`` most likely after it, best first, none at 0 (llama-server's ``post_sampling_probs``).
+    ``n_ctx`` is the attention
     length (``len(input_ids) + index``, less what context shifts dropped).  ``attention``: the token's
     attention rows (``CaptureOptions``: ``[n_layers_sel, n_heads, n_ctx]`` or ``[n_ctx]``, float32 or
     float16); ``hidden``: its final hidden state (``float32[n_embd]``).  ``shift``: set on the first token
@@ -330,6 +337,8 @@ class Token(Message):
     attention: Tensor | None = None
     hidden: Tensor | None = None
     shift: tuple[int, int] | None = None
+    prob: float | None = None
+    top_probs: list[tuple[int, float]] = []
 
 
 class Progress(Message):

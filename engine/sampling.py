@@ -73,6 +73,11 @@ class SamplerChain:
         gbnf = gbnf_of(params.grammar, params.json_schema, params.schema_rule)
         self.grammar = grammar_sampler(vocab, gbnf, params.grammar_triggers) if gbnf else None  # beside the chain
         self.n_vocab = n_vocab
+        # llama-server's post_sampling_probs: sample through the candidate array and keep it (:meth:`post_probs`)
+        self.keep_candidates = params.post_sampling_probs and params.n_probs > 0
+        self.greedy = params.temperature <= 0
+        self._kept = 0  # how many candidates of ``_cur`` the last pick left (its ``size``), ``_selected`` its pick
+        self._selected = -1
         self.ptr = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         self._history: list[tuple[llama.llama_sampler_p, int]] = []  # (sampler, window) fed the context
         self._cur: np.ndarray | None = None  # the candidates of a constrained sample (llama_token_data[n_vocab])
@@ -142,11 +147,19 @@ class SamplerChain:
         token can follow: the grammar is complete and its end of generation is banned, or the
         other stages refused every token it allows (llama.cpp aborts the process when a grammar
         accepts a token it does not allow, so every pick is checked before the accept).
+
+        With ``post_sampling_probs`` the chain is applied to a candidate array of ours, kept for
+        :meth:`post_probs` (llama-server's ``common_sampler_get_candidates``); else, without a grammar,
+        llama.cpp's ``llama_sampler_sample`` does it all.
         """
-        if self.grammar is None:
+        if self.grammar is None and not self.keep_candidates:
             return int(llama.llama_sampler_sample(self.ptr, ctx, batch_index))
         logits = logits_row(ctx, batch_index, self.n_vocab)
         tok = self._pick(logits, grammar_first=False)
+        if self.grammar is None:
+            if tok != NO_TOKEN:
+                llama.llama_sampler_accept(self.ptr, tok)
+            return tok
         if tok == NO_TOKEN or not self._allowed(tok):
             tok = self._pick(logits, grammar_first=True)
             if tok == NO_TOKEN:
@@ -170,10 +183,36 @@ class SamplerChain:
             if not np.isfinite(cur["logit"]).any():
                 return NO_TOKEN
         llama.llama_sampler_apply(self.ptr, ctypes.byref(arr))
+        self._kept, self._selected = arr.size, arr.selected  # the samplers shrink the array in place
         if not 0 <= arr.selected < arr.size:
             return NO_TOKEN
         picked = arr.data[arr.selected]
         return int(picked.id) if math.isfinite(picked.logit) else NO_TOKEN
+
+    def post_probs(self, n_probs: int) -> tuple[float, list[tuple[int, float]]]:
+        """After :meth:`sample` (with ``post_sampling_probs``): the sampled token's probability after the
+        chain, and the ``n_probs`` most likely candidates after it as ``(id, p)``, best first, those at 0
+        left out, as llama-server's ``populate_token_probs`` (``tools/server/server-context.cpp``, with
+        ``post_sampling``) reads them: the last stage (``dist``, Mirostat) leaves a probability on every
+        token the chain kept.
+
+        With ``temperature <= 0`` llama-server's chain ends in temperature 0 (every token but the most
+        likely set to -inf) and ``dist``, so the pick has probability 1 and no other token any; this chain
+        ends in llama.cpp's ``greedy`` instead, which picks the same token and leaves no probabilities, so
+        that answer is given as it is: ``(1.0, [(pick, 1.0)])``.
+        """
+        sel = self._selected
+        if self._cur is None or not 0 <= sel < self._kept:
+            return 1.0, []  # llama-server's default (the token not among the candidates)
+        cur = self._cur[: self._kept]
+        if self.greedy:
+            return 1.0, [(int(cur["id"][sel]), 1.0)] if n_probs > 0 else []
+        p = cur["p"]
+        n = min(n_probs, len(p))
+        best = np.argpartition(-p, n - 1)[:n] if 0 < n < len(p) else np.arange(n)
+        best = best[np.argsort(-p[best], kind="stable")]
+        top = [(int(cur["id"][i]), float(p[i])) for i in best if p[i] > 0]
+        return float(p[sel]), top
 
     def _allowed(self, tok: int) -> bool:
         """Whether the grammar allows ``tok`` next (it leaves its logit finite)."""

@@ -7,6 +7,7 @@ import json
 
 import llama_cpp as llama
 import msgspec
+import numpy as np
 import pytest
 
 from engine.grammar import JSON_GBNF, MAX_NESTING, nesting_depth
@@ -197,3 +198,45 @@ def test_seeded_samplers_are_reproducible(runner: Runner, question: list[int], k
     assert a.tokens == b.tokens
     others = [gen(runner, question, seed=s, **common, **kw).tokens for s in (12, 13, 14)]
     assert any(t != a.tokens for t in others)  # the seed matters: it is sampling, not greedy
+
+
+def test_post_sampling_probs_are_the_chains(runner: Runner, question: list[int], model) -> None:  # type: ignore[no-untyped-def]
+    """llama-server's ``post_sampling_probs``: at temperature 1 with top-k 10 (top-p and min-p off) the chain
+    keeps the 10 most likely tokens and ``dist`` gives them a softmax of their logits; ``top_probs`` are
+    those 10, summing to 1, and the sampled token's ``prob`` is its own among them."""
+    hot = {"max_new_tokens": 3, "ignore_eos": True, "temperature": 1.0, "top_k": 10, "top_p": 1.0, "min_p": 0.0}
+    raw = gen(runner, question, n_probs=10, logprobs=True, seed=5, **hot)  # the model's own top 10 (logprobs)
+    post = gen(runner, question, n_probs=10, logprobs=True, post_sampling_probs=True, seed=5, **hot)
+    assert raw.error is None and post.error is None and len(post.events) == 3
+    assert post.tokens == raw.tokens  # the same seeded chain picks the same tokens through either path
+    assert raw.events[0].prob is None and raw.events[0].top_probs == [] and len(raw.events[0].top) == 10
+    first = post.events[0]
+    assert first.top == []  # top_probs instead
+    ids = [t for t, _ in raw.events[0].top]
+    lps = np.array([lp for _, lp in raw.events[0].top])
+    softmax = np.exp(lps - lps.max()) / np.exp(lps - lps.max()).sum()  # logprob differences are logit differences
+    assert [t for t, _ in first.top_probs] == ids  # best first
+    assert np.allclose([p for _, p in first.top_probs], softmax, atol=1e-5)
+    for ev in post.events:
+        assert len(ev.top_probs) == 10 and sum(p for _, p in ev.top_probs) == pytest.approx(1.0, abs=1e-5)
+        assert ev.prob is not None and 0 < ev.prob <= 1
+        assert dict(ev.top_probs)[ev.token_id] == pytest.approx(ev.prob)
+    few = gen(runner, question, n_probs=3, post_sampling_probs=True, seed=5, **hot)
+    assert few.events[0].top_probs == first.top_probs[:3]
+
+
+def test_post_sampling_probs_greedy_and_grammar(runner: Runner, question: list[int], model) -> None:  # type: ignore[no-untyped-def]
+    """Greedy (temperature 0): llama-server's chain (temperature 0, then ``dist``) leaves the pick at
+    probability 1 and every other token at 0, which are left out; the grammar path keeps its candidates too."""
+    plain = gen(runner, question, max_new_tokens=4, ignore_eos=True)
+    greedy = gen(runner, question, max_new_tokens=4, ignore_eos=True, n_probs=5, post_sampling_probs=True)
+    assert greedy.tokens == plain.tokens  # the candidate-array path picks what llama_sampler_sample picks
+    for ev in greedy.events:
+        assert ev.prob == 1.0 and ev.top_probs == [(ev.token_id, 1.0)]
+    res = gen(runner, question, max_new_tokens=8, grammar=YES_NO, temperature=1.0, seed=3, n_probs=5,
+              post_sampling_probs=True)  # fmt: skip
+    assert res.done is not None and res.done.finish_reason == "stop_token"
+    assert model.detokenize([t for t in res.tokens if t not in model.eog]) in ("yes", "no")
+    for ev in res.events:
+        assert ev.prob is not None and 0 < ev.prob <= 1 and 0 < len(ev.top_probs) <= 5
+        assert all(p > 0 for _, p in ev.top_probs) and sum(p for _, p in ev.top_probs) <= 1 + 1e-5
