@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine import protocol as proto
@@ -27,7 +27,9 @@ class TokenOut:
     the raw bytes.  ``attention`` is raw little-endian ``dtype`` bytes of ``shape``.  ``shift``:
     ``(n_keep, n_discard)`` on the first token after a context shift (``--context-shift``): the slot's
     tokens ``n_keep .. n_keep+n_discard-1`` were dropped, so attention positions from ``n_keep`` on are
-    ``n_discard`` lower than before.
+    ``n_discard`` lower than before.  ``prob`` and ``top_probs`` (``(token_id, p)``, best first): with
+    llama-server's ``post_sampling_probs`` the probabilities after the sampler chain, in place of ``logprob``'s
+    companion ``top`` (the model's own distribution, ``(token_id, logprob)``).
     """
 
     index: int
@@ -41,6 +43,8 @@ class TokenOut:
     hidden: bytes | None
     is_stop: bool
     shift: tuple[int, int] | None = None
+    prob: float | None = None
+    top_probs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -141,6 +145,8 @@ class TokenStream:
             hidden=out.hidden,
             is_stop=msg.token_id in self.stop_ids,
             shift=msg.shift,
+            prob=msg.prob,
+            top_probs=list(msg.top_probs),
         )
 
 

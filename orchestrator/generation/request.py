@@ -192,6 +192,7 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     wait: bool
     cache_prompt: bool = True  # llama-server's: False, a request naming no slot gets a new, empty one
     progress: bool = False
+    post_sampling_probs: bool = False  # llama-server's: the n_probs probabilities after the sampler chain
     presence_penalty: float = DEFAULT.presence_penalty
     frequency_penalty: float = DEFAULT.frequency_penalty
     typical_p: float = DEFAULT.typical_p

@@ -50,7 +50,7 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
 PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
              "dry_multiplier", "dry_allowed_length", "dry_sequence_breakers", "dynatemp_range", "dynatemp_exponent",
              "mirostat", "mirostat_tau", "mirostat_eta", "grammar", "json_schema",
-             "schema_rule", "grammar_triggers")  # fmt: skip
+             "schema_rule", "grammar_triggers", "post_sampling_probs")  # fmt: skip
 """The further sampler settings a :class:`CanonicalRequest` hands to the engine as they are."""
 
 

@@ -230,3 +230,41 @@ def test_llama_server_metrics_count_completions(srv: ServerProc) -> None:
     # llama-server's rates are over decode steps: the first token comes from the prompt's logits
     assert timings[0]["predicted_n"] == 1 and timings[0]["predicted_per_second"] == 0.0
     assert timings[1]["predicted_per_second"] == pytest.approx(1e3 / timings[1]["predicted_ms"] * 5)
+
+
+def _check_post_sampling(entries: list[dict], n_probs: int) -> None:  # type: ignore[type-arg]
+    """llama.cpp's ``test_n_probs_post_sampling`` assertions on ``completion_probabilities`` entries."""
+    for tok in entries:
+        assert "logprob" not in tok and "top_logprobs" not in tok
+        assert tok["id"] > 0 and isinstance(tok["token"], str) and isinstance(tok["bytes"], list)
+        assert 0.0 < tok["prob"] <= 1.0
+        for alt in tok["top_probs"]:
+            assert set(alt) == {"id", "token", "bytes", "prob"} and 0.0 < alt["prob"] <= 1.0  # never a 0
+        assert [a["prob"] for a in tok["top_probs"]] == sorted((a["prob"] for a in tok["top_probs"]), reverse=True)
+        if len(tok["top_probs"]) < n_probs:  # fewer only when they are every token the chain left
+            assert sum(a["prob"] for a in tok["top_probs"]) == pytest.approx(1.0)
+        mine = [a["prob"] for a in tok["top_probs"] if a["id"] == tok["id"]]
+        assert mine == [] or mine[0] == pytest.approx(tok["prob"])
+
+
+def test_completion_post_sampling_probs(srv: ServerProc) -> None:
+    """llama-server's ``post_sampling_probs`` (llama.cpp ``tools/server/tests/unit/test_completion.py``
+    ``test_n_probs_post_sampling``): ``prob`` and ``top_probs`` after the sampler chain, streamed and not;
+    greedy leaves the one token at 1."""
+    body = {"prompt": "Today was the day. Today I would finally become a", "n_probs": 10, "temperature": 1.0,
+            "n_predict": 5, "post_sampling_probs": True}  # fmt: skip
+    res = post(srv, "/completion", body)
+    probs = res["completion_probabilities"]
+    assert len(probs) == 5 and len(probs[0]["top_probs"]) == 10  # a vague prompt: 10 alternatives at first
+    _check_post_sampling(probs, 10)
+    assert res["generation_settings"]["post_sampling_probs"] is True
+    chunks = _sse(srv, "/completion", {**body, "stream": True})
+    streamed = [e for c in chunks for e in c.get("completion_probabilities", [])]
+    assert len(streamed) == 5 and "completion_probabilities" not in chunks[-1]  # the last chunk: stop, no tokens
+    _check_post_sampling(streamed, 10)
+    greedy = post(srv, "/completion", {**body, "temperature": 0})["completion_probabilities"]
+    for t in greedy:
+        assert t["prob"] == 1.0 and t["top_probs"] == [{"id": t["id"], "token": t["token"], "bytes": t["bytes"],
+                                                         "prob": 1.0}]  # fmt: skip
+    plain = post(srv, "/completion", {**body, "post_sampling_probs": False})["completion_probabilities"]
+    assert all("prob" not in t and t["logprob"] <= 0 and len(t["top_logprobs"]) == 10 for t in plain)

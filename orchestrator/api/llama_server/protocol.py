@@ -177,20 +177,29 @@ class ForkResponse(msgspec.Struct, kw_only=True):
 
 
 class TokenProb(msgspec.Struct, kw_only=True):
+    """One of a token's ``top_logprobs`` (the model's log-probability), or with ``post_sampling_probs`` one of
+    its ``top_probs`` (the probability after the sampler chain, 0 < ``prob`` <= 1)."""
+
     id: int
     token: str
     bytes_: list[int] = msgspec.field(name="bytes")
-    logprob: float
+    logprob: float | UnsetType = UNSET
+    prob: float | UnsetType = UNSET
 
 
 class CompletionProb(msgspec.Struct, kw_only=True):
-    """llama-server's ``completion_probabilities[]`` entry (``n_probs``)."""
+    """llama-server's ``completion_probabilities[]`` entry (``n_probs``; ``tools/server/server-task.cpp``
+    ``completion_token_output::probs_vector_to_json``): ``logprob`` and ``top_logprobs`` (the model's
+    distribution), or with ``post_sampling_probs`` ``prob`` and ``top_probs`` (after the sampler chain, at
+    most ``n_probs``, none at 0: fewer when fewer tokens are left)."""
 
     id: int
     token: str
     bytes_: list[int] = msgspec.field(name="bytes")
-    logprob: float | None
-    top_logprobs: list[TokenProb]
+    logprob: float | UnsetType | None = UNSET
+    top_logprobs: list[TokenProb] | UnsetType = UNSET
+    prob: float | UnsetType = UNSET
+    top_probs: list[TokenProb] | UnsetType = UNSET
 
 
 class Timings(msgspec.Struct, kw_only=True):
@@ -229,6 +238,7 @@ class SamplerSettings(msgspec.Struct, kw_only=True):
     n_predict: int
     ignore_eos: bool
     n_probs: int
+    post_sampling_probs: bool
     stop: list[str]
     presence_penalty: float
     frequency_penalty: float

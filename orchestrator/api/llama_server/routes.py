@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-import structlog
 from litestar import Controller, Request, get, post
 from msgspec import UNSET
 
@@ -55,8 +54,6 @@ from orchestrator.slots.operations import SlotOps
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 
-log = structlog.get_logger("slotserve.llama_server")
-
 STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
 DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
 # llama-server's default sampler order, its ``samplers`` names (engine/sampling.py builds the chain so)
@@ -78,6 +75,7 @@ def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dic
         "n_predict": p.max_new_tokens,
         "ignore_eos": p.ignore_eos,
         "n_probs": p.n_probs,
+        "post_sampling_probs": p.post_sampling_probs,
         "stop": list(p.stop_strings),
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
@@ -135,11 +133,22 @@ def check_slot_number(slot_id: str) -> None:
         raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
 
 
-def _probs(t: TokenOut, pieces: list[bytes]) -> CompletionProb:
-    top = [TokenProb(id=tok, token=piece_text(pieces[tok]), bytes_=list(pieces[tok]), logprob=lp) for tok, lp in t.top]
-    return CompletionProb(
-        id=t.token_id, token=piece_text(t.piece), bytes_=list(t.piece), logprob=t.logprob, top_logprobs=top
-    )
+def _alternative(tok: int, pieces: list[bytes], **value: float) -> TokenProb:
+    """One of a token's alternatives: ``logprob=`` or ``prob=``."""
+    return TokenProb(id=tok, token=piece_text(pieces[tok]), bytes_=list(pieces[tok]), **value)
+
+
+def _probs(t: TokenOut, pieces: list[bytes], post_sampling: bool) -> CompletionProb:
+    """``t``'s ``completion_probabilities`` entry: its logprobs, or with ``post_sampling`` (llama-server's
+    ``post_sampling_probs``) its probabilities after the sampler chain (``prob``, ``top_probs``)."""
+    out = CompletionProb(id=t.token_id, token=piece_text(t.piece), bytes_=list(t.piece))
+    if post_sampling:
+        out.prob = t.prob if t.prob is not None else 1.0  # llama-server's value when it has none
+        out.top_probs = [_alternative(k, pieces, prob=p) for k, p in t.top_probs]
+    else:
+        out.logprob = t.logprob
+        out.top_logprobs = [_alternative(k, pieces, logprob=lp) for k, lp in t.top]
+    return out
 
 
 class Completion:
@@ -158,6 +167,10 @@ class Completion:
         self.model, self.n_ctx = model, info.n_ctx
         self.slot_out: int | str = -1 if req.slot is None else slot_id_out(req.slot)  # set once a slot is chosen
 
+    def probs(self, tokens: list[TokenOut]) -> list[CompletionProb]:
+        """``tokens``' ``completion_probabilities`` entries (``post_sampling_probs``: ``prob``, ``top_probs``)."""
+        return [_probs(t, self.pieces, self.body.post_sampling_probs) for t in tokens]
+
     def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> LlamaCompletionChunk:
         """A streamed chunk (``stop: false``)."""
         return LlamaCompletionChunk(
@@ -167,7 +180,7 @@ class Completion:
             id_slot=self.slot_out,
             tokens_predicted=n_done,
             tokens_evaluated=len(self.req.input_ids or ()),
-            completion_probabilities=[_probs(t, self.pieces) for t in tokens] if self.body.n_probs else UNSET,
+            completion_probabilities=self.probs(tokens) if self.body.n_probs else UNSET,
         )
 
     def final(self, text: str, tokens: list[TokenOut], done: DoneOut, prompt: str) -> LlamaCompletion:
@@ -193,7 +206,7 @@ class Completion:
             stopping_word=d.stop_string,
             tokens_cached=d.seq_tokens,
             timings=timings_of(d),
-            completion_probabilities=[_probs(t, self.pieces) for t in tokens] if probs else UNSET,
+            completion_probabilities=self.probs(tokens) if probs else UNSET,
         )
 
 
@@ -230,18 +243,12 @@ async def _complete(
     return c.final(text, got.tokens, got.end, await services.engine.detokenize(c.req.input_ids or []))
 
 
-def _warn_ignored(body: CompletionBody) -> None:
-    if body.post_sampling_probs:
-        log.warning("llama-server fields not supported, ignored", fields=["post_sampling_probs"])
-
-
 async def _prepare(
     services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks, prompt: SubPrompt, index: int = 0
 ) -> Completion:
     ids = await subprompt_ids(services, prompt)
     if not 0 <= body.n_probs <= 100:
         raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
-    _warn_ignored(body)
     slot = None if str(body.id_slot) == "-1" else body.id_slot
     n_predict = body.n_predict if body.n_predict is not None else services.settings.n_predict
     if n_predict < 0:
@@ -263,6 +270,7 @@ async def _prepare(
         **body.sampler_fields(),
     ).canonical()
     req.wait = True
+    req.post_sampling_probs = body.post_sampling_probs
     if body.ignore_eos:  # llama-server bans the end-of-generation tokens (-inf logit bias), not just goes on
         req.banned_tokens = sorted(set(req.banned_tokens) | set(services.generation.info.eog_token_ids))
     if not body.cache_prompt and req.slot is None:
