@@ -92,7 +92,7 @@ def _sse(srv: ServerProc, path: str, body: object, stop_after: int | None = None
     with httpx.stream("POST", srv.url + path, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
-            if line.startswith("data: "):
+            if line.startswith("data: ") and line != "data: [DONE]":  # OpenAI's streams end so
                 got.append(json.loads(line[6:]))
                 if stop_after is not None and len(got) >= stop_after:
                     break
@@ -268,3 +268,17 @@ def test_completion_post_sampling_probs(srv: ServerProc) -> None:
                                                          "prob": 1.0}]  # fmt: skip
     plain = post(srv, "/completion", {**body, "post_sampling_probs": False})["completion_probabilities"]
     assert all("prob" not in t and t["logprob"] <= 0 and len(t["top_logprobs"]) == 10 for t in plain)
+
+
+def test_chat_post_sampling_probs(srv: ServerProc) -> None:
+    """llama-server takes ``post_sampling_probs`` on ``/v1/chat/completions`` too: ``logprobs.content`` entries
+    are its ``probs_vector_to_json`` ones (``id``, ``token``, ``bytes``, ``prob``, ``top_probs``), streamed and not."""
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 1.0, "logprobs": True, "top_logprobs": 5,
+            "post_sampling_probs": True}  # fmt: skip
+    content = post(srv, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(t["top_probs"] for t in content)
+    _check_post_sampling(content, 5)
+    chunks = _sse(srv, "/v1/chat/completions", {**body, "stream": True})
+    streamed = [e for c in chunks for ch in c.get("choices", []) for e in (ch.get("logprobs") or {}).get("content", [])]
+    assert len(streamed) == 4
+    _check_post_sampling(streamed, 5)

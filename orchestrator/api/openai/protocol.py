@@ -72,18 +72,29 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class TopLogprobEntry(msgspec.Struct, kw_only=True):
+    """One alternative of a chat token: OpenAI's ``top_logprobs[]`` (``token``, ``logprob``, ``bytes``), or
+    with llama-server's ``post_sampling_probs`` its ``top_probs[]`` (``id``, ``token``, ``bytes``, ``prob``)."""
+
+    id: int | UnsetType = UNSET
     token: str
-    logprob: float
+    logprob: float | UnsetType = UNSET
     bytes_: list[int] = msgspec.field(name="bytes")
+    prob: float | UnsetType = UNSET
 
 
 class LogprobEntry(msgspec.Struct, kw_only=True):
-    """A chat token's logprob with its alternatives (OpenAI's ``logprobs.content[]``)."""
+    """A chat token's logprob with its alternatives (OpenAI's ``logprobs.content[]``: ``token``, ``logprob``,
+    ``bytes``, ``top_logprobs``); with llama-server's ``post_sampling_probs`` its ``id``, ``token``, ``bytes``,
+    ``prob`` and ``top_probs``, the probabilities after the sampler chain (``tools/server/server-task.cpp``
+    ``completion_token_output::probs_vector_to_json``), in place of ``logprob`` and ``top_logprobs``."""
 
+    id: int | UnsetType = UNSET
     token: str
-    logprob: float | None
+    logprob: float | UnsetType | None = UNSET
     bytes_: list[int] = msgspec.field(name="bytes")
-    top_logprobs: list[TopLogprobEntry]
+    top_logprobs: list[TopLogprobEntry] | UnsetType = UNSET
+    prob: float | UnsetType = UNSET
+    top_probs: list[TopLogprobEntry] | UnsetType = UNSET
 
 
 class ChatLogprobs(msgspec.Struct, kw_only=True):
@@ -333,6 +344,7 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    post_sampling_probs: bool = False  # llama-server's: logprobs as probabilities after the sampler chain
 
 
 class CompletionRequest(OpenAIRequest, kw_only=True):

@@ -135,8 +135,16 @@ def fingerprint(info: proto.ModelInfo) -> str:
     return f"b{info.llama_cpp_version}-slotserve"
 
 
-def _logprob_entry(t: TokenOut, pieces: list[bytes]) -> LogprobEntry:
-    top = [TopLogprobEntry(token=piece_text(pieces[tok]), logprob=lp, bytes_=list(pieces[tok])) for tok, lp in t.top]
+def _logprob_entry(t: TokenOut, pieces: list[bytes], post_sampling: bool) -> LogprobEntry:
+    """``t``'s ``logprobs.content[]`` entry (OpenAI's); with ``post_sampling`` llama-server's, with ``prob`` and
+    ``top_probs`` after the sampler chain."""
+    if post_sampling:
+        top = [
+            TopLogprobEntry(id=k, token=piece_text(pieces[k]), bytes_=list(pieces[k]), prob=p) for k, p in t.top_probs
+        ]
+        prob = t.prob if t.prob is not None else 1.0  # llama-server's value when it has none
+        return LogprobEntry(id=t.token_id, token=piece_text(t.piece), bytes_=list(t.piece), prob=prob, top_probs=top)
+    top = [TopLogprobEntry(token=piece_text(pieces[k]), logprob=lp, bytes_=list(pieces[k])) for k, lp in t.top]
     return LogprobEntry(token=piece_text(t.piece), logprob=t.logprob, bytes_=list(t.piece), top_logprobs=top)
 
 
@@ -199,7 +207,8 @@ class Shape:
     def _chat_logprobs(self, tokens: list[TokenOut]) -> ChatLogprobs | UnsetType:
         if not (self.want_logprobs and tokens):
             return UNSET
-        return ChatLogprobs(content=[_logprob_entry(t, self.pieces) for t in tokens])
+        post = self.req.post_sampling_probs
+        return ChatLogprobs(content=[_logprob_entry(t, self.pieces, post) for t in tokens])
 
     def _text_choice(self, index: int, text: str, tokens: list[TokenOut], finish: str | None) -> TextChoice:
         logprobs = _legacy_logprobs(tokens, self.pieces) if self.want_logprobs and tokens else None
@@ -421,6 +430,7 @@ async def chat_shape(services: Services, request: Request[Any, Any, Any], data: 
     the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_calls`."""
     ids, plan = await chat_prompt_ids(services, data)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
+    req.post_sampling_probs = data.post_sampling_probs
     if plan:
         plan.constrain(req)
     pieces = await services.generation.pieces()
