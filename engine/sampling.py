@@ -80,7 +80,8 @@ class SamplerChain:
         self._selected = -1
         self.ptr = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         self._history: list[tuple[llama.llama_sampler_p, int]] = []  # (sampler, window) fed the context
-        self._cur: np.ndarray | None = None  # the candidates of a constrained sample (llama_token_data[n_vocab])
+        # the candidates of a constrained (or post_sampling_probs) sample: llama_token_data[n_vocab]
+        self._cur: np.ndarray | None = None
         self._ids = np.empty(0, np.int32)
         p = params
         seed = LLAMA_DEFAULT_SEED if p.seed < 0 else p.seed & 0xFFFFFFFF
