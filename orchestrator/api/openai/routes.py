@@ -258,9 +258,11 @@ class Shape:
     def call_chunk(self, delta: CallDelta, index: int = 0) -> ChatCompletionChunk:
         """A streamed chunk of choice ``index`` carrying a piece of a tool call (``delta.tool_calls[0]``
         with the call's ``index``; its first piece with ``id``, ``type`` and ``function.name``)."""
-        call = ToolCallDelta(index=delta.index, function=FunctionDelta(arguments=delta.arguments))
-        if delta.name is not None:
-            call.id, call.type, call.function.name = delta.id or "", "function", delta.name
+        if delta.name is None:
+            call = ToolCallDelta(index=delta.index, function=FunctionDelta(arguments=delta.arguments))
+        else:
+            head = FunctionDelta(name=delta.name, arguments=delta.arguments)
+            call = ToolCallDelta(index=delta.index, id=delta.id or "", type="function", function=head)
         choice = ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[call]), finish_reason=None)
         return self._chat_chunk([choice])
 
