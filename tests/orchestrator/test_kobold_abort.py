@@ -36,8 +36,10 @@ def test_lite_abort_ten_times_logs_no_error(start_server) -> None:  # type: igno
     before = httpx.get(server.url + "/api/extra/perf", timeout=30).json()["total_gens"]
     for i in range(10):
         _abort_mid_stream(server.url, f"KCPP{5000 + i}", "kb-abort")
-    # the turn after the aborts runs to its end and is stored
-    body = lite_body(STORY, "KCPP5999", max_length=4, stop_sequence=[], id_slot="kb-abort")
+    # the turn after the aborts runs to its end and is stored; it waits for the slot as Lite's request (no
+    # slot id) waits in KoboldCpp's queue: an abort that found its stream already closed answers at once,
+    # while that closed stream's generation may still be leaving the slot
+    body = lite_body(STORY, "KCPP5999", max_length=4, stop_sequence=[], id_slot="kb-abort", wait=True)
     out = httpx.post(server.url + "/api/v1/generate", json=body, timeout=120).json()
     assert out["results"][0]["finish_reason"] == "length"
     perf = httpx.get(server.url + "/api/extra/perf", timeout=30).json()

@@ -81,7 +81,8 @@ def test_lite_stream_trims_stop_and_memory_counts(server: ServerProc) -> None:
 
 
 def test_lite_polled_generation_check_and_abort(server: ServerProc) -> None:
-    body = lite_body(STORY * 5, "KCPP2002", max_length=400, stop_sequence=[], id_slot="kb-poll")
+    # bypass_eos: the generation is still running when the abort comes (an early end-of-text would win the race)
+    body = lite_body(STORY * 5, "KCPP2002", max_length=400, stop_sequence=[], id_slot="kb-poll", bypass_eos=True)
     result: list[httpx.Response] = []
     t = threading.Thread(
         target=lambda: result.append(httpx.post(server.url + "/api/v1/generate", json=body, timeout=120))

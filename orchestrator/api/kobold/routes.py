@@ -20,6 +20,8 @@ SillyTavern do).  Fields this server cannot honour are named in one warning line
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +58,7 @@ log = structlog.get_logger("slotserve.kobold")
 
 KOBOLDCPP_VERSION = "1.82.4"  # the KoboldCpp release whose API this follows
 KOBOLD_API_VERSION = "1.2.5"  # /api/v1/info/version, as KoboldCpp answers
+ABORT_WAIT_S = 10.0  # the longest /api/extra/abort waits for the generations it stops
 STOP_REASON = {"length": 0, "stop_token": 1, "stop_string": 2, "cancelled": 0}
 """KoboldCpp's ``stop_reason`` (``expose.h``: INVALID -1, OUT_OF_TOKENS 0, EOS_TOKEN_HIT 1, CUSTOM_STOPPER 2).
 ``gpttype_generate`` sets OUT_OF_TOKENS when a generation starts and changes it only for an end-of-stream
@@ -88,6 +91,7 @@ class Job:
     n_generated: int = 0
     started: float = field(default_factory=time.monotonic)
     done: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set once it stopped and left its slot
 
 
 @dataclass
@@ -118,6 +122,7 @@ class KoboldJobs:
         try:
             yield job
         finally:
+            job.ended.set()
             jobs = self.running[key]
             jobs.remove(job)
             if not jobs:
@@ -254,8 +259,13 @@ class KoboldController(Controller):
         running = jobs_of(request.app.state).running.get(body.genkey, [])
         if not running:
             return KoboldAbort(success="false", done="false")
-        for job in list(running):  # without a genkey: every generation started without one
+        stopping = list(running)
+        for job in stopping:  # without a genkey: every generation started without one
             await job.control.cancel()
+        # KoboldCpp answers once the generation had time to stop (koboldcpp.py sleeps 0.1 s); here once it
+        # has stopped and left its slot, so the client's next turn finds the slot free
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(job.ended.wait() for job in stopping)), ABORT_WAIT_S)
         return KoboldAbort(success="true", done="true")
 
     @get("/api/extra/generate/check", summary="KoboldCpp: text generated so far", responses=ERROR_RESPONSES)
