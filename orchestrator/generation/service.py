@@ -190,8 +190,9 @@ class GenerationService:
         if not ids:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "the context is empty")
         check_tokens(ids, info.vocab_size, "input_ids")
-        shifts = info.runtime.context_shift  # --context-shift: only the prompt must fit, generation shifts
-        if len(ids) + (0 if shifts else req.max_new_tokens) > info.n_ctx - (1 if shifts else 0):
+        # with --context-shift only the prompt (and one token after it) must fit: the generation shifts the window
+        needed = len(ids) + (1 if info.runtime.context_shift else req.max_new_tokens)
+        if needed > info.n_ctx:
             raise ServiceError(
                 ErrorCode.CONTEXT_OVERFLOW,
                 # llama-server's words (server-context.cpp), which its clients and tests look for

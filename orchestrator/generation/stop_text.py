@@ -7,6 +7,8 @@ do, and KoboldCpp with ``trim_stop`` (``koboldcpp.py`` ``handle_sse_stream``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class StopTextFilter:
     """Releases generated text except what may still become a stop string.
@@ -38,6 +40,13 @@ class StopTextFilter:
                     break
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out
+
+    @classmethod
+    def whole(cls, stops: list[str], texts: Iterable[str], stop: str = "") -> str:
+        """The whole output of a generation that was not streamed: ``texts`` (its tokens' text) as a
+        stream through a filter of ``stops`` would release them, ending on ``stop``."""
+        filt = cls(stops)
+        return "".join(filt.feed(t) for t in texts) + filt.finish(stop)
 
     def finish(self, stop: str = "") -> str:
         """The held-back text at the end, without ``stop`` and what follows it."""

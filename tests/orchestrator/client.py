@@ -102,6 +102,13 @@ def ws_v1(ws_base: str, messages: list[dict[str, Any] | str], until_done: int = 
 GREEDY_NOISE_NATS = 0.6
 
 
+def post_json(base: str, path: str, body: object, status: int = 200, timeout: float = 300) -> Any:
+    """POST ``body`` as JSON to ``base + path``; asserts the ``status`` and returns the decoded answer."""
+    r = httpx.post(base + path, json=body, timeout=timeout)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
 def tokenize(base: str, text: str) -> list[int]:
     r = httpx.post(base + "/api/v1/tokenize", json={"text": text}, timeout=30)
     r.raise_for_status()

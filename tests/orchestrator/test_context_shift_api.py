@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import CHAT, ServerProc
-from tests.orchestrator.client import tokenize
+from tests.orchestrator.client import post_json, tokenize
 
 WINDOW = 128
 
@@ -28,10 +29,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     s.stop()
 
 
-def post(srv: ServerProc, path: str, body: object, status: int = 200) -> dict:  # type: ignore[type-arg]
-    r = httpx.post(srv.url + path, json=body, timeout=300)
-    assert r.status_code == status, r.text
-    return r.json()  # type: ignore[no-any-return]
+def post(srv: ServerProc, path: str, body: object, status: int = 200) -> Any:
+    return post_json(srv.url, path, body, status, timeout=300)
 
 
 def test_completion_generates_past_the_window(srv: ServerProc) -> None:

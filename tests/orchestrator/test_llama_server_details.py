@@ -11,11 +11,13 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import ServerProc
+from tests.orchestrator.client import post_json
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
@@ -30,10 +32,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     s.stop()
 
 
-def post(srv: ServerProc, path: str, body: object, status: int = 200) -> dict:  # type: ignore[type-arg]
-    r = httpx.post(srv.url + path, json=body, timeout=120)
-    assert r.status_code == status, r.text
-    return r.json()  # type: ignore[no-any-return]
+def post(srv: ServerProc, path: str, body: object, status: int = 200) -> Any:
+    return post_json(srv.url, path, body, status, timeout=120)
 
 
 def test_slots_lists_numbered_slots_then_named(srv: ServerProc) -> None:

@@ -279,8 +279,7 @@ class MessagesController(Controller):
         stops = list(shape.req.stop_strings)
         if not data.stream:
             got = await collect(services, shape.req, request)
-            filt = StopTextFilter(stops)
-            whole = "".join(filt.feed(t.text) for t in got.tokens if not t.is_stop) + filt.finish(got.end.stop_string)
+            whole = StopTextFilter.whole(stops, (t.text for t in got.tokens if not t.is_stop), got.end.stop_string)
             said, calls = shape.tools.parse(whole) if shape.tools else (whole, [])
             content: list[AnswerBlock] = [TextBlock(text=said)] if said else []
             content += [tool_use(c) for c in calls]

@@ -238,8 +238,7 @@ async def _complete(
         c = await _prepare(services, ops, data, control.hooks, prompt, index)
         got = await collect(services, c.req, request, control)
     kept = [t for t in got.tokens if not t.is_stop]
-    filt = StopTextFilter(c.req.stop_strings)
-    text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
+    text = StopTextFilter.whole(c.req.stop_strings, (t.text for t in kept), got.end.stop_string)
     return c.final(text, got.tokens, got.end, await services.engine.detokenize(c.req.input_ids or []))
 
 

@@ -380,8 +380,7 @@ async def respond(
     if not data.stream:
         got = await collect(services, req, request)
         kept = [t for t in got.tokens if not t.is_stop]
-        filt = StopTextFilter(stops)
-        text = "".join(filt.feed(t.text) for t in kept) + filt.finish(got.end.stop_string)
+        text = StopTextFilter.whole(stops, (t.text for t in kept), got.end.stop_string)
         answer = shape.final(text, kept, got.end)
         if data.verbose:
             answer.verbose = await verbose_of(services, shape, text, kept, got.end)
@@ -483,8 +482,7 @@ async def respond_choices(
         choices: list[ChatChoice | TextChoice] = []
         for i, end in enumerate(ends):
             assert end is not None
-            filt = StopTextFilter(stops)
-            text = "".join(filt.feed(t.text) for t in tokens[i]) + filt.finish(end.stop_string)
+            text = StopTextFilter.whole(stops, (t.text for t in tokens[i]), end.stop_string)
             choices.append(shape.choice(i, text, tokens[i], end))
         generated = sum(e.n_generated for e in ends if e is not None)
         return shape.completion(choices, usage(generated), first.slot_id)  # type: ignore[return-value]
