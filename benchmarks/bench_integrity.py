@@ -41,7 +41,7 @@ def real_state(model_path: Path, n_tokens: int) -> bytes:
     """A sequence state of ``n_tokens`` prefilled tokens."""
     from engine.engine import BatchEntry, Engine
     from engine.model import Model
-    from engine.settings import EngineSettings
+    from contract.settings import EngineSettings
 
     model = Model(model_path)
     eng = Engine(model, EngineSettings(n_ctx=n_tokens + 16, n_slots=1, n_spare=0, capture=False))
@@ -66,7 +66,7 @@ def main() -> int:
 
     import zstandard
 
-    from engine import seq_state
+    from slotstate import seq_state
     from storage.slot_codec import state_digest
 
     blob = real_state(args.model or default_model(), args.tokens)

@@ -5,7 +5,7 @@ For each slot size (``--sizes``, default about 500, 2000 and 4000 tokens):
 1. **a real slot state**: on a slotserve (``--parallel 3 --no-persist``), a slot is filled by
    generating (prompt of n - 16 tokens, 16 new tokens), and ``POST /slots/{id}?action=save-state``
    with ``Accept: application/octet-stream`` gives its SES1 blob (the slot is then erased);
-2. **codecs**, in-process with :mod:`storage.codec`: compressed size, ratio, compression and
+2. **codecs**, in-process with :mod:`slotstate.codec`: compressed size, ratio, compression and
    decompression time for ``zstd`` and ``zstd-planes`` at ``--levels`` (default 1 and 3);
 3. **Redis**, in-process: ``storage.slot_codec.save_slot`` / ``load_slot`` through
    ``storage.redis_store.RedisStore`` on a throw-away ``redis-server`` (``tests/redis_server.py``),
@@ -44,9 +44,9 @@ import httpx
 from common import Quiet, add_gpu_args, add_idle_args, build_prompt, http_tokenizer, median
 from servers import ServerProc, check, default_model, free_port, settle, slotserve_cmd, stop_servers
 
-from storage import codec as codecs
+from slotstate import codec as codecs
 from storage.redis_store import RedisStore
-from storage.ses1 import ses1_tokens
+from slotstate.ses1 import ses1_tokens
 from storage.slot_codec import load_slot, save_slot
 from tests.redis_server import RedisServer
 

@@ -32,7 +32,7 @@ from common import Quiet, add_idle_args
 from engine import backend
 from engine.engine import Engine
 from engine.model import Model, default_model_path, init_backend
-from engine.settings import EngineSettings
+from contract.settings import EngineSettings
 
 
 def main() -> int:

@@ -54,10 +54,10 @@ from servers import ServerProc, free_port, settle, slotserve_cmd, stop_servers
 
 from engine.batcher import Batcher
 from engine.engine import Engine
-from engine.heap import keep_heap_mapped
+from contract.heap import keep_heap_mapped
 from engine.model import Model, default_model_path
-from engine.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
-from engine.settings import EngineSettings
+from contract.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
+from contract.settings import EngineSettings
 
 # ----------------------------------------------------------------------------- results
 
@@ -174,7 +174,7 @@ def inproc_once(eng: Engine, ids: list[int], args: argparse.Namespace, meter: Cp
 
 def bench_inproc(model: Model, ids: list[int], args: argparse.Namespace) -> tuple[Phase, Phase]:
     """Raw engine (no eval callback) and engine + capture, reps interleaved so drift hits both alike;
-    the worker's heap settings (``engine/heap.py``)."""
+    the worker's heap settings (``contract/heap.py``)."""
     keep_heap_mapped()
     paths: list[tuple[Phase, Engine]] = []
     quiet = Quiet(args)

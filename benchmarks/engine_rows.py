@@ -22,10 +22,10 @@ from servers import default_model
 
 from engine.batcher import Batcher
 from engine.engine import Engine
-from engine.heap import keep_heap_mapped
+from contract.heap import keep_heap_mapped
 from engine.model import Model
-from engine.protocol import CaptureOptions, Error, Generate, SamplingParams, Token
-from engine.settings import EngineSettings
+from contract.protocol import CaptureOptions, Error, Generate, SamplingParams, Token
+from contract.settings import EngineSettings
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from engine.kv_types import FLOAT_KV_TYPES
+from contract.kv_types import FLOAT_KV_TYPES
 from engine.native import lib as libggml
 
 # enum ggml_backend_dev_type (ggml/include/ggml-backend.h)

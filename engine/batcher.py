@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.engine import BatchEntry, Engine, EngineError
-from engine.errors import ErrorCode
-from engine.flow import Credit
+from contract.errors import ErrorCode
+from contract.flow import Credit
 from engine.grammar import GrammarError
-from engine.protocol import (
+from contract.protocol import (
     Buffer,
     Done,
     Error,
@@ -189,7 +189,7 @@ class Batcher:
     @staticmethod
     def held(job: Job) -> bool:
         """True while ``job`` has run its flow-control window (``Generate.window`` tokens, or
-        ``window_bytes`` of tensors) ahead of what its client has taken (:class:`engine.flow.Credit`):
+        ``window_bytes`` of tensors) ahead of what its client has taken (:class:`contract.flow.Credit`):
         it is not decoded (its sequence waits) until an ``Ack`` or a cancel."""
         return job.credit.spent() and not job.cancelled
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from engine import native
 from engine.cellmap import CellMap, CellMapError
-from engine.protocol import AttentionDtype, AttentionFormat, CaptureOptions
+from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 
 _DTYPES = {native.GGML_TYPE_F32: np.float32, native.GGML_TYPE_F16: np.float16}
 

@@ -26,9 +26,9 @@ import numpy as np
 from engine import native
 from engine.backend import FlashAttnChoice
 from engine.engine import EngineError
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from engine.model import Model, ModelLoadError, file_fingerprint
-from engine.settings import EngineSettings
+from contract.settings import EngineSettings
 
 
 class Classifier:

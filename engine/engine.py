@@ -14,7 +14,7 @@ Sequence numbering: ``0..n_slots-1`` are addressed by the orchestrator (resident
 
 States: llama.cpp writes a sequence's state with one record per stream (``include/llama.h``
 ``llama_state_seq_get_data``; all but the sequence's own empty); slotserve keeps and exchanges
-the one-stream form (the record alone, as a unified cache writes it: :mod:`engine.seq_state`),
+the one-stream form (the record alone, as a unified cache writes it: :mod:`slotstate.seq_state`),
 which does not depend on how many sequences this engine has and which llama-server reads.
 """
 
@@ -28,16 +28,17 @@ from dataclasses import dataclass
 import llama_cpp as llama
 import numpy as np
 
-from engine import backend, native, seq_state
-from engine.buffers import BufferPool
+from engine import backend, native
+from slotstate import seq_state
+from contract.buffers import BufferPool
 from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
 from engine.cellmap import CellMap, CellMapError
-from engine.errors import ErrorCode
-from engine.kv_types import KV_CACHE_TYPES
+from contract.errors import ErrorCode
+from contract.kv_types import KV_CACHE_TYPES
 from engine.memory import UnsupportedMemoryError, memory_of
 from engine.model import Model, file_fingerprint
-from engine.protocol import CaptureOptions
-from engine.settings import FLASH_ATTN_TYPES, EngineSettings
+from contract.protocol import CaptureOptions
+from contract.settings import FLASH_ATTN_TYPES, EngineSettings
 
 State = bytearray | memoryview
 
@@ -126,7 +127,7 @@ class Engine:
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
         # seq -> its current state (one-stream form), kept until the sequence changes so that saving
-        # an unchanged sequence again reads nothing; dropped copies go back to state_pool (engine/buffers.py)
+        # an unchanged sequence again reads nothing; dropped copies go back to state_pool (contract/buffers.py)
         self.states: dict[int, State] = {}
         self._raw: dict[int, State] = {}  # the pool buffer behind each kept state
         self.state_pool = BufferPool(keep=1)
@@ -404,7 +405,7 @@ class Engine:
 
     def save_state(self, seq: int) -> tuple[list[int], State]:
         """``(tokens, state)`` of ``seq``: its llama.cpp sequence state in the one-stream form
-        (``u32 magic | i32 seq | u32 1 | record``, :mod:`engine.seq_state`).
+        (``u32 magic | i32 seq | u32 1 | record``, :mod:`slotstate.seq_state`).
 
         Read with ``llama_state_seq_get_data`` into a pooled buffer and turned into the one-stream
         form in place (the 12 header bytes are written just before the sequence's record; the
@@ -428,7 +429,7 @@ class Engine:
         several (llama-server's ``-np N``: one record per slot, all but one empty); it is read in
         place, never copied.  It is parsed and checked against this engine's layout (with
         ``check_values`` its float K/V values must also be finite:
-        :func:`engine.seq_state.check_finite`) before llama.cpp sees it, then given to
+        :func:`slotstate.seq_state.check_finite`) before llama.cpp sees it, then given to
         ``llama_attn_state_seq_set_data`` as pieces with this engine's stream count.  Raises
         ``EngineError(BAD_STATE)`` for a blob this engine cannot take and
         ``EngineError(CONTEXT_OVERFLOW)`` for more tokens than the context window (``n_ctx``).
@@ -561,7 +562,7 @@ def read_state(
     shape: seq_state.StateShape | None = None,
 ) -> tuple[State, memoryview]:
     """``(buffer, state)``: ``llama_state_seq_get_data`` of ``seq`` written into ``alloc(size)``, and
-    its one-stream form (:func:`engine.seq_state.one_stream`, a view of the buffer; ``shape``: the parts
+    its one-stream form (:func:`slotstate.seq_state.one_stream`, a view of the buffer; ``shape``: the parts
     of the model's states, default one KV cache).  On failure the buffer goes to ``release`` and
     ``EngineError(INTERNAL)`` is raised."""
     size = llama.llama_state_seq_get_size(ctx, seq)

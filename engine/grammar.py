@@ -24,7 +24,7 @@ from typing import Any
 import llama_cpp as llama
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 
 MAX_NESTING = 1000  # groups nested in a GBNF text (10 000 parsed fine, 20 000 overflowed the stack)
 MAX_REPEAT = 1000  # the largest count a JSON schema may ask to repeat (minItems, maxLength, {m,n}...)

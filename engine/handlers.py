@@ -1,4 +1,4 @@
-"""A generation worker's request handlers: one per message of :mod:`engine.protocol`.
+"""A generation worker's request handlers: one per message of :mod:`contract.protocol`.
 
 :class:`EngineHandlers` maps each request type the generation worker serves to the
 method that answers it (SGLang's type-based dispatch): adding a message is one Struct
@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine import protocol as proto
+from contract import protocol as proto
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineError
-from engine.errors import ErrorCode
-from engine.framing import RecvBuffer
+from contract.errors import ErrorCode
+from contract.framing import RecvBuffer
 from engine.state_file import load_seq_file, write_slot_file
 
 Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]

@@ -7,7 +7,7 @@ one for the sliding-window layers (``llama_kv_cache_iswa``), a recurrent state
 Jamba, Granite 4).  :func:`memory_of` reads which from ``llama_attn_init`` (the KV caches attention
 rows index: ``libllama/llama-attn.h``) and ``llama_model_is_recurrent`` / ``llama_model_is_hybrid``
 (``include/llama.h``), and from that follow the parts of a sequence's state
-(:class:`engine.seq_state.StateShape`) and what the engine can do with a sequence.
+(:class:`slotstate.seq_state.StateShape`) and what the engine can do with a sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import llama_cpp as llama
 
 from engine import native
 from engine.model import Model
-from engine.seq_state import StateShape
+from slotstate.seq_state import StateShape
 
 
 @dataclass(frozen=True)

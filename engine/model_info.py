@@ -8,7 +8,7 @@ import llama_cpp as llama
 
 from engine import backend
 from engine.engine import Engine
-from engine.model_facts import EngineRuntime, MemoryInfo, ModelInfo
+from contract.model_facts import EngineRuntime, MemoryInfo, ModelInfo
 from engine.native import lib as libggml
 
 libggml.ggml_type_name.argtypes = [ctypes.c_int]

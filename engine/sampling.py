@@ -26,7 +26,7 @@ import llama_cpp as llama
 import numpy as np
 
 from engine.grammar import gbnf_of, grammar_sampler
-from engine.protocol import SamplingParams
+from contract.protocol import SamplingParams
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 MIROSTAT_M = 100  # llama-server's m for Mirostat 1 (common/sampling.cpp)

@@ -2,7 +2,7 @@
 
 llama-server's ``POST /slots/{id}?action=save|restore`` (``tools/server/README.md``) writes and
 reads ``--slot-save-path/FILENAME`` with ``llama_state_seq_save_file`` /
-``llama_state_seq_load_file`` (``include/llama.h``); the format is :mod:`engine.ggsq`'s.
+``llama_state_seq_load_file`` (``include/llama.h``); the format is :mod:`slotstate.ggsq`'s.
 When the worker shares the orchestrator's file system (it spawned the worker), the worker
 does the same, so a slot's tens of MB never cross the worker's socket:
 
@@ -13,7 +13,7 @@ does the same, so a slot's tens of MB never cross the worker's socket:
   wait for it.
 * :func:`load_seq_file` reads the file once, into a page-aligned buffer of the engine's
   ``state_pool`` (~6 ms for 46 MB on the project's 2-core VM, ~30 into an unaligned
-  ``bytearray``: :mod:`engine.buffers`), and restores that
+  ``bytearray``: :mod:`contract.buffers`), and restores that
   buffer as the API's restore does (:meth:`engine.engine.Engine.restore_state`: every header
   field and the length checked, the K/V values tested for NaN/infinity, then
   ``llama_state_seq_set_data``).  llama.cpp never reads the file itself: its
@@ -29,10 +29,10 @@ import os
 import time
 from pathlib import Path
 
-from engine import seq_state
+from slotstate import seq_state
 from engine.engine import Engine, EngineError
-from engine.errors import ErrorCode
-from engine.ggsq import read_seq_file, write_seq_file
+from contract.errors import ErrorCode
+from slotstate.ggsq import read_seq_file, write_seq_file
 
 
 def write_slot_file(path: Path, tokens: list[int], state: bytes | bytearray | memoryview) -> int:

@@ -1,7 +1,7 @@
 """Engine worker process: owns the model and context, runs the decode loop, serves one orchestrator.
 
 Entry point: ``python -m engine.worker --connect unix:/path.sock --settings JSON``
-(the orchestrator spawns it and listens; the settings are :class:`engine.settings.EngineSettings`)
+(the orchestrator spawns it and listens; the settings are :class:`contract.settings.EngineSettings`)
 or ``--listen tcp:HOST:PORT --model PATH ...`` to run it standalone.  A reader thread
 turns incoming frames into a queue; the main thread applies requests between decode
 steps (:class:`Worker` dispatches them by type) and steps the
@@ -26,19 +26,20 @@ from typing import Literal
 import llama_cpp  # noqa: F401 - first of the native libraries, before numpy's (docs/hardware.md)
 import msgspec
 
-from engine import backend, settings
-from engine import protocol as proto
+from engine import backend
+from contract import settings
+from contract import protocol as proto
 from engine.batcher import Batcher
-from engine.buffers import BufferPool
+from contract.buffers import BufferPool
 from engine.classifier import Classifier
 from engine.engine import Engine, EngineError
-from engine.errors import ErrorCode
-from engine.framing import RecvBuffer, parse_address
+from contract.errors import ErrorCode
+from contract.framing import RecvBuffer, parse_address
 from engine.handlers import EngineHandlers, Handler
-from engine.heap import keep_heap_mapped
+from contract.heap import keep_heap_mapped
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
-from engine.settings import EngineSettings
+from contract.settings import EngineSettings
 
 log = logging.getLogger("slotserve.worker")
 
@@ -168,7 +169,7 @@ class Worker:
 def build_parser() -> argparse.ArgumentParser:
     """Command line of the worker: where its orchestrator is, and the engine settings
     (``--settings JSON``, as the orchestrator hands them, and/or every engine flag of
-    :mod:`engine.settings`; a flag given beside ``--settings`` overrides it)."""
+    :mod:`contract.settings`; a flag given beside ``--settings`` overrides it)."""
     p = argparse.ArgumentParser(prog="python -m engine.worker", description="slotserve engine worker")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--connect", help="unix:/path or tcp:host:port of the orchestrator")
@@ -209,12 +210,12 @@ def run_worker_process(argv: list[str] | None = None) -> int:
     """Process entry: reach the orchestrator, load the model and the engine (or the classifier), serve.
 
     The socket is opened first so that the orchestrator learns every start-up stage
-    (:class:`engine.protocol.Starting`) and, if the process dies on the way (a crash in
+    (:class:`contract.protocol.Starting`) and, if the process dies on the way (a crash in
     native code), which stage it reached.
     """
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    keep_heap_mapped()  # per-token attention arrays from mapped memory (engine/heap.py)
+    keep_heap_mapped()  # per-token attention arrays from mapped memory (contract/heap.py)
     args, config = parse_args(argv)
     sock = open_socket(args)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)

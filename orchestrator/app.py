@@ -22,7 +22,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.plugins.prometheus import PrometheusConfig
 from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.admin.feed import AttentionFeed
 from orchestrator.api.native.generate import GenerateController
@@ -43,9 +43,9 @@ from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.header_case import canonical_header_names
 from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.web.slot_header import slot_header_middleware
-from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.interface import EngineClient
-from orchestrator.worker.lazy import LazyWorker
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.lazy import LazyWorker
 
 log = structlog.get_logger("slotserve")
 

@@ -27,10 +27,10 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
-from engine import protocol as proto
-from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.interface import EngineClient, EngineRequestError, TokenOutput
-from orchestrator.worker.launch import WorkerOptions
+from contract import protocol as proto
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineClient, EngineRequestError, TokenOutput
+from orchestrator.engine_client.launch import WorkerOptions
 
 PROMPT = "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n"
 N_TOKENS = 8

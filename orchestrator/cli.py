@@ -9,12 +9,12 @@ import sys
 import msgspec
 import uvicorn
 
-from engine import settings as engine_settings
-from engine.heap import keep_heap_mapped
+from contract import settings as engine_settings
+from contract.heap import keep_heap_mapped
 from orchestrator.config import Settings
 from orchestrator.web.logfilter import uvicorn_log_config
 from orchestrator.web.read_limits import limited_protocol
-from orchestrator.worker.launch import WorkerOptions
+from orchestrator.engine_client.launch import WorkerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.slot_save_path.mkdir(parents=True, exist_ok=True)
     from orchestrator.app import create_app
 
-    keep_heap_mapped()  # per-token attention frames received into mapped memory (engine/heap.py)
+    keep_heap_mapped()  # per-token attention frames received into mapped memory (contract/heap.py)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,

@@ -1,9 +1,9 @@
 """Server settings, declared once: every field with its default, its check and its ``slotserve serve`` flags.
 
-:class:`Settings` is declared as :class:`engine.settings.EngineSettings` is, one line a field
+:class:`Settings` is declared as :class:`contract.settings.EngineSettings` is, one line a field
 (``Annotated[type, check, Flag(help, *flags)] = default``), and ``slotserve serve``'s own flags
-are generated from it by the same functions (:func:`engine.settings.add_arguments` and
-:func:`engine.settings.from_args` with ``cls=Settings``); docs/operations.md documents each
+are generated from it by the same functions (:func:`contract.settings.add_arguments` and
+:func:`contract.settings.from_args` with ``cls=Settings``); docs/operations.md documents each
 flag. The engine's settings ride along in :attr:`Settings.worker`.
 """
 
@@ -14,10 +14,10 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine.flow import WINDOW_BYTES, WINDOW_TOKENS
-from engine.settings import EngineSettings, Flag, NonNegative, Positive
+from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
+from contract.settings import EngineSettings, Flag, NonNegative, Positive
 from orchestrator.web.read_limits import ReadLimits
-from orchestrator.worker.launch import WorkerOptions
+from orchestrator.engine_client.launch import WorkerOptions
 
 Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
 Durability = Literal["strict", "write-behind"]
@@ -37,7 +37,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     (:class:`storage.timeouts.TimeoutStore`).  ``durability``: ``strict`` (a turn is answered once
     its state is stored) or ``write-behind`` (answered at once, stored ``write_delay_ms`` later;
     docs/operations.md).  ``stream_window`` / ``stream_window_bytes``: how far a generation may run
-    ahead of what its client has taken, in tokens and in tensor bytes (flow control, :mod:`engine.flow`).
+    ahead of what its client has taken, in tokens and in tensor bytes (flow control, :mod:`contract.flow`).
     ``seed``, ``alias``, ``tags`` and ``embeddings`` are
     llama-server's flags of the same names (llama.cpp ``common/arg.cpp``).
     """

@@ -8,7 +8,7 @@ than with prometheus-client because its text exposition names a counter's ``# TY
 is a counter without that suffix (scrapers and llama.cpp's own tests match the ``# TYPE`` line
 to the sample by name).
 
-Values come from each finished generation (:class:`engine.protocol.Done`), as llama-server
+Values come from each finished generation (:class:`contract.protocol.Done`), as llama-server
 counts its tasks:
 
 * ``prompt_tokens_total`` / ``prompt_seconds_total``: tokens prefilled (not served from the KV
@@ -34,7 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from engine.protocol import Done
+from contract.protocol import Done
 
 PROCESS_START_HEADER = "Process-Start-Time-Unix"
 """llama-server's ``/metrics`` response header: when the server started, Unix seconds (``server-context.cpp``)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from engine.protocol import Done
+from contract.protocol import Done
 from orchestrator.llama_metrics import LLAMA_SERVER
 
 TOKENS_GENERATED = Counter("slotserve_tokens_generated_total", "Tokens generated")

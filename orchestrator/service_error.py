@@ -1,6 +1,6 @@
 """The one exception the orchestrator's domain code raises: :class:`ServiceError`.
 
-Slots, generation and the engine client side refuse or fail with an :class:`engine.errors.ErrorCode`,
+Slots, generation and the engine client side refuse or fail with an :class:`contract.errors.ErrorCode`,
 a message and extra fields a client may read (``slot_id``, ``retry_after``, ``n_ctx``...).  They know
 nothing of HTTP: the web edge (:mod:`orchestrator.web.errors`) maps every exception to a status and a
 body in one place (``TO_API_ERROR``), so a WebSocket error frame, an SSE error event and an HTTP
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 
 
 class ServiceError(Exception):

@@ -12,8 +12,8 @@ from orchestrator.generation.service import GenerationService
 from orchestrator.slots.operations import SlotOps
 from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import SlotRegistry
-from orchestrator.worker.interface import EngineClient
-from orchestrator.worker.lazy import LazyWorker
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.lazy import LazyWorker
 
 
 @dataclass

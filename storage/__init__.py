@@ -5,7 +5,7 @@ Modules: ``errors`` (exceptions), ``ses1`` (blob format), ``codec`` (zstd codecs
 SlotStore protocol), ``directory``, ``redis_store`` + ``redis_url``, ``leases``, ``slot_codec``
 (save_slot/load_slot), ``factory`` (open_store).
 
-The names below are imported lazily, so ``import storage.ses1`` (e.g. in an engine worker) does not
+The names below are imported lazily, so ``import slotstate.ses1`` (e.g. in an engine worker) does not
 load redis-py.
 """
 

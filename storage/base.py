@@ -43,7 +43,7 @@ class SlotMeta(msgspec.Struct):
             restorable into the same fingerprint.
         n_tokens: number of tokens in the state (== len(tokens)).
         tokens: the token ids held by the state.
-        codec: codec name from :mod:`storage.codec` ("none", "zstd", "zstd-planes").
+        codec: codec name from :mod:`slotstate.codec` ("none", "zstd", "zstd-planes").
         level: zstd level used.
         raw_size: bytes of the SES1 blob before compression.
         stored_size: bytes of the blob as stored (after compression); set by the store on put.

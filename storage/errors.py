@@ -1,4 +1,4 @@
-"""Exceptions raised by the ``storage`` package.
+"""Exceptions raised by the ``storage`` package (the state errors are :mod:`slotstate.errors`'s, re-exported).
 
 Every store and helper raises only these (plus ``ValueError``/``TypeError`` for caller mistakes such as an
 invalid slot id), so callers can map them to API errors without knowing the backend:
@@ -14,33 +14,13 @@ invalid slot id), so callers can map them to API errors without knowing the back
 
 from __future__ import annotations
 
+from slotstate.errors import BadStateError, FingerprintMismatchError
+
 __all__ = ["BadStateError", "FingerprintMismatchError", "LeaseLostError", "StorageError", "StoreUnavailableError"]
 
 
 class StorageError(Exception):
     """Base class of every error raised by the storage package."""
-
-
-class BadStateError(StorageError, ValueError):
-    """A state blob or its metadata is malformed, truncated, corrupt or inconsistent."""
-
-
-class FingerprintMismatchError(BadStateError):
-    """A stored slot belongs to a different model fingerprint than the one asking for it.
-
-    Attributes:
-        slot_id: the slot that was asked for.
-        expected: the fingerprint of the caller's model.
-        found: the fingerprint recorded in the slot's metadata.
-    """
-
-    def __init__(self, slot_id: str, expected: str, found: str) -> None:
-        super().__init__(
-            f"slot {slot_id!r} was saved by model fingerprint {found!r}, not {expected!r}; refusing to load it"
-        )
-        self.slot_id = slot_id
-        self.expected = expected
-        self.found = found
 
 
 class StoreUnavailableError(StorageError):

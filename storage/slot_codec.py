@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import xxhash
 
-from storage import codec as codecs
+from slotstate import codec as codecs
 from storage.base import SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError
-from storage.ses1 import ses1_tokens
+from slotstate.ses1 import ses1_tokens
 
 __all__ = ["DIGEST_ALGORITHM", "load_slot", "save_slot", "state_digest"]
 
@@ -60,9 +60,9 @@ async def save_slot(
         store: any :class:`storage.base.SlotStore`.
         fingerprint: the model fingerprint the state belongs to.
         tokens: the slot's tokens; must equal the tokens inside ``ses1_blob``.
-        ses1_blob: a SES1 blob (see :mod:`storage.ses1`).
-        codec: "auto" (sampled planes-or-plain choice, :func:`storage.codec.encode_auto`), "best"
-            (both, keep the smaller), or a codec name from :data:`storage.codec.CODECS`.
+        ses1_blob: a SES1 blob (see :mod:`slotstate.ses1`).
+        codec: "auto" (sampled planes-or-plain choice, :func:`slotstate.codec.encode_auto`), "best"
+            (both, keep the smaller), or a codec name from :data:`slotstate.codec.CODECS`.
         level: zstd level.
         lease: a fencing token (:meth:`storage.base.SlotStore.put`): stored only while it holds the
             slot's lease.

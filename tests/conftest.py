@@ -114,7 +114,7 @@ def engine(model, request: pytest.FixtureRequest):  # type: ignore[no-untyped-de
     """The engine of the engine tests, once with flash attention off (V transposed, rows from the softmax:
     the CPU default) and once on (V stored by rows, rows from the side branch: the GPU default)."""
     from engine.engine import Engine
-    from engine.settings import EngineSettings
+    from contract.settings import EngineSettings
 
     settings = EngineSettings(
         n_ctx=2048, n_slots=4, n_spare=2, n_threads=2, verify_cells=True, flash_attn=request.param

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from litestar.routes import WebSocketRoute
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api import stream_docs
 from orchestrator.api.kobold import protocol as kobold
 from orchestrator.api.llama_server import protocol as llama_server
@@ -170,7 +170,7 @@ def test_nothing_cites_documents_outside_the_repository() -> None:
     root = ROOT
     pattern = re.compile(r"DESIGN\.md|\bseeds?[ _]?0\d\d\b|\bseeds/", re.IGNORECASE)
     offenders = []
-    for folder in ("engine", "orchestrator", "storage", "benchmarks", "tests", "docs", "scripts"):
+    for folder in ("contract", "engine", "orchestrator", "slotstate", "storage", "benchmarks", "tests", "docs", "scripts"):
         for path in (root / folder).rglob("*"):
             if path.suffix in {".py", ".md", ".c", ".js", ".html", ".sh"} and path.is_file():
                 text = path.read_text(encoding="utf-8", errors="replace")

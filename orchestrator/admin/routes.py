@@ -30,7 +30,7 @@ from litestar import Controller, MediaType, Request, Response, get
 from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.admin.protocol import AttentionEvent, SlotsEvent
 from orchestrator.admin.view import AdminView, SlotView
 from orchestrator.api.native.protocol import SlotMessages

@@ -16,7 +16,7 @@ from typing import Any
 
 from litestar import Request
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.generation.events import DoneOut, Started, TokenOut
 from orchestrator.generation.request import INT32_MAX, CanonicalRequest

@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.service_error import ServiceError
 
 

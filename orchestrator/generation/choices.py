@@ -2,7 +2,7 @@
 
 The prompt is prefilled into the request's slot once (a generation of 0 tokens, which leaves
 the prompt's KV cells in the slot), and while the slot is still held, ``n`` copy-on-write forks
-of it (``llama_memory_seq_cp``: the previews' mechanism, :meth:`orchestrator.worker.interface.EngineClient.preview`
+of it (``llama_memory_seq_cp``: the previews' mechanism, :meth:`orchestrator.engine_client.interface.EngineClient.preview`
 with nothing appended) generate the ``n`` choices concurrently on spare engine sequences, each
 re-decoding the prompt's last token for its own logits.  The slot keeps the prompt; the forks are
 discarded.  llama-server does the same with ``n_cmpl`` child tasks that copy the parent slot's
@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 from orchestrator.generation.events import DoneOut, TokenOut, TokenStream
 from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import GenerationService, RunControl, capture_options
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.model import Slot
-from orchestrator.worker.interface import GenerationStream
+from orchestrator.engine_client.interface import GenerationStream
 
 
 @dataclass

@@ -3,7 +3,7 @@
 :class:`TokenStream` turns the engine's token events into :class:`TokenOut` (with incremental UTF-8 text) and
 its ``Progress`` into :class:`ProgressOut`; :meth:`DoneOut.of` turns its ``Done`` into the end a client sees.
 The surfaces (``orchestrator/api/*/``) turn these into their own stream events; none of them reads the worker
-protocol (``engine/protocol.py``).
+protocol (``contract/protocol.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine import protocol as proto
-from orchestrator.worker.interface import EngineEvent, TokenOutput
+from contract import protocol as proto
+from orchestrator.engine_client.interface import EngineEvent, TokenOutput
 
 
 @dataclass
@@ -119,7 +119,7 @@ class TokenStream:
         self.stop_ids = stop_ids
 
     async def events(self, stream: AsyncIterator[EngineEvent]) -> AsyncIterator[TokenOut | ProgressOut | proto.Done]:
-        """The engine's events of one request (a :class:`orchestrator.worker.interface.GenerationStream`):
+        """The engine's events of one request (a :class:`orchestrator.engine_client.interface.GenerationStream`):
         each token as a :class:`TokenOut` (:meth:`convert`), ``Progress`` as a :class:`ProgressOut`, the
         final ``Done`` as it comes."""
         async for event in stream:

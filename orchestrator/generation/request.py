@@ -9,11 +9,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.errors import ErrorCode
-from engine.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
+from contract.errors import ErrorCode
+from contract.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
 from orchestrator.service_error import ServiceError
 
-DEFAULT = SamplingParams()  # the sampler defaults, declared once (engine/protocol.py)
+DEFAULT = SamplingParams()  # the sampler defaults, declared once (contract/protocol.py)
 
 
 # A preview's defaults: the same sampler, a little more conservative (docs/api.md, "Preview"), no
@@ -109,7 +109,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
 
     def sampler_settings(self, defaults: SamplingParams = DEFAULT) -> dict[str, Any]:
         """These fields for a :class:`CanonicalRequest`: a missing value is taken from ``defaults``
-        (:class:`engine.protocol.SamplingParams`'s own unless an API has others); ``logit_bias`` as
+        (:class:`contract.protocol.SamplingParams`'s own unless an API has others); ``logit_bias`` as
         pairs, ``json_schema`` as JSON text."""
         fields = self.sampler_fields()
         context = {name: fields.pop(name) for name in CONTEXT_FIELDS}  # not samplers: no default in SamplingParams
@@ -212,7 +212,7 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     logit_bias: BiasPairs = []
     grammar: str = ""
     json_schema: str = ""
-    schema_rule: str = ""  # engine.protocol.SamplingParams: set by the tool-call paths, not by clients
+    schema_rule: str = ""  # contract.protocol.SamplingParams: set by the tool-call paths, not by clients
     grammar_triggers: list[str] = []
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
     n_keep: int = 0  # llama-server's context shift (--context-shift): tokens kept at the start, -1 the prompt

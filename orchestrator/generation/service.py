@@ -12,8 +12,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 
 import structlog
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.generation.events import (
     DoneOut,
@@ -31,7 +31,7 @@ from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
 from orchestrator.slots.model import Slot
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.slots.residency import uncancellable
-from orchestrator.worker.interface import EngineClient, EngineRequestError, GenerationStream
+from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationStream
 
 log = structlog.get_logger("slotserve.generate")
 
@@ -55,7 +55,7 @@ PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma"
 
 
 def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.SamplingParams:
-    """Validated :class:`engine.protocol.SamplingParams` from a canonical request.
+    """Validated :class:`contract.protocol.SamplingParams` from a canonical request.
 
     Value ranges are checked when the body is decoded (``orchestrator/schemas.py``); this
     checks token ids against the vocabulary and resolves llama-server's special values
@@ -240,7 +240,7 @@ class GenerationService:
     ) -> AsyncGenerator[Started | TokenOut | ProgressOut | DoneOut, None]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
-        With ``req.progress``, ``engine.protocol.Progress`` events come before the first
+        With ``req.progress``, ``contract.protocol.Progress`` events come before the first
         token: one when the prefill starts, then one per at most 256 prompt tokens, the
         last with ``n_done == n_total``.
 

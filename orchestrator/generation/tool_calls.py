@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.json_scan import JsonScan, Span
 from orchestrator.generation.request import CanonicalRequest

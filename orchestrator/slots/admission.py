@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.service_error import ServiceError
 

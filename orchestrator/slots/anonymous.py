@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.model import Slot

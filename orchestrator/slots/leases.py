@@ -25,7 +25,7 @@ import uuid
 
 import structlog
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.persistence import SlotArchive, refused_write
 

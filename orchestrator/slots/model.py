@@ -11,8 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
 

@@ -15,16 +15,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import seq_state
-from engine.buffers import BufferPool
-from engine.errors import ErrorCode
-from engine.framing import Buffer
-from engine.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
+from slotstate import seq_state
+from contract.buffers import BufferPool
+from contract.errors import ErrorCode
+from contract.framing import Buffer
+from slotstate.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
 from orchestrator.generation.service import check_tokens
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.registry import Slot, SlotRegistry
 from storage.errors import BadStateError
-from storage.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
+from slotstate.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class SavedState:
     t_ms: float
 
     def ses1_chunks(self) -> list[Buffer]:
-        """The SES1 blob (:mod:`storage.ses1`) as two chunks to send in order (the state not copied)."""
+        """The SES1 blob (:mod:`slotstate.ses1`) as two chunks to send in order (the state not copied)."""
         return [ses1_header(self.tokens), self.state]
 
     @property
@@ -201,7 +201,7 @@ class SlotOps:
 
     async def save_file(self, slot: Slot, filename: str) -> FileResult:
         """Write the slot to ``--slot-save-path/filename`` as llama.cpp's sequence-state file
-        (``ggsq``, what llama-server writes: :mod:`engine.ggsq`), beside the target first and
+        (``ggsq``, what llama-server writes: :mod:`slotstate.ggsq`), beside the target first and
         renamed over it.  A resident slot is written by the worker when it shares this file
         system (``worker_files``); a parked one (or any, with a standalone worker) from its
         state here, off the event loop.  Raises ``INVALID_REQUEST`` for a bad file name."""

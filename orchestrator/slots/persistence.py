@@ -2,7 +2,7 @@
 
 :class:`SlotArchive` is the orchestrator's one road to a :class:`storage.base.SlotStore`:
 
-* :meth:`SlotArchive.write` compresses a SES1 blob (:mod:`storage.ses1`, in a thread) and
+* :meth:`SlotArchive.write` compresses a SES1 blob (:mod:`slotstate.ses1`, in a thread) and
   stores it with its metadata and the model fingerprint (:func:`storage.slot_codec.save_slot`);
   writes of one slot run one at a time, and a write older than the stored one is skipped
   (:meth:`next_version` orders them).
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.service_error import ServiceError
 from storage.base import SlotMeta, SlotStore

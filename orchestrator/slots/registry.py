@@ -39,8 +39,8 @@ from pathlib import Path
 
 import structlog
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import AdmissionQueue, WaitHooks
@@ -49,9 +49,9 @@ from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.model import MAX_SLOT_ID, Slot, check_slot_id
 from orchestrator.slots.persistence import OwnershipLost, SlotArchive
 from orchestrator.slots.residency import Residency, uncancellable
-from orchestrator.worker.interface import EngineClient
+from orchestrator.engine_client.interface import EngineClient
 from storage.base import SlotMeta
-from storage.ses1 import pack_ses1, unpack_ses1
+from slotstate.ses1 import pack_ses1, unpack_ses1
 
 __all__ = ["MAX_SLOT_ID", "Slot", "SlotRegistry", "check_slot_id"]
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import structlog
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import AdmissionQueue, Ticket, WaitHooks
 from orchestrator.slots.model import Slot
-from orchestrator.worker.interface import EngineClient
+from orchestrator.engine_client.interface import EngineClient
 
 log = structlog.get_logger("slotserve.slots")
 

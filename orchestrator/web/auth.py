@@ -17,7 +17,7 @@ from urllib.parse import parse_qs
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.web.errors import ApiError, ErrorEvent, send_error
 
 PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js")

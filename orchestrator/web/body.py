@@ -16,7 +16,7 @@ import msgspec
 from litestar.dto import MsgspecDTO
 from litestar.typing import FieldDefinition
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.web.errors import ERROR_RESPONSES, ApiError
 
 if TYPE_CHECKING:

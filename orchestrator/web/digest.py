@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import http_sf
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.web.errors import ApiError
 
 Buffer = bytes | bytearray | memoryview

@@ -1,6 +1,6 @@
 """API errors: every failure a client sees is JSON with an ``error_code``.
 
-The codes are :class:`engine.errors.ErrorCode` (docs/api.md, "Errors"); each has one HTTP
+The codes are :class:`contract.errors.ErrorCode` (docs/api.md, "Errors"); each has one HTTP
 status, :data:`STATUS_OF_CODE`.  Body shape::
 
     {"error": "<message>", "error_code": "<CODE>", ...extra}
@@ -30,9 +30,9 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 from litestar.openapi import ResponseSpec
 from litestar.types import ExceptionHandlersMap, Send
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.service_error import ServiceError
-from orchestrator.worker.interface import EngineDeadError, EngineRequestError
+from orchestrator.engine_client.interface import EngineDeadError, EngineRequestError
 
 log = structlog.get_logger("slotserve.api")
 _QUERY = re.compile(r"\?\S*")

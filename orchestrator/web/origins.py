@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from litestar.config.cors import CORSConfig
 from litestar.types import ASGIApp, Message, Method, Receive, Scope, Send
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.web.errors import ApiError, send_error
 
 

@@ -12,7 +12,7 @@ buffer to the socket as it is.
 A request body the other way (a ``restore-state`` blob) is read chunk by chunk straight into
 a buffer lent by :data:`BODY_POOL` (:func:`read_body`): Litestar's ``Request.body()`` joins
 the chunks into new ``bytes`` whose pages are faulted in on first touch, which costs more
-than the copy itself (see :mod:`engine.buffers`).
+than the copy itself (see :mod:`contract.buffers`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, cast
 from litestar import Request, Response
 from litestar.response.base import ASGIResponse
 
-from engine.buffers import BufferPool
-from engine.framing import POOLED_BYTES, Buffer
+from contract.buffers import BufferPool
+from contract.framing import POOLED_BYTES, Buffer
 from orchestrator.service_error import ServiceError
 
 BODY_POOL = BufferPool(keep=1)

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 
 
 @dataclass(frozen=True)

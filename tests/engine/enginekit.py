@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine import seq_state
+from slotstate import seq_state
 from engine.batcher import Batcher
 from engine.engine import BatchEntry, Engine, read_state
-from engine.protocol import CaptureOptions, Done, Error, Generate, GenerateMode, SamplingParams, Tensor, Token
+from contract.protocol import CaptureOptions, Done, Error, Generate, GenerateMode, SamplingParams, Tensor, Token
 
 _req = iter(range(1_000_000, 10_000_000))
 
@@ -30,7 +30,7 @@ def same_kv(a: bytes | bytearray, b: bytes | bytearray) -> bool:
 
 
 def tensor(t: Tensor, bufs: list[np.ndarray]) -> np.ndarray:
-    """The array a :class:`engine.protocol.Tensor` describes, read from the emitted buffers."""
+    """The array a :class:`contract.protocol.Tensor` describes, read from the emitted buffers."""
     return np.frombuffer(t.take(bufs), dtype=t.dtype).reshape(t.shape)
 
 

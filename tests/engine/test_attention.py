@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.engine import BatchEntry
-from engine.protocol import CaptureOptions
+from contract.protocol import CaptureOptions
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close, prefill_row, replay_attention
 
@@ -165,7 +165,7 @@ def test_flash_attention_side_branch_gives_the_rows_of_the_plain_path(model, pro
     tokens); without it, from the main path's softmax.  Layer 0 sees the same inputs and must match to
     float rounding; deeper layers' inputs differ by the two paths' rounding (the cell-layout tolerance)."""
     from engine.engine import Engine
-    from engine.settings import EngineSettings
+    from contract.settings import EngineSettings
 
     rows = {}
     for fa in ("on", "off"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.buffers import PAGE, BufferPool
+from contract.buffers import PAGE, BufferPool
 
 
 def test_given_back_memory_is_reused_and_kept_within_bounds() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine import seq_state
+from slotstate import seq_state
 from tests.engine.enginekit import Result, Runner
 
 MIN_CHUNK = 8

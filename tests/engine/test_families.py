@@ -27,9 +27,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from engine.engine import Engine, EngineError
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from engine.model import Model
-from engine.settings import EngineSettings
+from contract.settings import EngineSettings
 from tests.engine.enginekit import Result, Runner
 from tests.tiny_models import ARCHITECTURES, SLIDING_WINDOW, Reference, assert_matches, build_tiny_gguf
 

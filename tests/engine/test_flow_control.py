@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.protocol import CaptureOptions, Generate, SamplingParams
+from contract.protocol import CaptureOptions, Generate, SamplingParams
 from tests.engine.enginekit import Runner
 
 PROMPT = [1, 2, 3, 4, 5, 6]

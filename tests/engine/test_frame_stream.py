@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from engine.buffers import PAGE
-from engine.framing import MAX_META_BYTES, POOLED_BYTES, STAGING_BYTES, FrameStream, ProtocolError, frame_chunks
+from contract.buffers import PAGE
+from contract.framing import MAX_META_BYTES, POOLED_BYTES, STAGING_BYTES, FrameStream, ProtocolError, frame_chunks
 
 SIZES = [0, 1, 7, STAGING_BYTES // 2 - 3, STAGING_BYTES // 2 + 1, STAGING_BYTES + 5, 3 * STAGING_BYTES + 11, 5_000_000]
 

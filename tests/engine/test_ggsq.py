@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from engine.ggsq import GGSQ_MAGIC, IO_MAGIC, pack_seq_file, unpack_seq_file
-from engine.seq_state import BadStateError
+from slotstate.ggsq import GGSQ_MAGIC, IO_MAGIC, pack_seq_file, unpack_seq_file
+from slotstate.seq_state import BadStateError
 
 STATE = struct.pack("<Ii", IO_MAGIC, 3) + b"\x01\x00\x00\x00kv-bytes"
 

@@ -1,4 +1,4 @@
-"""engine.heap: blocks of hundreds of KB to MBs come from glibc's heap (reused pages), not a fresh mapping each."""
+"""contract.heap: blocks of hundreds of KB to MBs come from glibc's heap (reused pages), not a fresh mapping each."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Where a 4 MiB block lands: in the brk heap ("[heap]" in /proc/self/maps) or in a mapping of its own.
 PROBE = """
 import numpy as np
-from engine.heap import keep_heap_mapped
+from contract.heap import keep_heap_mapped
 if {tune}:
     assert keep_heap_mapped()
 block = np.ones(4 << 20, dtype=np.uint8)

@@ -1,6 +1,6 @@
 """KV cache types (``--cache-type-k`` / ``--cache-type-v``): an engine with an f32 cache.
 
-* A state records its K/V types (``engine/seq_state.py``: a ``k_type`` / ``v_type`` per
+* A state records its K/V types (``slotstate/seq_state.py``: a ``k_type`` / ``v_type`` per
   layer), so a state saved under one cache type is refused by an engine with another one
   (``BAD_STATE``), and the target sequence keeps what it held.
 * With f32 K and V the captured attention matches transformers' eager float32 attention
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine, EngineError
-from engine.settings import EngineSettings
+from contract.settings import EngineSettings
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner, llama_state
 

@@ -10,10 +10,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
-from engine.framing import FrameStream, parse_address
-from engine.model_facts import EngineRuntime, ModelInfo
+from contract import protocol as proto
+from contract.errors import ErrorCode
+from contract.framing import FrameStream, parse_address
+from contract.model_facts import EngineRuntime, ModelInfo
 
 RUNTIME = EngineRuntime(
     backend="CPU", devices=["CPU (x86)"], n_gpu_layers=0, n_layers_offloaded=0, extra_bufts=[], use_extra_bufts=False,

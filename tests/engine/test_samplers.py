@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.grammar import JSON_GBNF, MAX_NESTING, nesting_depth
-from engine.protocol import CaptureOptions, SamplingParams
+from contract.protocol import CaptureOptions, SamplingParams
 from engine.sampling import SamplerChain, stage_names
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.protocol import CaptureOptions
+from contract.protocol import CaptureOptions
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner
 

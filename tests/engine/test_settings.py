@@ -1,4 +1,4 @@
-"""Engine settings are declared once (engine/settings.py): both command lines and the worker's hand-over agree."""
+"""Engine settings are declared once (contract/settings.py): both command lines and the worker's hand-over agree."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import msgspec
 import pytest
 
-from engine import settings
-from engine.settings import EngineSettings
+from contract import settings
+from contract.settings import EngineSettings
 from orchestrator.cli import build_parser, worker_options
-from orchestrator.worker.launch import WorkerOptions
+from orchestrator.engine_client.launch import WorkerOptions
 
 
 def _serve(*argv: str) -> argparse.Namespace:

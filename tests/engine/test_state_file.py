@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import seq_state
+from slotstate import seq_state
 from engine.engine import BatchEntry, EngineError
-from engine.errors import ErrorCode
-from engine.ggsq import pack_seq_file
+from contract.errors import ErrorCode
+from slotstate.ggsq import pack_seq_file
 from engine.state_file import load_seq_file, write_slot_file
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, llama_state, same_kv

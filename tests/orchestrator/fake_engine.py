@@ -1,7 +1,7 @@
 """An in-memory engine for in-process tests of the orchestrator (no llama.cpp, no worker process).
 
 :class:`FakeEngine` answers what the orchestrator asks of
-:class:`orchestrator.worker.interface.EngineClient` with a list of tokens per sequence:
+:class:`orchestrator.engine_client.interface.EngineClient` with a list of tokens per sequence:
 
 * ``generate`` reuses the longest common prefix of a sequence's tokens with the request's
   ``input_ids`` (``n_cached``), then yields ``max_new_tokens`` deterministic tokens
@@ -16,7 +16,7 @@
 * a KV operation on a sequence that is generating answers ``SLOT_BUSY``, as the worker does;
 * :meth:`FakeEngine.restart` empties every sequence and bumps ``generation`` (a worker restart).
 
-It implements the ``EngineClient`` protocol of ``orchestrator/worker/interface.py`` (its names,
+It implements the ``EngineClient`` protocol of ``orchestrator/engine_client/interface.py`` (its names,
 parameters and result types: ``tokens``, ``erase``, ``truncate``, ``fork``, ``context_shift``,
 ``save_state``, ``restore_state``, ``generate``, ...).
 :attr:`FakeEngine.calls` records every KV operation as ``(name, seq)``.
@@ -30,10 +30,10 @@ import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
-from engine.model_facts import EngineRuntime, ModelInfo
-from orchestrator.worker.interface import EngineRequestError, SequenceState, TokenOutput
+from contract import protocol as proto
+from contract.errors import ErrorCode
+from contract.model_facts import EngineRuntime, ModelInfo
+from orchestrator.engine_client.interface import EngineRequestError, SequenceState, TokenOutput
 
 VOCAB = 512
 EOG = VOCAB - 1
@@ -98,7 +98,7 @@ def state_tokens(blob: bytes | memoryview) -> list[int] | None:
 
 
 def model_info(n_slots: int, n_ctx: int = 4096) -> ModelInfo:
-    """A :class:`engine.protocol.ModelInfo` for the fake model."""
+    """A :class:`contract.protocol.ModelInfo` for the fake model."""
     runtime = EngineRuntime(
         backend="fake",
         devices=[],

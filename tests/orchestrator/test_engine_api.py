@@ -6,9 +6,9 @@ import inspect
 import subprocess
 import sys
 
-from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.interface import EngineClient
-from orchestrator.worker.launch import WorkerOptions
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.launch import WorkerOptions
 from tests.conftest import ROOT
 
 
@@ -37,4 +37,4 @@ def test_the_api_process_does_not_load_llama_cpp() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     loaded = out.stdout
-    assert "'engine.protocol'" in loaded and "'engine.worker'" not in loaded and "'engine.engine'" not in loaded
+    assert "'contract.protocol'" in loaded and "'engine.worker'" not in loaded and "'engine.engine'" not in loaded

@@ -14,9 +14,9 @@ from litestar.exceptions import MethodNotAllowedException, NotFoundException, Va
 from litestar.testing import TestClient
 from structlog.testing import capture_logs
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.web.errors import EXCEPTION_HANDLERS, STATUS_OF_CODE, ApiError, from_exception
-from orchestrator.worker.client import EngineDeadError, EngineRequestError
+from orchestrator.engine_client.client import EngineDeadError, EngineRequestError
 from tests.conftest import ServerProc
 
 API_MD = Path(__file__).resolve().parents[2] / "docs" / "api.md"

@@ -1,5 +1,5 @@
-"""The credit scheme of flow control with fakes, no model: :class:`engine.flow.Credit` (the worker's
-side) and :class:`orchestrator.worker.interface.GenerationStream`'s acknowledgements (the orchestrator's),
+"""The credit scheme of flow control with fakes, no model: :class:`contract.flow.Credit` (the worker's
+side) and :class:`orchestrator.engine_client.interface.GenerationStream`'s acknowledgements (the orchestrator's),
 then both together: a fake worker that decodes only while its credit lasts, read by a slow
 consumer, never has more than the window queued."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-from engine import protocol as proto
-from engine.flow import Credit
-from orchestrator.worker.interface import EngineEvent, GenerationStream, TokenOutput
+from contract import protocol as proto
+from contract.flow import Credit
+from orchestrator.engine_client.interface import EngineEvent, GenerationStream, TokenOutput
 
 MB = 1 << 20
 

@@ -122,12 +122,12 @@ def test_only_the_engine_client_touches_its_receive_buffers() -> None:
     users = [
         str(f.relative_to(ROOT))
         for f in sorted((ROOT / PACKAGE).rglob("*.py"))
-        if "engine.framing.RECEIVE_POOL" in names_imported(f)
+        if "contract.framing.RECEIVE_POOL" in names_imported(f)
     ]
-    assert users == ["orchestrator/worker/client.py"]
+    assert users == ["orchestrator/engine_client/client.py"]
 
 
-DOMAIN = ("orchestrator.slots", "orchestrator.generation", "orchestrator.worker")
+DOMAIN = ("orchestrator.slots", "orchestrator.generation", "orchestrator.engine_client")
 """The domain packages: slots, generation and the engine client side."""
 SURFACES = ("orchestrator.web", "orchestrator.api", "orchestrator.admin")
 """HTTP plumbing, the API surfaces and the admin page: what the domain must not know."""

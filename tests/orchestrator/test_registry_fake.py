@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import protocol as proto
+from contract import protocol as proto
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.service import RunControl
 from orchestrator.service_error import ServiceError
@@ -308,9 +308,9 @@ async def test_the_fake_generates_what_greedy_predicts_and_refuses_a_busy_sequen
 
 
 def test_the_fake_has_every_method_of_the_engine_protocol() -> None:
-    """Once ``orchestrator/worker/interface.py`` (the typed engine interface) is in the tree, the fake must
+    """Once ``orchestrator/engine_client/interface.py`` (the typed engine interface) is in the tree, the fake must
     offer each of its members with the same parameters."""
-    engine_api = pytest.importorskip("orchestrator.worker.interface")
+    engine_api = pytest.importorskip("orchestrator.engine_client.interface")
     proto_cls = engine_api.EngineClient
     members = [m for m in dir(proto_cls) if not m.startswith("_")] + list(proto_cls.__annotations__)
     assert {"generate", "save_state", "restore_state", "fork", "generation"} <= set(members)

@@ -1,5 +1,5 @@
 """Bounded memory per client: a WebSocket client that reads full attention far slower than the
-engine makes it holds its own generation (flow control, ``engine/flow.py``: ``--stream-window``
+engine makes it holds its own generation (flow control, ``contract/flow.py``: ``--stream-window``
 and ``--stream-window-bytes``), not the server's memory, and slows no one else."""
 
 from __future__ import annotations

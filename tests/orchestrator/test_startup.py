@@ -21,10 +21,10 @@ import httpx
 import pytest
 from rich.console import Console
 
-from engine.settings import EngineSettings
+from contract.settings import EngineSettings
 from orchestrator.check import run_check
-from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.launch import EngineStartError, WorkerOptions
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.launch import EngineStartError, WorkerOptions
 from tests.conftest import ROOT
 
 FAULTS = ROOT / "tests" / "orchestrator" / "worker_faults.py"

@@ -18,8 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
-from engine.seq_state import parse
-from storage.ses1 import unpack_ses1
+from slotstate.seq_state import parse
+from slotstate.ses1 import unpack_ses1
 from tests.conftest import CHAT, ServerProc
 
 OCTET = "application/octet-stream"

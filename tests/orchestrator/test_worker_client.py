@@ -10,13 +10,13 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
-from engine.flow import WINDOW_TOKENS
-from engine.settings import EngineSettings
-from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.interface import EngineRequestError, GenerationStream, TokenOutput
-from orchestrator.worker.launch import WorkerOptions
+from contract import protocol as proto
+from contract.errors import ErrorCode
+from contract.flow import WINDOW_TOKENS
+from contract.settings import EngineSettings
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineRequestError, GenerationStream, TokenOutput
+from orchestrator.engine_client.launch import WorkerOptions
 from tests.conftest import ROOT
 from tests.redis_server import free_port
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.native.ws import INBOX_MESSAGES, Inbox, _Closed
 from orchestrator.web.errors import ApiError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from storage import codec
+from slotstate import codec
 from storage.errors import BadStateError
 
 RNG = np.random.default_rng(1234)

@@ -15,7 +15,7 @@ import pytest
 from storage.base import SlotMeta, SlotStore
 from storage.directory import DirectoryStore
 from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError
-from storage.ses1 import pack_ses1
+from slotstate.ses1 import pack_ses1
 from storage.slot_codec import load_slot, save_slot
 from tests.waiting import async_wait_until
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from storage.errors import BadStateError
-from storage.ses1 import HEADER_SIZE, MAX_TOKENS, pack_ses1, ses1_tokens, unpack_ses1
+from slotstate.ses1 import HEADER_SIZE, MAX_TOKENS, pack_ses1, ses1_tokens, unpack_ses1
 
 
 def test_round_trip_layout() -> None:

@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, post
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.anthropic.protocol import (
     AnswerBlock,
     ContentBlockDelta,

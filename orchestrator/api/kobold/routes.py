@@ -32,8 +32,8 @@ import structlog
 from litestar import Controller, Request, get, post
 from litestar.datastructures import State
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 from orchestrator.api.kobold.protocol import (
     GenkeyBody,
     KoboldAbort,
@@ -78,7 +78,7 @@ KOBOLD_DEFAULTS = proto.SamplingParams(
 0.75, ``top_k`` 100, ``top_p`` 0.92, ``min_p`` 0, ``typical`` 1, ``rep_pen`` 1, ``rep_pen_range``
 320, Mirostat tau 5 / eta 0.1, DRY base 1.75 / allowed length 2 / window 320 / no sequence
 breakers, XTC threshold 0.2; ``tfs`` 1, ``top_a`` 0, ``rep_pen_slope`` 1 are the neutral values of
-:data:`NEUTRAL`).  llama-server's defaults (``engine.protocol.SamplingParams``) serve the other routes."""
+:data:`NEUTRAL`).  llama-server's defaults (``contract.protocol.SamplingParams``) serve the other routes."""
 
 
 @dataclass

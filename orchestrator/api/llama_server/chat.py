@@ -17,7 +17,7 @@ from typing import Any
 
 from litestar import Controller, post
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server.protocol import AppliedTemplate, ChatPromptBody, InputTokens
 from orchestrator.generation.chat_template import ChatTemplate, message_text

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.llama_server.protocol import PromptObject, SubPrompt
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError

@@ -23,8 +23,8 @@ import msgspec
 from litestar import Controller, Request, get, post
 from msgspec import UNSET
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, piece_text, remaining, started_run
 from orchestrator.api.llama_server.prompts import split_prompts, subprompt_ids
 from orchestrator.api.llama_server.protocol import (

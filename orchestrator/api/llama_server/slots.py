@@ -22,8 +22,8 @@ from litestar import Controller, Request, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
-from engine.errors import ErrorCode
-from engine.framing import Buffer
+from contract.errors import ErrorCode
+from contract.framing import Buffer
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server.protocol import (
     ContextShiftRequest,

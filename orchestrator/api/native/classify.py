@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from litestar import post
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.native.protocol import ClassifyRequest, ClassifyResponse, ClassifyUsage, Prediction
 from orchestrator.services import Services
 from orchestrator.web.body import json_route

@@ -8,7 +8,7 @@ from litestar import MediaType, Response, get
 from litestar.openapi import ResponseSpec
 from litestar.plugins.prometheus import PrometheusController
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.native.protocol import HealthError, HealthResponse
 from orchestrator.llama_metrics import LLAMA_SERVER, PROCESS_START_HEADER
 from orchestrator.services import Services

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from litestar import Controller, get, post
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.native.protocol import (
     DetokenizeRequest,

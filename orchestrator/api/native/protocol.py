@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from engine.errors import ErrorCode
-from engine.protocol import AttentionDtype, AttentionFormat, SamplingParams
+from contract.errors import ErrorCode
+from contract.protocol import AttentionDtype, AttentionFormat, SamplingParams
 from orchestrator.api.kobold.protocol import KoboldResult
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.request import (

@@ -15,7 +15,7 @@ On both, ``{"type":"cancel"}`` stops the running generation within one decode st
 Messages over the size limit get a ``PAYLOAD_TOO_LARGE`` error and the socket closes.
 
 Memory per socket is bounded both ways: the generation runs only a few tokens ahead of the
-frames this socket has sent (flow control, :mod:`engine.flow`: ``--stream-window`` tokens and
+frames this socket has sent (flow control, :mod:`contract.flow`: ``--stream-window`` tokens and
 ``--stream-window-bytes``; each send waits while uvicorn's transport buffer is full), and the
 client's messages wait in a bounded :class:`Inbox` (past it the server stops reading the socket;
 uvicorn's ``websockets-sansio`` protocol, pinned in orchestrator/cli.py, then holds at most the
@@ -36,7 +36,7 @@ import structlog
 from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.native.protocol import (
     GenerateRequest,
     QueuedEvent,

@@ -13,7 +13,7 @@ Each vector is the input's pooled embedding (the model's own pooling, else mean:
 (``embd_normalize`` 2); ``base64`` is the little-endian float32 bytes, as OpenAI's SDK asks for
 by default.  Inputs are tokenized with the model's special tokens (BOS), as llama-cpp-python's
 ``Llama.embed`` does.  The embeddings come from a second worker loading the same model with a
-pooled context, started on the first request (:mod:`orchestrator.worker.lazy`); ``--no-embeddings``
+pooled context, started on the first request (:mod:`orchestrator.engine_client.lazy`); ``--no-embeddings``
 turns the endpoint off (``NOT_SUPPORTED``).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from litestar import Controller, post
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.openai.protocol import Embedding, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage
 from orchestrator.services import Services

@@ -12,8 +12,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from engine.errors import ErrorCode
-from engine.protocol import AttentionDtype, AttentionFormat
+from contract.errors import ErrorCode
+from contract.protocol import AttentionDtype, AttentionFormat
 from orchestrator.api.llama_server.protocol import LlamaCompletion, Timings
 from orchestrator.api.native.protocol import Attention, PromptProgress
 from orchestrator.generation.request import (

@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, post
 
-from engine.errors import ErrorCode
+from contract.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, started_run
 from orchestrator.api.llama_server.timings import TimingsClock
 from orchestrator.api.native.protocol import PromptProgress

@@ -29,8 +29,8 @@ import structlog
 from litestar import Controller, Request, get, post
 from msgspec import UNSET, UnsetType
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
 from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
 from orchestrator.api.llama_server.protocol import CompletionBody, LlamaCompletion

@@ -1,5 +1,5 @@
 """Facts about the loaded model and the engine configuration in force, as the worker reports
-them in its ``Ready`` message (:mod:`engine.protocol`) and the API serves them
+them in its ``Ready`` message (:mod:`contract.protocol`) and the API serves them
 (``GET /api/v1/model``, ``/health``; docs/api.md).  Built by :mod:`engine.model_info`."""
 
 from __future__ import annotations

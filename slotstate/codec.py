@@ -26,7 +26,7 @@ from typing import Final
 import numpy as np
 import zstandard
 
-from storage.errors import BadStateError
+from slotstate.errors import BadStateError
 
 __all__ = [
     "CODECS",

@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine import settings
-from engine.framing import FrameStream
-from engine.settings import EngineSettings
-from orchestrator.worker.interface import EngineDeadError
+from contract import settings
+from contract.framing import FrameStream
+from contract.settings import EngineSettings
+from orchestrator.engine_client.interface import EngineDeadError
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """How to start (or reach) the worker: its :class:`engine.settings.EngineSettings`, handed to it whole.
+    """How to start (or reach) the worker: its :class:`contract.settings.EngineSettings`, handed to it whole.
 
     ``connect``: ``tcp:host:port`` of a standalone worker instead of spawning one (which
     then runs with its own settings); ``extra_env``: added to a spawned worker's

@@ -4,7 +4,7 @@ This module is the table of contents of the IPC.  Each message is one ``msgspec`
 Struct derived from :class:`Message` (which carries ``req``), encoded as msgpack in a
 tagged array (the tag is the class name).  :data:`Request` lists what the orchestrator
 sends, :data:`Reply` what the worker answers; a frame whose tag is in neither is
-refused (:class:`ProtocolError`).  Frames and addresses: :mod:`engine.framing`.
+refused (:class:`ProtocolError`).  Frames and addresses: :mod:`contract.framing`.
 
 Tensors (attention rows, hidden states, KV state blobs, logits) travel beside the
 message as raw little-endian buffers, never base64 and never pickle.  The message
@@ -22,9 +22,9 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from engine.buffers import BufferPool
-from engine.errors import ErrorCode
-from engine.framing import (
+from contract.buffers import BufferPool
+from contract.errors import ErrorCode
+from contract.framing import (
     Buffer,
     FrameStream,
     NonNegInt,
@@ -35,7 +35,7 @@ from engine.framing import (
     recv_frame,
     send_chunks,
 )
-from engine.model_facts import ModelInfo
+from contract.model_facts import ModelInfo
 
 # ----------------------------------------------------------------------------- shared structs
 
@@ -147,7 +147,7 @@ class Generate(Message):
     # sequence's cache holds further on are moved into place instead of prefilled (Engine.reuse_chunks);
     # 0: off; None: the engine's ``--cache-reuse``
     cache_reuse: NonNegInt | None = None
-    # Flow control (engine/flow.py): at most ``window`` tokens, and while less than ``window_bytes``
+    # Flow control (contract/flow.py): at most ``window`` tokens, and while less than ``window_bytes``
     # bytes of their tensors are outstanding, emitted ahead of what the orchestrator acknowledged
     # (``Ack``); past that the worker holds this sequence (other jobs go on).  0: that bound off.
     window: NonNegInt = 0
@@ -251,7 +251,7 @@ class RestoreState(SeqRequest):
 
 class SaveFile(SeqRequest):
     """Write the sequence to ``path`` as llama-server's slot file (llama.cpp's ``ggsq`` sequence
-    state file: :mod:`engine.ggsq`), beside it first and renamed over it (reply ``FileSaved``).
+    state file: :mod:`slotstate.ggsq`), beside it first and renamed over it (reply ``FileSaved``).
 
     ``path`` is absolute, on a file system the worker shares with the orchestrator (which
     confined it to ``--slot-save-path``).  The sequence is only read.
@@ -512,7 +512,7 @@ def send_frame(sock: socket.socket, msg: Message, buffers: Sequence[Buffer] = ()
 
 def recv_request(sock: socket.socket, pool: BufferPool | None = None) -> tuple[Request, list[RecvBuffer]]:
     """Read one request frame from a blocking socket (worker side); ProtocolError when malformed.
-    Large buffers are lent by ``pool`` when one is given (see :func:`engine.framing.recv_frame`)."""
+    Large buffers are lent by ``pool`` when one is given (see :func:`contract.framing.recv_frame`)."""
     meta, bufs = recv_frame(sock, pool)
     try:
         return _request_decoder.decode(meta), bufs

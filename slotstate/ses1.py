@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from storage.errors import BadStateError
+from slotstate.errors import BadStateError
 
 __all__ = ["HEADER_SIZE", "MAGIC", "MAX_TOKENS", "Ses1", "pack_ses1", "ses1_header", "ses1_tokens", "unpack_ses1"]
 

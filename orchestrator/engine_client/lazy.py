@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.worker.client import WorkerClient
-from orchestrator.worker.interface import EngineClient
-from orchestrator.worker.launch import WorkerOptions
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.launch import WorkerOptions
 
 
 class LazyWorker:

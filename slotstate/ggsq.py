@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from engine.seq_state import BadStateError
+from slotstate.errors import BadStateError
 
 GGSQ_MAGIC = 0x67677371
 GGSQ_VERSION = 3

@@ -1,7 +1,7 @@
 """The error vocabulary shared by the engine worker and the orchestrator.
 
 Every failure either process reports carries one :class:`ErrorCode`.  The engine
-sends it in its ``Error`` reply (``engine/protocol.py``); the orchestrator maps
+sends it in its ``Error`` reply (``contract/protocol.py``); the orchestrator maps
 each code to one HTTP status (``orchestrator/web/errors.py``) and documents them all in
 docs/api.md ("Errors").  A ``StrEnum``: a code is its own name on the wire and in
 JSON bodies, so clients see plain strings such as ``"SLOT_BUSY"``.

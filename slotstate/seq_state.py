@@ -46,16 +46,14 @@ from typing import BinaryIO
 
 import numpy as np
 
+from slotstate.errors import BadStateError
+
 IO_MAGIC = 0xAF143CD8
 MAX_STREAMS = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h): a context has at most one stream per sequence
 
 # ggml_type ids (ggml/include/ggml.h) of the float K/V types -> (word size in bytes, exponent mask).
 # A value is NaN or infinite exactly when all its exponent bits are set.
 FLOAT_WORDS = {0: (4, 0x7F800000), 1: (2, 0x7C00), 30: (2, 0x7F80)}  # F32, F16, BF16
-
-
-class BadStateError(ValueError):
-    """The blob is not a sequence state this engine can restore."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +248,7 @@ def parse(
     check it against ``expect`` when given.
 
     ``io_header=False``: ``blob`` lacks the first 8 bytes (io magic, source sequence), as a
-    ``ggsq`` file holds the state (:mod:`engine.ggsq`); the offsets in the result are then
+    ``ggsq`` file holds the state (:mod:`slotstate.ggsq`); the offsets in the result are then
     relative to where ``blob`` starts.  Any number of streams is accepted in each KV cache part as
     long as at most one holds cells.  Only the header fields and cell records are read, so a memory
     map of a file is parsed without reading its K/V data.  Raises :class:`BadStateError` on a wrong

@@ -1,8 +1,8 @@
 """Flow control of one generation: how far the worker may run ahead of the client of a stream.
 
-The orchestrator opens a generation with a window (:class:`engine.protocol.Generate`,
+The orchestrator opens a generation with a window (:class:`contract.protocol.Generate`,
 ``window`` tokens and ``window_bytes`` bytes) and acknowledges what its client has taken
-(:class:`engine.protocol.Ack`, a count of tokens).  The worker keeps one :class:`Credit` per
+(:class:`contract.protocol.Ack`, a count of tokens).  The worker keeps one :class:`Credit` per
 generation and does not decode a generation whose credit is spent (``Batcher.held`` in
 :mod:`engine.batcher`): its sequence waits, the others go on, until an ``Ack`` or a cancel.
 What the orchestrator holds for a slow client is then bounded by the window, whatever the

@@ -1,11 +1,11 @@
 """What the orchestrator needs from an engine: the :class:`EngineClient` protocol.
 
 The orchestrator's modules hold an engine through this interface only (as vLLM's API
-layer knows only its ``EngineClient``).  :class:`orchestrator.worker.client.WorkerClient`
-implements it over a worker process (:mod:`engine.protocol`); a test can implement it
+layer knows only its ``EngineClient``).  :class:`orchestrator.engine_client.client.WorkerClient`
+implements it over a worker process (:mod:`contract.protocol`); a test can implement it
 in-process.  Every method may raise :class:`EngineDeadError` (no worker, or it died
 during the call) and :class:`EngineRequestError` (the engine refused the request, with an
-:class:`engine.errors.ErrorCode`).
+:class:`contract.errors.ErrorCode`).
 
 Sequences are numbered ``0..n_slots-1`` (``ModelInfo.n_slots``); token ids are
 ``int`` in ``[0, vocab_size)``, checked by the caller; states are llama.cpp sequence
@@ -18,8 +18,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
+from contract import protocol as proto
+from contract.errors import ErrorCode
 
 
 class EngineDeadError(RuntimeError):
@@ -30,7 +30,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineRequestError(RuntimeError):
     """The engine refused a request: ``code`` (:class:`ErrorCode`), ``message``; ``refused``: a
-    generation that changed nothing (``engine.protocol.Error.refused``)."""
+    generation that changed nothing (``contract.protocol.Error.refused``)."""
 
     def __init__(self, code: ErrorCode, message: str, refused: bool = False) -> None:
         super().__init__(message)
@@ -71,7 +71,7 @@ class GenerationStream:
     frame, and the server's transport applies backpressure on that send, before they ask
     again), so ``ack(n)`` is awaited first, ``n`` being the count of tokens taken
     (``Token.index + 1`` of the latest).  The engine runs at most its flow-control window
-    (``engine.protocol.Generate.window`` and ``window_bytes``; :mod:`engine.flow`)
+    (``contract.protocol.Generate.window`` and ``window_bytes``; :mod:`contract.flow`)
     ahead of that count, so a slow client holds its own generation, not the server's
     memory.  Without ``ack`` (an in-process engine that decodes only as it is iterated)
     nothing is sent.

@@ -2,7 +2,7 @@
 
 Each generated token with attention allocates arrays of hundreds of KB and frees them a step
 later: the worker's ``float32[n_layer, n_head, n_kv]`` rows (``Engine.new_target``), the
-orchestrator's receive buffer for them (``engine.framing.FrameStream``).  glibc serves an
+orchestrator's receive buffer for them (``contract.framing.FrameStream``).  glibc serves an
 allocation above its mmap threshold with a fresh ``mmap`` and returns it with ``munmap`` on
 ``free``; its dynamic threshold (raised to the size of the last such block freed) does not help
 when every token's array is a little bigger than the last (one more cell of context).  Every
@@ -16,7 +16,7 @@ blocks up to :data:`MMAP_THRESHOLD` come from the heap, whose freed pages are re
 mapped, and ``M_TRIM_THRESHOLD`` so that up to :data:`TRIM_THRESHOLD` of free memory at the
 heap's top stays mapped.  The cost: a process keeps up to that much freed memory.  Larger
 blocks (a whole slot state, tens of MB) are still mapped and unmapped, and are pooled where
-they recur (:mod:`engine.buffers`).
+they recur (:mod:`contract.buffers`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Frames on the worker's stream, and worker addresses.
 
-A frame is one msgpack-encoded message (:mod:`engine.protocol`) followed by the raw byte
+A frame is one msgpack-encoded message (:mod:`contract.protocol`) followed by the raw byte
 buffers it describes (little-endian)::
 
     u32 meta_len | u16 n_bufs | u16 flags(0) | u64 buf_len[n_bufs] | meta (msgpack) | buf_0 ... buf_{n-1}
@@ -29,14 +29,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine.buffers import BufferPool
+from contract.buffers import BufferPool
 
 _HEAD = struct.Struct("<IHH")
 _LEN = struct.Struct("<Q")
 MAX_META_BYTES = 64 << 20
 MAX_BUF_BYTES = 8 << 30
 POOLED_BYTES = 1 << 20
-"""Buffers this big or bigger are received into a :class:`engine.buffers.BufferPool`'s memory."""
+"""Buffers this big or bigger are received into a :class:`contract.buffers.BufferPool`'s memory."""
 
 Buffer = bytes | bytearray | memoryview
 """A raw buffer: anything exposing the buffer protocol as bytes (an array's: its ``.data``)."""
@@ -173,7 +173,7 @@ Frame = tuple[bytearray, list[RecvBuffer]]
 
 RECEIVE_POOL = BufferPool(keep=1)
 """Where :class:`FrameStream` receives buffers of :data:`POOLED_BYTES` or more (a slot state from
-the worker): memory already mapped and page-aligned (:mod:`engine.buffers`), instead of a fresh
+the worker): memory already mapped and page-aligned (:mod:`contract.buffers`), instead of a fresh
 ``bytearray`` zero-filled page by page before the state is copied over it.  Whoever is done with
 such a buffer may give it back (``RECEIVE_POOL.give``); one never given back is simply freed."""
 
@@ -333,7 +333,7 @@ def _receive_buffer(n: int) -> bytearray | memoryview:
 
 
 async def open_frame_stream(family: socket.AddressFamily, addr: str | tuple[str, int]) -> FrameStream:
-    """Connect to a worker listening at ``addr`` (see :func:`engine.framing.parse_address`)."""
+    """Connect to a worker listening at ``addr`` (see :func:`contract.framing.parse_address`)."""
     loop = asyncio.get_running_loop()
     if family == socket.AF_UNIX:
         _, stream = await loop.create_unix_connection(FrameStream, addr)  # type: ignore[arg-type]

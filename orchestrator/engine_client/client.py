@@ -1,8 +1,8 @@
 """The orchestrator's handle on an engine worker process: :class:`WorkerClient`.
 
-:class:`WorkerClient` implements :class:`orchestrator.worker.interface.EngineClient` over a worker
+:class:`WorkerClient` implements :class:`orchestrator.engine_client.interface.EngineClient` over a worker
 process: it spawns ``python -m engine.worker`` (or connects to a standalone one), speaks
-:mod:`engine.protocol` over a socket, and demultiplexes replies to the requests that are
+:mod:`contract.protocol` over a socket, and demultiplexes replies to the requests that are
 waiting for them.  Nothing here loads llama.cpp: the API process imports only the
 protocol's messages.
 
@@ -11,9 +11,9 @@ event for streams) and, when ``restart`` is on, a new worker is started; its
 sequences are empty, so slots must come back from the store (``on_restart`` hook).
 
 Flow control: every ``Generate`` carries the client's ``window`` (tokens) and ``window_bytes``
-(tensor bytes; :mod:`engine.flow`, ``--stream-window`` and ``--stream-window-bytes``), and the
+(tensor bytes; :mod:`contract.flow`, ``--stream-window`` and ``--stream-window-bytes``), and the
 stream sends ``Ack(target=req, n)`` as its consumer takes tokens
-(:class:`orchestrator.worker.interface.GenerationStream`), so a request's reply queue holds at most
+(:class:`orchestrator.engine_client.interface.GenerationStream`), so a request's reply queue holds at most
 that many tokens (and about that many bytes of attention) however slowly its client reads.
 """
 
@@ -30,11 +30,11 @@ from typing import TypeVar
 import msgspec
 import structlog
 
-from engine import protocol as proto
-from engine.errors import ErrorCode
-from engine.flow import WINDOW_BYTES, WINDOW_TOKENS
-from engine.framing import RECEIVE_POOL, FrameStream, RecvBuffer, open_frame_stream, parse_address
-from orchestrator.worker.interface import (
+from contract import protocol as proto
+from contract.errors import ErrorCode
+from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
+from contract.framing import RECEIVE_POOL, FrameStream, RecvBuffer, open_frame_stream, parse_address
+from orchestrator.engine_client.interface import (
     Classification,
     EngineDeadError,
     EngineEvent,
@@ -43,7 +43,7 @@ from orchestrator.worker.interface import (
     SequenceState,
     TokenOutput,
 )
-from orchestrator.worker.launch import EngineStartError, WorkerOptions, WorkerProcess, describe_exit
+from orchestrator.engine_client.launch import EngineStartError, WorkerOptions, WorkerProcess, describe_exit
 
 log = structlog.get_logger("slotserve.engine")
 R = TypeVar("R", bound=proto.Message)
@@ -53,7 +53,7 @@ Event = tuple[proto.Reply, list[RecvBuffer]]
 
 
 class WorkerClient:
-    """Async client of one engine worker, an :class:`orchestrator.worker.interface.EngineClient`.
+    """Async client of one engine worker, an :class:`orchestrator.engine_client.interface.EngineClient`.
 
     See the module docstring.
     """
@@ -66,7 +66,7 @@ class WorkerClient:
         window_bytes: int = WINDOW_BYTES,
     ) -> None:
         """``window`` / ``window_bytes``: the flow-control window of every generation, in tokens and
-        in tensor bytes (:mod:`engine.flow`; 0 turns a bound off, both 0: unbounded and no ``Ack``).
+        in tensor bytes (:mod:`contract.flow`; 0 turns a bound off, both 0: unbounded and no ``Ack``).
         Past it the worker holds the sequence (``Batcher.held``; the other sequences go on) until an
         ``Ack`` or a cancel, so the memory of a stream here is at most that window plus the frame
         being sent (docs/operations.md, "Memory per client")."""
@@ -85,7 +85,7 @@ class WorkerClient:
         self._process: WorkerProcess | None = None
         self._closing = False
         self._ready = asyncio.Event()
-        self.stage = "not started"  # start-up stage reached (engine.protocol.Starting), "ready" once up
+        self.stage = "not started"  # start-up stage reached (contract.protocol.Starting), "ready" once up
         self.load_fraction = 0.0  # model load progress while stage == "loading_model"
         self._write_lock = asyncio.Lock()
 
@@ -105,7 +105,7 @@ class WorkerClient:
         """Start (or connect to) the worker and wait for its ``Ready``.
 
         ``timeout`` (s) bounds each wait: the connection, and every start-up stage
-        (:class:`engine.protocol.Starting`).  When a spawned worker crashes (dies by a
+        (:class:`contract.protocol.Starting`).  When a spawned worker crashes (dies by a
         signal) during start-up with CPU weight repacking left to auto, it is started
         once more with repacking off, and a warning says so.  Raises
         :class:`EngineStartError` (stage reached, exit status) when the worker fails.
@@ -164,7 +164,7 @@ class WorkerClient:
         return reply.info
 
     async def _await_ready(self, stream: FrameStream, timeout: float) -> proto.Ready:
-        """Follow the worker's :class:`engine.protocol.Starting` reports until ``Ready``."""
+        """Follow the worker's :class:`contract.protocol.Starting` reports until ``Ready``."""
         while True:
             try:
                 reply, _ = await asyncio.wait_for(proto.read_reply(stream), timeout)
@@ -347,7 +347,7 @@ class WorkerClient:
         n_keep: int = 0,
         n_discard: int = 0,
     ) -> GenerationStream:
-        """See :meth:`orchestrator.worker.interface.EngineClient.generate`."""
+        """See :meth:`orchestrator.engine_client.interface.EngineClient.generate`."""
         msg = proto.Generate(
             self.new_id(), seq, "generate", list(input_ids), params, capture,
             progress=progress, window=self.window, window_bytes=self.window_bytes, cache_reuse=cache_reuse,
@@ -363,7 +363,7 @@ class WorkerClient:
         params: proto.SamplingParams,
         capture: proto.CaptureOptions,
     ) -> GenerationStream:
-        """See :meth:`orchestrator.worker.interface.EngineClient.preview`."""
+        """See :meth:`orchestrator.engine_client.interface.EngineClient.preview`."""
         at = -1 if seq is None else seq
         msg = proto.Generate(
             self.new_id(), at, "preview", list(input_ids), params, capture, list(append),
@@ -415,12 +415,12 @@ class WorkerClient:
         return reply.t_ms
 
     async def save_file(self, seq: int, path: str) -> proto.FileSaved:
-        """See :meth:`orchestrator.worker.interface.EngineClient.save_file`."""
+        """See :meth:`orchestrator.engine_client.interface.EngineClient.save_file`."""
         reply, _ = await self._request(proto.SaveFile(self.new_id(), seq, path), proto.FileSaved)
         return reply
 
     async def load_file(self, seq: int, path: str) -> proto.StateRestored:
-        """See :meth:`orchestrator.worker.interface.EngineClient.load_file`."""
+        """See :meth:`orchestrator.engine_client.interface.EngineClient.load_file`."""
         reply, _ = await self._request(proto.LoadFile(self.new_id(), seq, path), proto.StateRestored)
         return reply
 
@@ -445,7 +445,7 @@ class WorkerClient:
         return Classification(reply.n_tokens, logits.shape[1], bytes(logits.take(bufs)))
 
     async def check_sampling(self, params: proto.SamplingParams) -> None:
-        """See :meth:`orchestrator.worker.interface.EngineClient.check_sampling`."""
+        """See :meth:`orchestrator.engine_client.interface.EngineClient.check_sampling`."""
         await self._request(proto.CheckSampling(self.new_id(), params), proto.SamplingChecked)
 
     async def engine_state(self) -> proto.EngineState:

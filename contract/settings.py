@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from engine.kv_types import FLOAT_KV_TYPES, KvCacheType
+from contract.kv_types import FLOAT_KV_TYPES, KvCacheType
 
 FlashAttn = Literal["auto", "on", "off"]
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type (include/llama.h)
