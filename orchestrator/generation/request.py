@@ -12,6 +12,7 @@ import msgspec
 from contract.errors import ErrorCode
 from contract.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
 from orchestrator.service_error import ServiceError
+from orchestrator.tenants.principal import DEFAULT_PRINCIPAL, Principal
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (contract/protocol.py)
 
@@ -217,6 +218,9 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
     n_keep: int = 0  # llama-server's context shift (--context-shift): tokens kept at the start, -1 the prompt
     n_discard: int = 0  # tokens a shift drops, 0: half of those after n_keep
+    principal: Principal = DEFAULT_PRINCIPAL  # who asks: slots and caches are looked up in its tenant only
+    cache_salt: str | None = None  # vLLM's cache_salt: caches are shared only between equal salts of a tenant
+    conversation_key: str | None = None  # prompt_cache_key, metadata.user_id or a session header (docs/api.md)
 
 
 class AppendToken(msgspec.Struct):
