@@ -30,6 +30,9 @@ from orchestrator.api.native.health import MetricsController, health
 from orchestrator.api.native.model import ModelController
 from orchestrator.api.native.ws import binary_stream, event_stream
 from orchestrator.config import Settings
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.lazy import LazyWorker
 from orchestrator.generation.service import GenerationService
 from orchestrator.llama_metrics import LLAMA_SERVER
 from orchestrator.services import Services, provide_services, provide_slot_ops
@@ -43,9 +46,6 @@ from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.header_case import canonical_header_names
 from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.web.slot_header import slot_header_middleware
-from orchestrator.engine_client.client import WorkerClient
-from orchestrator.engine_client.interface import EngineClient
-from orchestrator.engine_client.lazy import LazyWorker
 
 log = structlog.get_logger("slotserve")
 
@@ -101,7 +101,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
 
         async def on_restart() -> None:
             metrics.ENGINE_RESTARTS.inc()
-            svc.registry.on_engine_restart()
+            svc.registry.residency.on_engine_restart()
 
         svc.engine.on_restart = on_restart
 
@@ -111,7 +111,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             try:
                 info = await client.start()
                 if client is svc.engine and info.n_slots != svc.registry.n_seqs:
-                    svc.registry.set_sequences(info.n_slots)  # a standalone worker's own -np
+                    svc.registry.residency.set_sequences(info.n_slots)  # a standalone worker's own -np
             except Exception as exc:
                 log.error("engine failed to start; shutting down", error=str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)
