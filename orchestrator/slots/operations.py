@@ -20,11 +20,11 @@ from pathlib import Path
 from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.framing import Buffer
-from orchestrator.generation.service import check_tokens
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.loan import StateLoan
 from orchestrator.slots.registry import Slot, SlotRegistry
 from orchestrator.tenants.principal import DEFAULT_TENANT
+from orchestrator.tokens import check_tokens
 from slotstate import seq_state
 from slotstate.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
 from slotstate.ses1 import unpack_ses1
