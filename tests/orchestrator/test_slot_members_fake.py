@@ -110,3 +110,24 @@ async def run(w: World, req: CanonicalRequest) -> DoneOut:
             done = ev
     assert done is not None
     return done
+
+
+async def test_two_users_at_once_keep_their_own_slots(tmp_path: Path) -> None:
+    """Two users continue their own conversations at once, three turns, no slot id (strict
+    durability, as the server's default): each keeps one slot and finds its whole previous turn."""
+    w = World(tmp_path, n_seqs=2, strict=True)
+    await w.registry.start()
+    try:
+        ids = {"A": PROMPT * 8, "B": [40, 41, 42] * 10}
+        seen: dict[str, list[DoneOut]] = {"A": [], "B": []}
+        for _ in range(3):
+            got = await asyncio.wait_for(asyncio.gather(*(run(w, turn(ids[u], 3)) for u in "AB")), 30)
+            for u, done in zip("AB", got, strict=True):
+                if seen[u]:
+                    assert done.n_cached == len(ids[u]) - 1, "the whole previous turn is cached"
+                seen[u].append(done)
+                ids[u] = [*ids[u], *greedy(ids[u], 3), 6]
+        assert {d.slot_id for d in seen["A"]} & {d.slot_id for d in seen["B"]} == set()
+        assert all(len({d.slot_id for d in seen[u]}) == 1 for u in "AB")
+    finally:
+        await w.registry.shutdown()
