@@ -22,6 +22,8 @@ from litestar import MediaType, Response, get
 from litestar.datastructures import CacheControlHeader
 from litestar.static_files import create_static_files_router
 
+from orchestrator.web.errors import COMPAT_ERROR_RESPONSES
+
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 """The page's files: ``index.html``, ``*.js`` (ES modules), ``webui.css``."""
 
@@ -32,7 +34,13 @@ ASSETS_PATH = "/webui"
 _NO_CACHE = CacheControlHeader(no_cache=True)  # revalidate: an upgraded server serves new scripts at once
 
 
-@get("/", summary="The chat page (HTML; --no-webui: 404)", media_type=MediaType.HTML, cache_control=_NO_CACHE)
+@get(
+    "/",
+    summary="The chat page (HTML; --no-webui: 404)",
+    media_type=MediaType.HTML,
+    cache_control=_NO_CACHE,
+    responses=COMPAT_ERROR_RESPONSES,  # a path outside /api/ and /admin: llama-server's error shape
+)
 async def page() -> Response[bytes]:
     """The chat page's HTML (``static/index.html``), ``text/html; charset=utf-8``."""
     return Response((STATIC_DIR / "index.html").read_bytes(), media_type="text/html; charset=utf-8")

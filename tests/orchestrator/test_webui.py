@@ -121,11 +121,11 @@ def test_chat_heat_map_and_slot_actions(webui_server: ServerProc, tmp_path: Path
         page.wait_for_selector("#model:has-text('30 layers')", timeout=20_000)
         assert page.evaluate("sessionStorage.getItem('slotserve.webui.apiKey')") == API_KEY
         page.fill("#temperature", "0")
-        page.fill("#max-tokens", "12")
+        page.fill("#max-tokens", "8")
 
         # turn 1, while another client generates on another conversation
         other: list[list[dict[str, Any]]] = []
-        body = {"prompt": CHAT.format("Tell me a story."), "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": CHAT.format("Tell me a story."), "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
         runner = threading.Thread(
             target=lambda: other.append(sse_events(srv.url, body | {"conversation_id": "other"}, AUTH))
         )

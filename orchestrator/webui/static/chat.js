@@ -60,6 +60,7 @@ function renderTranscript() {
   const box = $("transcript");
   box.textContent = "";
   $("chat-slot").textContent = state.current === null ? "(new)" : state.current;
+  $("actions").classList.toggle("disabled", state.current === null);
   for (const m of state.chats[state.current] || []) box.appendChild(bubble(m.role, m.content));
   if (state.raw !== null) {
     const ctxBox = bubble("context", state.raw);
@@ -94,7 +95,6 @@ async function open(id) {
       status(`open ${id}: ${e.message || e}`, true);
     }
   }
-  $("actions").classList.toggle("disabled", id === null);
   renderTranscript();
   schedulePaint();
 }
