@@ -180,7 +180,10 @@ def test_chat_heat_map_and_slot_actions(webui_server: ServerProc, tmp_path: Path
             all(weights[i] == float(second["rows"][k][i]) for i in weights) and len(weights) == second["rows"][k].size
         )
         assert page.locator("#transcript .msg").count() == 4
-        page.screenshot(path=str(tmp_path / "webui.png"))
+        mid = len(second["tokens"]) - 3  # a token in the middle of the reply: later ones are faded
+        pick_token(page, mid)
+        assert page.locator("#context .tok.future").count() == 2
+        page.screenshot(path=str(tmp_path / "webui.png"))  # docs/webui.png
 
         # a layer and a head: the next reply streams that layer per head
         page.select_option("#layer", "3")
