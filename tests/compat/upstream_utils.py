@@ -108,7 +108,9 @@ def slotserve_args(server: Any) -> list[str]:
 
 def start(self: Any, timeout_seconds: float = 120) -> None:
     """``ServerProcess.start``: ``slotserve serve`` with the mapped flags, waited for as llama.cpp waits."""
-    self.server_port = _up_free_port()
+    if getattr(self, "_free_port", None) is None:  # one port per server, kept across restarts as llama.cpp's tests do
+        self._free_port = _up_free_port()
+    self.server_port = self._free_port
     workdir = tempfile.mkdtemp(prefix="llama-upstream-")
     args = [sys.executable, "-m", "orchestrator.cli", "serve", *slotserve_args(self),
             "--state-dir", os.path.join(workdir, "state")]  # fmt: skip
