@@ -12,9 +12,9 @@ import uvicorn
 from contract import settings as engine_settings
 from contract.heap import keep_heap_mapped
 from orchestrator.config import Settings
+from orchestrator.engine_client.launch import WorkerOptions
 from orchestrator.web.logfilter import uvicorn_log_config
 from orchestrator.web.read_limits import limited_protocol
-from orchestrator.engine_client.launch import WorkerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     if settings.slot_save_path is not None:
         settings.slot_save_path.mkdir(parents=True, exist_ok=True)
     from orchestrator.app import create_app
+    from orchestrator.web.auth import build_authenticator
 
+    try:
+        auth = build_authenticator(settings)  # a bad keys file stops the start with its file and line
+    except ValueError as exc:
+        parser.error(str(exc))
     keep_heap_mapped()  # per-token attention frames received into mapped memory (contract/heap.py)
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, auth=auth),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -23,10 +23,11 @@ import structlog
 
 from contract.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.service_error import ServiceError
-from orchestrator.slots.admission import AdmissionQueue, Ticket, WaitHooks
-from orchestrator.slots.model import Slot
 from orchestrator.engine_client.interface import EngineClient
+from orchestrator.service_error import ServiceError
+from orchestrator.slots.admission import AdmissionQueue, Ticket, WaitHooks, tenant_of
+from orchestrator.slots.model import Slot
+from orchestrator.tenants.limits import TenantLimits
 
 log = structlog.get_logger("slotserve.slots")
 
@@ -56,6 +57,7 @@ class Residency(ABC):
         self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue(0, 0.0)  # none: 429 at once
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
+        self.limits: TenantLimits | None = None  # --tenant-resident (orchestrator/tenants/limits.py)
 
     @abstractmethod
     async def park(self, slot: Slot) -> None:
@@ -87,6 +89,8 @@ class Residency(ABC):
             return slot.seq  # type: ignore[return-value]
         if slot.seq is not None:  # the worker restarted: the old sequence is gone
             self._release_seq(slot)
+        if self.limits is not None and self.limits.resident:
+            await self._within_tenant_limit(slot)
         async with self._alloc:
             seq = None
             if not len(self.queue):  # nobody is ahead: take a free sequence or park an idle slot
@@ -111,6 +115,26 @@ class Residency(ABC):
             self._grant_free()
             raise
         return seq
+
+    async def _within_tenant_limit(self, slot: Slot) -> None:
+        """``--tenant-resident``: when the slot's tenant already holds its limit of sequences, park
+        its least recently used idle slot; ``RATE_LIMITED`` when every one of them serves a request."""
+        assert self.limits is not None
+        tenant = tenant_of(slot)
+        while True:
+            own = [s for s in self.owner if s is not None and s is not slot and tenant_of(s) == tenant]
+            if not self.limits.over_resident(len(own)):
+                return
+            idle = [s for s in own if not s.busy]
+            if not idle or not self.can_park:
+                raise self.limits.refuse(
+                    tenant, "resident", f"tenant {tenant!r}'s slots hold {len(own)} engine sequences (its limit)"
+                )
+            victim = min(idle, key=lambda s: s.last_used)
+            async with victim.lock:
+                if not victim.busy and victim.seq is not None and self.owner[victim.seq] is victim:
+                    await self.park(victim)
+                    self._grant_free()
 
     def _assign(self, slot: Slot, seq: int) -> None:
         self.owner[seq] = slot

@@ -79,6 +79,7 @@ from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
+from orchestrator.tenants.conversation import anthropic_user_id
 from orchestrator.web.errors import ApiError, compat_error_body, error_responses, exception_handlers, report, route_of
 from orchestrator.web.sse import EventStream, named_event, streamable
 
@@ -207,6 +208,9 @@ def chat_request(data: MessagesRequest) -> ChatCompletionRequest:
         stream=data.stream,
         slot_id=data.slot_id,
         return_progress=data.stream,
+        # Anthropic has no prompt_cache_key: its metadata.user_id is next in the conversation-key order
+        prompt_cache_key=anthropic_user_id(data.metadata),
+        cache_salt=data.cache_salt,
     )
 
 

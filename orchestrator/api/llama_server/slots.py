@@ -353,6 +353,6 @@ class SlotController(Controller):
     ) -> SlotActionResponse | BuffersResponse:
         check_slot_number(slot_id)
         if action not in READ_ONLY_ACTIONS:
-            require_admin(request.scope, services.settings.admin_key)
+            require_admin(request)
         call = ActionCall(request, services, ops, check_slot_id(slot_id), wait)
         return await ACTIONS[action](call)

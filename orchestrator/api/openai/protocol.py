@@ -25,6 +25,7 @@ from orchestrator.generation.request import (
     TokenCount,
     TopK,
 )
+from orchestrator.tenants.conversation import CacheSalt, PromptCacheKey
 from orchestrator.web.errors import ApiError
 
 
@@ -324,6 +325,7 @@ class OpenAIRequest(SamplerFields, kw_only=True):
     seed: Seed | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    prompt_cache_key: PromptCacheKey | None = None  # OpenAI's; Anthropic's metadata.user_id comes here too
     slot_id: str | int | None = None
     attention: AttentionOption | None = None
     top_k: TopK | None = None
@@ -395,6 +397,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     text: TextOptions | None = None
     user: str | None = None
+    prompt_cache_key: PromptCacheKey | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's
     slot_id: str | int | None = None
     background: bool | None = None
     timings_per_token: bool = False  # llama-server's: ``timings`` on the text deltas and the last event
