@@ -3,8 +3,9 @@
 One slotserve server (default model, ``--parallel`` sequences, an ``--api-keys`` file with tenants
 ``x`` and ``y``). First Y alone: ``--y-requests`` streams one after the other. Then the same Y
 streams while X keeps ``--x-streams`` streams running at once (each X client sends its next request
-as soon as its last one ended). Every stream is ``POST /api/extra/generate/stream`` with a
-conversation of its own (``conversation_id``), ``--max-tokens`` tokens, greedy, ``ignore_eos``.
+as soon as its last one ended). Every stream is ``POST /api/extra/generate/stream`` on its client's
+conversation (``conversation_id``; the same short prompt each time, so its prefix is cached and the
+figures measure the scheduling, not prefill), ``--max-tokens`` tokens, greedy, ``ignore_eos``.
 
 Printed: Y's time to first token (median, max) and decode tok/s alone and beside X; X's aggregate
 tok/s; each tenant's engine share (the mean number of engine sequences its generations held: the
@@ -92,21 +93,19 @@ def summary(name: str, runs: list[Timed]) -> str:
 async def main_async(a: argparse.Namespace, base: str) -> None:
     limits = httpx.Limits(max_connections=a.x_streams + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await stream(client, base, "key-y", "y", "warm-up", 4)
-        alone = [await stream(client, base, "key-y", "y", f"y-alone-{i}", a.max_tokens) for i in range(a.y_requests)]
+        await stream(client, base, "key-y", "y", "y", 4)  # makes Y's conversation
+        alone = [await stream(client, base, "key-y", "y", "y", a.max_tokens) for _ in range(a.y_requests)]
         stop = asyncio.Event()
         x_runs: list[Timed] = []
 
         async def x_client(i: int) -> None:
-            k = 0
             while not stop.is_set():
-                x_runs.append(await stream(client, base, "key-x", "x", f"x-{i}-{k}", a.max_tokens))
-                k += 1
+                x_runs.append(await stream(client, base, "key-x", "x", f"x-{i}", a.max_tokens))
 
         xs = [asyncio.create_task(x_client(i)) for i in range(a.x_streams)]
         await asyncio.sleep(a.warmup_s)  # X's streams fill every sequence and the queue
         t0 = time.perf_counter()
-        beside = [await stream(client, base, "key-y", "y", f"y-flood-{i}", a.max_tokens) for i in range(a.y_requests)]
+        beside = [await stream(client, base, "key-y", "y", "y", a.max_tokens) for _ in range(a.y_requests)]
         t1 = time.perf_counter()
         stop.set()
         await asyncio.gather(*xs)
@@ -144,7 +143,7 @@ def main() -> None:
     port = free_port()
     cmd = slotserve_cmd(
         port, tmp / "state", parallel=a.parallel, ctx_size=a.ctx_size, threads=a.threads,
-        extra=["--api-keys", str(keys), "--queue-size", str(a.x_streams + 8), "--anon-slots", "8"],
+        extra=["--api-keys", str(keys), "--queue-size", str(a.x_streams + 8), "--queue-timeout", "1800"],
     )  # fmt: skip
     srv = ServerProc("slotserve", cmd, port, tmp / "slotserve.log")
     try:
