@@ -25,7 +25,6 @@ from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from contract.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.admin.feed import AttentionFeed
 from orchestrator.api.native.generate import GenerateController
 from orchestrator.api.native.health import MetricsController, health
 from orchestrator.api.native.model import ModelController
@@ -34,6 +33,7 @@ from orchestrator.config import Settings
 from orchestrator.engine_client.client import WorkerClient
 from orchestrator.engine_client.interface import EngineClient
 from orchestrator.engine_client.lazy import LazyWorker
+from orchestrator.generation.feed import AttentionFeed
 from orchestrator.generation.service import GenerationService
 from orchestrator.llama_metrics import LLAMA_SERVER
 from orchestrator.services import Services, provide_services, provide_slot_ops
@@ -42,8 +42,10 @@ from orchestrator.slots.anonymous import AnonymousSlots
 from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import Slot, SlotRegistry
+from orchestrator.tenants.gateway import TenantHeader, parse_networks
+from orchestrator.tenants.keys import KeyRing
 from orchestrator.tenants.limits import TenantLimits
-from orchestrator.web.auth import Authenticator, auth_middleware, build_authenticator
+from orchestrator.web.auth import Authenticator, auth_middleware
 from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.header_case import canonical_header_names
 from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
@@ -93,6 +95,20 @@ def build_services(settings: Settings) -> Services:
     LLAMA_SERVER.n_batch = settings.worker.engine.n_batch  # llama-server's n_decode_total counts prefill chunks
     embedder = LazyWorker(settings.embedder) if settings.embedder is not None else None
     return Services(settings, engine, registry, generation, archive, classifier, feed, embedder)
+
+
+def build_authenticator(settings: Settings) -> Authenticator:
+    """The authenticator of ``settings`` (``--api-key``, ``--admin-key``, ``--api-keys``,
+    ``--tenant-header``, ``--gateway-secret``, ``--gateway-from``).  Raises ``ValueError``
+    (:class:`orchestrator.tenants.keys.KeysFileError` for the keys file) with a message for the operator."""
+    keys = KeyRing(settings.api_key, settings.admin_key, settings.api_keys)
+    header = None
+    if settings.tenant_header:
+        networks = parse_networks(settings.gateway_from)
+        if not settings.gateway_secret and not networks:
+            raise ValueError("--tenant-header needs --gateway-secret or --gateway-from (whom to believe it from)")
+        header = TenantHeader(settings.tenant_header, settings.gateway_secret, networks)
+    return Authenticator(keys, header)
 
 
 def create_app(settings: Settings, services: Services | None = None, auth: Authenticator | None = None) -> Litestar:

@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"server settings: {exc}")
     if settings.slot_save_path is not None:
         settings.slot_save_path.mkdir(parents=True, exist_ok=True)
-    from orchestrator.app import create_app
-    from orchestrator.web.auth import build_authenticator
+    from orchestrator.app import build_authenticator, create_app
 
     try:
         auth = build_authenticator(settings)  # a bad keys file stops the start with its file and line

@@ -17,20 +17,17 @@ request gets 401 ``UNAUTHORIZED``; a refused WebSocket is accepted, told
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from contract.errors import ErrorCode
-from orchestrator.tenants.gateway import TenantHeader, UntrustedHeader, parse_networks
+from orchestrator.tenants.gateway import TenantHeader, UntrustedHeader
 from orchestrator.tenants.keys import KeyRing
 from orchestrator.tenants.principal import DEFAULT_TENANT, SCOPE_KEY, Principal, principal_of
 from orchestrator.web.errors import ApiError, ErrorEvent, send_error
-
-if TYPE_CHECKING:
-    from orchestrator.config import Settings
 
 PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js")
 
@@ -121,17 +118,3 @@ def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
         return middleware
 
     return wrap
-
-
-def build_authenticator(settings: Settings) -> Authenticator:
-    """The authenticator of ``settings`` (``--api-key``, ``--admin-key``, ``--api-keys``,
-    ``--tenant-header``, ``--gateway-secret``, ``--gateway-from``).  Raises ``ValueError``
-    (:class:`orchestrator.tenants.keys.KeysFileError` for the keys file) with a message for the operator."""
-    keys = KeyRing(settings.api_key, settings.admin_key, settings.api_keys)
-    header = None
-    if settings.tenant_header:
-        networks = parse_networks(settings.gateway_from)
-        if not settings.gateway_secret and not networks:
-            raise ValueError("--tenant-header needs --gateway-secret or --gateway-from (whom to believe it from)")
-        header = TenantHeader(settings.tenant_header, settings.gateway_secret, networks)
-    return Authenticator(keys, header)

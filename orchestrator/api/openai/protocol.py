@@ -14,8 +14,9 @@ from msgspec import UNSET, UnsetType
 
 from contract.errors import ErrorCode
 from contract.protocol import AttentionDtype, AttentionFormat
-from orchestrator.api.llama_server.protocol import LlamaCompletion, Timings
-from orchestrator.api.native.protocol import Attention, PromptProgress
+from orchestrator.api.common.completion import LlamaCompletion
+from orchestrator.api.common.timings import Timings
+from orchestrator.api.common.wire import Attention, PromptProgress
 from orchestrator.generation.request import (
     Float32,
     NonNegFloat32,
@@ -325,7 +326,7 @@ class OpenAIRequest(SamplerFields, kw_only=True):
     seed: Seed | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
-    prompt_cache_key: PromptCacheKey | None = None  # OpenAI's; Anthropic's metadata.user_id comes here too
+    prompt_cache_key: PromptCacheKey | None = None  # OpenAI's conversation key (docs/api.md)
     slot_id: str | int | None = None
     attention: AttentionOption | None = None
     top_k: TopK | None = None
