@@ -29,7 +29,7 @@ from orchestrator.generation.events import (
 from orchestrator.generation.request import AppendToken, CanonicalRequest, PreviewRequest
 from orchestrator.generation.stall import StallGuard, park_stalled
 from orchestrator.service_error import ServiceError
-from orchestrator.slots.admission import WaitHooks, tenant_of
+from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
 from orchestrator.slots.model import Slot
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
@@ -237,7 +237,7 @@ class GenerationService:
         :class:`orchestrator.tenants.limits.TenantLimits`: ``RATE_LIMITED`` before the first yield)."""
         tenant = req.principal.tenant
         if self.limits.stored_bytes:
-            stored = sum(s.stored_bytes for s in self.registry.slots.values() if tenant_of(s) == tenant)
+            stored = sum(s.stored_bytes for s in self.registry.slots.values() if self.registry.tenant_of(s) == tenant)
             self.limits.check_stored(tenant, stored)
         with self.limits.generation(tenant):
             async with contextlib.aclosing(self._run(req, control, then)) as events:
@@ -266,7 +266,8 @@ class GenerationService:
         ids = await self.input_ids(req)
         params = await self.checked_params(req)
         capture = capture_options(req, info.attention_layers)
-        hooks = control.hooks if control is not None else None
+        hooks = control.hooks if control is not None else WaitHooks()
+        hooks.tenant = req.principal.tenant  # its lane in the admission queue
         on_chosen = control.chose if control is not None else None
         if req.slot is None:  # docs/api.md, "Requests without a slot id"
             holding = self.anonymous.use(ids, hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen)

@@ -20,7 +20,8 @@ owns the sequences and uses this queue only for the order:
 * ``queue.leave(ticket)``: always, when the waiter stops waiting (granted, timed out, or
   its client left: the task was cancelled), so its place is freed at once.
 
-A waiter's tenant is its ``tenant`` attribute (a slot's owner; :data:`DEFAULT_TENANT` without one).
+A ticket's tenant is the requesting tenant (``WaitHooks.tenant``), else the slot's ``tenant``
+attribute (its owner; :data:`DEFAULT_TENANT` without one).
 Options (``slotserve serve``): ``--queue-size`` (``max_waiting``; 0 turns waiting off and
 restores the immediate 429) and ``--queue-timeout`` (``max_wait_s``, seconds).
 """
@@ -45,10 +46,10 @@ T = TypeVar("T")
 class Ticket(Generic[S]):
     """One waiting request's place in an :class:`AdmissionQueue`."""
 
-    def __init__(self, queue: AdmissionQueue[S], slot: S) -> None:
+    def __init__(self, queue: AdmissionQueue[S], slot: S, tenant: str | None = None) -> None:
         self.queue = queue
         self.slot = slot
-        self.tenant = tenant_of(slot)
+        self.tenant = tenant if tenant is not None else tenant_of(slot)
         self.outcome: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.moved = asyncio.Event()
 
@@ -128,13 +129,14 @@ class AdmissionQueue(Generic[S]):
         """``RATE_LIMITED`` with ``retry_after`` (seconds; HTTP answers carry it as ``Retry-After``)."""
         return ServiceError(ErrorCode.RATE_LIMITED, message, retry_after=self.retry_after_s)
 
-    def enter(self, slot: S) -> Ticket[S]:
-        """Join the back of the slot's tenant's lane (a new lane joins the end of the turn order);
-        ``RATE_LIMITED`` when the queue is full."""
+    def enter(self, slot: S, tenant: str | None = None) -> Ticket[S]:
+        """Join the back of ``tenant``'s lane (the requesting tenant; None: the slot's owner, see
+        :func:`tenant_of`); a new lane joins the end of the turn order.  ``RATE_LIMITED`` when the
+        queue is full."""
         if self._count >= self.max_waiting:
             metrics.QUEUE_REFUSED.labels("full").inc()
             raise self.refusal(f"every engine sequence is busy and {self._count} requests already wait (--queue-size)")
-        ticket = Ticket(self, slot)
+        ticket = Ticket(self, slot, tenant)
         self.lanes.setdefault(ticket.tenant, deque()).append(ticket)
         self._count += 1
         metrics.TENANT_WAITING.labels(ticket.tenant).set(len(self.lanes[ticket.tenant]))
@@ -190,9 +192,10 @@ class WaitHooks:
     queue, and any other wait run through :meth:`unless_gone` (e.g. for a busy slot's lock).
     """
 
-    def __init__(self, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
+    def __init__(self, on_position: Callable[[int], Awaitable[None]] | None = None, tenant: str | None = None) -> None:
         self.on_position = on_position
         self.gone = asyncio.Event()
+        self.tenant = tenant  # the requesting tenant: its lane in the admission queue (None: the slot's owner)
 
     def check(self, what: str) -> None:
         """``CLIENT_GONE`` if the client already left (``what``: what it was waiting for)."""

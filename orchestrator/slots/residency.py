@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from typing import Any
@@ -58,6 +59,7 @@ class Residency(ABC):
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
         self.limits: TenantLimits | None = None  # --tenant-resident (orchestrator/tenants/limits.py)
+        self.holders: weakref.WeakKeyDictionary[Slot, str] = weakref.WeakKeyDictionary()  # slot -> its tenant
 
     @abstractmethod
     async def park(self, slot: Slot) -> None:
@@ -89,6 +91,8 @@ class Residency(ABC):
             return slot.seq  # type: ignore[return-value]
         if slot.seq is not None:  # the worker restarted: the old sequence is gone
             self._release_seq(slot)
+        if hooks is not None and hooks.tenant is not None:
+            self.holders[slot] = hooks.tenant  # whose request made it resident (--tenant-resident counts it)
         if self.limits is not None and self.limits.resident:
             await self._within_tenant_limit(slot)
         async with self._alloc:
@@ -105,7 +109,7 @@ class Residency(ABC):
                     + ("" if self.can_park else " (and there is no store to park slots in)")
                 )
             else:
-                ticket = self.queue.enter(slot)
+                ticket = self.queue.enter(slot, hooks.tenant if hooks is not None else None)
         if seq is None:
             seq = await self._wait_turn(ticket, hooks)
         try:
@@ -116,13 +120,19 @@ class Residency(ABC):
             raise
         return seq
 
+    def tenant_of(self, slot: Slot) -> str:
+        """The tenant of a slot: its owner (:func:`orchestrator.slots.admission.tenant_of`), else the
+        tenant whose request last made it resident."""
+        owner = getattr(slot, "tenant", None)
+        return owner if isinstance(owner, str) else self.holders.get(slot, tenant_of(slot))
+
     async def _within_tenant_limit(self, slot: Slot) -> None:
         """``--tenant-resident``: when the slot's tenant already holds its limit of sequences, park
         its least recently used idle slot; ``RATE_LIMITED`` when every one of them serves a request."""
         assert self.limits is not None
-        tenant = tenant_of(slot)
+        tenant = self.tenant_of(slot)
         while True:
-            own = [s for s in self.owner if s is not None and s is not slot and tenant_of(s) == tenant]
+            own = [s for s in self.owner if s is not None and s is not slot and self.tenant_of(s) == tenant]
             if not self.limits.over_resident(len(own)):
                 return
             idle = [s for s in own if not s.busy]

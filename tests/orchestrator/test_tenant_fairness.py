@@ -225,3 +225,24 @@ async def test_a_stalled_reader_is_parked_and_its_sequence_serves_the_next_reque
     await wait_for(lambda: not w.registry.slots["reader"].busy)
     assert reader.n_tokens == len(PROMPT) + len(tokens)
     assert await w.registry.tokens(reader) == PROMPT + tokens
+
+
+async def test_requests_wait_in_their_tenants_lane_through_the_registry(tmp_path: Path) -> None:
+    """One engine sequence held by tenant x; x queues three more requests, then y one: y's runs second."""
+    w = World(tmp_path, n_seqs=1, queue_size=8)
+    held = w.service.run(req_of("x", "x0", n=50))
+    await first_token(held)
+    order: list[str] = []
+
+    async def one(tenant: str, slot: str) -> None:
+        await finish(w.service.run(req_of(tenant, slot, n=2)))
+        order.append(slot)
+
+    tasks = []
+    for tenant, slot in (("x", "x1"), ("x", "x2"), ("x", "x3"), ("y", "y1")):
+        tasks.append(asyncio.ensure_future(one(tenant, slot)))
+        await wait_for(lambda n=len(tasks): len(w.registry.queue) == n)
+    assert w.registry.queue.waiting("x") == 3 and w.registry.queue.waiting("y") == 1
+    await held.aclose()
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert order == ["x1", "y1", "x2", "x3"]
