@@ -108,7 +108,9 @@ async def main_async(a: argparse.Namespace, base: str) -> None:
         beside = [await stream(client, base, "key-y", "y", "y", a.max_tokens) for _ in range(a.y_requests)]
         t1 = time.perf_counter()
         stop.set()
-        await asyncio.gather(*xs)
+        for x in xs:  # X's requests still waiting or running are dropped (their clients leave)
+            x.cancel()
+        await asyncio.gather(*xs, return_exceptions=True)
     window = [r for r in x_runs if r.times[0] >= t0 and r.times[-1] <= t1]
     x_tokens = sum(1 for r in x_runs for t in r.times if t0 <= t <= t1)
     share_y = sum(r.held for r in beside) / (t1 - t0)
