@@ -6,7 +6,8 @@ and, for browser WebSockets that cannot set headers, ``?api_key=KEY`` / ``?admin
 Keys come from ``--api-key`` (the one tenant :data:`~orchestrator.tenants.principal.DEFAULT_TENANT`),
 ``--admin-key`` (its admin) and ``--api-keys FILE`` (:mod:`orchestrator.tenants.keys`); a gateway's
 tenant header from :mod:`orchestrator.tenants.gateway`.  ``/health``, ``/metrics``, the admin page's
-static script and CORS preflights are public.
+static script, the chat page (``/`` and ``/webui/*``: static files, no data) and CORS preflights are
+public.
 
 The middleware leaves the principal in ``scope["state"][SCOPE_KEY]``
 (:func:`~orchestrator.tenants.principal.principal_of` reads it).  With no key configured everyone is
@@ -29,7 +30,8 @@ from orchestrator.tenants.keys import KeyRing
 from orchestrator.tenants.principal import DEFAULT_TENANT, SCOPE_KEY, Principal, principal_of
 from orchestrator.web.errors import ApiError, ErrorEvent, send_error
 
-PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js")
+PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js", "/")
+PUBLIC_PREFIXES = ("/webui/",)  # the chat page's static assets (orchestrator/webui): they hold no data
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -97,7 +99,9 @@ def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
             kind = scope["type"]
-            if kind not in ("http", "websocket") or scope["path"] in PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+            path = scope["path"]
+            public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+            if kind not in ("http", "websocket") or public or scope.get("method") == "OPTIONS":
                 await app(scope, receive, send)
                 return
             try:
