@@ -27,6 +27,7 @@ from orchestrator.engine_client.interface import EngineClient
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import AdmissionQueue, Ticket, WaitHooks
 from orchestrator.slots.model import Slot
+from orchestrator.tenants.limits import TenantLimits
 
 log = structlog.get_logger("slotserve.slots")
 
@@ -70,6 +71,7 @@ class Residency:
         self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue(0, 0.0)  # none: 429 at once
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
+        self.limits: TenantLimits | None = None  # --tenant-resident (orchestrator/tenants/limits.py)
 
     async def park(self, slot: Slot) -> None:
         """Save ``slot`` (lock held) and free its sequence (``RATE_LIMITED`` with no store to park in)."""
@@ -122,6 +124,8 @@ class Residency:
             return slot.seq  # type: ignore[return-value]
         if slot.seq is not None:  # the worker restarted: the old sequence is gone
             self.release_seq(slot)
+        if self.limits is not None and self.limits.resident:
+            await self._within_tenant_limit(slot)
         async with self._alloc:
             seq = None
             if not len(self.queue):  # nobody is ahead: take a free sequence or park an idle slot
@@ -136,7 +140,7 @@ class Residency:
                     + ("" if self.can_park else " (and there is no store to park slots in)")
                 )
             else:
-                ticket = self.queue.enter(slot)
+                ticket = self.queue.enter(slot, hooks.tenant if hooks is not None else None)
         if seq is None:
             seq = await self._wait_turn(ticket, hooks)
         try:
@@ -146,6 +150,26 @@ class Residency:
             self.grant_free()
             raise
         return seq
+
+    async def _within_tenant_limit(self, slot: Slot) -> None:
+        """``--tenant-resident``: when the slot's tenant already holds its limit of sequences, park
+        its least recently used idle slot; ``RATE_LIMITED`` when every one of them serves a request."""
+        assert self.limits is not None
+        tenant = slot.tenant
+        while True:
+            own = [s for s in self.owner if s is not None and s is not slot and s.tenant == tenant]
+            if not self.limits.over_resident(len(own)):
+                return
+            idle = [s for s in own if not s.busy]
+            if not idle or not self.can_park:
+                raise self.limits.refuse(
+                    tenant, "resident", f"tenant {tenant!r}'s slots hold {len(own)} engine sequences (its limit)"
+                )
+            victim = min(idle, key=lambda s: s.last_used)
+            async with victim.lock:
+                if not victim.busy and victim.seq is not None and self.owner[victim.seq] is victim:
+                    await self.park(victim)
+                    self.grant_free()
 
     def _assign(self, slot: Slot, seq: int) -> None:
         self.owner[seq] = slot

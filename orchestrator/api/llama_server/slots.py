@@ -282,6 +282,15 @@ ACTION_RESPONSES = {
 }
 
 
+def guard_slot_change(request: Request[Any, Any, Any], services: Services) -> None:
+    """A slot-changing action (save, restore, erase, fork, context shift...) acts on the caller's own slots.
+    With ``--api-keys`` each tenant manages its own; with one ``--api-key`` and ``--admin-key`` (one tenant
+    shared by every key holder) the admin key guards them, as it did before tenants (docs/operations.md,
+    "Tenants").  Raises ``UNAUTHORIZED`` (401)."""
+    if services.settings.admin_key and not services.settings.api_keys:
+        require_admin(request)
+
+
 class SlotController(Controller):
     """``GET /slots``, ``POST /slots/{id}?action=...``, ``GET /v1/slots/{id}/info``.
 
@@ -367,6 +376,6 @@ class SlotController(Controller):
     ) -> SlotActionResponse | BuffersResponse:
         check_slot_number(slot_id)
         if action not in READ_ONLY_ACTIONS:
-            require_admin(request.scope, services.settings.admin_key)
+            guard_slot_change(request, services)
         call = ActionCall(request, services, ops, check_slot_id(slot_id), wait, principal_of(request).tenant)
         return await ACTIONS[action](call)

@@ -263,6 +263,8 @@ def _chat_request(data: ResponsesRequest, messages: list[dict[str, Any]], slot: 
         "seed": data.seed,
         "response_format": _response_format(data.text),
         "user": data.user,
+        "prompt_cache_key": data.prompt_cache_key,
+        "cache_salt": data.cache_salt,
         "slot_id": slot if slot is not None else data.slot_id,
         "stream": data.stream,
         "timings_per_token": data.timings_per_token,
