@@ -40,7 +40,6 @@ from orchestrator.api.llama_server.protocol import (
     TokenProb,
 )
 from orchestrator.api.llama_server.timings import TimingsClock, timings_of
-from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import GenerateRequest, PromptProgress
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.interleave import interleaved
@@ -51,6 +50,7 @@ from orchestrator.services import Services
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.model import Slot, slot_id_out
 from orchestrator.slots.operations import SlotOps
+from orchestrator.web.disconnect import cancelled_on_disconnect
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 

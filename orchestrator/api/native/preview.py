@@ -11,7 +11,6 @@ from typing import Any
 
 from litestar import Controller, Request, post
 
-from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import (
     PreviewResponse,
     TokenAttention,
@@ -24,6 +23,7 @@ from orchestrator.generation.request import PreviewRequest
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.body import json_route
+from orchestrator.web.disconnect import cancelled_on_disconnect
 
 STOPPED = {"length": "max_tokens", "stop_token": "stop_token", "stop_string": "stop_string", "cancelled": "cancelled"}
 """The engine's ``finish_reason`` as the preview's ``stopped_reason``."""

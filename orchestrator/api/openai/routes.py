@@ -36,7 +36,6 @@ from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
 from orchestrator.api.llama_server.protocol import CompletionBody, LlamaCompletion
 from orchestrator.api.llama_server.routes import Completion
 from orchestrator.api.llama_server.timings import TimingsClock
-from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import Attention, GenerateRequest, PromptProgress, attention_of
 from orchestrator.api.openai.protocol import (
     MAX_TOP_LOGPROBS,
@@ -76,6 +75,7 @@ from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan, plan_of
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
+from orchestrator.web.disconnect import cancelled_on_disconnect
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 
