@@ -162,6 +162,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     from orchestrator.api.llama_server.slots import SlotController
     from orchestrator.api.native.classify import classify
     from orchestrator.api.native.preview import PreviewController
+    from orchestrator.api.ollama.routes import OllamaController
     from orchestrator.api.openai.embeddings import EmbeddingsController
     from orchestrator.api.openai.responses import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
@@ -178,6 +179,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         LlamaChatController,
         EmbeddingsController,
         KoboldController,
+        OllamaController,
     ]
     return Litestar(
         route_handlers=route_handlers,
