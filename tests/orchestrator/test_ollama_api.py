@@ -17,6 +17,7 @@ from orchestrator.api.ollama.protocol import Message, ToolCall, ToolCallFunction
 from orchestrator.api.ollama.serving import chat_messages, keep_alive_s, schema_of
 from orchestrator.web.errors import ApiError
 from tests.conftest import ServerProc
+from tests.waiting import wait_until
 
 WEATHER = {
     "type": "function",
@@ -241,7 +242,8 @@ def test_embed(server: ServerProc, client) -> None:  # type: ignore[no-untyped-d
     assert np.allclose(old / np.linalg.norm(old), vectors[0], atol=1e-5)
 
 
-def test_keep_alive_zero_parks_the_slot(server: ServerProc) -> None:
+def test_keep_alive_parks_the_slot(server: ServerProc) -> None:
+    """``keep_alive`` 0 parks the conversation's slot with the answer; a duration, once idle that long."""
     body = {"model": _model(server), "messages": HI, "options": {**GREEDY, "num_predict": 3}, "stream": False}
     r = _post(server, "/api/chat", {**body, "keep_alive": 0}, headers={"X-Slot-Id": "ollama-park"})
     assert r.status_code == 200 and r.json()["done"]
@@ -249,6 +251,10 @@ def test_keep_alive_zero_parks_the_slot(server: ServerProc) -> None:
     assert slot["place"] == "parked" and slot["n_tokens"] > 0
     kept = _post(server, "/api/chat", {**body, "keep_alive": "5m"}, headers={"X-Slot-Id": "ollama-park"})
     assert kept.status_code == 200 and _slots(server)["ollama-park"]["place"] == "resident"
+    assert kept.json()["prompt_eval_count"] > 0
+    short = _post(server, "/api/chat", {**body, "keep_alive": "1s"}, headers={"X-Slot-Id": "ollama-park"})
+    assert short.status_code == 200
+    wait_until(lambda: _slots(server)["ollama-park"]["place"] == "parked", "the slot parked after 1 s idle")
     loaded = _post(server, "/api/generate", {"model": body["model"]}).json()  # Ollama's "load the model"
     assert loaded["done"] and loaded["done_reason"] == "load" and loaded["response"] == ""
 

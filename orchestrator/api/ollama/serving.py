@@ -15,8 +15,8 @@ Ollama's ``docs/api.md`` and ``api/types.go`` (ollama/ollama) are the contract; 
 * ``format``: ``"json"`` constrains the answer to a JSON object, a JSON schema to that schema (llama.cpp's
   grammar from the schema, as ``json_schema`` on the other APIs);
 * ``keep_alive``: ``0`` parks the conversation's slot (its KV state saved to the store, its engine
-  sequence freed) as soon as the answer is done; other values leave parking to ``--park-idle`` and
-  the least-recently-used rule;
+  sequence freed) as soon as the answer is done; another duration parks it once idle that long
+  (negative: never for being idle); without it, ``--park-idle`` and the least-recently-used rule apply;
 * the slot: the ``X-Slot-Id`` header if given, else the server's choice, keyed by the session headers
   (``X-Session-Id``, ``session_id``) when present; the caller's tenant (:func:`principal_of`) scopes it.
 """
@@ -264,13 +264,18 @@ async def generate_prompt(
 
 
 def park_after(services: Services, keep_alive: float | None) -> AfterTurn | None:
-    """What a turn does with its slot once answered: ``keep_alive`` 0 parks it (module docstring); other
-    values, or a server without a store, nothing."""
-    if keep_alive != 0 or services.registry.archive is None:
+    """What a turn does with its slot once answered (Ollama's ``keep_alive``): ``0`` parks it at once, another
+    value has it parked once idle that long (:meth:`orchestrator.slots.registry.SlotRegistry.keep_alive`;
+    negative: never for being idle), none gives it back to ``--park-idle``; a server without a store to park
+    in: nothing."""
+    registry = services.registry
+    if registry.archive is None:
         return None
 
     async def park(slot: Slot) -> None:
-        await services.registry.park(slot)
+        registry.keep_alive(slot, keep_alive)
+        if keep_alive == 0:
+            await registry.park(slot)
 
     return park
 
