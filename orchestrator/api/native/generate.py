@@ -15,11 +15,13 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 from msgspec import UNSET
 
-from orchestrator.api.kobold import routes as kobold
-from orchestrator.api.kobold.protocol import KOBOLD_FINISH, KoboldResult, KoboldTokenEvent, kobold_done_event
+from orchestrator.api.common import kobold
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.kobold import KOBOLD_FINISH, KoboldResult, KoboldTokenEvent, kobold_done_event
+from orchestrator.api.common.run import cancelled_on_disconnect
+from orchestrator.api.common.wire import token_text
 from orchestrator.api.native.protocol import (
     GeneratedToken,
-    GenerateRequest,
     GenerateResponse,
     TokenAttention,
     done_event,
@@ -28,7 +30,6 @@ from orchestrator.api.native.protocol import (
     progress_event,
     sse_token_event,
     token_attention,
-    token_text,
     top_logprobs_of,
 )
 from orchestrator.generation.events import DoneOut, ProgressOut, Started, TokenOut
@@ -36,7 +37,6 @@ from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter, trim_stop
 from orchestrator.services import Services
 from orchestrator.web.body import json_route
-from orchestrator.web.disconnect import cancelled_on_disconnect
 from orchestrator.web.encode import encoded
 from orchestrator.web.errors import ErrorEvent, report, route_of
 from orchestrator.web.sse import JsonEvent, QueuedComment, event_stream, json_event
@@ -102,16 +102,7 @@ class GenerateController(Controller):
         end = done_event(done, req.request_id)
         kobold_text = trim_stop(done.text, done.stop_string) if data.trim_stop else done.text
         return GenerateResponse(
-            type="done",
-            request_id=end.request_id,
-            finish_reason=end.finish_reason,
-            total_tokens=end.total_tokens,
-            generation_time_ms=end.generation_time_ms,
-            prompt_tokens=end.prompt_tokens,
-            cached_tokens=end.cached_tokens,
-            slot_id=end.slot_id,
-            stop_string=end.stop_string,
-            truncated=end.truncated,
+            **msgspec.structs.asdict(end),
             generated_tokens=tokens,
             generated_text=done.text,
             results=[KoboldResult(text=kobold_text, finish_reason=KOBOLD_FINISH.get(done.finish_reason))],

@@ -11,19 +11,14 @@ from typing import Any
 
 from litestar import Controller, Request, post
 
-from orchestrator.api.native.protocol import (
-    PreviewResponse,
-    TokenAttention,
-    TokenText,
-    token_attention,
-    token_text,
-)
+from orchestrator.api.common.run import cancelled_on_disconnect
+from orchestrator.api.common.wire import TokenText, token_text
+from orchestrator.api.native.protocol import PreviewResponse, TokenAttention, token_attention
 from orchestrator.generation.events import DoneOut, PreviewStarted, TokenOut
 from orchestrator.generation.request import PreviewRequest
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.body import json_route
-from orchestrator.web.disconnect import cancelled_on_disconnect
 
 STOPPED = {"length": "max_tokens", "stop_token": "stop_token", "stop_string": "stop_string", "cancelled": "cancelled"}
 """The engine's ``finish_reason`` as the preview's ``stopped_reason``."""

@@ -21,7 +21,7 @@ from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
 from contract.errors import ErrorCode
-from orchestrator.api.compat import collect, started_run
+from orchestrator.api.common.run import collect, started_run
 from orchestrator.api.ollama import serving
 from orchestrator.api.ollama.protocol import (
     ChatRequest,

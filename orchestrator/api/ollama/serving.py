@@ -5,8 +5,8 @@ Ollama's ``docs/api.md`` and ``api/types.go`` (ollama/ollama) are the contract; 
 
 * one model is served, under its name (``--alias`` names too), with or without the ``:latest`` tag;
   another name is Ollama's 404 ``model '<name>' not found``;
-* ``/api/chat`` renders ``messages`` with the model's own chat template
-  (:class:`orchestrator.generation.chat_template.ChatTemplate`), ``tools`` through
+* ``/api/chat`` renders ``messages`` with the model's own chat template as every chat surface does
+  (:mod:`orchestrator.api.common.chat`: a last assistant message is continued), ``tools`` through
   :mod:`orchestrator.generation.tool_calls` (``tool_choice`` ``auto``: Ollama has no other);
   ``/api/generate`` renders ``system`` and ``prompt`` as one user turn (``raw``: the prompt as it is);
 * ``context`` of ``/api/generate`` is token ids: the answer's ``context`` is the request's prompt tokens
@@ -34,7 +34,9 @@ from litestar import Request
 
 from contract.errors import ErrorCode
 from contract.model_facts import ModelInfo
-from orchestrator.api.compat import AfterTurn, remaining
+from orchestrator.api.common.chat import chat_ids, chat_prompt_ids
+from orchestrator.api.common.chat import chat_prompt as render_chat
+from orchestrator.api.common.run import AfterTurn, remaining
 from orchestrator.api.ollama.protocol import (
     ChatResponse,
     DoneReason,
@@ -49,11 +51,10 @@ from orchestrator.api.ollama.protocol import (
     ToolCall,
     ToolCallFunction,
 )
-from orchestrator.generation.chat_template import ChatTemplate
 from orchestrator.generation.events import DoneOut
 from orchestrator.generation.request import DEFAULT, CanonicalRequest
 from orchestrator.generation.tool_calls import ToolCall as ParsedCall
-from orchestrator.generation.tool_calls import ToolPlan, plan_of
+from orchestrator.generation.tool_calls import ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import Slot
 from orchestrator.tenants.principal import principal_of
@@ -186,17 +187,6 @@ def canonical(
     )  # fmt: skip
 
 
-def _template(info: ModelInfo) -> tuple[ChatTemplate, str]:
-    bos = str(info.special_tokens.get("bos_token", ""))
-    return ChatTemplate(info.chat_template, bos, str(info.special_tokens.get("eos_token", ""))), bos
-
-
-async def _tokens(services: Services, text: str, bos: str, first: bool) -> list[int]:
-    """A rendered prompt's tokens (special tokens parsed); BOS added when ``first`` and the template did
-    not write it."""
-    return (await services.engine.tokenize(text, first and not (bos and text.startswith(bos)), True)).ids
-
-
 def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Ollama messages as the chat template reads them (OpenAI's shape, as the tool handling expects):
     an assistant's ``tool_calls`` with their ``arguments`` objects and an id, a ``tool`` message's
@@ -240,27 +230,26 @@ def openai_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 async def chat_prompt(
     services: Services, messages: list[Message], tools: list[Tool] | None
 ) -> tuple[list[int], ToolPlan | None]:
-    """The prompt tokens of a chat (its messages and tools rendered by the model's template) and its tool
-    plan (None without tools; with tools, Ollama's behaviour: the model may call them or answer)."""
-    info = services.generation.info
-    plan = plan_of(info.chat_template, openai_tools(tools), None, None)
-    msgs = chat_messages(messages)
-    template, bos = _template(info)
-    text = template.render(plan.messages(msgs) if plan else msgs, True, plan.template_tools() if plan else None)
-    return await _tokens(services, text, bos, True), plan
+    """The prompt tokens of a chat (its messages and tools rendered by the model's template, as every chat
+    surface renders them: :func:`orchestrator.api.common.chat.chat_prompt_ids`) and its tool plan (None
+    without tools; with tools, Ollama's behaviour: the model may call them or answer)."""
+    return await chat_prompt_ids(services, chat_messages(messages), openai_tools(tools))
 
 
 async def generate_prompt(
     services: Services, prompt: str, system: str, context: list[int] | None, raw: bool
 ) -> list[int]:
     """``/api/generate``'s prompt tokens: ``context`` (the ids a previous answer returned) followed by
-    ``system`` and ``prompt`` rendered as one turn by the model's chat template; ``raw``: the prompt's
-    own tokens (BOS added as llama-server adds it)."""
+    ``system`` and ``prompt`` rendered as one turn by the model's chat template (BOS only at a conversation's
+    start, unless the template writes it); ``raw``: the prompt's own tokens (BOS added as llama-server adds
+    it)."""
     if raw:
         return (await services.engine.tokenize(prompt, True, True)).ids
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    template, bos = _template(services.generation.info)
-    return list(context or []) + await _tokens(services, template.render(msgs, True), bos, not context)
+    text = render_chat(services, msgs)
+    if not context:
+        return await chat_ids(services, text)
+    return list(context) + (await services.engine.tokenize(text, False, True)).ids
 
 
 def park_after(services: Services, keep_alive: float | None) -> AfterTurn | None:

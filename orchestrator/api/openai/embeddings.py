@@ -26,7 +26,7 @@ import numpy as np
 from litestar import Controller, post
 
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.common.run import COMPAT_ERRORS
 from orchestrator.api.openai.protocol import Embedding, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage
 from orchestrator.generation.embeddings import normalized, pooled
 from orchestrator.services import Services

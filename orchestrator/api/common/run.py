@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +24,12 @@ from orchestrator.generation.request import INT32_MAX, CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.slots.model import Slot
-from orchestrator.web.disconnect import cancelled_on_disconnect
 from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
+from orchestrator.web.slot_header import watch_slot
 
 AfterTurn = Callable[[Slot], Awaitable[None]]
-"""What a surface does with a turn's slot once the engine is done with it, the slot still held."""
+"""What a surface does with a turn's slot once the engine is done with it, the slot still held (Ollama's
+``keep_alive``)."""
 
 COMPAT_ERRORS = exception_handlers(compat_error_body)
 """Litestar exception handlers for the OpenAI and llama-server paths (errors in their shape)."""
@@ -116,3 +119,35 @@ def remaining(services: Services, n_prompt: int) -> int:
     if info.runtime.context_shift:
         return INT32_MAX
     return max(0, info.n_ctx - n_prompt)
+
+
+@asynccontextmanager
+async def cancelled_on_disconnect(
+    request: Request[Any, Any, Any], control: RunControl | None = None
+) -> AsyncIterator[RunControl]:
+    """``control`` (or a new :class:`RunControl`), cancelled when the client of a request goes
+    away: the generation stops, and a request still waiting (for a busy slot, or for an engine
+    sequence in the admission queue: ``control.hooks``) ends with ``CLIENT_GONE``, untouched.
+
+    Start it only once the request's body has been read (it reads the ASGI ``receive`` channel
+    for ``http.disconnect``).  Nested blocks with the same ``control`` share one watcher."""
+    control = control or RunControl()
+    watch_slot(request.scope, control)  # X-Slot-Id on the answer
+    if control.watched:
+        yield control
+        return
+    control.watched = True
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
+    try:
+        yield control
+    finally:
+        watcher.cancel()
+        control.watched = False
+
+
+async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            await control.cancel()
+            return
