@@ -203,17 +203,17 @@ def test_format_json_schema(server: ServerProc, client) -> None:  # type: ignore
 
 
 def test_tools(server: ServerProc, client) -> None:  # type: ignore[no-untyped-def]
-    """The model calls the tool (the whole call in one line, arguments an object); its result sent back as a
-    ``tool`` message with ``tool_name``, it answers in text."""
+    """The model calls the tool (the whole call in one line, arguments an object); the call and its result
+    (a ``tool`` message with ``tool_name``) sent back continue the same conversation: its slot holds them,
+    after the first turn's cached prompt."""
     model = _model(server)
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
     options = {**GREEDY, "num_predict": 40}
     first = client.chat(model=model, messages=msgs, tools=[WEATHER], options=options)
     (call,) = first.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
-    lines = _lines(
-        _post(server, "/api/chat", {"model": model, "messages": msgs, "tools": [WEATHER], "options": options})
-    )
+    body = {"model": model, "messages": msgs, "tools": [WEATHER], "options": options}
+    lines = _lines(_post(server, "/api/chat", body))
     (streamed,) = [x for x in lines if x["message"].get("tool_calls")]
     assert streamed["message"]["tool_calls"][0]["function"] == {
         "name": "get_weather", "arguments": dict(call.function.arguments), "index": 0,
@@ -223,8 +223,15 @@ def test_tools(server: ServerProc, client) -> None:  # type: ignore[no-untyped-d
         {"role": "assistant", "content": "", "tool_calls": [call.model_dump(exclude_none=True)]},
         {"role": "tool", "content": "Sunny, 24 degrees", "tool_name": "get_weather"},
     ]
-    second = client.chat(model=model, messages=msgs, tools=[WEATHER], options={**GREEDY, "num_predict": 24})
-    assert second.message.content and not second.message.tool_calls, second.message
+    r = _post(server, "/api/chat", {**body, "messages": msgs, "options": {**GREEDY, "num_predict": 4}, "stream": False})
+    second = r.json()
+    assert r.status_code == 200 and second["done"], second
+    assert second["prompt_eval_count"] > first.prompt_eval_count
+    slot = r.headers["x-slot-id"]
+    assert _slots(server)[slot]["n_prompt_tokens_cache"] >= first.prompt_eval_count - 1  # the first turn's prompt
+    tokens = _post(server, f"/slots/{slot}?action=tokens", {}).json()["tokens"]
+    held = _post(server, "/detokenize", {"tokens": tokens}).json()["content"]
+    assert '"get_weather"' in held and "Sunny, 24 degrees" in held  # the call and its result, in the prompt
 
 
 def test_embed(server: ServerProc, client) -> None:  # type: ignore[no-untyped-def]
