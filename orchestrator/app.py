@@ -189,6 +189,7 @@ def create_app(settings: Settings, services: Services | None = None, auth: Authe
     from orchestrator.api.llama_server.slots import SlotController
     from orchestrator.api.native.classify import classify
     from orchestrator.api.native.preview import PreviewController
+    from orchestrator.api.ollama.routes import OllamaController
     from orchestrator.api.openai.embeddings import EmbeddingsController
     from orchestrator.api.openai.responses import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
@@ -205,6 +206,7 @@ def create_app(settings: Settings, services: Services | None = None, auth: Authe
         LlamaChatController,
         EmbeddingsController,
         KoboldController,
+        OllamaController,
     ]
     if settings.webui:
         from orchestrator.webui.routes import webui_handlers

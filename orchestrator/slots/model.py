@@ -58,6 +58,7 @@ class Slot:
     requests: int = 0
     holder_hooks: WaitHooks | None = None  # the holding request's (its client's departure ends its waits)
     synced: tuple[int, str] | None = None
+    keep_alive_s: float | None = None  # park once idle this long (Ollama's keep_alive; inf: never; None: --park-idle)
 
     @property
     def key(self) -> str:

@@ -161,9 +161,10 @@ class SlotRegistry:
         await self.archive.close()
 
     async def upkeep(self) -> None:
-        """Park idle slots (``park_idle_s``) and, once a minute, purge expired stored states."""
-        if self.park_idle_s:
-            await self.residency.park_idle(self.park_idle_s)
+        """Park idle slots (``park_idle_s``, or a slot's own :meth:`keep_alive`) and, once a minute, purge
+        expired stored states."""
+        if self.park_idle_s or any(s is not None and s.keep_alive_s is not None for s in self.residency.owner):
+            await self.residency.park_idle(self.park_idle_s or None)
         if self.archive is not None and time.monotonic() - self._last_purge > 60:
             self._last_purge = time.monotonic()
             await self.archive.purge_expired()
@@ -338,6 +339,11 @@ class SlotRegistry:
         slot.partition = partition
 
     # ------------------------------------------------------------------ generation reports
+
+    def keep_alive(self, slot: Slot, seconds: float | None) -> None:
+        """Park ``slot`` once it has been idle ``seconds`` (Ollama's ``keep_alive``; ``inf``: never for being
+        idle, None: after ``park_idle_s`` as every slot), looked at by :meth:`upkeep`."""
+        slot.keep_alive_s = seconds
 
     def generation_started(self, slot: Slot, req: int, params: proto.SamplingParams) -> None:
         """A generation (engine request ``req``) starts on the slot: its cells are about to change."""

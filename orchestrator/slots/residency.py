@@ -287,13 +287,17 @@ class Residency:
                 await self.park(victim)
                 return seq
 
-    async def park_idle(self, idle_s: float) -> int:
-        """Park every resident slot idle for more than ``idle_s`` seconds (frees its sequence
-        and its lease, so another node may take the conversation).  Returns how many."""
+    async def park_idle(self, idle_s: float | None) -> int:
+        """Park every resident slot idle for more than its ``keep_alive_s`` seconds, else ``idle_s`` (None:
+        only slots with a ``keep_alive_s``); parking frees its sequence and its lease, so another node may
+        take the conversation.  Returns how many."""
         now = time.monotonic()
         parked = 0
         for slot in [s for s in self.owner if s is not None]:
-            if slot.busy or slot.lock.locked() or now - slot.last_used < idle_s or not self.is_resident(slot):
+            limit = slot.keep_alive_s if slot.keep_alive_s is not None else idle_s
+            if limit is None or slot.busy or slot.lock.locked() or now - slot.last_used < limit:
+                continue
+            if not self.is_resident(slot):
                 continue
             async with slot.lock:
                 if not slot.busy and self.is_resident(slot):

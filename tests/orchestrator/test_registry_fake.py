@@ -71,6 +71,25 @@ async def test_park_idle_parks_only_slots_idle_long_enough(world: World) -> None
     assert world.leases.leases == {}
 
 
+async def test_a_slots_own_keep_alive_wins_over_park_idle(tmp_path: Path) -> None:
+    """Ollama's ``keep_alive`` per slot (:meth:`SlotRegistry.keep_alive`): ``inf`` is never parked for being
+    idle, 0 at once even when the server parks nothing (``park_idle(None)``), None follows ``park_idle``."""
+    world = World(tmp_path / "state", n_seqs=3)
+    reg = world.registry
+    await reg.start()
+    try:
+        for name in ("forever", "now", "default"):
+            await world.gen(name, PROMPT)
+        reg.keep_alive(reg.slots["forever"], float("inf"))
+        reg.keep_alive(reg.slots["now"], 0.0)
+        assert await reg.park_idle(None) == 1
+        assert [reg.slots[s].place for s in ("forever", "now", "default")] == ["resident", "parked", "resident"]
+        assert await reg.park_idle(0.0) == 1
+        assert [reg.slots[s].place for s in ("forever", "default")] == ["resident", "parked"]
+    finally:
+        await reg.shutdown()
+
+
 async def test_the_registry_parks_idle_slots_by_itself(tmp_path: Path) -> None:
     w = World(tmp_path / "state", park_idle_s=0.3)
     await w.registry.start()
