@@ -8,7 +8,9 @@ llama-server's ``continue_final_message`` "auto"), and two ``assistant`` message
 refused with llama-server's message.  ``POST /apply-template`` answers the prompt text
 (``{"prompt"}``), ``POST /chat/completions/input_tokens`` (and ``/v1/...``) its token count
 (``{"input_tokens"}``), both without generating (llama-server's ``post_apply_template`` and
-``handle_count_tokens``).
+``handle_count_tokens``).  Both render with :func:`chat_prompt_ids`' preparation, the one the chat
+completion path runs (tools, tool calls and results as :mod:`orchestrator.generation.tool_calls`
+prepares them), so their text and count are exactly the chat's prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from contract.errors import ErrorCode
 from orchestrator.api.compat import COMPAT_ERRORS
 from orchestrator.api.llama_server.protocol import AppliedTemplate, ChatPromptBody, InputTokens
 from orchestrator.generation.chat_template import ChatTemplate, message_text
+from orchestrator.generation.tool_calls import ToolPlan, plan_of
 from orchestrator.services import Services
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError
 
@@ -46,6 +49,66 @@ async def chat_ids(services: Services, text: str) -> list[int]:
     return (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
 
 
+def named_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each ``tool`` message that has no ``name`` given the name of the call it
+    answers: the earlier assistant ``tool_calls`` entry with its ``tool_call_id`` (OpenAI's Chat
+    Completions ``tool`` message carries only the id), else, without an id, the call at its place
+    among the tool messages after that assistant message.  Messages are not changed in place."""
+    names: dict[str, str] = {}
+    calls: list[str] = []
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") if isinstance(call, dict) else None
+                name = fn.get("name") if isinstance(fn, dict) else None
+                if isinstance(name, str):
+                    calls.append(name)
+                    if isinstance(call.get("id"), str):
+                        names[call["id"]] = name
+        elif m.get("role") == "tool" and not m.get("name"):
+            by_id = names.get(m["tool_call_id"]) if isinstance(m.get("tool_call_id"), str) else None
+            name = by_id or (calls.pop(0) if calls and m.get("tool_call_id") is None else None)
+            if name:
+                m = {**m, "name": name}
+        out.append(m)
+    return out
+
+
+def chat_prompt_text(
+    services: Services,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+) -> tuple[str, ToolPlan | None]:
+    """The prompt text of a chat body and its tool plan (None without tools): the tool results
+    named (:func:`named_tool_results`), the messages and tools prepared by the plan
+    (:func:`orchestrator.generation.tool_calls.plan_of`), rendered by :func:`chat_prompt`.  The one
+    preparation of the chat completion path, ``/apply-template`` and ``/chat/completions/input_tokens``.
+    Raises ``INVALID_REQUEST`` as :func:`chat_prompt` and :func:`plan_of` do."""
+    plan = plan_of(services.generation.info.chat_template, tools, tool_choice, parallel_tool_calls)
+    named = named_tool_results(messages)
+    prepared = plan.messages(named) if plan else named
+    return chat_prompt(services, prepared, plan.template_tools() if plan else None), plan
+
+
+async def chat_prompt_ids(
+    services: Services,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+) -> tuple[list[int], ToolPlan | None]:
+    """:func:`chat_prompt_text` tokenized (:func:`chat_ids`): the prompt tokens and the tool plan."""
+    text, plan = chat_prompt_text(services, messages, tools, tool_choice, parallel_tool_calls)
+    return await chat_ids(services, text), plan
+
+
 class LlamaChatController(Controller):
     """llama-server's ``/apply-template`` and ``/chat/completions/input_tokens``."""
 
@@ -58,7 +121,8 @@ class LlamaChatController(Controller):
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def apply_template(self, services: Services, data: ChatPromptBody) -> AppliedTemplate:
-        return AppliedTemplate(prompt=chat_prompt(services, data.messages, data.tools))
+        text, _ = chat_prompt_text(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
+        return AppliedTemplate(prompt=text)
 
     @post(
         ["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"],
@@ -67,5 +131,5 @@ class LlamaChatController(Controller):
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def input_tokens(self, services: Services, data: ChatPromptBody) -> InputTokens:
-        ids = await chat_ids(services, chat_prompt(services, data.messages, data.tools))
+        ids, _ = await chat_prompt_ids(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
         return InputTokens(input_tokens=len(ids))
