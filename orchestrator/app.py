@@ -30,6 +30,9 @@ from orchestrator.api.native.health import MetricsController, health
 from orchestrator.api.native.model import ModelController
 from orchestrator.api.native.ws import binary_stream, event_stream
 from orchestrator.config import Settings
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.lazy import LazyWorker
 from orchestrator.generation.service import GenerationService
 from orchestrator.llama_metrics import LLAMA_SERVER
 from orchestrator.services import Services, provide_services, provide_slot_ops
@@ -43,9 +46,6 @@ from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.header_case import canonical_header_names
 from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.web.slot_header import slot_header_middleware
-from orchestrator.engine_client.client import WorkerClient
-from orchestrator.engine_client.interface import EngineClient
-from orchestrator.engine_client.lazy import LazyWorker
 
 log = structlog.get_logger("slotserve")
 
@@ -162,6 +162,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     from orchestrator.api.llama_server.slots import SlotController
     from orchestrator.api.native.classify import classify
     from orchestrator.api.native.preview import PreviewController
+    from orchestrator.api.openai.completions import CompletionsController
     from orchestrator.api.openai.embeddings import EmbeddingsController
     from orchestrator.api.openai.responses import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
@@ -172,6 +173,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         classify,
         AdminController,
         OpenAIController,
+        CompletionsController,
         ResponsesController,
         MessagesController,
         LlamaServerController,

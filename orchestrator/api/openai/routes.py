@@ -31,8 +31,8 @@ from msgspec import UNSET, UnsetType
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
-from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
+from orchestrator.api.compat import COMPAT_ERRORS, collect, piece_text, remaining, started_run
+from orchestrator.api.llama_server.chat import chat_prompt_ids as rendered_chat_ids
 from orchestrator.api.llama_server.protocol import CompletionBody, LlamaCompletion
 from orchestrator.api.llama_server.routes import Completion
 from orchestrator.api.llama_server.timings import TimingsClock
@@ -48,7 +48,6 @@ from orchestrator.api.openai.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChatMessage,
-    CompletionRequest,
     FunctionCall,
     FunctionDelta,
     LegacyLogprobs,
@@ -73,7 +72,7 @@ from orchestrator.generation.request import (
 )
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan, plan_of
+from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
@@ -83,6 +82,7 @@ log = structlog.get_logger("slotserve.openai")
 T = TypeVar("T")
 
 
+LLAMA_SERVER_TOP_LOGPROBS = 20  # chat logprobs: true without top_logprobs (llama-server's n_probs default there)
 FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "stop"}
 
 
@@ -439,13 +439,10 @@ async def chat_shape(services: Services, request: Request[Any, Any, Any], data: 
 
 
 async def chat_prompt_ids(services: Services, data: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
-    """The prompt tokens of a chat body (its ``messages`` and ``tools`` rendered by the model's
-    template, :func:`orchestrator.api.llama_server.chat.chat_prompt`) and its tool plan
-    (:func:`orchestrator.generation.tool_calls.plan_of`; None without tools)."""
-    plan = plan_of(services.generation.info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
-    messages = plan.messages(data.messages) if plan else data.messages
-    ids = await chat_ids(services, chat_prompt(services, messages, plan.template_tools() if plan else None))
-    return ids, plan
+    """The prompt tokens of a chat body and its tool plan (None without tools):
+    :func:`orchestrator.api.llama_server.chat.chat_prompt_ids`, the preparation ``/apply-template``
+    and ``/chat/completions/input_tokens`` share."""
+    return await rendered_chat_ids(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
 
 
 async def respond_choices(
@@ -520,10 +517,15 @@ async def respond_choices(
 
 
 def _top_n(logprobs: bool | None, top: int | None) -> int:
+    """The alternatives per token of a chat body: ``top_logprobs``, or with ``logprobs: true`` and no
+    ``top_logprobs`` 20, llama-server's default (``oaicompat_chat_params_parse``: ``n_probs`` =
+    ``json_value(body, "top_logprobs", 20)``); ``INVALID_REQUEST`` outside 0..20 or without ``logprobs``."""
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
     if top and not logprobs:
         raise ApiError(ErrorCode.INVALID_REQUEST, "top_logprobs needs logprobs: true")
+    if logprobs and top is None:
+        return LLAMA_SERVER_TOP_LOGPROBS
     return top or 0
 
 
@@ -566,30 +568,3 @@ class OpenAIController(Controller):
             raise ApiError(ErrorCode.INVALID_REQUEST, "messages must not be empty")
         shape = await chat_shape(services, request, data)
         return await respond(services, request, data, shape, ChatCompletion)
-
-    @post(
-        "/v1/completions",
-        status_code=200,
-        summary="OpenAI text completion",
-        responses=streamable(TextCompletion),
-    )
-    async def completions(
-        self, request: Request[Any, Any, Any], services: Services, data: CompletionRequest
-    ) -> EventStream | TextCompletion:
-        info = services.generation.info
-        if data.echo or data.suffix:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "echo and suffix are not supported")
-        prompt = one_prompt(data.prompt)
-        if data.logprobs is not None and not 0 <= data.logprobs <= 5:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "logprobs must be in 0..5")
-        ids = await prompt_ids(services, prompt)
-        req = canonical(data, request, ids, services, data.logprobs or 0)
-        shape = Shape(
-            False,
-            services.model_id,
-            req,
-            data.logprobs is not None,
-            await services.generation.pieces(),
-            fingerprint(info),
-        )
-        return await respond(services, request, data, shape, TextCompletion)
