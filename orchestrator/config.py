@@ -16,8 +16,8 @@ import msgspec
 
 from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
 from contract.settings import EngineSettings, Flag, NonNegative, Positive
-from orchestrator.web.read_limits import ReadLimits
 from orchestrator.engine_client.launch import WorkerOptions
+from orchestrator.web.read_limits import ReadLimits
 
 Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
 Durability = Literal["strict", "write-behind"]
@@ -39,7 +39,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     docs/operations.md).  ``stream_window`` / ``stream_window_bytes``: how far a generation may run
     ahead of what its client has taken, in tokens and in tensor bytes (flow control, :mod:`contract.flow`).
     ``seed``, ``alias``, ``tags`` and ``embeddings`` are
-    llama-server's flags of the same names (llama.cpp ``common/arg.cpp``).
+    llama-server's flags of the same names (llama.cpp ``common/arg.cpp``); ``noshift`` is KoboldCpp's
+    ``--noshift`` (:data:`orchestrator.api.kobold.routes.KOBOLD_CACHE_REUSE`).
     """
 
     @property
@@ -127,6 +128,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         msgspec.Meta(ge=0),
         Flag("seconds a request waits for a busy slot (then SLOT_BUSY)", "--slot-wait", metavar="S"),
     ] = 300.0
+    noshift: Annotated[
+        bool,
+        Flag(
+            "KoboldCpp's --noshift: KoboldCpp's routes (/api/v1/generate, /api/extra/generate/stream) no longer "
+            "reuse the cache of a context pruned in its middle when a request leaves n_cache_reuse out; they "
+            "re-prefill from the first removed token, as the other APIs do (docs/api.md, Cache reuse)",
+            "--noshift",
+        ),
+    ] = False
     slot_prompt_similarity: Annotated[
         float,
         msgspec.Meta(ge=0, le=1),
