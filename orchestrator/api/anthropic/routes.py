@@ -194,7 +194,10 @@ def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
 
 def chat_request(data: MessagesRequest) -> ChatCompletionRequest:
     """The OpenAI chat request of a Messages request (streamed ones ask for prefill progress: the
-    ``message_start`` event's usage comes from it)."""
+    ``message_start`` event's usage comes from it).  ``INVALID_REQUEST`` (400) for an empty ``messages``
+    list, with Anthropic's message."""
+    if not data.messages:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "messages: at least one message is required")
     return ChatCompletionRequest(
         messages=chat_messages(data),
         tools=chat_tools(data.tools),

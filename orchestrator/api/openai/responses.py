@@ -200,6 +200,16 @@ def _response_format(text: TextOptions | None) -> dict[str, Any] | None:
     return {"type": fmt.type}
 
 
+def _forces_call(data: ResponsesRequest) -> bool:
+    """Whether ``tool_choice`` forces a function call (``required`` or ``{"type": "function", "name"}``)
+    with tools given: the answer is that call, whose arguments the tool's schema constrains, so
+    ``text.format`` has no text to shape and is not applied (OpenAI accepts both together, as instructor's
+    ``RESPONSES_TOOLS`` mode sends them; llama-server refuses a grammar beside tools)."""
+    choice = data.tool_choice
+    forced = choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function")
+    return bool(data.tools) and forced
+
+
 class Answer:
     """The response object of one request (OpenAI's ``response``), built as output arrives."""
 
@@ -294,7 +304,7 @@ def _chat_request(data: ResponsesRequest, messages: list[dict[str, Any]], slot: 
         "temperature": data.temperature,
         "top_p": data.top_p,
         "seed": data.seed,
-        "response_format": _response_format(data.text),
+        "response_format": None if _forces_call(data) else _response_format(data.text),
         "user": data.user,
         "slot_id": slot if slot is not None else data.slot_id,
         "stream": data.stream,
