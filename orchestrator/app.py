@@ -24,7 +24,6 @@ from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from contract.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.admin.feed import AttentionFeed
 from orchestrator.api.native.generate import GenerateController
 from orchestrator.api.native.health import MetricsController, health
 from orchestrator.api.native.model import ModelController
@@ -33,6 +32,7 @@ from orchestrator.config import Settings
 from orchestrator.engine_client.client import WorkerClient
 from orchestrator.engine_client.interface import EngineClient
 from orchestrator.engine_client.lazy import LazyWorker
+from orchestrator.generation.feed import AttentionFeed
 from orchestrator.generation.service import GenerationService
 from orchestrator.llama_metrics import LLAMA_SERVER
 from orchestrator.services import Services, provide_services, provide_slot_ops

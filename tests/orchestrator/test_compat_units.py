@@ -10,8 +10,8 @@ from typing import Any, cast
 import msgspec
 import pytest
 
-from orchestrator.api.kobold import routes as kobold
-from orchestrator.api.native.protocol import GenerateRequest
+from orchestrator.api.common import kobold
+from orchestrator.api.common.generate import GenerateRequest
 from orchestrator.config import Settings
 from orchestrator.generation.chat_template import ChatTemplate
 from orchestrator.generation.stop_text import StopTextFilter

@@ -2,7 +2,7 @@
 
 ``prompt`` is OpenAI's (API reference, "Create completion": a string, an array of strings, an array of
 tokens, or an array of token arrays), read as llama-server reads it (``tokenize_input_prompts``,
-:func:`orchestrator.api.llama_server.prompts.split_prompts`): a list holding no number is several
+:func:`orchestrator.api.common.prompts.split_prompts`): a list holding no number is several
 prompts.  Several prompts are answered as OpenAI and llama-server answer them: one choice per prompt,
 ``index`` the prompt's place, one ``usage`` over all of them (prompt and generated tokens summed).
 Each prompt is its own generation on its own slot (a request naming no slot gets one per prompt by
@@ -23,14 +23,15 @@ from typing import Any
 from litestar import Controller, Request, post
 
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS, collect, started_run
-from orchestrator.api.llama_server.prompts import split_prompts, subprompt_ids
+from orchestrator.api.common.run import COMPAT_ERRORS, collect, started_run
+from orchestrator.api.common.prompts import split_prompts, subprompt_ids
 from orchestrator.api.openai.protocol import CompletionRequest, TextChoice, TextCompletion, Usage
 from orchestrator.api.openai.routes import ChoiceStream, Shape, canonical, fingerprint, respond, usage_of
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
-from orchestrator.generation.service import RunControl, check_tokens
+from orchestrator.generation.service import RunControl
+from orchestrator.tokens import check_tokens
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
