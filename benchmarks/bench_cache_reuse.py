@@ -110,7 +110,8 @@ def llama_turn(client: httpx.Client, base: str, ids: list[int], new: int) -> dic
     t0 = time.perf_counter()
     ttft, timings = None, {}
     # a connection per request: llama-server drops idle keep-alive connections after 5 s
-    with client.stream("POST", base + "/completion", json=body, timeout=TIMEOUT_S, headers={"Connection": "close"}) as r:
+    close = {"Connection": "close"}
+    with client.stream("POST", base + "/completion", json=body, timeout=TIMEOUT_S, headers=close) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:"):

@@ -40,7 +40,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ahead of what its client has taken, in tokens and in tensor bytes (flow control, :mod:`contract.flow`).
     ``seed``, ``alias``, ``tags`` and ``embeddings`` are
     llama-server's flags of the same names (llama.cpp ``common/arg.cpp``); ``noshift`` is KoboldCpp's
-    ``--noshift`` (:data:`orchestrator.api.kobold.routes.KOBOLD_CACHE_REUSE`).
+    ``--noshift`` (:data:`orchestrator.api.common.kobold.KOBOLD_CACHE_REUSE`).
     """
 
     @property

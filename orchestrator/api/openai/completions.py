@@ -23,17 +23,17 @@ from typing import Any
 from litestar import Controller, Request, post
 
 from contract.errors import ErrorCode
-from orchestrator.api.common.run import COMPAT_ERRORS, collect, started_run
 from orchestrator.api.common.prompts import split_prompts, subprompt_ids
+from orchestrator.api.common.run import COMPAT_ERRORS, collect, started_run
 from orchestrator.api.openai.protocol import CompletionRequest, TextChoice, TextCompletion, Usage
 from orchestrator.api.openai.routes import ChoiceStream, Shape, canonical, fingerprint, respond, usage_of
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
-from orchestrator.tokens import check_tokens
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
+from orchestrator.tokens import check_tokens
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 

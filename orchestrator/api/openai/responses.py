@@ -201,13 +201,10 @@ def _response_format(text: TextOptions | None) -> dict[str, Any] | None:
 
 
 def _forces_call(data: ResponsesRequest) -> bool:
-    """Whether ``tool_choice`` forces a function call (``required`` or ``{"type": "function", "name"}``)
-    with tools given: the answer is that call, whose arguments the tool's schema constrains, so
-    ``text.format`` has no text to shape and is not applied (OpenAI accepts both together, as instructor's
-    ``RESPONSES_TOOLS`` mode sends them; llama-server refuses a grammar beside tools)."""
-    choice = data.tool_choice
-    forced = choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function")
-    return bool(data.tools) and forced
+    """Whether ``tool_choice`` forces a call (``required`` or a named function) with tools given: the answer is
+    that call, so ``text.format`` is not applied (OpenAI accepts both, as instructor's RESPONSES_TOOLS sends)."""
+    named = isinstance(data.tool_choice, dict) and data.tool_choice.get("type") == "function"
+    return bool(data.tools) and (data.tool_choice == "required" or named)
 
 
 class Answer:
