@@ -217,12 +217,12 @@ def test_unset_fields_get_koboldcpps_defaults(server: ServerProc) -> None:
 
 
 def _pruning_context(server: ServerProc, tag: str) -> tuple[list[int], list[int]]:
-    """A ~700-token context and the same with 60 tokens cut from its middle (as Halo Weave prunes)."""
+    """A ~350-token context and the same with 60 tokens cut from its middle (as Halo Weave prunes)."""
     text = "".join(f"{tag} note {i}: the {('red', 'blue', 'green', 'amber')[i % 4]} kite {i * 7} flew over "
-                   f"{i * 13} hills near lake {i * 3 + 1}. " for i in range(40))  # fmt: skip
+                   f"{i * 13} hills near lake {i * 3 + 1}. " for i in range(20))  # fmt: skip
     ids = httpx.post(server.url + "/tokenize", json={"content": text, "add_special": True}, timeout=30).json()["tokens"]
-    assert len(ids) > 500
-    return ids, ids[:200] + ids[260:]
+    assert len(ids) > 300
+    return ids, ids[:100] + ids[160:]
 
 
 def test_kobold_routes_reuse_a_pruned_cache_by_default(server: ServerProc) -> None:
@@ -233,16 +233,16 @@ def test_kobold_routes_reuse_a_pruned_cache_by_default(server: ServerProc) -> No
     body = {"max_length": 1, "temperature": 0, "id_slot": "kb-reuse"}
     assert httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": ids}, timeout=300).status_code == 200
     again = httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": pruned}, timeout=300).json()
-    assert again["prompt_tokens"] == len(pruned) and again["cached_tokens"] >= len(pruned) - 8  # reused, not 200
-    twice = pruned[:300] + pruned[360:]  # pruned again, through the SSE route
+    assert again["prompt_tokens"] == len(pruned) and again["cached_tokens"] >= len(pruned) - 8  # reused, not 100
+    twice = pruned[:150] + pruned[190:]  # pruned again, through the SSE route
     streamed = sse_events(server.url, {**body, "input_ids": twice, "output_attentions": True})
     assert streamed[-1]["type"] == "done" and streamed[-1]["cached_tokens"] >= len(twice) - 8
     exact = httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": pruned, "n_cache_reuse": 0},
                        timeout=300).json()  # fmt: skip
-    assert exact["cached_tokens"] == 300  # asked for: the exact re-prefill after the common prefix
+    assert exact["cached_tokens"] == 150  # asked for: the exact re-prefill after the common prefix
 
     ids, pruned = _pruning_context(server, "Llama")
     base = {"n_predict": 1, "temperature": 0, "id_slot": "ls-reuse"}
     assert httpx.post(server.url + "/completion", json={**base, "prompt": ids}, timeout=300).status_code == 200
     timings = httpx.post(server.url + "/completion", json={**base, "prompt": pruned}, timeout=300).json()["timings"]
-    assert timings["cache_n"] == 200 and timings["prompt_n"] == len(pruned) - 200  # off: llama-server's default
+    assert timings["cache_n"] == 100 and timings["prompt_n"] == len(pruned) - 100  # off: llama-server's default

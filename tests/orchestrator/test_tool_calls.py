@@ -649,18 +649,17 @@ def test_responses_forced_call_with_an_output_schema(client) -> None:  # type: i
     OpenAI accepts together; the answer is the call (the schema has no text to shape)."""
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}  # fmt: skip
-    for choice in ({"type": "function", "name": "get_weather"}, "required"):
-        r = client.responses.create(
-            model="m",
-            input="Weather in Rome?",
-            tools=[FLAT_WEATHER],
-            tool_choice=choice,
-            text={"format": {"type": "json_schema", "name": "Weather", "schema": schema, "strict": True}},
-            max_output_tokens=60,
-            temperature=0,
-        )
-        (call,) = r.output
-        assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments)["city"]
+    r = client.responses.create(
+        model="m",
+        input="Weather in Rome?",
+        tools=[FLAT_WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": {"type": "json_schema", "name": "Weather", "schema": schema, "strict": True}},
+        max_output_tokens=40,
+        temperature=0,
+    )
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments)["city"]
 
 
 # ----------------------------------------------------------------------------- a Hermes template
