@@ -126,7 +126,10 @@ def _result_text(content: str | list[TextBlock | ImageBlock] | None) -> str:
 
 
 def chat_messages(data: MessagesRequest) -> list[dict[str, Any]]:
-    """``system`` and ``messages`` as OpenAI chat messages (module docstring)."""
+    """``system`` and ``messages`` as OpenAI chat messages (module docstring).  ``INVALID_REQUEST`` (400) for
+    an empty ``messages`` list, with Anthropic's message (``/v1/messages`` and ``count_tokens`` alike)."""
+    if not data.messages:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "messages: at least one message is required")
     out: list[dict[str, Any]] = []
     if isinstance(data.system, str):
         out.append({"role": "system", "content": normalize_billing_header(data.system)})
@@ -208,10 +211,7 @@ async def turn_of(services: Services, request: Request[Any, Any, Any], data: Mes
     """The :class:`Turn` of a Messages request (module docstring): its messages and tools rendered by the
     model's template, the slot by ``slot_id`` / ``X-Slot-Id`` (else the server's choice), ``max_tokens``
     4096 by default and never past the window; streamed requests ask for prefill progress (the
-    ``message_start`` event's usage comes from it).  Bad values: ``INVALID_REQUEST``, an empty ``messages``
-    list among them, with Anthropic's message."""
-    if not data.messages:
-        raise ApiError(ErrorCode.INVALID_REQUEST, "messages: at least one message is required")
+    ``message_start`` event's usage comes from it).  Bad values: ``INVALID_REQUEST``."""
     tools = chat_tools(data.tools)
     ids, plan = await chat_prompt_ids(services, chat_messages(data), tools, chat_tool_choice(data.tool_choice))
     room = remaining(services, len(ids))
