@@ -6,15 +6,19 @@ its middle (at 30 %, 50 % and 70 % of its length), appends a 40-token user messa
 ``--new`` tokens greedily with aggregated attention; the next turn's context is the pruned one, the
 message and a fixed 32-token reply (so every server sees the same prompts whatever it generates).
 
-Servers, one after the other, on the default model:
+Servers, one after the other, on the default model, with default flags:
 
-- slotserve without cache reuse (its default) and with ``n_cache_reuse`` ``--reuse`` (per request), through
-  ``POST /api/extra/generate/stream`` with ``input_ids`` and no slot id (KoboldCpp's route, Halo Weave's);
+- slotserve through ``POST /api/extra/generate/stream`` with ``input_ids`` and no slot id (KoboldCpp's route,
+  Halo Weave's), ``--configs`` of: ``reprefill`` (``n_cache_reuse`` 0: an exact re-prefill from the first
+  removed token, the other APIs' default), ``default`` (no ``n_cache_reuse`` in the body: KoboldCpp's routes'
+  default, cache reuse as KoboldCpp's ContextShift) and ``reuse`` (``n_cache_reuse`` ``--reuse``);
 - llama-server (``--llama-server``, built from the same llama.cpp) without and with ``--cache-reuse``
   ``--reuse``, through its ``POST /completion`` stream (token ids, ``cache_prompt``).
 
 Printed per turn: time to first token (ms), tokens prefilled, tokens cached; then per server the totals and
-the ratio to the full re-prefill. Fidelity of reuse (slotserve): per turn, the first generated token's
+the ratio to the full re-prefill, and per turn the ratio of each slotserve configuration's prefilled tokens to
+what an exact re-prefill prefills (the prompt after its common prefix with the previous one, counted from the
+trace). Fidelity of reuse (slotserve): per turn, the first generated token's
 aggregated attention with reuse against without (correlation, mean abs diff) and whether the greedy
 tokens agree.
 
@@ -43,6 +47,7 @@ from servers import (
 
 MESSAGE = 40
 REPLY = 32
+TIMEOUT_S = 3600.0  # one turn's request: a 4,000-token prefill on a loaded 2-core machine can take minutes
 
 
 def trace(tokenize, context: int, turns: int, chunk: int) -> tuple[list[int], list[list[int]]]:  # type: ignore[no-untyped-def]
@@ -63,12 +68,26 @@ def trace(tokenize, context: int, turns: int, chunk: int) -> tuple[list[int], li
     return first, prompts
 
 
-def slotserve_turn(client: httpx.Client, base: str, ids: list[int], new: int, reuse: int) -> dict:  # type: ignore[type-arg]
+def reprefill_counts(first: list[int], prompts: list[list[int]]) -> list[int]:
+    """Per turn, what an exact re-prefill prefills: the prompt after its common prefix with the previous
+    turn's prompt (the pruning starts inside the previous prompt, before anything generated)."""
+    out = []
+    for prev, cur in zip([first, *prompts], prompts, strict=False):
+        n = 0
+        while n < min(len(prev), len(cur)) and prev[n] == cur[n]:
+            n += 1
+        out.append(len(cur) - n)
+    return out
+
+
+def slotserve_turn(client: httpx.Client, base: str, ids: list[int], new: int, reuse: int | None) -> dict:  # type: ignore[type-arg]
     body = {"input_ids": ids, "max_new_tokens": new, "temperature": 0, "ignore_eos": True,
-            "return_attention": True, "attention_format": "aggregated", "n_cache_reuse": reuse}  # fmt: skip
+            "return_attention": True, "attention_format": "aggregated"}  # fmt: skip
+    if reuse is not None:  # left out: the route's default (KoboldCpp's: reuse unless --noshift)
+        body["n_cache_reuse"] = reuse
     t0 = time.perf_counter()
     ttft, tokens, first_att, done = None, [], None, {}
-    with client.stream("POST", base + "/api/extra/generate/stream", json=body, timeout=600) as r:
+    with client.stream("POST", base + "/api/extra/generate/stream", json=body, timeout=TIMEOUT_S) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:"):
@@ -91,7 +110,8 @@ def llama_turn(client: httpx.Client, base: str, ids: list[int], new: int) -> dic
     t0 = time.perf_counter()
     ttft, timings = None, {}
     # a connection per request: llama-server drops idle keep-alive connections after 5 s
-    with client.stream("POST", base + "/completion", json=body, timeout=600, headers={"Connection": "close"}) as r:
+    close = {"Connection": "close"}
+    with client.stream("POST", base + "/completion", json=body, timeout=TIMEOUT_S, headers=close) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:"):
@@ -139,6 +159,7 @@ def main() -> None:
     ap.add_argument("--reuse", type=int, default=256, help="n_cache_reuse / --cache-reuse (tokens)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-slotserve", action="store_true", help="run llama-server's two configurations only")
+    ap.add_argument("--configs", default="reprefill,default,reuse", help="slotserve configurations (docstring)")
     a = ap.parse_args()
     ctx_size = a.context + 1024
     model_path = default_model()
@@ -150,8 +171,10 @@ def main() -> None:
     results: dict[str, list[dict]] = {}  # type: ignore[type-arg]
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
-        ours = (("slotserve", 0), (f"slotserve n_cache_reuse {a.reuse}", a.reuse))
-        for name, reuse in ours[: 0 if a.skip_slotserve else 2]:
+        configs = {"reprefill": ("slotserve", 0), "default": ("slotserve Kobold default", None),
+                   "reuse": (f"slotserve n_cache_reuse {a.reuse}", a.reuse)}  # fmt: skip
+        ours = [configs[c.strip()] for c in a.configs.split(",") if c.strip()]
+        for name, reuse in [] if a.skip_slotserve else ours:
             port = free_port()
             cmd = slotserve_cmd(port, tmp / name.replace(" ", "_"), parallel=1, ctx_size=ctx_size, threads=a.threads)
 
@@ -184,15 +207,23 @@ def main() -> None:
         ttft = sum(r["ttft"] for r in results[name]) / sum(r["ttft"] for r in results[base])
         pre = sum(r["prefilled"] for r in results[name]) / max(1, sum(r["prefilled"] for r in results[base]))
         print(f"{name:<34} / {base}: ttft {ttft:.3f}, prefilled tokens {pre:.3f}")
-    on, off = results.get(f"slotserve n_cache_reuse {a.reuse}", []), results.get("slotserve", [])
-    for k, (r1, r0) in enumerate(zip(on, off, strict=True)):
-        corr = float(np.corrcoef(r1["att"], r0["att"])[0, 1])
-        mad = float(np.abs(r1["att"] - r0["att"]).mean())
-        agree = sum(x == y for x, y in zip(r1["tokens"], r0["tokens"], strict=False))
-        print(
-            f"fidelity turn {k}: first token's aggregated attention corr {corr:.4f}, mean abs diff {mad:.2e}; "
-            f"greedy tokens equal {agree}/{len(r0['tokens'])}"
-        )
+    exact = reprefill_counts(first, prompts)
+    print("an exact re-prefill prefills per turn: " + " ".join(str(n) for n in exact))
+    for name, rows in results.items():
+        if name.startswith("slotserve"):
+            ratios = [r["prefilled"] / n for r, n in zip(rows, exact, strict=True)]
+            print(f"{name:<34} prefilled per turn / re-prefill's: " + " ".join(f"{x:.3f}" for x in ratios)
+                  + f" (max {max(ratios):.3f})")  # fmt: skip
+    off = results.get("slotserve", [])
+    for name in (f"slotserve n_cache_reuse {a.reuse}", "slotserve Kobold default"):
+        for k, (r1, r0) in enumerate(zip(results.get(name, []), off, strict=False)):
+            corr = float(np.corrcoef(r1["att"], r0["att"])[0, 1])
+            mad = float(np.abs(r1["att"] - r0["att"]).mean())
+            agree = sum(x == y for x, y in zip(r1["tokens"], r0["tokens"], strict=False))
+            print(
+                f"fidelity {name}, turn {k}: first token's aggregated attention corr {corr:.4f}, mean abs diff "
+                f"{mad:.2e}; greedy tokens equal {agree}/{len(r0['tokens'])}"
+            )
 
 
 if __name__ == "__main__":

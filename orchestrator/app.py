@@ -190,6 +190,7 @@ def create_app(settings: Settings, services: Services | None = None, auth: Authe
     from orchestrator.api.native.classify import classify
     from orchestrator.api.native.preview import PreviewController
     from orchestrator.api.ollama.routes import OllamaController
+    from orchestrator.api.openai.completions import CompletionsController
     from orchestrator.api.openai.embeddings import EmbeddingsController
     from orchestrator.api.openai.responses import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
@@ -200,6 +201,7 @@ def create_app(settings: Settings, services: Services | None = None, auth: Authe
         classify,
         AdminController,
         OpenAIController,
+        CompletionsController,
         ResponsesController,
         MessagesController,
         LlamaServerController,

@@ -43,7 +43,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     generation's client may take nothing before the generation is stopped and its slot parked
     (:mod:`orchestrator.generation.stall`).
     ``seed``, ``alias``, ``tags`` and ``embeddings`` are
-    llama-server's flags of the same names (llama.cpp ``common/arg.cpp``).
+    llama-server's flags of the same names (llama.cpp ``common/arg.cpp``); ``noshift`` is KoboldCpp's
+    ``--noshift`` (:data:`orchestrator.api.common.kobold.KOBOLD_CACHE_REUSE`).
     """
 
     @property
@@ -186,6 +187,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         msgspec.Meta(ge=0),
         Flag("seconds a request waits for a busy slot (then SLOT_BUSY)", "--slot-wait", metavar="S"),
     ] = 300.0
+    noshift: Annotated[
+        bool,
+        Flag(
+            "KoboldCpp's --noshift: KoboldCpp's routes (/api/v1/generate, /api/extra/generate/stream) no longer "
+            "reuse the cache of a context pruned in its middle when a request leaves n_cache_reuse out; they "
+            "re-prefill from the first removed token, as the other APIs do (docs/api.md, Cache reuse)",
+            "--noshift",
+        ),
+    ] = False
     slot_prompt_similarity: Annotated[
         float,
         msgspec.Meta(ge=0, le=1),

@@ -97,12 +97,20 @@ class Tool:
         }
 
 
+_BAD_NAME = re.compile(r'["\\\x00-\x1f\x7f]')
+_BAD_NAME_MESSAGE = (
+    "a function name may not contain quotes, backslashes or control characters (OpenAI's names are letters, "
+    "digits, '_' and '-', at most 64)"
+)
+
+
 def parse_tools(tools: list[Any]) -> list[Tool]:
     """Chat Completions ``tools`` (``{"type": "function", "function": {"name", "description"?,
     "parameters"?}}``) or the Responses API's flat ``{"type": "function", "name", ...}``.
 
     An absent or empty ``parameters`` is ``{"type": "object", "properties": {}}`` (llama.cpp's
-    ``common_chat_tool_parameters``).  Raises ``INVALID_REQUEST`` for anything else.
+    ``common_chat_tool_parameters``).  Raises ``INVALID_REQUEST`` for anything else, and, naming the tool,
+    for a name holding a quote, backslash or control character (the call grammar could not carry it).
     """
     out: list[Tool] = []
     for tool in tools:
@@ -112,6 +120,8 @@ def parse_tools(tools: list[Any]) -> list[Tool]:
         name, params = (fn.get("name"), fn.get("parameters")) if isinstance(fn, dict) else (None, None)
         if not isinstance(name, str) or not name:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "each function tool needs a non-empty string 'name'")
+        if _BAD_NAME.search(name):
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"tool {name!r}: {_BAD_NAME_MESSAGE}")
         if params is not None and not isinstance(params, dict):
             raise ServiceError(ErrorCode.INVALID_REQUEST, f"tool {name}: 'parameters' must be a JSON schema object")
         if not params:

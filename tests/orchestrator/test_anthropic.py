@@ -279,10 +279,14 @@ def test_refusals_are_400_and_leave_the_slot(server: ServerProc) -> None:
     assert again["usage"]["cache_read_input_tokens"] >= prompt - 1  # the slot's cache is as it was
 
 
-def test_empty_messages_are_answered(server: ServerProc) -> None:
-    """llama-server renders the template with no messages (its test_anthropic_empty_messages)."""
-    r = _post(server, "/v1/messages", {"model": "m", "max_tokens": 3, "messages": []})
-    assert r.status_code == 200 and r.json()["type"] == "message"
+def test_empty_messages_are_400_as_anthropic(server: ServerProc) -> None:
+    """Anthropic requires at least one message (llama-server answers 200 here: its
+    test_anthropic_empty_messages, see docs/compat.md); no slot is made."""
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = _post(server, path, {"model": "m", "max_tokens": 3, "messages": [], "slot_id": "an-empty"})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert r.json()["error_code"] == "INVALID_REQUEST" and "at least one message" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/api/v1/slots/an-empty", timeout=30).status_code == 404
 
 
 # ------------------------------------------------------------------------------------ the Anthropic SDK

@@ -1,12 +1,22 @@
-"""Units of the client-compatible APIs: stop-string hold-back and chat-template rendering."""
+"""Units of the client-compatible APIs: stop-string hold-back, chat-template rendering and the Kobold
+routes' cache-reuse default."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
+import msgspec
 import pytest
 
+from orchestrator.api.common import kobold
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.config import Settings
 from orchestrator.generation.chat_template import ChatTemplate
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.service_error import ServiceError
+from orchestrator.services import Services
 
 
 def feed_all(stops: list[str], parts: list[str], stop: str) -> list[str]:
@@ -53,3 +63,21 @@ def test_template_errors_are_client_errors() -> None:
     sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}", "", "")
     with pytest.raises(ServiceError):
         sandboxed.render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("settings", "body", "expected"),
+    [
+        ({}, {}, 64),  # KoboldCpp's ContextShift default
+        ({"noshift": True}, {}, None),  # --noshift: the server's --cache-reuse (0: off)
+        ({}, {"n_cache_reuse": 0}, 0),  # the request's own value wins
+        ({"noshift": True}, {"n_cache_reuse": 32}, 32),
+        ({"worker": {"engine": {"cache_reuse": 256}}}, {}, None),  # --cache-reuse N: N applies, as elsewhere
+    ],
+)
+def test_kobold_cache_reuse_default(settings: dict[str, Any], body: dict[str, Any], expected: int | None) -> None:
+    """What ``n_cache_reuse`` a Kobold body gets (the engine behaviour is tested end to end in
+    tests/orchestrator/test_kobold_api.py); None means the server's ``--cache-reuse``."""
+    services = cast(Services, SimpleNamespace(settings=msgspec.convert(settings, Settings)))
+    data = msgspec.convert({"prompt": "Hi", **body}, GenerateRequest)
+    assert asyncio.run(kobold.prepare(services, data)).n_cache_reuse == expected

@@ -214,3 +214,35 @@ def test_unset_fields_get_koboldcpps_defaults(server: ServerProc) -> None:
     r = httpx.post(server.url + "/completion", json={"prompt": STORY, "n_predict": 2, "id_slot": 9}, timeout=120)
     assert r.status_code == 200, r.text
     assert (r.json()["generation_settings"]["temperature"], r.json()["generation_settings"]["top_k"]) == (0.8, 40)
+
+
+def _pruning_context(server: ServerProc, tag: str) -> tuple[list[int], list[int]]:
+    """A ~350-token context and the same with 60 tokens cut from its middle (as Halo Weave prunes)."""
+    text = "".join(f"{tag} note {i}: the {('red', 'blue', 'green', 'amber')[i % 4]} kite {i * 7} flew over "
+                   f"{i * 13} hills near lake {i * 3 + 1}. " for i in range(20))  # fmt: skip
+    ids = httpx.post(server.url + "/tokenize", json={"content": text, "add_special": True}, timeout=30).json()["tokens"]
+    assert len(ids) > 300
+    return ids, ids[:100] + ids[160:]
+
+
+def test_kobold_routes_reuse_a_pruned_cache_by_default(server: ServerProc) -> None:
+    """KoboldCpp's ContextShift default: a Kobold request that leaves ``n_cache_reuse`` out reuses the KV of
+    the runs after a pruned middle (counted as cached); llama-server's ``/completion`` without it keeps only
+    the common prefix (llama-server's default), and a Kobold request with ``n_cache_reuse`` 0 re-prefills."""
+    ids, pruned = _pruning_context(server, "Kobold")
+    body = {"max_length": 1, "temperature": 0, "id_slot": "kb-reuse"}
+    assert httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": ids}, timeout=300).status_code == 200
+    again = httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": pruned}, timeout=300).json()
+    assert again["prompt_tokens"] == len(pruned) and again["cached_tokens"] >= len(pruned) - 8  # reused, not 100
+    twice = pruned[:150] + pruned[190:]  # pruned again, through the SSE route
+    streamed = sse_events(server.url, {**body, "input_ids": twice, "output_attentions": True})
+    assert streamed[-1]["type"] == "done" and streamed[-1]["cached_tokens"] >= len(twice) - 8
+    exact = httpx.post(server.url + "/api/v1/generate", json={**body, "input_ids": pruned, "n_cache_reuse": 0},
+                       timeout=300).json()  # fmt: skip
+    assert exact["cached_tokens"] == 150  # asked for: the exact re-prefill after the common prefix
+
+    ids, pruned = _pruning_context(server, "Llama")
+    base = {"n_predict": 1, "temperature": 0, "id_slot": "ls-reuse"}
+    assert httpx.post(server.url + "/completion", json={**base, "prompt": ids}, timeout=300).status_code == 200
+    timings = httpx.post(server.url + "/completion", json={**base, "prompt": pruned}, timeout=300).json()["timings"]
+    assert timings["cache_n"] == 100 and timings["prompt_n"] == len(pruned) - 100  # off: llama-server's default

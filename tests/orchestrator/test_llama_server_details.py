@@ -64,6 +64,42 @@ def test_apply_template_and_input_tokens(srv: ServerProc) -> None:
     assert err["error_code"] == "INVALID_REQUEST"
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_TURN = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_7", "content": "sunny, 21 C"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_apply_template_and_input_tokens_render_tools_as_the_chat(srv: ServerProc, parallel: bool) -> None:
+    """One body with a tool, a tool call and its result: ``/apply-template``'s text is the prompt the chat
+    path renders (its ``__verbose`` prompt) and ``input_tokens`` its ``prompt_tokens``; the tool's result
+    carries the tool's name, looked up from the assistant's call."""
+    body = {"messages": TOOL_TURN, "tools": [WEATHER], "parallel_tool_calls": parallel}
+    text = post(srv, "/apply-template", body)["prompt"]
+    assert "You can call any of the following tools" in text and '"get_weather"' in text
+    assert '"tool": "get_weather"' in text and '"tool": null' not in text and "sunny, 21 C" in text
+    chat = post(srv, "/v1/chat/completions", {**body, "max_tokens": 1, "temperature": 0, "verbose": True})
+    assert chat["__verbose"]["prompt"] == text
+    assert post(srv, "/chat/completions/input_tokens", body) == {"input_tokens": chat["usage"]["prompt_tokens"]}
+    ids = post(srv, "/tokenize", {"content": text, "add_special": True})["tokens"]
+    assert len(ids) == chat["usage"]["prompt_tokens"] > 200
+    named = [*TOOL_TURN[:2], {**TOOL_TURN[2], "name": "get_weather"}]  # the name as a client may send it
+    assert post(srv, "/apply-template", {**body, "messages": named})["prompt"] == text
+    bad = post(srv, "/apply-template", {**body, "tool_choice": "sometimes"}, 400)
+    assert bad["error_code"] == "INVALID_REQUEST" and "tool_choice must be" in bad["error"]["message"]
+
+
 def test_completion_prompts_fields_and_seed(srv: ServerProc) -> None:
     text = "The sky is"
     ids = post(srv, "/tokenize", {"content": text, "add_special": True})["tokens"]

@@ -148,3 +148,55 @@ def test_raw_error_body_and_unprefixed_paths(server: ServerProc) -> None:
     assert httpx.get(server.url + "/models", timeout=30).json()["object"] == "list"
     ok = httpx.post(server.url + "/chat/completions", json={"messages": ASK, "max_tokens": 1}, timeout=120)
     assert ok.status_code == 200 and ok.json()["object"] == "chat.completion"
+
+
+def test_completions_several_prompts_one_choice_each(client, server: ServerProc) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's legacy ``prompt`` as a list of strings or of token lists: one choice per prompt, ``index`` its
+    place, each the text the prompt gets alone; ``usage`` sums them; streamed, chunks carry their index."""
+    prompts = ["1, 2, 3, 4,", "The capital of France is"]
+    greedy = {"model": "m", "max_tokens": 6, "temperature": 0}
+    alone = [client.completions.create(**greedy, prompt=p).choices[0].text for p in prompts]
+    both = client.completions.create(**greedy, prompt=prompts)
+    assert [c.index for c in both.choices] == [0, 1] and [c.text for c in both.choices] == alone
+    ids = [httpx.post(server.url + "/tokenize", json={"content": p, "add_special": True}).json()["tokens"]
+           for p in prompts]  # fmt: skip
+    by_ids = client.completions.create(**greedy, prompt=ids)
+    assert [c.text for c in by_ids.choices] == alone
+    assert by_ids.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert by_ids.usage.completion_tokens == both.usage.completion_tokens >= 2
+    chunks = list(client.completions.create(**greedy, prompt=prompts, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    for k, text in enumerate(alone):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == k]
+        assert "".join(c.text for c in mine) == text and mine[-1].finish_reason in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == both.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "extra", "code"),
+    [
+        ([], {}, "INVALID_REQUEST"),
+        (["Hi", [1, 99_999_999]], {}, "INVALID_TOKEN"),
+        (["Hi", "there"], {"n": 2}, "INVALID_REQUEST"),
+        (["Hi", {"nope": 1}], {}, "INVALID_REQUEST"),
+    ],
+)
+def test_several_prompts_bad_inputs_are_400(server: ServerProc, prompt: object, extra: dict, code: str) -> None:  # type: ignore[type-arg]
+    slot = "oa-several-bad"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "slot_id": slot, **extra},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error_code"] == code and r.json()["error"]["message"]
+    assert httpx.get(server.url + f"/api/v1/slots/{slot}", timeout=30).status_code == 404  # no slot was made
+
+
+def test_chat_logprobs_without_top_logprobs_gives_llama_servers_20(client) -> None:  # type: ignore[no-untyped-def]
+    """llama-server's chat parsing sets ``n_probs`` to ``top_logprobs`` or 20 when ``logprobs`` is true."""
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=3, temperature=0, logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert content and all(len(c.top_logprobs) == 20 for c in content)
+    assert all(c.top_logprobs[0].token == c.token for c in content)  # greedy: the best one was sampled
+    none = client.chat.completions.create(model="m", messages=ASK, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=0)  # fmt: skip
+    assert all(c.top_logprobs == [] for c in none.choices[0].logprobs.content)

@@ -82,9 +82,9 @@ async def test_a_slots_own_keep_alive_wins_over_park_idle(tmp_path: Path) -> Non
             await world.gen(name, PROMPT)
         reg.keep_alive(reg.slots["forever"], float("inf"))
         reg.keep_alive(reg.slots["now"], 0.0)
-        assert await reg.park_idle(None) == 1
+        assert await reg.residency.park_idle(None) == 1
         assert [reg.slots[s].place for s in ("forever", "now", "default")] == ["resident", "parked", "resident"]
-        assert await reg.park_idle(0.0) == 1
+        assert await reg.residency.park_idle(0.0) == 1
         assert [reg.slots[s].place for s in ("forever", "default")] == ["resident", "parked"]
     finally:
         await reg.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -290,6 +291,10 @@ def test_plan_refusals() -> None:
         plan_of("{% if tools %}{{ tools }}{% endif %}", [ADD], "required", None)
     with pytest.raises(ServiceError, match="only type 'function'"):
         parse_tools([{"type": "web_search"}])
+    for name in ('say"hi', "back\\slash", "new\nline"):  # a name the call grammar could not carry: named
+        with pytest.raises(ServiceError, match=re.escape(repr(name))):
+            parse_tools([{"type": "function", "function": {"name": name}}])
+    assert parse_tools([{"type": "function", "function": {"name": "ns.get-weather_2"}}])[0].name == "ns.get-weather_2"
     with pytest.raises(ServiceError, match="tool_choice must be"):
         plan_of(QWEN25, [ADD], "sometimes", None)
     unknown = plan_of("{% if tools %}{{ tools }}{% endif %}", [ADD], "auto", None)
@@ -510,6 +515,7 @@ def test_generic_text_answer_streams_like_the_whole(client) -> None:  # type: ig
             "Cannot specify grammar",
         ),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice must be"),
+        ({"tools": [{"type": "function", "function": {"name": 'say"hi'}}]}, """tool 'say"hi': a function name"""),
     ],
 )
 def test_bad_tool_requests_are_400(server: ServerProc, body: dict[str, Any], needle: str) -> None:
@@ -636,6 +642,24 @@ def test_responses_function_call_loop(client) -> None:  # type: ignore[no-untype
     )
     assert answer.output[0].type == "message" and answer.output_text
     assert answer.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_responses_forced_call_with_an_output_schema(client) -> None:  # type: ignore[no-untyped-def]
+    """instructor's ``RESPONSES_TOOLS`` mode: a named function forced and ``text.format`` a JSON schema, which
+    OpenAI accepts together; the answer is the call (the schema has no text to shape)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    r = client.responses.create(
+        model="m",
+        input="Weather in Rome?",
+        tools=[FLAT_WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": {"type": "json_schema", "name": "Weather", "schema": schema, "strict": True}},
+        max_output_tokens=40,
+        temperature=0,
+    )
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments)["city"]
 
 
 # ----------------------------------------------------------------------------- a Hermes template

@@ -127,7 +127,10 @@ def _result_text(content: str | list[TextBlock | ImageBlock] | None) -> str:
 
 
 def chat_messages(data: MessagesRequest) -> list[dict[str, Any]]:
-    """``system`` and ``messages`` as OpenAI chat messages (module docstring)."""
+    """``system`` and ``messages`` as OpenAI chat messages (module docstring).  ``INVALID_REQUEST`` (400) for
+    an empty ``messages`` list, with Anthropic's message (``/v1/messages`` and ``count_tokens`` alike)."""
+    if not data.messages:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "messages: at least one message is required")
     out: list[dict[str, Any]] = []
     if isinstance(data.system, str):
         out.append({"role": "system", "content": normalize_billing_header(data.system)})

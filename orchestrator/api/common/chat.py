@@ -1,5 +1,9 @@
 """A chat request's prompt: its messages (and tools) rendered by the model's chat template and tokenized,
-shared by every chat surface (OpenAI, Anthropic, llama-server's ``/apply-template``)."""
+shared by every chat surface (OpenAI, Anthropic, llama-server's ``/apply-template`` and
+``/chat/completions/input_tokens``): :func:`chat_prompt_text` is the one preparation they all run
+(tool results named, messages and tools prepared by :mod:`orchestrator.generation.tool_calls`,
+rendered by :func:`chat_prompt`), so the text and the token count ``/apply-template`` and
+``input_tokens`` answer are exactly the chat path's prompt."""
 
 from __future__ import annotations
 
@@ -33,6 +37,54 @@ async def chat_ids(services: Services, text: str) -> list[int]:
     return (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
 
 
+def named_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each ``tool`` message that has no ``name`` given the name of the call it
+    answers: the earlier assistant ``tool_calls`` entry with its ``tool_call_id`` (OpenAI's Chat
+    Completions ``tool`` message carries only the id), else, without an id, the call at its place
+    among the tool messages after that assistant message.  Messages are not changed in place."""
+    names: dict[str, str] = {}
+    calls: list[str] = []
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") if isinstance(call, dict) else None
+                name = fn.get("name") if isinstance(fn, dict) else None
+                if isinstance(name, str):
+                    calls.append(name)
+                    if isinstance(call.get("id"), str):
+                        names[call["id"]] = name
+        elif m.get("role") == "tool" and not m.get("name"):
+            by_id = names.get(m["tool_call_id"]) if isinstance(m.get("tool_call_id"), str) else None
+            name = by_id or (calls.pop(0) if calls and m.get("tool_call_id") is None else None)
+            if name:
+                m = {**m, "name": name}
+        out.append(m)
+    return out
+
+
+def chat_prompt_text(
+    services: Services,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+) -> tuple[str, ToolPlan | None]:
+    """The prompt text of a chat request (``messages``, ``tools``, ``tool_choice``, ``parallel_tool_calls``
+    in OpenAI's shapes) and its tool plan: the tool results named (:func:`named_tool_results`), the
+    messages and tools prepared by the plan (:func:`orchestrator.generation.tool_calls.plan_of`; None
+    without tools), rendered by :func:`chat_prompt`.  Raises ``INVALID_REQUEST`` as they do (``tool_choice``
+    ``required`` or a named function without tools among them)."""
+    plan = plan_of(services.generation.info.chat_template, tools, tool_choice, parallel_tool_calls)
+    named = named_tool_results(messages)
+    prepared = plan.messages(named) if plan else named
+    return chat_prompt(services, prepared, plan.template_tools() if plan else None), plan
+
+
 async def chat_prompt_ids(
     services: Services,
     messages: list[dict[str, Any]],
@@ -40,10 +92,6 @@ async def chat_prompt_ids(
     tool_choice: Any = None,
     parallel_tool_calls: bool | None = None,
 ) -> tuple[list[int], ToolPlan | None]:
-    """The prompt tokens of a chat request (its ``messages`` and ``tools``, OpenAI's shapes, rendered by
-    the model's template: :func:`chat_prompt`) and its tool plan (:func:`orchestrator.generation.tool_calls.plan_of`;
-    None without tools; ``tool_choice`` ``required`` or a named function without tools: ``INVALID_REQUEST``)."""
-    plan = plan_of(services.generation.info.chat_template, tools, tool_choice, parallel_tool_calls)
-    rendered = plan.messages(messages) if plan else messages
-    ids = await chat_ids(services, chat_prompt(services, rendered, plan.template_tools() if plan else None))
-    return ids, plan
+    """:func:`chat_prompt_text` tokenized (:func:`chat_ids`): the prompt tokens and the tool plan."""
+    text, plan = chat_prompt_text(services, messages, tools, tool_choice, parallel_tool_calls)
+    return await chat_ids(services, text), plan

@@ -6,8 +6,10 @@
 ``memory`` before the prompt, string ``banned_tokens``/``banned_strings``,
 ``use_default_badwordsids``/``ban_eos_token`` (end-of-generation tokens banned), ``bypass_eos``
 (they do not stop), and a prompt over the window trimmed from the front when the client sends
-``max_context_length`` (as Lite and SillyTavern do).  Fields this server cannot honour are named in one
-warning line.  :class:`KoboldJobs` tracks running generations by ``genkey`` for abort and ``perf``;
+``max_context_length`` (as Lite and SillyTavern do), and KoboldCpp's ContextShift default for the cache:
+a body without ``n_cache_reuse`` reuses the cache of a context pruned in its middle
+(:data:`KOBOLD_CACHE_REUSE`) unless the server runs with ``--noshift``.  Fields this server cannot honour
+are named in one warning line.  :class:`KoboldJobs` tracks running generations by ``genkey`` for abort and ``perf``;
 :class:`KoboldTokenEvent`/:class:`KoboldResult` are the events and results both routes send."""
 
 from __future__ import annotations
@@ -84,6 +86,15 @@ KOBOLD_DEFAULTS = proto.SamplingParams(
 320, Mirostat tau 5 / eta 0.1, DRY base 1.75 / allowed length 2 / window 320 / no sequence
 breakers, XTC threshold 0.2; ``tfs`` 1, ``top_a`` 0, ``rep_pen_slope`` 1 are the neutral values of
 :data:`NEUTRAL`).  llama-server's defaults (``contract.protocol.SamplingParams``) serve the other routes."""
+
+KOBOLD_CACHE_REUSE = 64
+"""``n_cache_reuse`` (tokens) of a Kobold body that leaves it out, while the server runs without
+``--noshift`` and without ``--cache-reuse``: runs of at least 64 tokens that the request continues with
+and the slot's cache holds after a pruned middle are moved into place by a KV shift instead of prefilled
+(llama-server's cache reuse, docs/api.md "Cache reuse").  KoboldCpp's ContextShift does this by default
+(``PurgeMissingTokens`` in ``gpttype_adapter.cpp``: one removed block, the rest kept when at least
+``200 + min(n_ctx / 30, 140)`` tokens follow the common prefix); 64 also keeps the shorter runs between
+several pruned chunks, as Halo Weave prunes them."""
 
 
 @dataclass
@@ -188,6 +199,8 @@ async def prepare(services: Services, data: GenerateRequest, raw: dict[str, Any]
     """The canonical request for a Kobold/seed body (see module docstring); ``raw`` is the JSON body."""
     req = data.canonical(KOBOLD_DEFAULTS)
     raw = raw or {}
+    if req.n_cache_reuse is None and not services.settings.noshift and not services.settings.worker.engine.cache_reuse:
+        req.n_cache_reuse = KOBOLD_CACHE_REUSE  # KoboldCpp's ContextShift default (KOBOLD_CACHE_REUSE)
     _warn_unsupported(data, raw)
     if raw.get("bypass_eos") is True:  # KoboldCpp: end-of-stream tokens do not stop the generation
         req.ignore_eos = True

@@ -18,13 +18,12 @@ from typing import Any
 
 from litestar import Request
 
-from contract.errors import ErrorCode
 from orchestrator.generation.events import DoneOut, Started, TokenOut
 from orchestrator.generation.request import INT32_MAX, CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.slots.model import Slot
-from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
+from orchestrator.web.errors import compat_error_body, exception_handlers
 from orchestrator.web.slot_header import watch_slot
 
 AfterTurn = Callable[[Slot], Awaitable[None]]
@@ -90,25 +89,6 @@ async def started_run(
 def piece_text(piece: bytes) -> str:
     """A token's piece as text (invalid UTF-8 replaced; the raw bytes go in ``bytes`` fields)."""
     return piece.decode("utf-8", "replace")
-
-
-def one_prompt(prompt: str | list[int | str]) -> str | list[int]:
-    """A request's one prompt: text, token ids, or a list holding one text (several: ``INVALID_REQUEST``)."""
-    if isinstance(prompt, str):
-        return prompt
-    if all(isinstance(t, int) for t in prompt):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    raise ApiError(ErrorCode.INVALID_REQUEST, "prompt must be a text, a list of token ids, or a list of one text")
-
-
-async def prompt_ids(services: Services, prompt: str | list[int]) -> list[int]:
-    """Token ids of a prompt: text is tokenized as llama-server does (``add_special``, special
-    tokens parsed); ids are taken as they are (checked later against the vocabulary)."""
-    if isinstance(prompt, str):
-        return (await services.engine.tokenize(prompt, True, True)).ids
-    return list(prompt)
 
 
 def remaining(services: Services, n_prompt: int) -> int:

@@ -1,21 +1,16 @@
-"""Chat messages to prompt tokens as llama-server does, and its two endpoints that stop there.
-
-:func:`chat_prompt` renders OpenAI ``messages`` with the model's chat template
-(:class:`orchestrator.generation.chat_template.ChatTemplate`) under llama-server's rules
-(``tools/server/server-common.cpp``, ``oaicompat_chat_params_parse``): a last ``assistant``
-message is a prefill that the model continues (rendered without it, then its text appended,
-llama-server's ``continue_final_message`` "auto"), and two ``assistant`` messages at the end are
-refused with llama-server's message.  ``POST /apply-template`` answers the prompt text
-(``{"prompt"}``), ``POST /chat/completions/input_tokens`` (and ``/v1/...``) its token count
+"""llama-server's two chat endpoints that stop at the prompt: ``POST /apply-template`` answers the
+prompt text (``{"prompt"}``), ``POST /chat/completions/input_tokens`` (and ``/v1/...``) its token count
 (``{"input_tokens"}``), both without generating (llama-server's ``post_apply_template`` and
-``handle_count_tokens``).
+``handle_count_tokens``).  Both run :func:`orchestrator.api.common.chat.chat_prompt_text`, the
+preparation the chat completion path runs (llama-server's rules for a last ``assistant`` message,
+tools, tool calls and results), so their text and count are exactly the chat's prompt.
 """
 
 from __future__ import annotations
 
 from litestar import Controller, post
 
-from orchestrator.api.common.chat import chat_ids, chat_prompt
+from orchestrator.api.common.chat import chat_prompt_ids, chat_prompt_text
 from orchestrator.api.common.run import COMPAT_ERRORS
 from orchestrator.api.llama_server.protocol import AppliedTemplate, ChatPromptBody, InputTokens
 from orchestrator.services import Services
@@ -34,7 +29,8 @@ class LlamaChatController(Controller):
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def apply_template(self, services: Services, data: ChatPromptBody) -> AppliedTemplate:
-        return AppliedTemplate(prompt=chat_prompt(services, data.messages, data.tools))
+        text, _ = chat_prompt_text(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
+        return AppliedTemplate(prompt=text)
 
     @post(
         ["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"],
@@ -43,5 +39,5 @@ class LlamaChatController(Controller):
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def input_tokens(self, services: Services, data: ChatPromptBody) -> InputTokens:
-        ids = await chat_ids(services, chat_prompt(services, data.messages, data.tools))
+        ids, _ = await chat_prompt_ids(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
         return InputTokens(input_tokens=len(ids))

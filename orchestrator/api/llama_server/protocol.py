@@ -231,6 +231,8 @@ class ChatPromptBody(msgspec.Struct, kw_only=True):
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class AppliedTemplate(msgspec.Struct, kw_only=True):

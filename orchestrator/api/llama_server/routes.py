@@ -34,6 +34,7 @@ from orchestrator.api.common.completion import (
     params_json,
 )
 from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.prompts import split_prompts, subprompt_ids
 from orchestrator.api.common.run import (
     COMPAT_ERRORS,
     cancelled_on_disconnect,
@@ -43,7 +44,6 @@ from orchestrator.api.common.run import (
 )
 from orchestrator.api.common.timings import TimingsClock
 from orchestrator.api.common.wire import PromptProgress
-from orchestrator.api.llama_server.prompts import split_prompts, subprompt_ids
 from orchestrator.api.llama_server.protocol import DefaultSettings, Modalities, Props
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.interleave import interleaved

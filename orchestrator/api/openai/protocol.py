@@ -353,7 +353,7 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
 class CompletionRequest(OpenAIRequest, kw_only=True):
     """``POST /v1/completions`` (``logprobs`` is the legacy count of top alternatives, 0..5)."""
 
-    prompt: str | list[int | str]
+    prompt: str | list[int | str | list[int | str]]  # a list holding no number: several prompts
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

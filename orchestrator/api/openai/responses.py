@@ -162,6 +162,13 @@ def _response_format(text: TextOptions | None) -> dict[str, Any] | None:
     return {"type": fmt.type}
 
 
+def _forces_call(data: ResponsesRequest) -> bool:
+    """Whether ``tool_choice`` forces a call (``required`` or a named function) with tools given: the answer is
+    that call, so ``text.format`` is not applied (OpenAI accepts both, as instructor's RESPONSES_TOOLS sends)."""
+    named = isinstance(data.tool_choice, dict) and data.tool_choice.get("type") == "function"
+    return bool(data.tools) and (data.tool_choice == "required" or named)
+
+
 class Answer:
     """The response object of one request (OpenAI's ``response``), built as output arrives."""
 
@@ -261,7 +268,7 @@ def _chat_request(data: ResponsesRequest, messages: list[dict[str, Any]], slot: 
         "temperature": data.temperature,
         "top_p": data.top_p,
         "seed": data.seed,
-        "response_format": _response_format(data.text),
+        "response_format": None if _forces_call(data) else _response_format(data.text),
         "user": data.user,
         "prompt_cache_key": data.prompt_cache_key,
         "cache_salt": data.cache_salt,

@@ -38,9 +38,7 @@ from orchestrator.api.common.run import (
     COMPAT_ERRORS,
     cancelled_on_disconnect,
     collect,
-    one_prompt,
     piece_text,
-    prompt_ids,
     remaining,
     started_run,
 )
@@ -56,7 +54,6 @@ from orchestrator.api.openai.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChatMessage,
-    CompletionRequest,
     FunctionCall,
     FunctionDelta,
     LegacyLogprobs,
@@ -92,6 +89,7 @@ log = structlog.get_logger("slotserve.openai")
 T = TypeVar("T")
 
 
+LLAMA_SERVER_TOP_LOGPROBS = 20  # chat logprobs: true without top_logprobs (llama-server's n_probs default there)
 FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "stop"}
 
 
@@ -520,10 +518,15 @@ async def respond_choices(
 
 
 def _top_n(logprobs: bool | None, top: int | None) -> int:
+    """The alternatives per token of a chat body: ``top_logprobs``, or with ``logprobs: true`` and no
+    ``top_logprobs`` 20, llama-server's default (``oaicompat_chat_params_parse``: ``n_probs`` =
+    ``json_value(body, "top_logprobs", 20)``); ``INVALID_REQUEST`` outside 0..20 or without ``logprobs``."""
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
     if top and not logprobs:
         raise ApiError(ErrorCode.INVALID_REQUEST, "top_logprobs needs logprobs: true")
+    if logprobs and top is None:
+        return LLAMA_SERVER_TOP_LOGPROBS
     return top or 0
 
 
@@ -566,30 +569,3 @@ class OpenAIController(Controller):
             raise ApiError(ErrorCode.INVALID_REQUEST, "messages must not be empty")
         shape = await chat_shape(services, request, data)
         return await respond(services, request, data, shape, ChatCompletion)
-
-    @post(
-        "/v1/completions",
-        status_code=200,
-        summary="OpenAI text completion",
-        responses=streamable(TextCompletion),
-    )
-    async def completions(
-        self, request: Request[Any, Any, Any], services: Services, data: CompletionRequest
-    ) -> EventStream | TextCompletion:
-        info = services.generation.info
-        if data.echo or data.suffix:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "echo and suffix are not supported")
-        prompt = one_prompt(data.prompt)
-        if data.logprobs is not None and not 0 <= data.logprobs <= 5:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "logprobs must be in 0..5")
-        ids = await prompt_ids(services, prompt)
-        req = canonical(data, request, ids, services, data.logprobs or 0)
-        shape = Shape(
-            False,
-            services.model_id,
-            req,
-            data.logprobs is not None,
-            await services.generation.pieces(),
-            fingerprint(info),
-        )
-        return await respond(services, request, data, shape, TextCompletion)

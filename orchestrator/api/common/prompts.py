@@ -1,4 +1,5 @@
-"""llama-server's ``prompt`` forms on ``/completion``: one prompt or several, each text, token ids,
+"""llama-server's ``prompt`` forms on ``/completion`` (and OpenAI's ``/v1/completions``, which llama-server reads
+the same way): one prompt or several, each text, token ids,
 text and ids mixed, or ``{"prompt_string": ...}`` (llama.cpp ``tools/server/server-common.cpp``:
 ``tokenize_input_prompts``, ``tokenize_input_subprompt``, ``tokenize_mixed``; README "POST
 /completion", ``prompt``).
