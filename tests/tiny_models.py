@@ -25,6 +25,10 @@ from tests.classifier_model import _PATCHED_RUN, converter_script
 MIN_HEAD_CORR = 0.9999
 """Smallest per-head correlation of a row with transformers' at f32 (measured: 0.99999+)."""
 
+NEAR_TIE = 0.01
+"""Logit gap (transformers' best minus the generated token's) accepted as a near-tie: random weights give flat
+logits, and over thousands of positions float rounding of the order of 1e-4 can flip a near-tie."""
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "a model pays attention to the words that matter",
@@ -67,13 +71,15 @@ class Family:
     ``build(vocab)`` returns a randomly initialised ``*ForCausalLM``; ``window`` is its local layers'
     sliding window in tokens (0: none), ``windows`` the window of each layer llama.cpp reports
     (``attention_windows`` of docs/api.md: 0 for a global layer), ``shapes`` which real configuration's
-    shape parameters it takes (their ``config.json`` on the Hugging Face Hub).
+    shape parameters it takes (their ``config.json`` on the Hugging Face Hub), ``min_corr`` the smallest
+    per-head correlation with transformers its rows must reach.
     """
 
     build: Callable[[int], object]
     shapes: str
     window: int = 0
     windows: tuple[int, ...] = ()
+    min_corr: float = MIN_HEAD_CORR
 
 
 def _llama(vocab: int):  # type: ignore[no-untyped-def]
@@ -222,8 +228,11 @@ FAMILIES: dict[str, Family] = {
     "gemma3-4b": Family(_gemma3(1024, {"rope_type": "linear", "factor": 8.0}),
                         "Gemma 3 4B-27B: window 1,024, 5 local : 1 global, head_dim 256, linear RoPE 8 (global)",
                         1024, _gemma3_windows(1024)),
+    # llama.cpp rounds YaRN's correction range to whole dimensions (ggml_rope_yarn_corr_dims), gpt-oss's
+    # config asks transformers not to ("truncate": false): the global layers' rows differ by ~1e-5 (measured
+    # correlation 0.99987 over 300 positions), the local ones agree to 0.9999999
     "gpt-oss": Family(_gpt_oss, "gpt-oss: window 128 every other layer, attention sinks, head_dim 64, YaRN, MoE",
-                      128, _alternating(4, 128)),
+                      128, _alternating(4, 128), min_corr=0.999),
     "lfm2": Family(_lfm2, "LFM2-350M: 10 short-convolution layers, attention at 2, 5, 8, 10, 12, 14"),
     "granite-hybrid": Family(_granite_hybrid, "Granite 4.0 H: Mamba2 layers, one attention layer to nine, NoPE"),
     "mamba": Family(_mamba, "Mamba: recurrent, no attention"),
@@ -264,9 +273,9 @@ def load_hf(out: Path):  # type: ignore[no-untyped-def]
 
 class Reference:
     """transformers' eager float32 forward of the tiny model: the attention rows of its attention layers from
-    query ``first`` on, ``[L_attn, H, n - first, n]`` (None for a model without attention), and the argmax of
-    each position's logits, ``int64[n]``.  Results are kept per token list: a long context's forward is the
-    slow part of a family test."""
+    query ``first`` on, ``[L_attn, H, n - first, n]`` (None for a model without attention), and the logits of
+    the positions from ``first`` on, ``float32[n - first, n_vocab]``.  Results are kept per token list: a long
+    context's forward is the slow part of a family test."""
 
     def __init__(self, out: Path) -> None:
         self.hf = load_hf(out)
@@ -284,19 +293,29 @@ class Reference:
                     res = self.hf(torch.tensor([ids]))
             maps = [a[0, :, first:] for a in (getattr(res, "attentions", None) or ()) if a is not None]
             att = torch.stack(maps).numpy().copy() if maps else None
-            self._seen[key] = (att, res.logits[0].argmax(-1).numpy())
+            self._seen[key] = (att, res.logits[0, first:].float().numpy().copy())
         return self._seen[key]
 
 
 def assert_matches(
-    ref: Reference, what: str, ids: list[int], tokens: list[int], attention: list[np.ndarray], layers: Sequence[int]
+    ref: Reference,
+    what: str,
+    ids: list[int],
+    tokens: list[int],
+    attention: list[np.ndarray],
+    layers: Sequence[int],
+    min_corr: float = MIN_HEAD_CORR,
 ) -> float:
     """``tokens`` generated greedily after ``ids``, with ``attention`` (each token's ``[L, H, n]`` rows over the
-    model's attention ``layers``), match transformers: the tokens are its argmax, each head's row correlates at
-    >= :data:`MIN_HEAD_CORR` and is within 5e-3.  Returns the smallest per-head correlation."""
+    model's attention ``layers``), match transformers: the tokens are its argmax (or within :data:`NEAR_TIE` of
+    it: the reference runs on the generated tokens, so a near-tie taken the other way changes nothing else), each head's row correlates at
+    >= ``min_corr`` and is within 5e-3.  Returns the smallest per-head correlation."""
     n = len(ids)
-    att, argmax = ref([*ids, *tokens], first=n - 1)
-    np.testing.assert_array_equal(tokens, argmax[n - 1 : n - 1 + len(tokens)], err_msg=f"{what}: tokens")
+    att, logits = ref([*ids, *tokens], first=n - 1)
+    for k, tok in enumerate(tokens):
+        best = int(logits[k].argmax())
+        gap = float(logits[k, best] - logits[k, tok])
+        assert tok == best or gap <= NEAR_TIE, (what, f"token {k}: {tok}, transformers' argmax {best}", gap)
     if not layers:
         assert attention == [] and att is None, what
         return 1.0
@@ -310,5 +329,5 @@ def assert_matches(
             for head in range(rows.shape[1]):
                 worst = min(worst, float(np.corrcoef(rows[layer, head], want[layer, head])[0, 1]))
         np.testing.assert_allclose(rows, want, atol=5e-3, err_msg=f"{what} token {k}")  # float rounding: up to ~1e-3
-    assert worst >= MIN_HEAD_CORR, (what, worst)
+    assert worst >= min_corr, (what, worst)
     return worst

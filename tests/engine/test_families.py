@@ -36,7 +36,7 @@ from contract.settings import EngineSettings
 from engine.engine import SINK_ARCHITECTURES, Engine, EngineError
 from engine.model import Model
 from tests.engine.enginekit import Result, Runner
-from tests.tiny_models import FAMILIES, Reference, assert_matches, build_tiny_gguf
+from tests.tiny_models import FAMILIES, NEAR_TIE, Reference, assert_matches, build_tiny_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,8 @@ def tiny(request, tmp_path_factory) -> tuple[str, Path, Reference]:  # type: ign
 def check(ref: Reference, what: str, ids: list[int], res: Result, layers: tuple[int, ...]) -> float:
     """``res`` generated after ``ids`` matches transformers (:func:`tests.tiny_models.assert_matches`)."""
     assert res.error is None, (what, res.error)
-    return assert_matches(ref, what, ids, res.tokens, res.attention, layers)
+    arch = what.split()[0]
+    return assert_matches(ref, what, ids, res.tokens, res.attention, layers, FAMILIES[arch].min_corr)
 
 
 def context_of(arch: str) -> int:
@@ -158,7 +159,7 @@ def test_family_starts_with_default_flags(tiny: tuple[str, Path, Reference], n_b
                 window = eng.layer_window(il)
                 if window:
                     assert window == family.windows[il] and np.all(rows[j, :, : n - window] == 0), (arch, il)
-        want, argmax = ref(prompt, first=LONG_PROMPT - 1)
+        want, logits = ref(prompt, first=LONG_PROMPT - 1)
         if layers:
             assert want is not None
             got = res.attention[0]
@@ -169,8 +170,8 @@ def test_family_starts_with_default_flags(tiny: tuple[str, Path, Reference], n_b
             )
             assert corr >= 0.99, (arch, corr)
             print(f"\n[{arch}, defaults, batch {n_batch}] 2,000 tokens: min per-head correlation {corr:.5f}")
-        else:  # no KV cache to hold in f16: the recurrent model's first token is transformers' argmax
-            assert res.tokens[0] == argmax[-1], arch
+        else:  # no KV cache to hold in f16: the recurrent model's first token is transformers' argmax (or a near-tie)
+            assert logits[-1].max() - logits[-1, res.tokens[0]] <= NEAR_TIE, arch
     finally:
         eng.close()
         model.close()

@@ -1,6 +1,6 @@
 """Prompts longer than ``--batch-size`` through every API at once, against a real server and worker.
 
-The server runs with ``--batch-size 64``: a 200-token prompt is prefilled in several decodes, and five such
+The server runs with ``--batch-size 64``: a 150-token prompt is prefilled in several decodes, and five such
 prompts sent together (llama-server's ``/completion``, ``/v1/chat/completions``, ``/api/v1/generate``, the
 KoboldCpp SSE stream and the binary WebSocket) share each decode's 64 tokens.  Each answer is the one a
 request alone gets (greedy tokens, attention rows over every prompt position); a prompt longer than the
@@ -57,10 +57,10 @@ def check_rows(rows: list[np.ndarray], ref: list[np.ndarray], n_prompt: int, agr
 
 
 def test_prompts_longer_than_a_batch_through_every_api_at_once(srv: ServerProc) -> None:
-    ids = tokenize(srv.url, CHAT.format(TEXT * 5))
-    assert 3 * N_BATCH < len(ids) < 400
+    ids = tokenize(srv.url, CHAT.format(TEXT * 3))
+    assert 2 * N_BATCH < len(ids) < 300
     alone = httpx.post(srv.url + "/api/v1/generate", json=body(ids, "alone", return_attention=True, n_probs=5),
-                       timeout=300).json()  # fmt: skip
+                       timeout=600).json()  # fmt: skip
     ref = [decode_attention(e["attention"]) for e in alone["attention_data"]]
     assert alone["cached_tokens"] == 0 and len(ref) == N_NEW
 
@@ -69,19 +69,19 @@ def test_prompts_longer_than_a_batch_through_every_api_at_once(srv: ServerProc) 
     def completion() -> Any:
         req = {"prompt": ids, "n_predict": N_NEW, "temperature": 0, "ignore_eos": True, "id_slot": 11,
                "return_tokens": True}  # fmt: skip
-        return httpx.post(srv.url + "/completion", json=req, timeout=300)
+        return httpx.post(srv.url + "/completion", json=req, timeout=600)
 
     def chat() -> Any:
-        req = {"messages": [{"role": "user", "content": TEXT * 5}], "max_tokens": N_NEW, "temperature": 0}
-        return httpx.post(srv.url + "/v1/chat/completions", json=req, timeout=300)
+        req = {"messages": [{"role": "user", "content": TEXT * 3}], "max_tokens": N_NEW, "temperature": 0}
+        return httpx.post(srv.url + "/v1/chat/completions", json=req, timeout=600)
 
     calls: dict[str, Callable[[], Any]] = {
         "completion": completion,
         "chat": chat,
         "generate": lambda: httpx.post(
-            srv.url + "/api/v1/generate", json=body(ids, "g", return_attention=True), timeout=300
+            srv.url + "/api/v1/generate", json=body(ids, "g", return_attention=True), timeout=600
         ),
-        "sse": lambda: sse_events(srv.url, body(ids, "s", output_attentions=True, max_length=N_NEW)),
+        "sse": lambda: sse_events(srv.url, body(ids, "s", output_attentions=True, max_length=N_NEW), timeout=600),
         "ws": lambda: ws_binary(srv.ws_url, body(ids, "w", max_length=N_NEW)),
     }
 
@@ -92,7 +92,7 @@ def test_prompts_longer_than_a_batch_through_every_api_at_once(srv: ServerProc) 
     for t in threads:
         t.start()
     for t in threads:
-        t.join(300)
+        t.join(900)
     assert sorted(out) == sorted(calls), "a request did not finish"
 
     comp = out["completion"]
@@ -104,7 +104,7 @@ def test_prompts_longer_than_a_batch_through_every_api_at_once(srv: ServerProc) 
     ch = out["chat"]
     assert ch.status_code == 200, ch.text
     usage = ch.json()["usage"]
-    assert usage["prompt_tokens"] > 3 * N_BATCH and usage["completion_tokens"] == N_NEW
+    assert usage["prompt_tokens"] > 2 * N_BATCH and usage["completion_tokens"] == N_NEW
     assert ch.json()["choices"][0]["finish_reason"] == "length"
 
     gen = out["generate"]
