@@ -44,6 +44,12 @@ N_NEW = 5
 N_BATCH = 512  # --batch-size's default
 PROMPT = "the quick brown fox pays attention to the lazy dog, a model pays attention to the words"
 LONG_PROMPT = 2000  # tokens of the default-settings check
+KNOWN_GAPS = {
+    ("gemma2", "on"): "flash attention on, Gemma 2's shapes at 4,136 tokens: min per-head correlation 0.991 "
+    "(off: 0.9999999) and a greedy token 0.026 off transformers' argmax; not yet explained (docs/models.md)",
+}
+"""(family, flash attention) -> a difference from transformers found at real shapes and not fixed yet: the
+test must fail (strict xfail) until it is."""
 
 
 def prompt_of(model: Model, n: int) -> list[int]:
@@ -79,8 +85,12 @@ def settings(flash_attn: str, n_ctx: int) -> EngineSettings:
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
-def test_family_matches_transformers_through_slot_ops(tiny: tuple[str, Path, Reference], flash_attn: str) -> None:
+def test_family_matches_transformers_through_slot_ops(
+    tiny: tuple[str, Path, Reference], flash_attn: str, request: pytest.FixtureRequest
+) -> None:
     arch, gguf, ref = tiny
+    if (arch, flash_attn) in KNOWN_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[arch, flash_attn]))
     family = FAMILIES[arch]
     model = Model(gguf)
     n_ctx = context_of(arch) + 64
