@@ -179,6 +179,10 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         EmbeddingsController,
         KoboldController,
     ]
+    if settings.webui:
+        from orchestrator.webui.routes import webui_handlers
+
+        route_handlers += webui_handlers()
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],

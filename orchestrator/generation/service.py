@@ -15,7 +15,7 @@ import structlog
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationStream
+from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationJob, GenerationStream
 from orchestrator.generation.events import (
     DoneOut,
     PreviewStarted,
@@ -263,8 +263,10 @@ class GenerationService:
             n_out = 0
             finished = False
             events = await self.engine.generate(
-                slot.seq, ids, params, capture, progress=req.progress, cache_reuse=req.n_cache_reuse,
-                n_keep=req.n_keep, n_discard=req.n_discard,
+                GenerationJob(
+                    seq=slot.seq, input_ids=ids, params=params, capture=capture, progress=req.progress,
+                    cache_reuse=req.n_cache_reuse, n_keep=req.n_keep, n_discard=req.n_discard,
+                )
             )  # fmt: skip
             took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
             try:

@@ -142,12 +142,13 @@ async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
     if OCTET in call.request.headers.get("accept", ""):
         headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
         return BuffersResponse(chunks, OCTET, headers, sent)
+    n_bytes = saved.ses1_size  # read before the buffer goes back to the engine client
     try:
         state = await asyncio.to_thread(_base64, chunks)  # tens of MB: off the event loop
     finally:
         sent()
     return SaveStateResponse(
-        id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),
+        id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=n_bytes, t_ms=round(saved.t_ms, 3),
         state=state, digest=digest,
     )  # fmt: skip
 
