@@ -4,6 +4,7 @@ that owns the engine worker, the slot registry and the state store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -41,7 +42,10 @@ from orchestrator.slots.anonymous import AnonymousSlots
 from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import Slot, SlotRegistry
-from orchestrator.web.auth import api_key_middleware
+from orchestrator.tenants.gateway import TenantHeader, parse_networks
+from orchestrator.tenants.keys import KeyRing
+from orchestrator.tenants.limits import TenantLimits
+from orchestrator.web.auth import Authenticator, auth_middleware
 from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.header_case import canonical_header_names
 from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
@@ -85,14 +89,33 @@ def build_services(settings: Settings) -> Services:
     anonymous = AnonymousSlots(registry, settings.slot_prompt_similarity, settings.anon_slots)
     generation = GenerationService(engine, registry, anonymous, feed)
     generation.default_seed = settings.seed
+    limits = TenantLimits(settings.tenant_generations, settings.tenant_resident, settings.tenant_stored_bytes)
+    generation.limits = registry.residency.limits = limits
+    generation.stall_timeout_s = settings.stall_timeout_s
     LLAMA_SERVER.n_batch = settings.worker.engine.n_batch  # llama-server's n_decode_total counts prefill chunks
     embedder = LazyWorker(settings.embedder) if settings.embedder is not None else None
     return Services(settings, engine, registry, generation, archive, classifier, feed, embedder)
 
 
-def create_app(settings: Settings, services: Services | None = None) -> Litestar:
-    """The slotserve ASGI app for ``settings`` (``services`` injectable for tests)."""
+def build_authenticator(settings: Settings) -> Authenticator:
+    """The authenticator of ``settings`` (``--api-key``, ``--admin-key``, ``--api-keys``,
+    ``--tenant-header``, ``--gateway-secret``, ``--gateway-from``).  Raises ``ValueError``
+    (:class:`orchestrator.tenants.keys.KeysFileError` for the keys file) with a message for the operator."""
+    keys = KeyRing(settings.api_key, settings.admin_key, settings.api_keys)
+    header = None
+    if settings.tenant_header:
+        networks = parse_networks(settings.gateway_from)
+        if not settings.gateway_secret and not networks:
+            raise ValueError("--tenant-header needs --gateway-secret or --gateway-from (whom to believe it from)")
+        header = TenantHeader(settings.tenant_header, settings.gateway_secret, networks)
+    return Authenticator(keys, header)
+
+
+def create_app(settings: Settings, services: Services | None = None, auth: Authenticator | None = None) -> Litestar:
+    """The slotserve ASGI app for ``settings`` (``services`` injectable for tests; ``auth``: who a
+    request acts for, built from ``settings`` when not given: ``ValueError`` for a bad keys file)."""
     svc = services or build_services(settings)
+    auth = auth or build_authenticator(settings)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -101,9 +124,13 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
 
         async def on_restart() -> None:
             metrics.ENGINE_RESTARTS.inc()
-            svc.registry.on_engine_restart()
+            svc.registry.residency.on_engine_restart()
 
         svc.engine.on_restart = on_restart
+        loop = asyncio.get_running_loop()
+        if auth.keys.keys_file is not None:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                loop.add_signal_handler(signal.SIGHUP, auth.keys.reload)  # re-read --api-keys
 
         async def start_engine(client: EngineClient) -> None:
             # The port is open while the model loads: /health says 503 "Loading model" meanwhile,
@@ -111,7 +138,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             try:
                 info = await client.start()
                 if client is svc.engine and info.n_slots != svc.registry.n_seqs:
-                    svc.registry.set_sequences(info.n_slots)  # a standalone worker's own -np
+                    svc.registry.residency.set_sequences(info.n_slots)  # a standalone worker's own -np
             except Exception as exc:
                 log.error("engine failed to start; shutting down", error=str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -130,6 +157,8 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             if svc.embedder is not None:
                 await svc.embedder.close()
             await svc.engine.close()
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.remove_signal_handler(signal.SIGHUP)
 
     async def before_request(_: Request[Any, Any, Any]) -> None:
         structlog.contextvars.clear_contextvars()
@@ -142,9 +171,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         allow_credentials=True,
         expose_headers=["*"],
     )
-    middleware = [origin_middleware(cors), slot_header_middleware]
-    if settings.api_key:
-        middleware.append(api_key_middleware(settings.api_key, settings.admin_key))
+    middleware = [origin_middleware(cors), slot_header_middleware, auth_middleware(auth)]
     prometheus = PrometheusConfig(app_name="slotserve", prefix="slotserve_http", group_path=True)
     route_handlers: list[Any] = [
         ModelController,
@@ -162,6 +189,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
     from orchestrator.api.llama_server.slots import SlotController
     from orchestrator.api.native.classify import classify
     from orchestrator.api.native.preview import PreviewController
+    from orchestrator.api.ollama.routes import OllamaController
     from orchestrator.api.openai.embeddings import EmbeddingsController
     from orchestrator.api.openai.responses import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
@@ -178,6 +206,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         LlamaChatController,
         EmbeddingsController,
         KoboldController,
+        OllamaController,
     ]
     if settings.webui:
         from orchestrator.webui.routes import webui_handlers

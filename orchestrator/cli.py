@@ -64,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"server settings: {exc}")
     if settings.slot_save_path is not None:
         settings.slot_save_path.mkdir(parents=True, exist_ok=True)
-    from orchestrator.app import create_app
+    from orchestrator.app import build_authenticator, create_app
 
+    try:
+        auth = build_authenticator(settings)  # a bad keys file stops the start with its file and line
+    except ValueError as exc:
+        parser.error(str(exc))
     keep_heap_mapped()  # per-token attention frames received into mapped memory (contract/heap.py)
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, auth=auth),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

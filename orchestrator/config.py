@@ -38,6 +38,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     its state is stored) or ``write-behind`` (answered at once, stored ``write_delay_ms`` later;
     docs/operations.md).  ``stream_window`` / ``stream_window_bytes``: how far a generation may run
     ahead of what its client has taken, in tokens and in tensor bytes (flow control, :mod:`contract.flow`).
+    ``api_keys``, ``tenant_header``, ``gateway_secret``, ``gateway_from`` and the ``tenant_*`` limits:
+    docs/operations.md, "Tenants" (:mod:`orchestrator.tenants`).  ``stall_timeout_s``: how long a
+    generation's client may take nothing before the generation is stopped and its slot parked
+    (:mod:`orchestrator.generation.stall`).
     ``seed``, ``alias``, ``tags`` and ``embeddings`` are
     llama-server's flags of the same names (llama.cpp ``common/arg.cpp``).
     """
@@ -60,6 +64,60 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         str | None,
         Flag("guards /admin and slot-changing actions", "--admin-key", env="SLOTSERVE_ADMIN_KEY", metavar="KEY"),
     ] = None
+    api_keys: Annotated[
+        Path | None,
+        Flag(
+            "keys file: 'KEY TENANT [admin]' per line, KEY may be sha256:<hex>; re-read on SIGHUP",
+            "--api-keys",
+            env="SLOTSERVE_API_KEYS",
+            metavar="FILE",
+        ),
+    ] = None
+    tenant_header: Annotated[
+        str | None,
+        Flag(
+            "header naming the tenant, believed only with --gateway-secret or from --gateway-from",
+            "--tenant-header",
+            metavar="NAME",
+        ),
+    ] = None
+    gateway_secret: Annotated[
+        str | None,
+        Flag(
+            "shared secret a gateway sends in X-Gateway-Secret with --tenant-header",
+            "--gateway-secret",
+            env="SLOTSERVE_GATEWAY_SECRET",
+            metavar="SECRET",
+        ),
+    ] = None
+    gateway_from: Annotated[
+        tuple[str, ...],
+        Flag("client addresses or networks (CIDR) --tenant-header is believed from", "--gateway-from", metavar="LIST"),
+    ] = ()
+    tenant_generations: Annotated[
+        int,
+        NonNegative,
+        Flag("generations one tenant may run at once (0: no limit; over it: 429)", "--tenant-generations"),
+    ] = 0
+    tenant_resident: Annotated[
+        int,
+        NonNegative,
+        Flag("engine sequences one tenant's slots may hold at once (0: no limit; over it: 429)", "--tenant-resident"),
+    ] = 0
+    tenant_stored_bytes: Annotated[
+        int,
+        NonNegative,
+        Flag("bytes of stored slot state one tenant may keep (0: no limit; over it: 429)", "--tenant-stored-bytes"),
+    ] = 0
+    stall_timeout_s: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        Flag(
+            "a generation whose client takes nothing this long is stopped and its slot parked (0: never)",
+            "--stall-timeout",
+            metavar="S",
+        ),
+    ] = 30.0
     slots_endpoint: Annotated[bool, Flag("the GET /slots listing (llama-server's --no-slots)", "--slots")] = True
     webui: Annotated[bool, Flag("the chat page at / (llama-server's --no-webui / --no-ui)", "--webui", "--ui")] = True
     max_body_bytes: Annotated[

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from contract.protocol import Done
 from orchestrator.llama_metrics import LLAMA_SERVER
@@ -12,8 +12,8 @@ PROMPT_TOKENS = Counter("slotserve_prompt_tokens_total", "Prompt tokens prefille
 CACHED_TOKENS = Counter("slotserve_prompt_tokens_cached_total", "Prompt tokens served from a slot's KV cache")
 GENERATIONS = Counter("slotserve_generations_total", "Finished generations", ["finish_reason"])
 GENERATION_SECONDS = Histogram("slotserve_generation_seconds", "Wall time of a generation")
-SAVES = Counter("slotserve_slot_saves_total", "Slot states written to the store (parking and write-behind)")
-RESTORES = Counter("slotserve_slot_restores_total", "Slots restored from the store")
+SAVES = Counter("slotserve_slot_saves_total", "Slot states written to the store (parking and write-behind)", ["tenant"])
+RESTORES = Counter("slotserve_slot_restores_total", "Slots restored from the store", ["tenant"])
 STALE_WRITES_REFUSED = Counter(
     "slotserve_stale_writes_refused_total",
     "Slot state writes refused because this node no longer held the slot's lease (its copy was dropped)",
@@ -31,9 +31,36 @@ QUEUE_WAIT_SECONDS = Histogram(
 )
 QUEUE_REFUSED = Counter("slotserve_queue_refused_total", "Requests refused by the admission queue", ["reason"])
 
+# Per tenant (docs/operations.md, "Tenants"): a tenant's name is its label value.
+TENANT_WAITING = Gauge(
+    "slotserve_tenant_queue_waiting", "Requests of a tenant waiting for an engine sequence", ["tenant"]
+)
+TENANT_GENERATIONS_ACTIVE = Gauge("slotserve_tenant_generations_active", "Generations a tenant runs now", ["tenant"])
+TENANT_GENERATIONS = Counter("slotserve_tenant_generations_total", "Generations a tenant ran to their end", ["tenant"])
+TENANT_TOKENS = Counter("slotserve_tenant_tokens_generated_total", "Tokens generated for a tenant", ["tenant"])
+TENANT_PROMPT_TOKENS = Counter(
+    "slotserve_tenant_prompt_tokens_total", "Prompt tokens prefilled for a tenant (not from its KV cache)", ["tenant"]
+)
+TENANT_STORED_BYTES = Gauge(
+    "slotserve_tenant_stored_bytes", "Bytes of stored slot state of a tenant's slots this node knows", ["tenant"]
+)
+TENANT_REFUSED = Counter(
+    "slotserve_tenant_refused_total", "Requests of a tenant refused by a per-tenant limit", ["tenant", "limit"]
+)
+STALLED = Counter(
+    "slotserve_stalled_generations_total",
+    "Generations stopped and parked because their client took nothing for --stall-timeout",
+    ["tenant"],
+)
 
-def record_generation(done: Done) -> None:
-    """Count a finished generation (slotserve's metrics and llama-server's ``llamacpp:*``)."""
+
+def record_generation(done: Done, tenant: str | None = None) -> None:
+    """Count a finished generation (slotserve's metrics and llama-server's ``llamacpp:*``; per
+    ``tenant`` too when given)."""
+    if tenant is not None:
+        TENANT_GENERATIONS.labels(tenant).inc()
+        TENANT_TOKENS.labels(tenant).inc(done.n_generated)
+        TENANT_PROMPT_TOKENS.labels(tenant).inc(done.n_prefilled)
     LLAMA_SERVER.record(done)
     TOKENS_GENERATED.inc(done.n_generated)
     PROMPT_TOKENS.inc(done.n_prefilled)

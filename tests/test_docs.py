@@ -22,6 +22,7 @@ from orchestrator.api.common import generate as common_generate
 from orchestrator.api.kobold import protocol as kobold
 from orchestrator.api.llama_server import protocol as llama_server
 from orchestrator.api.native import protocol as native
+from orchestrator.api.ollama import protocol as ollama
 from orchestrator.api.openai import protocol as openai
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
@@ -147,6 +148,15 @@ REQUEST_BODIES = [
     openai.EmbeddingsRequest,
     kobold.GenkeyBody,
     kobold.TokenCountBody,
+    ollama.ChatRequest,
+    ollama.GenerateRequest,
+    ollama.Options,
+    ollama.Message,
+    ollama.Tool,
+    ollama.ToolFunction,
+    ollama.EmbedRequest,
+    ollama.EmbeddingRequest,
+    ollama.ShowRequest,
 ]
 
 

@@ -54,7 +54,7 @@ class AdminController(Controller):
 
     @get("/", summary="The admin page (HTML)", media_type=MediaType.HTML, responses=ERROR_RESPONSES)
     async def page(self, request: Request[Any, Any, Any], services: Services) -> Response[bytes]:
-        require_admin(request.scope, services.settings.admin_key)
+        require_admin(request)
         return Response(_static("admin.html"), media_type="text/html; charset=utf-8")
 
     @get("/admin.js", summary="The admin page's script", include_in_schema=False)
@@ -67,7 +67,7 @@ class AdminController(Controller):
         responses=ERROR_RESPONSES,
     )
     async def slots(self, request: Request[Any, Any, Any], services: Services) -> list[SlotView]:
-        require_admin(request.scope, services.settings.admin_key)
+        require_admin(request)
         return await AdminView(services).slots()
 
     @get(
@@ -76,7 +76,7 @@ class AdminController(Controller):
         responses=ERROR_RESPONSES,
     )
     async def messages(self, request: Request[Any, Any, Any], services: Services, slot_id: str) -> SlotMessages:
-        require_admin(request.scope, services.settings.admin_key)
+        require_admin(request)
         return msgspec.convert(await AdminView(services).messages_of(slot_id), SlotMessages)
 
     @get(
@@ -90,7 +90,7 @@ class AdminController(Controller):
         services: Services,
         layer: int | None = Parameter(query="layer", default=None),
     ) -> ServerSentEvent:
-        require_admin(request.scope, services.settings.admin_key)
+        require_admin(request)
         n_layers = services.generation.info.num_layers
         if layer is not None and not 0 <= layer < n_layers:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"layer must be in 0..{n_layers - 1}")

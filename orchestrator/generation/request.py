@@ -12,6 +12,7 @@ import msgspec
 from contract.errors import ErrorCode
 from contract.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
 from orchestrator.service_error import ServiceError
+from orchestrator.tenants.conversation import CacheSalt
 from orchestrator.tenants.principal import DEFAULT_PRINCIPAL, Principal
 
 DEFAULT = SamplingParams()  # the sampler defaults, declared once (contract/protocol.py)
@@ -103,6 +104,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     n_cache_reuse: TokenCount | None = None
     n_keep: NKeep | None = None
     n_discard: TokenCount | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: caches are shared only between equal salts (of one tenant)
 
     def sampler_fields(self) -> dict[str, Any]:
         """These fields as keyword arguments (to pass them on to a :class:`GenerateRequest`)."""
@@ -125,9 +127,9 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         return out
 
 
-CONTEXT_FIELDS = ("n_cache_reuse", "n_keep", "n_discard")
-""":class:`SamplerFields` that are no samplers: how the slot's cache is reused and shifted
-(:class:`CanonicalRequest`'s defaults apply when a request leaves them out)."""
+CONTEXT_FIELDS = ("n_cache_reuse", "n_keep", "n_discard", "cache_salt")
+""":class:`SamplerFields` that are no samplers: how the slot's cache is reused, shifted and
+partitioned (:class:`CanonicalRequest`'s defaults apply when a request leaves them out)."""
 
 
 BiasPairs = list[tuple[int | str, float]]

@@ -7,6 +7,7 @@ one way: handler -> slot registry -> engine client -> worker -> events back.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
@@ -26,12 +27,15 @@ from orchestrator.generation.events import (
     TokenWatcher,
 )
 from orchestrator.generation.request import AppendToken, CanonicalRequest, PreviewRequest
+from orchestrator.generation.stall import StallGuard, park_stalled
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
-from orchestrator.slots.model import Slot
+from orchestrator.slots.model import Slot, partition_of
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.slots.residency import uncancellable
+from orchestrator.tenants.limits import TenantLimits
+from orchestrator.tenants.principal import DEFAULT_PRINCIPAL, Principal
 from orchestrator.tokens import check_tokens
 
 log = structlog.get_logger("slotserve.generate")
@@ -160,6 +164,8 @@ class GenerationService:
         self.anonymous = anonymous if anonymous is not None else AnonymousSlots(registry)
         self.watcher = watcher  # sees every generated token too (the admin page's live feed)
         self.default_seed = -1  # --seed: the seed of a request that gives none (-1: random)
+        self.limits = TenantLimits()  # --tenant-generations, --tenant-stored-bytes (none by default)
+        self.stall_timeout_s = 0.0  # --stall-timeout: stop and park a generation its client does not read (0: never)
 
     @property
     def info(self) -> proto.ModelInfo:
@@ -228,6 +234,23 @@ class GenerationService:
         control: RunControl | None = None,
         then: Callable[[Slot], Awaitable[None]] | None = None,
     ) -> AsyncGenerator[Started | TokenOut | ProgressOut | DoneOut, None]:
+        """:meth:`_run` within the limits of the request's tenant (``req.principal``;
+        :class:`orchestrator.tenants.limits.TenantLimits`: ``RATE_LIMITED`` before the first yield)."""
+        tenant = req.principal.tenant
+        if self.limits.stored_bytes:
+            stored = sum(s.stored_bytes for s in self.registry.slots.values() if s.tenant == tenant)
+            self.limits.check_stored(tenant, stored)
+        with self.limits.generation(tenant):
+            async with contextlib.aclosing(self._run(req, control, then)) as events:
+                async for event in events:
+                    yield event
+
+    async def _run(
+        self,
+        req: CanonicalRequest,
+        control: RunControl | None = None,
+        then: Callable[[Slot], Awaitable[None]] | None = None,
+    ) -> AsyncGenerator[Started | TokenOut | ProgressOut | DoneOut, None]:
         """Validate, take the slot, generate; yields :class:`Started`, tokens, then one :class:`DoneOut`.
 
         With ``req.progress``, ``contract.protocol.Progress`` events come before the first
@@ -244,15 +267,20 @@ class GenerationService:
         ids = await self.input_ids(req)
         params = await self.checked_params(req)
         capture = capture_options(req, info.attention_layers)
-        hooks = control.hooks if control is not None else None
+        hooks = control.hooks if control is not None else WaitHooks()
         on_chosen = control.chose if control is not None else None
+        tenant, partition = req.principal.tenant, partition_of(req.cache_salt)  # caches never cross them
         if req.slot is None:  # docs/api.md, "Requests without a slot id"
-            holding = self.anonymous.use(ids, hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen)
+            holding = self.anonymous.use(
+                ids, tenant=tenant, partition=partition, conversation_key=req.conversation_key,
+                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen,
+            )  # fmt: skip
         else:
             if on_chosen is not None:
                 on_chosen(req.slot)
-            holding = self.registry.use(req.slot, wait=req.wait, hooks=hooks)
+            holding = self.registry.use(req.slot, tenant=tenant, partition=partition, wait=req.wait, hooks=hooks)
         async with holding as slot:
+            await self.registry.enter_partition(slot, partition)
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
             assert slot.seq is not None
@@ -269,6 +297,8 @@ class GenerationService:
                 )
             )  # fmt: skip
             took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
+            stall = (slot, events.req, req.principal.tenant)
+            guard = StallGuard(self.stall_timeout_s, lambda: park_stalled(self.engine, self.registry, *stall))
             try:
                 if control is not None:
                     await control.bind(self.engine, events.req)
@@ -285,7 +315,9 @@ class GenerationService:
                         self.registry.generated(slot, len(ids) + n_out)  # live count; the worker's at Done
                         if self.watcher is not None:
                             self.watcher.publish(slot.id, out, capture.format, capture.dtype, capture.layers)
+                        guard.offered()
                         yield out
+                        await guard.taken()
                     elif isinstance(event, ProgressOut):
                         yield event
                     elif isinstance(event, proto.Done):
@@ -300,12 +332,16 @@ class GenerationService:
                             t_prefill_ms=round(event.t_prefill_ms, 1),
                             t_generate_ms=round(event.t_generate_ms, 1),
                         )
-                        metrics.record_generation(event)
-                        self.registry.generation_done(slot, event)
-                        if self.registry.strict:  # stored before answered (--durability strict)
+                        metrics.record_generation(event, req.principal.tenant)
+                        parked = guard.fired  # stored when parked, with the counts the store has
+                        if not parked:
+                            self.registry.generation_done(slot, event)
+                        if self.registry.strict and not parked:  # stored before answered (--durability strict)
                             await events.aclose()  # the engine is done with the sequence
                             await self.registry.commit_turn(slot)
                         if then is not None:
+                            if parked:
+                                await self.registry.ensure_resident(slot)
                             await then(slot)
                         tail = converter.decoder.decode(b"", final=True)
                         text = "".join(texts) + tail
@@ -314,6 +350,7 @@ class GenerationService:
                 refused = exc.refused and not took
                 raise
             finally:
+                await guard.close()  # a park in progress finishes under the slot's lock
                 # Wait for the engine to end the generation even if this task is cancelled (a
                 # client that left): the slot's lock is released only once its sequence is idle,
                 # so a save or the slot's next request never finds it generating.
@@ -330,7 +367,7 @@ class GenerationService:
                     self.registry.generation_ended(slot)
 
     async def preview(
-        self, req: PreviewRequest, control: RunControl | None = None
+        self, req: PreviewRequest, control: RunControl | None = None, principal: Principal = DEFAULT_PRINCIPAL
     ) -> AsyncIterator[PreviewStarted | TokenOut | DoneOut]:
         """A preview (docs/api.md, "POST /api/v1/generate/preview"): generate on a copy-on-write
         fork of the slot's sequence (``llama_memory_seq_cp``), then discard the fork.
@@ -341,14 +378,17 @@ class GenerationService:
         Raises :class:`ServiceError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
         (an explicitly named slot that does not exist, with no ``input_ids``),
         ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
+        Only ``principal``'s tenant's slots are seen (another tenant's is missing), and only caches
+        without a ``cache_salt`` (a preview sends none).
         """
+        tenant = principal.tenant
         info = self.info
         append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
         # naming no slot: the slot of the latest request that named none (docs/api.md)
-        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last or DEFAULT_SLOT))
+        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last(tenant) or DEFAULT_SLOT))
         params = await self.checked_params(req.canonical(slot_id))
         require_attention(req.output_attentions, info.attention_layers)
         capture = proto.CaptureOptions(
@@ -357,16 +397,13 @@ class GenerationService:
         t0 = time.perf_counter()
         events: GenerationStream | None = None
         if req.use_cached_context:
-            archive = self.registry.archive
-            known = self.registry.find(slot_id) is not None or (
-                archive is not None and await archive.lookup(slot_id) is not None
-            )
+            known = await self.registry.exists(slot_id, tenant)
             if not known and named is not None and req.input_ids is None:
                 raise ServiceError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             if known:
                 hooks = control.hooks if control is not None else None  # its client leaving ends its waits
-                async with self.registry.use(slot_id, wait=True, create=False, hooks=hooks) as slot:
-                    if slot.n_tokens:
+                async with self.registry.use(slot_id, tenant=tenant, wait=True, create=False, hooks=hooks) as slot:
+                    if slot.n_tokens and not slot.partition:
                         assert slot.seq is not None
                         # the fork is taken before any later request
                         events = await self.engine.preview(slot.seq, [], append, params, capture)

@@ -1,32 +1,44 @@
-"""API key check (``--api-key``), like llama-server's: ``Authorization: Bearer KEY``.
+"""Who a request acts for: API keys (llama-server's ``Authorization: Bearer KEY``) and a trusted
+gateway's tenant header, resolved to a :class:`orchestrator.tenants.principal.Principal`.
 
-Also accepted: ``X-Api-Key: KEY`` and, for browser WebSockets that cannot set
-headers, ``?api_key=KEY``.  ``/health``, ``/metrics``, the admin page's static script,
-the chat page (``/`` and ``/webui/*``: static files, no data) and CORS preflights are
-public.  The admin key (``--admin-key``; ``X-Admin-Key``, ``Bearer`` or ``?admin_key=``)
-passes wherever the API key does, and is required by
-:func:`require_admin` for the admin page and every slot-changing action.
-A refused HTTP request gets 401 ``UNAUTHORIZED``; a refused WebSocket is accepted,
-told ``{"type":"error","error_code":"UNAUTHORIZED"}`` and closed with 1008.
+A key is accepted as ``Authorization: Bearer KEY``, ``X-Api-Key: KEY``, ``X-Admin-Key: KEY``
+and, for browser WebSockets that cannot set headers, ``?api_key=KEY`` / ``?admin_key=KEY``.
+Keys come from ``--api-key`` (the one tenant :data:`~orchestrator.tenants.principal.DEFAULT_TENANT`),
+``--admin-key`` (its admin) and ``--api-keys FILE`` (:mod:`orchestrator.tenants.keys`); a gateway's
+tenant header from :mod:`orchestrator.tenants.gateway`.  ``/health``, ``/metrics``, the admin page's
+static script, the chat page (``/`` and ``/webui/*``: static files, no data) and CORS preflights are
+public.
+
+The middleware leaves the principal in ``scope["state"][SCOPE_KEY]``
+(:func:`~orchestrator.tenants.principal.principal_of` reads it).  With no key configured everyone is
+one tenant with the admin role, as before tenants existed (README, "Tenants").  A refused HTTP
+request gets 401 ``UNAUTHORIZED``; a refused WebSocket is accepted, told
+``{"type":"error","error_code":"UNAUTHORIZED"}`` and closed with 1008.
 """
 
 from __future__ import annotations
 
-import hmac
+from typing import Any
 from urllib.parse import parse_qs
 
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from contract.errors import ErrorCode
+from orchestrator.tenants.gateway import TenantHeader, UntrustedHeader
+from orchestrator.tenants.keys import KeyRing
+from orchestrator.tenants.principal import DEFAULT_TENANT, SCOPE_KEY, Principal, principal_of
 from orchestrator.web.errors import ApiError, ErrorEvent, send_error
 
 PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js", "/")
 PUBLIC_PREFIXES = ("/webui/",)  # the chat page's static assets (orchestrator/webui): they hold no data
 
 
-def _presented_keys(scope: Scope) -> list[str]:
-    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+def _presented_keys(scope: Scope, headers: dict[str, str]) -> list[str]:
     keys = []
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
@@ -36,20 +48,53 @@ def _presented_keys(scope: Scope) -> list[str]:
     return keys + qs.get("api_key", []) + qs.get("admin_key", [])
 
 
-def _matches(keys: list[str], *wanted: str | None) -> bool:
-    return any(hmac.compare_digest(k.encode(), w.encode()) for k in keys for w in wanted if w)
+class Authenticator:
+    """Resolves a request's principal from ``keys`` and, if set, a gateway's ``tenant_header``.
+
+    A presented key that is known wins; else a trusted tenant header; else, when neither keys nor a
+    tenant header are configured, the one tenant with the admin role; with only a tenant header
+    configured, a request without it is :data:`DEFAULT_TENANT` with the user role.
+    """
+
+    def __init__(self, keys: KeyRing, tenant_header: TenantHeader | None = None) -> None:
+        self.keys = keys
+        self.tenant_header = tenant_header
+        self.open = Principal(DEFAULT_TENANT, admin=tenant_header is None)
+
+    def resolve(self, scope: Scope) -> Principal:
+        """The request's principal, or :class:`ApiError` ``UNAUTHORIZED`` (see the class docstring)."""
+        headers = _headers(scope)
+        presented = _presented_keys(scope, headers)
+        found = self.keys.lookup(presented)
+        if found is not None:
+            return found
+        if self.tenant_header is not None:
+            client = scope.get("client")
+            try:
+                named = self.tenant_header.principal(headers, client[0] if client else None)
+            except UntrustedHeader as exc:
+                raise ApiError(ErrorCode.UNAUTHORIZED, str(exc)) from None
+            if named is not None:
+                return named
+        if self.keys.configured:
+            raise ApiError(ErrorCode.UNAUTHORIZED, "Invalid or missing API key")
+        return self.open
 
 
-def require_admin(scope: Scope, admin_key: str | None) -> None:
-    """Raise ``UNAUTHORIZED`` (401) unless ``admin_key`` is unset or presented (see module docstring)."""
-    if admin_key and not _matches(_presented_keys(scope), admin_key):
+def require_admin(scope: Any) -> None:
+    """Raise ``UNAUTHORIZED`` (401) unless the request's principal has the admin role (``scope``: an
+    ASGI scope or a Litestar request)."""
+    if not principal_of(scope).admin:
         raise ApiError(
-            ErrorCode.UNAUTHORIZED, "this needs the admin key (--admin-key): X-Admin-Key header or ?admin_key="
+            ErrorCode.UNAUTHORIZED,
+            "this needs the admin role: an admin key (--admin-key or an 'admin' line of --api-keys),"
+            " as Bearer, X-Admin-Key or ?admin_key=",
         )
 
 
-def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ignore[no-untyped-def]
-    """ASGI middleware factory enforcing ``api_key`` (or ``admin_key``; see module docstring)."""
+def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
+    """ASGI middleware factory: resolve every HTTP and WebSocket request's principal with ``auth``
+    (see module docstring)."""
 
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
@@ -59,18 +104,20 @@ def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ign
             if kind not in ("http", "websocket") or public or scope.get("method") == "OPTIONS":
                 await app(scope, receive, send)
                 return
-            if _matches(_presented_keys(scope), api_key, admin_key):
-                await app(scope, receive, send)
+            try:
+                principal = auth.resolve(scope)
+            except ApiError as err:
+                if kind == "http":
+                    await send_error(send, scope["path"], err, [(b"www-authenticate", b"Bearer")])
+                    return
+                await receive()  # websocket.connect
+                await send({"type": "websocket.accept", "subprotocol": None, "headers": []})
+                frame = msgspec.json.encode(ErrorEvent.of(err)).decode()
+                await send({"type": "websocket.send", "bytes": None, "text": frame})
+                await send({"type": "websocket.close", "code": 1008, "reason": None})
                 return
-            err = ApiError(ErrorCode.UNAUTHORIZED, "Invalid or missing API key")
-            if kind == "http":
-                await send_error(send, scope["path"], err, [(b"www-authenticate", b"Bearer")])
-                return
-            await receive()  # websocket.connect
-            await send({"type": "websocket.accept", "subprotocol": None, "headers": []})
-            frame = msgspec.json.encode(ErrorEvent.of(err)).decode()
-            await send({"type": "websocket.send", "bytes": None, "text": frame})
-            await send({"type": "websocket.close", "code": 1008, "reason": None})
+            scope.setdefault("state", {})[SCOPE_KEY] = principal  # type: ignore[typeddict-unknown-key]
+            await app(scope, receive, send)
 
         return middleware
 

@@ -31,7 +31,13 @@ class Backend:
             def _answer(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 self.rfile.read(length)
-                body = json.dumps({"node": backend.name, "route": self.headers.get("X-Slotserve-Route")}).encode()
+                body = json.dumps(
+                    {
+                        "node": backend.name,
+                        "route": self.headers.get("X-Slotserve-Route"),
+                        "hash": self.headers.get("X-Slotserve-Hash"),
+                    }
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -120,3 +126,37 @@ def test_a_dead_node_moves_only_its_own_conversations(proxy: HAProxy, backends: 
             break
         time.sleep(0.2)
     assert all(now[s] == homes[s] for s in homes if s not in moved), "the other nodes keep their conversations"
+
+
+def test_conversation_keys_route_like_slot_ids_and_the_ring_hashes_the_tenant(proxy: HAProxy) -> None:
+    key = {"Authorization": "Bearer tenant-a-key"}
+    keyed = [
+        ("POST", "/v1/chat/completions", {"messages": [], "prompt_cache_key": "conv-1"}, key),
+        ("POST", "/v1/messages", {"messages": [], "metadata": {"user_id": "conv-1"}}, key),
+        ("POST", "/v1/chat/completions", {"messages": []}, {**key, "X-Session-Id": "conv-1"}),
+        ("POST", "/v1/chat/completions", {"messages": []}, {**key, "session_id": "conv-1"}),
+        ("POST", "/v1/messages", {"messages": []}, {**key, "X-Claude-Code-Session-Id": "conv-1"}),
+        ("POST", "/v1/chat/completions", {"messages": []}, {**key, "x-opencode-session": "conv-1"}),
+    ]
+    answers = [route(proxy, *c) for c in keyed]
+    assert {a["route"] for a in answers} == {"conv-1"}, answers
+    assert len({a["hash"] for a in answers}) == 1 and len({a["node"] for a in answers}) == 1, answers
+    assert "tenant-a-key" not in answers[0]["hash"], "the key itself is never forwarded in the hash header"
+    # explicit slot fields come first, then prompt_cache_key, then the headers (slotserve's order)
+    both = route(proxy, "POST", "/v1/chat/completions", {"user": "s", "prompt_cache_key": "k"}, {"X-Session-Id": "h"})
+    assert both["route"] == "s"
+    assert (
+        route(proxy, "POST", "/v1/chat/completions", {"prompt_cache_key": "k"}, {"X-Session-Id": "h"})["route"] == "k"
+    )
+    # one slot id, two tenants (two keys, or the gateway's header): two points on the ring
+    hashes = [
+        route(proxy, "POST", "/api/v1/generate", {"id_slot": "chat1"}, h)["hash"]
+        for h in (key, {"X-Api-Key": "tenant-a-key"}, {"Authorization": "Bearer tenant-b-key"}, {"X-Tenant-Id": "acme"})
+    ]
+    assert hashes[0] == hashes[1], "one key is one tenant however it is sent"
+    assert len(set(hashes)) == 3, hashes
+    homes = {
+        route(proxy, "POST", "/api/v1/generate", {"id_slot": "chat1"}, {"X-Tenant-Id": f"t{i}"})["node"]
+        for i in range(40)
+    }
+    assert homes == {"n1", "n2", "n3"}, "one slot id of many tenants spreads over the nodes"

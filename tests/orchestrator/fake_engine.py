@@ -324,8 +324,13 @@ class FakeEngine:
         yield proto.Done(req, reason, n_prompt, n_cached, n_prompt - n_cached, n, 0.0, 0.0, "", len(toks))
 
     async def cancel(self, req: int) -> None:
-        """Stop generation ``req`` at its next step."""
+        """Stop generation ``req``: its sequence is free at once (the worker ends a cancelled
+        generation at its next step, whether or not its events are read); its stream ends with
+        ``Done`` (``cancelled``) when read."""
         self.cancelled.add(req)
+        for seq, r in list(self.generating.items()):
+            if r == req:
+                del self.generating[seq]
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> proto.TokenizeResult:
         """One token per character (code point modulo the vocabulary)."""

@@ -66,6 +66,8 @@ GENERATION_ROUTES = {
     "/responses": "max_output_tokens",
     "/v1/messages": "max_tokens",
 }
+# Ollama's generation routes: the length is options.num_predict (-1, -2: the whole window)
+OLLAMA_ROUTES = ("/api/chat", "/api/generate")
 # endless event streams (the admin page's feed): covered by the admin page test, not fuzzed
 ENDLESS = ("/admin/events",)
 # llama-server's and OpenAI's paths answer errors in their shape (CompatErrorBody)
@@ -81,6 +83,13 @@ def cheap(case: schemathesis.Case) -> None:
     loaded CPU; values beyond the context still get their ``CONTEXT_OVERFLOW``.
     """
     body = case.body
+    if isinstance(body, dict) and case.operation.path in OLLAMA_ROUTES:
+        options = body["options"] = body.get("options") or {}
+        if isinstance(options, dict):
+            n = options.get("num_predict")
+            options["num_predict"] = min(n, CHEAP) if isinstance(n, int) and 0 <= n <= 4096 else CHEAP
+        body["stream"] = False
+        return
     default = GENERATION_ROUTES.get(case.operation.path)
     if not isinstance(body, dict) or default is None:
         return

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from orchestrator.generation.request import Float32, Probability, TokenCount, TopK
+from orchestrator.tenants.conversation import CacheSalt
 from orchestrator.web.errors import CompatErrorBody
 
 # ------------------------------------------------------------------------------------ content blocks
@@ -135,6 +136,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     thinking: ThinkingOption | None = None
     slot_id: str | int | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: caches are shared only between equal salts
 
 
 # ----------------------------------------------------------------------------------------- response

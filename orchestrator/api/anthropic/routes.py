@@ -81,6 +81,7 @@ from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
+from orchestrator.tenants.conversation import anthropic_user_id, identify
 from orchestrator.web.errors import ApiError, compat_error_body, error_responses, exception_handlers, report, route_of
 from orchestrator.web.sse import EventStream, named_event, streamable
 
@@ -222,7 +223,9 @@ async def turn_of(services: Services, request: Request[Any, Any, Any], data: Mes
         stop=data.stop_sequences,
         id_slot=slot,
         return_progress=data.stream,
+        cache_salt=data.cache_salt,
     ).canonical()
+    identify(req, request, anthropic_user_id(data.metadata))  # Anthropic's conversation key: metadata.user_id
     req.wait = True
     if plan:
         plan.constrain(req)

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +23,13 @@ from orchestrator.generation.events import DoneOut, Started, TokenOut
 from orchestrator.generation.request import INT32_MAX, CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
+from orchestrator.slots.model import Slot
 from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
 from orchestrator.web.slot_header import watch_slot
+
+AfterTurn = Callable[[Slot], Awaitable[None]]
+"""What a surface does with a turn's slot once the engine is done with it, the slot still held (Ollama's
+``keep_alive``)."""
 
 COMPAT_ERRORS = exception_handlers(compat_error_body)
 """Litestar exception handlers for the OpenAI and llama-server paths (errors in their shape)."""
@@ -45,12 +50,17 @@ class Collected:
 
 
 async def collect(
-    services: Services, req: CanonicalRequest, request: Request[Any, Any, Any], control: RunControl | None = None
+    services: Services,
+    req: CanonicalRequest,
+    request: Request[Any, Any, Any],
+    control: RunControl | None = None,
+    then: AfterTurn | None = None,
 ) -> Collected:
-    """Run ``req`` to the end; the generation is cancelled if the client disconnects first."""
+    """Run ``req`` to the end; the generation is cancelled if the client disconnects first (``then``:
+    :meth:`orchestrator.generation.service.GenerationService.run`'s, awaited with the slot once the turn is done)."""
     out = Collected()
     async with cancelled_on_disconnect(request, control) as run_control:
-        async for ev in services.generation.run(req, run_control):
+        async for ev in services.generation.run(req, run_control, then):
             if isinstance(ev, TokenOut):
                 out.tokens.append(ev)
             elif isinstance(ev, DoneOut):
@@ -59,14 +69,19 @@ async def collect(
 
 
 async def started_run(
-    services: Services, req: CanonicalRequest, request: Request[Any, Any, Any], control: RunControl | None = None
+    services: Services,
+    req: CanonicalRequest,
+    request: Request[Any, Any, Any],
+    control: RunControl | None = None,
+    then: AfterTurn | None = None,
 ) -> AsyncGenerator[Any, None]:
     """The events of ``req`` after :class:`orchestrator.generation.service.Started`: validated, slot held,
     generation begun, so errors up to here are plain 4xx answers.  A client that leaves while
     the request waits (for a busy slot or an engine sequence) ends it with ``CLIENT_GONE``;
-    afterwards the streaming response notices a departure and closes the iterator."""
+    afterwards the streaming response notices a departure and closes the iterator.  ``then``: as
+    :func:`collect`'s."""
     async with cancelled_on_disconnect(request, control) as run_control:
-        run = services.generation.run(req, run_control)
+        run = services.generation.run(req, run_control, then)
         first = await anext(run)
     assert isinstance(first, Started)
     return run

@@ -53,6 +53,7 @@ from orchestrator.services import Services
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.model import Slot, slot_id_out
 from orchestrator.slots.operations import SlotOps
+from orchestrator.tenants.conversation import identify
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 
@@ -96,7 +97,7 @@ async def _complete(
 ) -> LlamaCompletion:
     """One prompt of a non-streamed ``/completion``, run to its end: llama-server's final result."""
     async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
-        c = await _prepare(services, ops, data, control.hooks, prompt, index)
+        c = await _prepare(request, services, ops, data, control.hooks, prompt, index)
         got = await collect(services, c.req, request, control)
     kept = [t for t in got.tokens if not t.is_stop]
     text = StopTextFilter.whole(c.req.stop_strings, (t.text for t in kept), got.end.stop_string)
@@ -104,7 +105,13 @@ async def _complete(
 
 
 async def _prepare(
-    services: Services, ops: SlotOps, body: CompletionBody, hooks: WaitHooks, prompt: SubPrompt, index: int = 0
+    request: Request[Any, Any, Any],
+    services: Services,
+    ops: SlotOps,
+    body: CompletionBody,
+    hooks: WaitHooks,
+    prompt: SubPrompt,
+    index: int = 0,
 ) -> Completion:
     ids = await subprompt_ids(services, prompt)
     if not 0 <= body.n_probs <= 100:
@@ -129,6 +136,7 @@ async def _prepare(
         id_slot=slot,
         **body.sampler_fields(),
     ).canonical()
+    identify(req, request)
     req.wait = True
     req.post_sampling_probs = body.post_sampling_probs
     if body.ignore_eos:  # llama-server bans the end-of-generation tokens (-inf logit bias), not just goes on
@@ -136,7 +144,9 @@ async def _prepare(
     if not body.cache_prompt and req.slot is None:
         req.cache_prompt = False  # a new, empty slot
     elif not body.cache_prompt and req.slot is not None:
-        async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
+        tenant = req.principal.tenant  # the caller's (filled by the surface): its own slot only
+        held = services.registry.use(req.slot, tenant=tenant, wait=True, create=True, resident=False, hooks=hooks)
+        async with held as s:
             await ops.erase(s)
     info = services.generation.info
     return Completion(body, req, info, await services.generation.pieces(), services.model_id, index)
@@ -194,7 +204,7 @@ class LlamaServerController(Controller):
                 return picked[0] if len(picked) == 1 else picked  # type: ignore[return-value]
             return results[0] if len(results) == 1 else results
         async with cancelled_on_disconnect(request) as control:  # from the erase (cache_prompt false) on
-            c = await _prepare(services, ops, data, control.hooks, prompts[0])
+            c = await _prepare(request, services, ops, data, control.hooks, prompts[0])
             c.req.progress = data.return_progress or data.timings_per_token  # prefill figures
             run = await started_run(services, c.req, request, control)  # a bad first prompt: a plain 4xx
             if control.slot_id is not None:
@@ -211,7 +221,7 @@ class LlamaServerController(Controller):
             """Prompt ``index``, started once the stream runs (it may wait for a slot the others hold)."""
             control = RunControl()
             control.watched = True  # the stream's end (a client leaving) cancels it
-            one = await _prepare(services, ops, data, control.hooks, prompt, index)
+            one = await _prepare(request, services, ops, data, control.hooks, prompt, index)
             one.req.progress = c.req.progress
             started = await started_run(services, one.req, request, control)
             if control.slot_id is not None:

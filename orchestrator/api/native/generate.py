@@ -36,6 +36,7 @@ from orchestrator.generation.events import DoneOut, ProgressOut, Started, TokenO
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter, trim_stop
 from orchestrator.services import Services
+from orchestrator.tenants.conversation import identify
 from orchestrator.web.body import json_route
 from orchestrator.web.encode import encoded
 from orchestrator.web.errors import ErrorEvent, report, route_of
@@ -78,7 +79,7 @@ class GenerateController(Controller):
     async def generate(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> GenerateResponse:
-        req = await kobold.prepare(services, data, await _raw_body(request))
+        req = identify(await kobold.prepare(services, data, await _raw_body(request)), request)
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         tokens: list[GeneratedToken] = []
         attention: list[TokenAttention] = []
@@ -130,7 +131,7 @@ class GenerateController(Controller):
     async def stream(
         self, request: Request[Any, Any, Any], services: Services, data: GenerateRequest
     ) -> ServerSentEvent:
-        req = await kobold.prepare(services, data, await _raw_body(request))
+        req = identify(await kobold.prepare(services, data, await _raw_body(request)), request)
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         positions: asyncio.Queue[int] = asyncio.Queue()
         control = RunControl(positions.put)

@@ -51,6 +51,7 @@ from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.service_error import ServiceError
 from orchestrator.services import Services
+from orchestrator.tenants.conversation import identify
 from orchestrator.web.body import decode_json_body
 from orchestrator.web.encode import encoded_text
 from orchestrator.web.errors import ApiError, ErrorEvent, report, route_of
@@ -257,7 +258,7 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
         body = _parse(await inbox.get())
         if body.return_attention is None and body.output_attentions is None:
             body.output_attentions = True  # this endpoint exists to stream attention
-        req = body.canonical()
+        req = identify(body.canonical(), socket)
         request_id = req.request_id
 
         async def on_token(t: TokenOut) -> None:
@@ -302,7 +303,7 @@ async def _serve_events(socket: WebSocket[Any, Any, Any], inbox: Inbox, services
                 if body.type == "cancel":
                     continue  # nothing is running
                 raise ApiError(ErrorCode.INVALID_REQUEST, f"unknown message type {body.type!r}")
-            req = body.canonical()
+            req = identify(body.canonical(), socket)
             pieces = await services.generation.pieces()
 
             async def on_token(t: TokenOut, req: CanonicalRequest = req, pieces: list[bytes] = pieces) -> None:

@@ -28,17 +28,11 @@ from litestar import Controller, post
 from contract.errors import ErrorCode
 from orchestrator.api.common.run import COMPAT_ERRORS
 from orchestrator.api.openai.protocol import Embedding, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage
+from orchestrator.generation.embeddings import normalized, pooled
 from orchestrator.services import Services
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
-
-
-def normalized(rows: np.ndarray) -> np.ndarray:
-    """Each row divided by its Euclidean norm (a zero row stays zero): llama.cpp's
-    ``common_embd_normalize`` with ``embd_norm`` 2."""
-    norms = np.linalg.norm(rows, axis=1, keepdims=True)
-    return (rows / np.where(norms > 0, norms, 1.0)).astype(np.float32)
 
 
 def vector(row: np.ndarray, encoding: str) -> Any:
@@ -60,17 +54,13 @@ class EmbeddingsController(Controller):
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def embeddings(self, services: Services, data: EmbeddingsRequest) -> EmbeddingsResponse:
-        if services.embedder is None:
-            raise ApiError(ErrorCode.NOT_SUPPORTED, "embeddings are off (--no-embeddings)", 501)
         texts = [data.input] if isinstance(data.input, str) else data.input
         if not texts or len(texts) > MAX_INPUTS:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"input must be a text or a list of 1..{MAX_INPUTS} texts")
         if any(not t for t in texts):
             raise ApiError(ErrorCode.INVALID_REQUEST, "input texts must not be empty")
-        engine = await services.embedder.client()
-        result = await engine.classify(texts)
-        rows = normalized(np.frombuffer(result.logits, dtype=np.float32).reshape(len(texts), result.n_out))
-        n = sum(result.n_tokens)
+        got, counts = await pooled(services.embedder, texts)
+        rows, n = normalized(got), sum(counts)
         return EmbeddingsResponse(
             object="list",
             model=services.model_id,

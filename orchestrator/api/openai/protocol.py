@@ -26,6 +26,7 @@ from orchestrator.generation.request import (
     TokenCount,
     TopK,
 )
+from orchestrator.tenants.conversation import CacheSalt, PromptCacheKey
 from orchestrator.web.errors import ApiError
 
 
@@ -325,6 +326,7 @@ class OpenAIRequest(SamplerFields, kw_only=True):
     seed: Seed | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    prompt_cache_key: PromptCacheKey | None = None  # OpenAI's conversation key (docs/api.md)
     slot_id: str | int | None = None
     attention: AttentionOption | None = None
     top_k: TopK | None = None
@@ -396,6 +398,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     text: TextOptions | None = None
     user: str | None = None
+    prompt_cache_key: PromptCacheKey | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's
     slot_id: str | int | None = None
     background: bool | None = None
     timings_per_token: bool = False  # llama-server's: ``timings`` on the text deltas and the last event

@@ -84,6 +84,7 @@ from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
+from orchestrator.tenants.conversation import identify
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
 
@@ -132,6 +133,7 @@ def canonical(
         id_slot=_slot(data, request),
         return_progress=data.stream and (data.n or 1) == 1 and (data.return_progress or data.timings_per_token),
     ).canonical()
+    identify(req, request, data.prompt_cache_key)
     req.wait = True
     return req
 

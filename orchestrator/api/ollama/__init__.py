@@ -1,0 +1,1 @@
+"""Ollama's API (docs/api.md, "Ollama API")."""
