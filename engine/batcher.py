@@ -218,7 +218,9 @@ class Batcher:
             self.commits.pop(s, None)
         # On failure (no room) the token is simply not stored: the slot keeps what it has
         # and the next request on it prefills that token again.
-        self.engine.decode(entries)
+        step = self.engine.config.n_batch  # more sequences than --batch-size: several decodes
+        for k in range(0, len(entries), step):
+            self.engine.decode(entries[k : k + step])
 
     # ------------------------------------------------------------------ the step
 
@@ -231,11 +233,13 @@ class Batcher:
         entries: list[BatchEntry] = []
         owners: list[Job | None] = []
         for s, tok in list(self.commits.items()):
-            if not self.busy(s):
+            if self.busy(s):
+                del self.commits[s]
+            elif budget > 0:  # the rest wait for the next step
+                del self.commits[s]
                 entries.append(BatchEntry(s, eng.seq_len(s), [tok]))
                 owners.append(None)
                 budget -= 1
-        self.commits.clear()
         for job in list(self.jobs.values()):
             if job.last >= 0 and budget > 0 and not self.held(job) and self._room(job):
                 entries.append(self._entry(job, [job.last], True))

@@ -173,7 +173,16 @@ class Engine:
         ``batch_start`` says where its tokens are.  Updates the cell mirror and the sequences'
         token lists.  Returns llama.cpp's status (0 ok, 1 no room in the KV cache, 2 aborted,
         <0 error); on failure nothing of the batch stays in the cache or in the mirror.
+
+        The entries must hold at most ``n_batch`` tokens together (``llama_batch_init`` made the batch
+        that size: ``include/llama.h``); more raise ``EngineError(INTERNAL)`` before anything is
+        written.  :meth:`decode_in_batches` splits a longer run of one sequence.
         """
+        total = sum(len(e.tokens) for e in entries)
+        if total > self.config.n_batch:
+            raise EngineError(
+                ErrorCode.INTERNAL, f"a batch of {total} tokens exceeds --batch-size {self.config.n_batch}"
+            )
         b = self.batch
         i = 0
         targets: list[RowTarget] = []
@@ -217,6 +226,28 @@ class Engine:
             toks = self.tokens.setdefault(e.seq, [])
             del toks[e.pos0 :]
             toks.extend(e.tokens)
+        return 0
+
+    def decode_in_batches(self, entry: BatchEntry) -> int:
+        """Decode one sequence's ``entry`` as consecutive batches of at most ``n_batch`` tokens (as
+        llama-server prefills a prompt longer than ``--batch-size``); ``entry.logits`` and
+        ``entry.target`` apply to its last token, in the last batch.  Returns llama.cpp's status (see
+        :meth:`decode`); on a failure the batches before the failing one stay in the cache."""
+        step = self.config.n_batch
+        toks = entry.tokens
+        for start in range(0, max(len(toks), 1), step):
+            last = start + step >= len(toks)
+            part = BatchEntry(
+                entry.seq,
+                entry.pos0 + start,
+                toks[start : start + step],
+                logits=entry.logits and last,
+                target=entry.target if last else None,
+            )
+            status = self.decode([part])
+            if status != 0:
+                return status
+            entry.batch_start = part.batch_start
         return 0
 
     def _rollback(self, entries: Sequence[BatchEntry]) -> None:
@@ -499,9 +530,11 @@ class Engine:
         While another sequence holds cells (when there are two), decodes a prompt on a spare
         sequence (past the sliding window of a sliding-window model, when ``n_ctx`` goes past it),
         capturing its last row: every attention layer must be captured, each head's row must sum to
-        1 and a sliding layer's must be 0 before its window (rows mapped through the wrong KV cache's
-        cells would not be).  Then saves the sequence's state (every part of the model's memory),
-        restores it and decodes one token more from it, capturing again.  Raises
+        1 (less than 1 with attention sinks: :data:`SINK_ARCHITECTURES`) and a sliding layer's must be 0
+        before its window (rows mapped through the wrong KV cache's cells would not be).  The prompt
+        goes in batches of at most ``n_batch`` tokens (:meth:`decode_in_batches`).  Then saves the
+        sequence's state (every part of the model's memory), restores it and decodes one token more
+        from it, capturing again.  Raises
         :class:`CaptureError` when a check fails.
         """
         s = self.config.n_seq_max - 1
@@ -527,7 +560,7 @@ class Engine:
         """Decode ``toks`` on ``seq`` from ``pos0`` capturing the last row, and check it (:meth:`_self_check`)."""
         pos = pos0 + len(toks) - 1
         target = self.new_target(seq, pos) if self.capture is not None else None
-        status = self.decode([BatchEntry(seq, pos0, toks, logits=True, target=target)])
+        status = self.decode_in_batches(BatchEntry(seq, pos0, toks, logits=True, target=target))
         if status != 0:
             raise CaptureError(f"self-check decode failed with status {status}")
         if self.capture is None or target is None:
@@ -540,7 +573,10 @@ class Engine:
             for k, il in enumerate(self.attention_layers)
             if self.layer_window(il)
         ]
-        if seen != expect or not np.allclose(sums, 1.0, atol=1e-3) or max(outside, default=0.0) > 1e-3:
+        # with attention sinks a row's weights sum to 1 less the sink's share (llama.cpp's soft_max with sinks)
+        sinks = self.model.meta("general.architecture") in SINK_ARCHITECTURES
+        sums_ok = bool(np.all((sums > 0) & (sums <= 1.0 + 1e-3))) if sinks else np.allclose(sums, 1.0, atol=1e-3)
+        if seen != expect or not sums_ok or max(outside, default=0.0) > 1e-3:
             raise CaptureError(
                 f"attention capture self-check failed: {seen} of {expect} layers captured, "
                 f"row sums {sums.ravel()[:4]}, largest weight before a sliding window {max(outside, default=0.0):.3g}"
@@ -581,6 +617,10 @@ def read_state(
         release(raw)
         raise
 
+
+SINK_ARCHITECTURES = frozenset({"gpt-oss", "mimo2", "granite_swa", "hy_v4", "deepseek4", "dflash"})
+"""``general.architecture`` of the models llama.cpp gives attention sinks (the ``src/models/*.cpp`` that load
+``LLM_TENSOR_ATTN_SINKS``): their rows sum to less than 1."""
 
 _MAX_STREAMS = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
 _COUNT = [ctypes.c_uint32(n) for n in range(_MAX_STREAMS + 1)]

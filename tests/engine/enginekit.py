@@ -104,13 +104,13 @@ class Runner:
 def replay_attention(engine: Engine, seq: int, ids: list[int], generated: list[int]) -> list[np.ndarray]:
     """The attention rows of ``generated`` recomputed in a fresh sequence, token by token.
 
-    Prefills ``ids`` in one batch, then decodes each generated token alone (the same
+    Prefills ``ids`` (in batches of ``n_batch``), then decodes each generated token alone (the same
     order of computation as a generation), capturing the row of each query.
     """
     engine.erase(seq)
     rows = []
     target = engine.new_target(seq, len(ids) - 1, None)
-    assert engine.decode([BatchEntry(seq, 0, ids, logits=True, target=target)]) == 0
+    assert engine.decode_in_batches(BatchEntry(seq, 0, ids, logits=True, target=target)) == 0
     rows.append(target.out.copy())
     for k, tok in enumerate(generated[:-1]):
         pos = len(ids) + k
@@ -125,7 +125,7 @@ def prefill_row(engine: Engine, seq: int, ids: list[int]) -> np.ndarray:
     """The attention row of the last token of ``ids`` from one prefill in a fresh sequence."""
     engine.erase(seq)
     target = engine.new_target(seq, len(ids) - 1, None)
-    assert engine.decode([BatchEntry(seq, 0, ids, logits=True, target=target)]) == 0
+    assert engine.decode_in_batches(BatchEntry(seq, 0, ids, logits=True, target=target)) == 0
     engine.erase(seq)
     return target.out.copy()
 

@@ -21,14 +21,18 @@ def decode_attention(att: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(base64.b64decode(att["data"]), dtype=dt).reshape(att["shape"])
 
 
-def sse_events(base: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def sse_events(
+    base: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 120
+) -> list[dict[str, Any]]:
     """POST the SSE endpoint and parse ``event: message`` / ``data:`` frames (split on blank lines)."""
-    return list(iter_sse_events(base, body, headers))
+    return list(iter_sse_events(base, body, headers, timeout))
 
 
-def iter_sse_events(base: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
-    """:func:`sse_events`, each event yielded as soon as it arrives."""
-    with httpx.stream("POST", base + "/api/extra/generate/stream", json=body, headers=headers, timeout=120) as r:
+def iter_sse_events(
+    base: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 120
+) -> Iterator[dict[str, Any]]:
+    """:func:`sse_events`, each event yielded as soon as it arrives (``timeout``: seconds between two reads)."""
+    with httpx.stream("POST", base + "/api/extra/generate/stream", json=body, headers=headers, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         buf = ""

@@ -1,7 +1,7 @@
 """A sliding-window and a recurrent model served end to end (tiny models of tests/tiny_models.py).
 
-Gemma 2 (two KV caches, one of them sliding-window) through the server: its attention against
-transformers' eager attention on a prompt past the sliding cache's 256 cells, after its slot was parked
+gpt-oss (two KV caches, one of them with gpt-oss's 128-token sliding window; attention sinks) through the
+server: its attention against transformers' eager attention on a prompt past the sliding cache's 256 cells, after its slot was parked
 in the store and came back, after a restart of the server, and after its state went out through
 ``save-state`` and back in through ``restore-state``.  Mamba (a recurrent state, no attention): it
 generates, and the requests its memory cannot serve are refused with the limitation named.
@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.orchestrator.client import decode_attention, tokenize
-from tests.tiny_models import SLIDING_WINDOW, Reference, assert_matches, build_tiny_gguf
+from tests.tiny_models import FAMILIES, Reference, assert_matches, build_tiny_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def matches(ref: Reference, what: str, ids: list[int], out: dict[str, Any], laye
 
 
 def test_sliding_window_model_through_the_server(start_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    gguf = build_tiny_gguf("gemma2", tmp_path / "gemma2")
+    gguf = build_tiny_gguf("gpt-oss", tmp_path / "gpt-oss")
     ref = Reference(gguf.parent)
     args = ("--model", str(gguf), "--parallel", "1", "--ctx-size", "512", "--batch-size", "32", "--ubatch-size", "32",
             "-ctk", "f32", "-ctv", "f32", "--state-dir", str(tmp_path / "st"))  # fmt: skip
@@ -49,7 +49,7 @@ def test_sliding_window_model_through_the_server(start_server, tmp_path: Path) -
     info = httpx.get(srv.url + "/api/v1/model").json()
     assert info["memory"]["type"] == "iswa" and info["memory"]["kv_caches"] == 2
     assert info["attention_layers"] == [0, 1, 2, 3]
-    assert info["attention_windows"] == [SLIDING_WINDOW, 0, SLIDING_WINDOW, 0]
+    assert info["attention_windows"] == list(FAMILIES["gpt-oss"].windows)
     layers = info["attention_layers"]
     ids = tokenize(srv.url, " ".join([TEXT] * 30))[:300]
 
