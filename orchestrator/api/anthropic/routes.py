@@ -3,7 +3,7 @@
 As llama-server does (``tools/server/server-chat.cpp`` ``server_chat_convert_anthropic_to_oai``), the
 request becomes an OpenAI chat request (:class:`orchestrator.api.openai.protocol.ChatCompletionRequest`,
 run by :func:`orchestrator.api.openai.routes.chat_shape`: the model's chat template, tool calls by
-:mod:`orchestrator.generation.tool_calls`, the slot by ``slot_id`` / ``X-Slot-Id`` or the server's choice):
+:mod:`orchestrator.generation.tool_plan`, the slot by ``slot_id`` / ``X-Slot-Id`` or the server's choice):
 
 * ``system`` (a text or text blocks, joined) is a first system message; an
   ``x-anthropic-billing-header:`` system text has its changing ``cch=`` stamp replaced by ``fffff``
@@ -25,7 +25,7 @@ says ``end_turn`` and fills ``stop_sequence``), else ``end_turn``; ``usage`` wit
 ``cache_read_input_tokens``; the id is Anthropic's form ``msg_...``.  Streamed (``stream: true``),
 the events are llama-server's ``to_json_anthropic_stream`` (no ``ping``, no ``[DONE]``), each
 block closed before the next opens (Anthropic's order; llama-server closes them all at the end);
-text and tool calls are read as they stream (:class:`orchestrator.generation.tool_calls.AnswerText`,
+text and tool calls are read as they stream (:class:`orchestrator.generation.answer_text.AnswerText`,
 the OpenAI stream's parser): a ``tool_use`` block starts once its call's name is known and its
 ``input_json_delta`` pieces are the arguments as the model writes them, as llama-server streams them.
 Errors have llama-server's body under Anthropic's ``"type": "error"`` (:class:`MessageError`), the
@@ -73,10 +73,11 @@ from orchestrator.api.anthropic.protocol import (
 from orchestrator.api.compat import collect, started_run
 from orchestrator.api.openai.protocol import ChatCompletionRequest
 from orchestrator.api.openai.routes import Shape, chat_prompt_ids, chat_shape
+from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall
+from orchestrator.generation.pieces import CallDelta, Piece
+from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import ApiError, compat_error_body, error_responses, exception_handlers, report, route_of
@@ -279,8 +280,8 @@ class MessagesController(Controller):
         stops = list(shape.req.stop_strings)
         if not data.stream:
             got = await collect(services, shape.req, request)
-            whole = StopTextFilter.whole(stops, (t.text for t in got.tokens if not t.is_stop), got.end.stop_string)
-            said, calls = shape.tools.parse(whole) if shape.tools else (whole, [])
+            read = shape.answer_text(stops).whole([t.text for t in got.tokens if not t.is_stop], got.end.stop_string)
+            said, calls = read.content, read.calls
             content: list[AnswerBlock] = [TextBlock(text=said)] if said else []
             content += [tool_use(c) for c in calls]
             end = got.end
@@ -289,7 +290,7 @@ class MessagesController(Controller):
             message.slot_id = slot_id_out(end.slot_id)
             return message
         run = await started_run(services, shape.req, request)
-        return EventStream(_events(answer, run, AnswerText(stops, shape.tools), route_of(request)))
+        return EventStream(_events(answer, run, shape.answer_text(stops), route_of(request)))
 
     @post(
         "/v1/messages/count_tokens",

@@ -8,7 +8,7 @@ streaming events) as the ``openai`` SDK reads them (``client.responses.create`` 
 (``{"type": "function", "name", "description", "parameters"}``), ``text.format`` the output's
 format (``text``, ``json_object``, ``json_schema``), ``max_output_tokens``.  The request becomes
 a chat request (:func:`orchestrator.api.openai.chat_shape`: the model's template, tool calls by
-:mod:`orchestrator.generation.tool_calls`); the answer is a ``message`` output item with one
+:mod:`orchestrator.generation.tool_plan`); the answer is a ``message`` output item with one
 ``output_text`` part, and one ``function_call`` item per tool call.
 
 Streaming sends ``event: <type>`` / ``data: {json}`` Server-Sent Events, each with a
@@ -74,7 +74,8 @@ from orchestrator.api.openai.protocol import (
 from orchestrator.api.openai.routes import Shape, chat_shape
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall
+from orchestrator.generation.pieces import CallDelta, Piece
+from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, named_event, streamable
@@ -331,8 +332,8 @@ class ResponsesController(Controller):
         answer = Answer(data, shape)
         if not data.stream:
             got = await collect(services, shape.req, request)
-            text = "".join(t.text for t in got.tokens if not t.is_stop)
-            content, calls = shape.tools.parse(text) if shape.tools else (text, [])
+            whole = shape.answer_text([]).whole([t.text for t in got.tokens if not t.is_stop])
+            content, calls = whole.content, whole.calls
             if content or not calls:
                 answer.output.append(answer.message(content or ""))
             answer.output += [answer.function_call(c) for c in calls]
@@ -346,11 +347,11 @@ class ResponsesController(Controller):
 async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], route: str) -> AsyncIterator[bytes]:
     """The Responses streaming events of one run (module docstring), numbered from 0: text deltas as the
     text arrives, and each tool call's item as soon as its name is known, then its arguments in pieces
-    (``response.function_call_arguments.delta``) as :class:`orchestrator.generation.tool_calls.AnswerText`
+    (``response.function_call_arguments.delta``) as :class:`orchestrator.generation.answer_text.AnswerText`
     reads them."""
     seq = itertools.count()
     shape = answer.shape
-    said = AnswerText(list(shape.req.stop_strings), shape.tools)
+    said = shape.answer_text(list(shape.req.stop_strings))
     text = ""
     where: dict[str, Any] = {"item_id": answer.msg_id, "content_index": 0}  # output_index: once opened
     call_at: list[int] = []  # each call's output_index

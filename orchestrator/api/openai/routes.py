@@ -66,14 +66,17 @@ from orchestrator.api.openai.protocol import (
     TopLogprobEntry,
     Usage,
 )
+from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.choices import ChoiceEvent, forked_choices
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
+from orchestrator.generation.pieces import CallDelta, Piece
 from orchestrator.generation.request import (
     CanonicalRequest,
 )
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan, plan_of
+from orchestrator.generation.tool_calls import ToolCall
+from orchestrator.generation.tool_plan import ToolPlan, plan_of
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
@@ -198,6 +201,10 @@ class Shape:
         self.pieces = pieces
         self.fingerprint = fingerprint
 
+    def answer_text(self, stops: list[str]) -> AnswerText:
+        """A reader of one answer of this request: ``stops`` cut, tool calls parsed (when it has tools)."""
+        return AnswerText(stops, self.tools.splitter() if self.tools else None)
+
     def _attention(self, tokens: list[TokenOut]) -> list[Attention | None] | UnsetType:
         """The ``attention`` extension for ``tokens`` (unset unless asked for)."""
         if not self.req.attention:
@@ -269,7 +276,7 @@ class Shape:
     def piece_chunks(
         self, pieces: list[Piece], tokens: list[TokenOut], index: int = 0
     ) -> tuple[list[ChatCompletionChunk | TextCompletionChunk], list[TokenOut]]:
-        """The chunks of ``pieces`` (:class:`orchestrator.generation.tool_calls.ToolStream`'s content
+        """The chunks of ``pieces`` (:class:`orchestrator.generation.answer_text.AnswerText`'s content
         and tool-call pieces) of choice ``index``; the first content chunk carries ``tokens``' logprobs.
         Returns the chunks and the tokens not yet carried."""
         out: list[ChatCompletionChunk | TextCompletionChunk] = []
@@ -296,7 +303,8 @@ class Shape:
         request has tools)."""
         if not self.chat:
             return self._text_choice(index, text, tokens, FINISH.get(done.finish_reason, "stop"))
-        content, calls = self.tools.parse(text) if self.tools else (text, [])
+        answer = self.answer_text([]).whole([text])
+        content, calls = answer.content, answer.calls
         message = ChatMessage(role="assistant", content=content)
         finish = self.finish_of(done, calls)
         if calls:
@@ -329,13 +337,12 @@ class Shape:
 
 
 class ChoiceStream:
-    """One streamed choice's text on its way out: stop strings cut (:class:`StopTextFilter`), tool calls
-    parsed as they arrive (:class:`orchestrator.generation.tool_calls.ToolStream`), tokens held until a
-    chunk carries them."""
+    """One streamed choice's text on its way out: stop strings cut and tool calls parsed as they arrive
+    (:class:`orchestrator.generation.answer_text.AnswerText`), tokens held until a chunk carries them."""
 
     def __init__(self, shape: Shape, index: int = 0) -> None:
         self.shape, self.index = shape, index
-        self.answer = AnswerText(list(shape.req.stop_strings), shape.tools)
+        self.answer = shape.answer_text(list(shape.req.stop_strings))
         self.pending: list[TokenOut] = []
 
     def _chunks(self, pieces: list[Piece]) -> list[ChatCompletionChunk | TextCompletionChunk]:
@@ -428,7 +435,7 @@ async def respond(
 
 async def chat_shape(services: Services, request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Shape:
     """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
-    the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_calls`."""
+    the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_plan`."""
     ids, plan = await chat_prompt_ids(services, data)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     req.post_sampling_probs = data.post_sampling_probs
@@ -441,7 +448,7 @@ async def chat_shape(services: Services, request: Request[Any, Any, Any], data: 
 async def chat_prompt_ids(services: Services, data: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
     """The prompt tokens of a chat body (its ``messages`` and ``tools`` rendered by the model's
     template, :func:`orchestrator.api.llama_server.chat.chat_prompt`) and its tool plan
-    (:func:`orchestrator.generation.tool_calls.plan_of`; None without tools)."""
+    (:func:`orchestrator.generation.tool_plan.plan_of`; None without tools)."""
     plan = plan_of(services.generation.info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
     messages = plan.messages(data.messages) if plan else data.messages
     ids = await chat_ids(services, chat_prompt(services, messages, plan.template_tools() if plan else None))
