@@ -15,6 +15,7 @@ import structlog
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator import metrics
+from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationStream
 from orchestrator.generation.events import (
     DoneOut,
     PreviewStarted,
@@ -31,7 +32,6 @@ from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
 from orchestrator.slots.model import Slot
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.slots.residency import uncancellable
-from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationStream
 
 log = structlog.get_logger("slotserve.generate")
 
@@ -50,7 +50,8 @@ def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
 PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
              "dry_multiplier", "dry_allowed_length", "dry_sequence_breakers", "dynatemp_range", "dynatemp_exponent",
              "mirostat", "mirostat_tau", "mirostat_eta", "grammar", "json_schema",
-             "schema_rule", "grammar_triggers", "post_sampling_probs")  # fmt: skip
+             "schema_rule", "grammar_triggers", "post_sampling_probs", "reasoning_budget", "reasoning_start",
+             "reasoning_end", "reasoning_message", "reasoning_open")  # fmt: skip
 """The further sampler settings a :class:`CanonicalRequest` hands to the engine as they are."""
 
 

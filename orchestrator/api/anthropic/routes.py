@@ -15,15 +15,18 @@ run by :func:`orchestrator.api.openai.routes.chat_shape`: the model's chat templ
 * ``tools`` (``input_schema`` the parameters) are function tools; ``tool_choice`` ``auto`` / ``any`` /
   ``none`` are ``auto`` / ``required`` / ``none``, ``{"type": "tool", "name"}`` that named function
   (llama-server makes it ``required``); ``stop_sequences`` are ``stop``; ``temperature``, ``top_p``,
-  ``top_k`` pass through; ``max_tokens`` defaults to 4096 (bounded by the window); ``metadata`` and
-  ``thinking`` are accepted and unused.
+  ``top_k`` pass through; ``max_tokens`` defaults to 4096 (bounded by the window); ``metadata`` is
+  accepted and unused; ``thinking: {"type": "enabled", "budget_tokens"}`` is the thinking budget
+  (``thinking_budget_tokens``, 10000 when left out, as llama-server).
 
-The answer is llama-server's ``to_json_anthropic``: ``content`` a text block (when there is text) then
-one ``tool_use`` block per call; ``stop_reason`` ``tool_use`` when the answer calls tools, ``max_tokens``
+The answer is llama-server's ``to_json_anthropic``: ``content`` a ``thinking`` block (a thinking
+template's thoughts, split out as ``reasoning_format`` says, ``signature`` ""), a text block (when there
+is text), then one ``tool_use`` block per call; ``stop_reason`` ``tool_use`` when the answer calls tools, ``max_tokens``
 when the limit ended it, ``stop_sequence`` when a stop sequence did (Anthropic's value: llama-server
 says ``end_turn`` and fills ``stop_sequence``), else ``end_turn``; ``usage`` with
 ``cache_read_input_tokens``; the id is Anthropic's form ``msg_...``.  Streamed (``stream: true``),
-the events are llama-server's ``to_json_anthropic_stream`` (no ``ping``, no ``[DONE]``), each
+the events are llama-server's ``to_json_anthropic_stream`` (no ``ping``, no ``[DONE]``; thoughts as
+``thinking_delta`` pieces, the thinking block closed by an empty ``signature_delta``), each
 block closed before the next opens (Anthropic's order; llama-server closes them all at the end);
 text and tool calls are read as they stream (:class:`orchestrator.generation.answer_text.AnswerText`,
 the OpenAI stream's parser): a ``tool_use`` block starts once its call's name is known and its
@@ -61,10 +64,12 @@ from orchestrator.api.anthropic.protocol import (
     MessageUsage,
     OutputUsage,
     RedactedThinkingBlock,
+    SignatureDelta,
     StopReason,
     TextBlock,
     TextDelta,
     ThinkingBlock,
+    ThinkingDelta,
     ToolChoice,
     ToolDef,
     ToolResultBlock,
@@ -76,7 +81,7 @@ from orchestrator.api.openai.routes import Shape, chat_prompt_ids, chat_shape
 from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.pieces import CallDelta, Piece
+from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
 from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
@@ -85,6 +90,8 @@ from orchestrator.web.sse import EventStream, named_event, streamable
 
 DEFAULT_MAX_TOKENS = 4096
 """``max_tokens`` when the request has none (llama-server's default for this API)."""
+DEFAULT_THINKING_BUDGET = 10000
+"""``thinking.budget_tokens`` when ``thinking`` is enabled without one (llama-server's)."""
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 ERRORS = error_responses(MessageError)
@@ -196,8 +203,13 @@ def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
 def chat_request(data: MessagesRequest) -> ChatCompletionRequest:
     """The OpenAI chat request of a Messages request (streamed ones ask for prefill progress: the
     ``message_start`` event's usage comes from it)."""
+    thinking = data.thinking
+    budget = None
+    if thinking is not None and thinking.type == "enabled":
+        budget = thinking.budget_tokens if thinking.budget_tokens is not None else DEFAULT_THINKING_BUDGET
     return ChatCompletionRequest(
         messages=chat_messages(data),
+        thinking_budget_tokens=budget,
         tools=chat_tools(data.tools),
         tool_choice=chat_tool_choice(data.tool_choice),
         max_tokens=data.max_tokens,
@@ -282,7 +294,8 @@ class MessagesController(Controller):
             got = await collect(services, shape.req, request)
             read = shape.answer_text(stops).whole([t.text for t in got.tokens if not t.is_stop], got.end.stop_string)
             said, calls = read.content, read.calls
-            content: list[AnswerBlock] = [TextBlock(text=said)] if said else []
+            content: list[AnswerBlock] = [ThinkingBlock(thinking=read.reasoning)] if read.reasoning else []
+            content += [TextBlock(text=said)] if said else []
             content += [tool_use(c) for c in calls]
             end = got.end
             usage = usage_of(end.n_prompt, end.n_cached, end.n_generated)
@@ -299,7 +312,7 @@ class MessagesController(Controller):
         responses=ERRORS,
     )
     async def count_tokens(self, services: Services, data: MessagesRequest) -> MessageTokens:
-        ids, _ = await chat_prompt_ids(services, chat_request(data))
+        ids, _, _ = await chat_prompt_ids(services, chat_request(data))
         return MessageTokens(input_tokens=len(ids))
 
 
@@ -311,7 +324,7 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
     ``message_delta`` and ``message_stop``."""
     n_prompt, n_cached = len(answer.shape.req.input_ids or []), 0
     started = False
-    block: tuple[int, int | None] | None = None  # the open block: its index, and its call's (None: text)
+    block: tuple[int, int | None] | None = None  # the open block: its index, and its call's (None: text, -1: thinking)
     n_blocks = 0
 
     def start() -> list[bytes]:
@@ -322,7 +335,7 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
         message = answer.message([], usage_of(n_prompt, n_cached, 0), None)
         return [named_event(MessageStart(message=message))]
 
-    def open_block(call: int | None, head: TextBlock | ToolUseBlock) -> list[bytes]:
+    def open_block(call: int | None, head: AnswerBlock) -> list[bytes]:
         nonlocal block, n_blocks
         out = close_block()
         block, n_blocks = (n_blocks, call), n_blocks + 1
@@ -332,13 +345,19 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
         nonlocal block
         if block is None:
             return []
-        index, block = block[0], None
-        return [named_event(ContentBlockStop(index=index))]
+        (index, kind), block = block, None
+        signed = [named_event(ContentBlockDelta(index=index, delta=SignatureDelta(signature="")))] if kind == -1 else []
+        return [*signed, named_event(ContentBlockStop(index=index))]
 
     def frames_of(pieces: list[Piece]) -> list[bytes]:
         out: list[bytes] = []
         for piece in pieces:
-            if isinstance(piece, CallDelta):
+            if isinstance(piece, ReasoningDelta):
+                if block is None or block[1] != -1:
+                    out += open_block(-1, ThinkingBlock(thinking=""))
+                assert block is not None
+                out.append(named_event(ContentBlockDelta(index=block[0], delta=ThinkingDelta(thinking=piece.text))))
+            elif isinstance(piece, CallDelta):
                 if piece.name is not None:  # a call begins: its id and name
                     out += open_block(piece.index, ToolUseBlock(id=piece.id or "", name=piece.name))
                 if piece.arguments and block is not None:
@@ -348,7 +367,7 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
                         )
                     )
             elif piece:
-                if block is None or block[1] is not None:
+                if block is None or block[1] is not None:  # after a call or a thought: a new text block
                     out += open_block(None, TextBlock(text=""))
                 assert block is not None
                 out.append(named_event(ContentBlockDelta(index=block[0], delta=TextDelta(text=piece))))

@@ -282,6 +282,7 @@ class LlamaCompletion(msgspec.Struct, kw_only=True):
     tokens_cached: int
     timings: Timings
     completion_probabilities: list[CompletionProb] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # with reasoning_format (slotserve's): the thought, out of content
 
 
 class LlamaCompletionChunk(msgspec.Struct, kw_only=True):
@@ -298,6 +299,7 @@ class LlamaCompletionChunk(msgspec.Struct, kw_only=True):
     completion_probabilities: list[CompletionProb] | UnsetType = UNSET
     timings: Timings | UnsetType = UNSET  # timings_per_token: the timings so far
     prompt_progress: PromptProgress | UnsetType = UNSET  # return_progress: a prefill step (no text)
+    reasoning_content: str | UnsetType = UNSET  # with reasoning_format: the thought's new text
 
 
 class DefaultSettings(msgspec.Struct, kw_only=True):
@@ -371,6 +373,14 @@ class CompletionBody(SamplerFields, kw_only=True):
     response_fields: list[str] | None = None
     timings_per_token: bool = False
     return_progress: bool = False
+    # llama-server's thinking budget (its README): tokens (-1 or None: --reasoning-budget), the tags (None: the
+    # chat template's) and the message forced before the end tag; reasoning_format (slotserve's: None or
+    # "none" leaves thoughts in content, as llama-server's /completion) splits them into reasoning_content
+    reasoning_budget_tokens: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = None
+    reasoning_budget_start_tag: str | None = None
+    reasoning_budget_end_tag: str | None = None
+    reasoning_budget_message: str | None = None
+    reasoning_format: str | None = None
 
 
 class SlotAction(StrEnum):

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 from litestar import Controller, Request, get, post
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
@@ -39,11 +39,13 @@ from orchestrator.api.llama_server.protocol import (
     SubPrompt,
     TokenProb,
 )
+from orchestrator.api.llama_server.reasoning import completion_reasoning, split_text
 from orchestrator.api.llama_server.timings import TimingsClock, timings_of
 from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.api.native.protocol import GenerateRequest, PromptProgress
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.interleave import interleaved
+from orchestrator.generation.parsers.reasoning import ReasoningPlan
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl, sampling_params
 from orchestrator.generation.stop_text import StopTextFilter
@@ -162,8 +164,10 @@ class Completion:
         pieces: list[bytes],
         model: str,
         index: int = 0,
+        reasoning: ReasoningPlan | None = None,
     ):
         self.body, self.req, self.info, self.pieces, self.index = body, req, info, pieces, index
+        self.reasoning = reasoning  # thoughts split out when reasoning.split
         self.model, self.n_ctx = model, info.n_ctx
         self.slot_out: int | str = -1 if req.slot is None else slot_id_out(req.slot)  # set once a slot is chosen
 
@@ -187,9 +191,14 @@ class Completion:
         """The last (or only) response (``stop: true``, ``timings``)."""
         d = done
         probs = self.body.n_probs and not self.body.stream
+        thoughts = self.reasoning.parser() if self.reasoning else None
+        thought: str | UnsetType = UNSET
+        if thoughts is not None and not self.body.stream:
+            text, thought = split_text(thoughts.whole(text))
         return LlamaCompletion(
             index=self.index,
             content=text,
+            reasoning_content=thought,
             tokens=[t.token_id for t in tokens] if self.body.return_tokens else [],
             id_slot=slot_id_out(done.slot_id),
             stop=True,
@@ -277,8 +286,11 @@ async def _prepare(
     elif not body.cache_prompt and req.slot is not None:
         async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
             await ops.erase(s)
+    thinking = await completion_reasoning(services, body, ids)
+    if thinking is not None:
+        thinking.constrain(req)
     info = services.generation.info
-    return Completion(body, req, info, await services.generation.pieces(), services.model_id, index)
+    return Completion(body, req, info, await services.generation.pieces(), services.model_id, index, thinking)
 
 
 class LlamaServerController(Controller):
@@ -386,9 +398,23 @@ class PromptStream:
     def __init__(self, c: Completion, data: CompletionBody) -> None:
         self.c, self.data = c, data
         self.filt = StopTextFilter(c.req.stop_strings)
+        self.thoughts = c.reasoning.parser() if c.reasoning else None
         self.pending: list[TokenOut] = []
         self.n = 0
         self.clock = TimingsClock(data.timings_per_token)
+
+    def _split(self, text: str, final: bool = False) -> tuple[str, str]:
+        """``(content, reasoning)`` of released ``text`` (all content without ``reasoning_format``)."""
+        if self.thoughts is None:
+            return text, ""
+        return split_text(self.thoughts.feed(text) + (self.thoughts.finish() if final else []))
+
+    def _chunk(self, text: str, thought: str) -> LlamaCompletionChunk:
+        chunk = self._timed(self.c.partial(text, self.pending, self.n))
+        if thought:
+            chunk.reasoning_content = thought
+        self.pending = []
+        return chunk
 
     def _timed(self, chunk: LlamaCompletionChunk) -> LlamaCompletionChunk:
         chunk.timings = self.clock.now()
@@ -410,15 +436,14 @@ class PromptStream:
             self.n += 1
             self.clock.token()
             self.pending.append(ev)
-            text = self.filt.feed("" if ev.is_stop else ev.text)
-            if not (text or ev.is_stop):
+            text, thought = self._split(self.filt.feed("" if ev.is_stop else ev.text))
+            if not (text or thought or ev.is_stop):
                 return []
-            out, self.pending = self._timed(c.partial(text, self.pending, self.n)), []
-            return [out]
+            return [self._chunk(text, thought)]
         if isinstance(ev, DoneOut):
-            rest = self.filt.finish(ev.stop_string)
+            rest, thought = self._split(self.filt.finish(ev.stop_string), final=True)
             chunks: list[LlamaCompletionChunk | LlamaCompletion] = []
-            if rest or self.pending:
-                chunks.append(self._timed(c.partial(rest, self.pending, self.n)))
+            if rest or thought or self.pending:
+                chunks.append(self._chunk(rest, thought))
             return [*chunks, c.final("", [], ev, "")]
         return []

@@ -69,7 +69,8 @@ from orchestrator.api.openai.protocol import (
 from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.choices import ChoiceEvent, forked_choices
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.pieces import CallDelta, Piece
+from orchestrator.generation.parsers.reasoning import ReasoningPlan, reasoning_format_of, reasoning_plan
+from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
 from orchestrator.generation.request import (
     CanonicalRequest,
 )
@@ -190,9 +191,11 @@ class Shape:
         pieces: list[bytes],
         fingerprint: str,
         tools: ToolPlan | None = None,
+        reasoning: ReasoningPlan | None = None,
     ) -> None:
         self.chat = chat
         self.tools = tools if tools is not None and tools.active else None
+        self.reasoning = reasoning
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
@@ -202,8 +205,10 @@ class Shape:
         self.fingerprint = fingerprint
 
     def answer_text(self, stops: list[str]) -> AnswerText:
-        """A reader of one answer of this request: ``stops`` cut, tool calls parsed (when it has tools)."""
-        return AnswerText(stops, self.tools.splitter() if self.tools else None)
+        """A reader of one answer of this request: ``stops`` cut, thoughts split out (``reasoning_format``),
+        tool calls parsed (when it has tools)."""
+        thoughts = self.reasoning.parser() if self.reasoning else None
+        return AnswerText(stops, self.tools.splitter() if self.tools else None, thoughts)
 
     def _attention(self, tokens: list[TokenOut]) -> list[Attention | None] | UnsetType:
         """The ``attention`` extension for ``tokens`` (unset unless asked for)."""
@@ -276,13 +281,22 @@ class Shape:
     def piece_chunks(
         self, pieces: list[Piece], tokens: list[TokenOut], index: int = 0
     ) -> tuple[list[ChatCompletionChunk | TextCompletionChunk], list[TokenOut]]:
-        """The chunks of ``pieces`` (:class:`orchestrator.generation.answer_text.AnswerText`'s content
-        and tool-call pieces) of choice ``index``; the first content chunk carries ``tokens``' logprobs.
+        """The chunks of ``pieces`` (:class:`orchestrator.generation.answer_text.AnswerText`'s content,
+        reasoning and tool-call pieces) of choice ``index``; the first content or reasoning chunk carries
+        ``tokens``' logprobs and attention.
         Returns the chunks and the tokens not yet carried."""
         out: list[ChatCompletionChunk | TextCompletionChunk] = []
         for piece in pieces:
             if isinstance(piece, CallDelta):
                 out.append(self.call_chunk(piece, index))
+            elif isinstance(piece, ReasoningDelta):
+                delta = ChatDelta(reasoning_content=piece.text)
+                choice = ChatChunkChoice(
+                    index=index, delta=delta, finish_reason=None, logprobs=self._chat_logprobs(tokens),
+                    attention=self._attention(tokens),
+                )  # fmt: skip
+                out.append(self._chat_chunk([choice]))
+                tokens = []
             elif piece:
                 out.append(self.chunk(piece, tokens, index=index))
                 tokens = []
@@ -306,6 +320,8 @@ class Shape:
         answer = self.answer_text([]).whole([text])
         content, calls = answer.content, answer.calls
         message = ChatMessage(role="assistant", content=content)
+        if answer.reasoning:
+            message.reasoning_content = answer.reasoning
         finish = self.finish_of(done, calls)
         if calls:
             message.tool_calls = [
@@ -436,23 +452,45 @@ async def respond(
 async def chat_shape(services: Services, request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Shape:
     """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
     the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_plan`."""
-    ids, plan = await chat_prompt_ids(services, data)
+    ids, plan, prompt = await chat_prompt_ids(services, data)
+    thinking = reasoning_of(services, prompt, data)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     req.post_sampling_probs = data.post_sampling_probs
     if plan:
         plan.constrain(req)
+    if thinking:
+        thinking.constrain(req)
     pieces = await services.generation.pieces()
-    return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(services.generation.info), plan)
+    info = services.generation.info
+    return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(info), plan, thinking)
 
 
-async def chat_prompt_ids(services: Services, data: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
+def reasoning_of(services: Services, prompt: str, data: ChatCompletionRequest) -> ReasoningPlan | None:
+    """The reasoning handling of a chat body whose rendered prompt is ``prompt`` (None when the template
+    has no thinking tags): its ``reasoning_format`` (else ``--reasoning-format``), its
+    ``reasoning_budget_tokens`` or ``thinking_budget_tokens`` (-1 or absent: ``--reasoning-budget``) and
+    ``reasoning_budget_message`` (else ``--reasoning-budget-message``), as llama-server reads them
+    (``tools/server/server-common.cpp``).  An unknown ``reasoning_format`` is ``INVALID_REQUEST``."""
+    settings = services.settings
+    fmt = reasoning_format_of(data.reasoning_format, settings.reasoning_format)
+    budget = data.reasoning_budget_tokens if data.reasoning_budget_tokens is not None else data.thinking_budget_tokens
+    if budget is None or budget == -1:
+        budget = settings.reasoning_budget
+    message = data.reasoning_budget_message
+    template = services.generation.info.chat_template
+    return reasoning_plan(
+        template, prompt, fmt, budget, settings.reasoning_budget_message if message is None else message
+    )
+
+
+async def chat_prompt_ids(services: Services, data: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None, str]:
     """The prompt tokens of a chat body (its ``messages`` and ``tools`` rendered by the model's
-    template, :func:`orchestrator.api.llama_server.chat.chat_prompt`) and its tool plan
-    (:func:`orchestrator.generation.tool_plan.plan_of`; None without tools)."""
+    template, :func:`orchestrator.api.llama_server.chat.chat_prompt`), its tool plan
+    (:func:`orchestrator.generation.tool_plan.plan_of`; None without tools) and the prompt's text."""
     plan = plan_of(services.generation.info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
     messages = plan.messages(data.messages) if plan else data.messages
-    ids = await chat_ids(services, chat_prompt(services, messages, plan.template_tools() if plan else None))
-    return ids, plan
+    prompt = chat_prompt(services, messages, plan.template_tools() if plan else None)
+    return await chat_ids(services, prompt), plan, prompt
 
 
 async def respond_choices(

@@ -12,15 +12,19 @@ tool parsers (:class:`orchestrator.generation.parsers.base.OutputParser`): strea
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 from contract.errors import ErrorCode
 from orchestrator.generation.parsers.base import OutputParser
 from orchestrator.generation.pieces import Piece, ReasoningDelta
+from orchestrator.generation.request import CanonicalRequest
 from orchestrator.service_error import ServiceError
 
-REASONING_FORMATS = ("none", "auto", "deepseek")
+ReasoningFormat = Literal["none", "auto", "deepseek"]
 """``reasoning_format`` values (llama-server's; ``auto`` is ``deepseek``: thoughts in ``reasoning_content``)."""
+REASONING_FORMATS: tuple[str, ...] = typing.get_args(ReasoningFormat)
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,37 @@ class ReasoningParser(OutputParser):
     def _content(self) -> list[Piece]:
         out, self.buf = self.buf, ""
         return [out]
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """The reasoning handling of one chat request: the template's ``tags``, whether the prompt ``opened``
+    a thought, whether thoughts are split out (``split``: ``reasoning_format`` not ``none``), and the
+    thinking ``budget`` (tokens, -1: none) with the ``message`` forced before the end tag when it is spent."""
+
+    tags: ThinkingTags
+    opened: bool
+    split: bool
+    budget: int = -1
+    message: str = ""
+
+    def parser(self) -> ReasoningParser | None:
+        """A parser for one answer (None: thoughts stay in the content)."""
+        return ReasoningParser(self.tags, self.opened) if self.split else None
+
+    def constrain(self, req: CanonicalRequest) -> None:
+        """Set the thinking budget on ``req`` (the worker forces the end, :mod:`engine.reasoning_budget`)."""
+        if self.budget < 0:
+            return
+        req.reasoning_budget, req.reasoning_message, req.reasoning_open = self.budget, self.message, self.opened
+        req.reasoning_start, req.reasoning_end = self.tags.start, self.tags.end
+
+
+def reasoning_plan(template: str, prompt: str, fmt: str, budget: int, message: str) -> ReasoningPlan | None:
+    """The :class:`ReasoningPlan` of a chat request whose template source is ``template`` and rendered
+    prompt ``prompt`` (None when the template has no thinking tags); ``fmt``: a checked
+    ``reasoning_format`` (:func:`reasoning_format_of`)."""
+    tags = thinking_tags(template)
+    if tags is None:
+        return None
+    return ReasoningPlan(tags, opened_by(prompt, tags), fmt != "none", budget, message)
