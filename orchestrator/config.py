@@ -17,11 +17,12 @@ import msgspec
 from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
 from contract.settings import EngineSettings, Flag, NonNegative, Positive
 from orchestrator.engine_client.launch import WorkerOptions
-from orchestrator.generation.parsers.reasoning import ReasoningFormat
 from orchestrator.web.read_limits import ReadLimits
 
 Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
 Durability = Literal["strict", "write-behind"]
+ReasoningFormat = Literal["none", "auto", "deepseek"]
+"""``reasoning_format`` values (llama-server's; ``auto`` is ``deepseek``: thoughts in ``reasoning_content``)."""
 _limits = ReadLimits()
 
 

@@ -1,8 +1,8 @@
 """Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, over the chat path.
 
 As llama-server does (``tools/server/server-chat.cpp`` ``server_chat_convert_anthropic_to_oai``), the
-request becomes an OpenAI chat request (:class:`orchestrator.api.openai.protocol.ChatCompletionRequest`,
-run by :func:`orchestrator.api.openai.routes.chat_shape`: the model's chat template, tool calls by
+request becomes an OpenAI-shaped chat request (messages, tools, tool choice: :func:`turn_of`, run on
+:func:`orchestrator.api.common.chat.chat_prompt_ids`: the model's chat template, tool calls by
 :mod:`orchestrator.generation.tool_plan`, the slot by ``slot_id`` / ``X-Slot-Id`` or the server's choice):
 
 * ``system`` (a text or text blocks, joined) is a first system message; an
@@ -20,7 +20,7 @@ run by :func:`orchestrator.api.openai.routes.chat_shape`: the model's chat templ
   (``thinking_budget_tokens``, 10000 when left out, as llama-server).
 
 The answer is llama-server's ``to_json_anthropic``: ``content`` a ``thinking`` block (a thinking
-template's thoughts, split out as ``reasoning_format`` says, ``signature`` ""), a text block (when there
+template's thoughts, split out as ``--reasoning-format`` says, ``signature`` ""), a text block (when there
 is text), then one ``tool_use`` block per call; ``stop_reason`` ``tool_use`` when the answer calls tools, ``max_tokens``
 when the limit ended it, ``stop_sequence`` when a stop sequence did (Anthropic's value: llama-server
 says ``end_turn`` and fills ``stop_sequence``), else ``end_turn``; ``usage`` with
@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -75,14 +76,17 @@ from orchestrator.api.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from orchestrator.api.compat import collect, started_run
-from orchestrator.api.openai.protocol import ChatCompletionRequest
-from orchestrator.api.openai.routes import Shape, chat_prompt_ids, chat_shape
+from orchestrator.api.common.chat import chat_prompt_ids, reasoning_of
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.run import collect, remaining, started_run
 from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
+from orchestrator.generation.parsers.reasoning import ReasoningPlan
 from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
+from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.tool_calls import ToolCall
+from orchestrator.generation.tool_plan import ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import ApiError, compat_error_body, error_responses, exception_handlers, report, route_of
@@ -200,27 +204,56 @@ def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def chat_request(data: MessagesRequest) -> ChatCompletionRequest:
-    """The OpenAI chat request of a Messages request (streamed ones ask for prefill progress: the
-    ``message_start`` event's usage comes from it)."""
-    thinking = data.thinking
-    budget = None
-    if thinking is not None and thinking.type == "enabled":
-        budget = thinking.budget_tokens if thinking.budget_tokens is not None else DEFAULT_THINKING_BUDGET
-    return ChatCompletionRequest(
-        messages=chat_messages(data),
-        thinking_budget_tokens=budget,
-        tools=chat_tools(data.tools),
-        tool_choice=chat_tool_choice(data.tool_choice),
-        max_tokens=data.max_tokens,
+@dataclass
+class Turn:
+    """One Messages request on the chat path: its generation request, its tool plan (None without tools),
+    the model name the answer reports and its reasoning handling (None: a template without thinking tags)."""
+
+    req: CanonicalRequest
+    tools: ToolPlan | None
+    model: str
+    reasoning: ReasoningPlan | None = None
+
+    def answer_text(self) -> AnswerText:
+        """A reader of one answer: stop sequences cut, thoughts split out, tool calls parsed."""
+        thoughts = self.reasoning.parser() if self.reasoning else None
+        return AnswerText(list(self.req.stop_strings), self.tools.splitter() if self.tools else None, thoughts)
+
+
+async def turn_of(services: Services, request: Request[Any, Any, Any], data: MessagesRequest) -> Turn:
+    """The :class:`Turn` of a Messages request (module docstring): its messages and tools rendered by the
+    model's template, the slot by ``slot_id`` / ``X-Slot-Id`` (else the server's choice), ``max_tokens``
+    4096 by default and never past the window; streamed requests ask for prefill progress (the
+    ``message_start`` event's usage comes from it).  Bad values: ``INVALID_REQUEST``."""
+    tools = chat_tools(data.tools)
+    ids, plan, prompt = await chat_prompt_ids(services, chat_messages(data), tools, chat_tool_choice(data.tool_choice))
+    thinking = reasoning_of(services, prompt, None, thinking_budget(data), None)
+    room = remaining(services, len(ids))
+    slot = next((str(v) for v in (data.slot_id, request.headers.get("x-slot-id")) if v is not None and str(v)), None)
+    req = GenerateRequest(
+        input_ids=ids,
+        max_new_tokens=data.max_tokens if data.max_tokens is not None else min(room, DEFAULT_MAX_TOKENS),
         temperature=data.temperature,
         top_p=data.top_p,
         top_k=data.top_k,
         stop=data.stop_sequences,
-        stream=data.stream,
-        slot_id=data.slot_id,
+        id_slot=slot,
         return_progress=data.stream,
-    )
+    ).canonical()
+    req.wait = True
+    if plan:
+        plan.constrain(req)
+    if thinking:
+        thinking.constrain(req)
+    return Turn(req, plan if plan is not None and plan.active else None, services.model_id, thinking)
+
+
+def thinking_budget(data: MessagesRequest) -> int | None:
+    """The thinking budget ``thinking`` asks for (None: the server's), as llama-server reads it."""
+    thinking = data.thinking
+    if thinking is None or thinking.type != "enabled":
+        return None
+    return thinking.budget_tokens if thinking.budget_tokens is not None else DEFAULT_THINKING_BUDGET
 
 
 def stop_reason(done: DoneOut, calls: list[ToolCall]) -> StopReason:
@@ -244,7 +277,7 @@ def tool_use(call: ToolCall) -> ToolUseBlock:
 class Answer:
     """The message of one request, as its parts arrive."""
 
-    def __init__(self, shape: Shape) -> None:
+    def __init__(self, shape: Turn) -> None:
         self.shape = shape
         self.id = "msg_" + secrets.token_hex(12)
 
@@ -285,14 +318,11 @@ class MessagesController(Controller):
     async def create(
         self, request: Request[Any, Any, Any], services: Services, data: MessagesRequest
     ) -> EventStream | Message:
-        shape = await chat_shape(services, request, chat_request(data))
-        if data.max_tokens is None:
-            shape.req.max_new_tokens = min(shape.req.max_new_tokens, DEFAULT_MAX_TOKENS)
+        shape = await turn_of(services, request, data)
         answer = Answer(shape)
-        stops = list(shape.req.stop_strings)
         if not data.stream:
             got = await collect(services, shape.req, request)
-            read = shape.answer_text(stops).whole([t.text for t in got.tokens if not t.is_stop], got.end.stop_string)
+            read = shape.answer_text().whole([t.text for t in got.tokens if not t.is_stop], got.end.stop_string)
             said, calls = read.content, read.calls
             content: list[AnswerBlock] = [ThinkingBlock(thinking=read.reasoning)] if read.reasoning else []
             content += [TextBlock(text=said)] if said else []
@@ -303,7 +333,7 @@ class MessagesController(Controller):
             message.slot_id = slot_id_out(end.slot_id)
             return message
         run = await started_run(services, shape.req, request)
-        return EventStream(_events(answer, run, shape.answer_text(stops), route_of(request)))
+        return EventStream(_events(answer, run, shape.answer_text(), route_of(request)))
 
     @post(
         "/v1/messages/count_tokens",
@@ -312,7 +342,9 @@ class MessagesController(Controller):
         responses=ERRORS,
     )
     async def count_tokens(self, services: Services, data: MessagesRequest) -> MessageTokens:
-        ids, _, _ = await chat_prompt_ids(services, chat_request(data))
+        ids, _, _ = await chat_prompt_ids(
+            services, chat_messages(data), chat_tools(data.tools), chat_tool_choice(data.tool_choice)
+        )
         return MessageTokens(input_tokens=len(ids))
 
 
@@ -324,7 +356,7 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
     ``message_delta`` and ``message_stop``."""
     n_prompt, n_cached = len(answer.shape.req.input_ids or []), 0
     started = False
-    block: tuple[int, int | None] | None = None  # the open block: its index, and its call's (None: text, -1: thinking)
+    block: tuple[int, int | None] | None = None  # the open block: its index, its call's (None: text, -1: thinking)
     n_blocks = 0
 
     def start() -> list[bytes]:

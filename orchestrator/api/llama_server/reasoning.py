@@ -12,7 +12,7 @@ template (``/apply-template``) gets ``--reasoning-budget`` and a request's budge
 
 from __future__ import annotations
 
-from orchestrator.api.llama_server.protocol import CompletionBody
+from orchestrator.api.common.completion import CompletionBody
 from orchestrator.generation.parsers.reasoning import (
     ReasoningPlan,
     ThinkingTags,
@@ -20,7 +20,6 @@ from orchestrator.generation.parsers.reasoning import (
     reasoning_format_of,
     thinking_tags,
 )
-from orchestrator.generation.pieces import Piece, ReasoningDelta
 from orchestrator.services import Services
 
 
@@ -43,9 +42,3 @@ async def completion_reasoning(services: Services, body: CompletionBody, ids: li
     message = settings.reasoning_budget_message if message is None else message
     opened = opened_by(await services.engine.detokenize(ids), tags)
     return ReasoningPlan(tags, opened, fmt != "none", budget, message)
-
-
-def split_text(pieces: list[Piece]) -> tuple[str, str]:
-    """``(content, reasoning)`` of a reasoning parser's pieces."""
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return content, "".join(p.text for p in pieces if isinstance(p, ReasoningDelta))

@@ -31,13 +31,21 @@ from msgspec import UNSET, UnsetType
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
-from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
-from orchestrator.api.llama_server.protocol import CompletionBody, LlamaCompletion
-from orchestrator.api.llama_server.routes import Completion
-from orchestrator.api.llama_server.timings import TimingsClock
-from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import Attention, GenerateRequest, PromptProgress, attention_of
+from orchestrator.api.common.chat import chat_prompt_ids, reasoning_of
+from orchestrator.api.common.completion import Completion, CompletionBody, LlamaCompletion
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.run import (
+    COMPAT_ERRORS,
+    cancelled_on_disconnect,
+    collect,
+    one_prompt,
+    piece_text,
+    prompt_ids,
+    remaining,
+    started_run,
+)
+from orchestrator.api.common.timings import TimingsClock
+from orchestrator.api.common.wire import Attention, PromptProgress, attention_of
 from orchestrator.api.openai.protocol import (
     MAX_TOP_LOGPROBS,
     ChatChoice,
@@ -69,7 +77,7 @@ from orchestrator.api.openai.protocol import (
 from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.choices import ChoiceEvent, forked_choices
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.parsers.reasoning import ReasoningPlan, reasoning_format_of, reasoning_plan
+from orchestrator.generation.parsers.reasoning import ReasoningPlan
 from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
 from orchestrator.generation.request import (
     CanonicalRequest,
@@ -77,7 +85,7 @@ from orchestrator.generation.request import (
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.generation.tool_calls import ToolCall
-from orchestrator.generation.tool_plan import ToolPlan, plan_of
+from orchestrator.generation.tool_plan import ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
@@ -451,9 +459,13 @@ async def respond(
 
 async def chat_shape(services: Services, request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Shape:
     """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
-    the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_plan`."""
-    ids, plan, prompt = await chat_prompt_ids(services, data)
-    thinking = reasoning_of(services, prompt, data)
+    the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_plan` and thoughts
+    by :func:`orchestrator.api.common.chat.reasoning_of` (llama-server's reasoning fields)."""
+    ids, plan, prompt = await chat_prompt_ids(
+        services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls
+    )
+    budget = data.reasoning_budget_tokens if data.reasoning_budget_tokens is not None else data.thinking_budget_tokens
+    thinking = reasoning_of(services, prompt, data.reasoning_format, budget, data.reasoning_budget_message)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     req.post_sampling_probs = data.post_sampling_probs
     if plan:
@@ -463,34 +475,6 @@ async def chat_shape(services: Services, request: Request[Any, Any, Any], data: 
     pieces = await services.generation.pieces()
     info = services.generation.info
     return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(info), plan, thinking)
-
-
-def reasoning_of(services: Services, prompt: str, data: ChatCompletionRequest) -> ReasoningPlan | None:
-    """The reasoning handling of a chat body whose rendered prompt is ``prompt`` (None when the template
-    has no thinking tags): its ``reasoning_format`` (else ``--reasoning-format``), its
-    ``reasoning_budget_tokens`` or ``thinking_budget_tokens`` (-1 or absent: ``--reasoning-budget``) and
-    ``reasoning_budget_message`` (else ``--reasoning-budget-message``), as llama-server reads them
-    (``tools/server/server-common.cpp``).  An unknown ``reasoning_format`` is ``INVALID_REQUEST``."""
-    settings = services.settings
-    fmt = reasoning_format_of(data.reasoning_format, settings.reasoning_format)
-    budget = data.reasoning_budget_tokens if data.reasoning_budget_tokens is not None else data.thinking_budget_tokens
-    if budget is None or budget == -1:
-        budget = settings.reasoning_budget
-    message = data.reasoning_budget_message
-    template = services.generation.info.chat_template
-    return reasoning_plan(
-        template, prompt, fmt, budget, settings.reasoning_budget_message if message is None else message
-    )
-
-
-async def chat_prompt_ids(services: Services, data: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None, str]:
-    """The prompt tokens of a chat body (its ``messages`` and ``tools`` rendered by the model's
-    template, :func:`orchestrator.api.llama_server.chat.chat_prompt`), its tool plan
-    (:func:`orchestrator.generation.tool_plan.plan_of`; None without tools) and the prompt's text."""
-    plan = plan_of(services.generation.info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
-    messages = plan.messages(data.messages) if plan else data.messages
-    prompt = chat_prompt(services, messages, plan.template_tools() if plan else None)
-    return await chat_ids(services, prompt), plan, prompt
 
 
 async def respond_choices(

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Literal
 
 from contract.errors import ErrorCode
+from orchestrator.config import ReasoningFormat
 from orchestrator.generation.parsers.base import OutputParser
 from orchestrator.generation.pieces import Piece, ReasoningDelta
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.service_error import ServiceError
 
-ReasoningFormat = Literal["none", "auto", "deepseek"]
-"""``reasoning_format`` values (llama-server's; ``auto`` is ``deepseek``: thoughts in ``reasoning_content``)."""
 REASONING_FORMATS: tuple[str, ...] = typing.get_args(ReasoningFormat)
+"""``reasoning_format`` values (:data:`orchestrator.config.ReasoningFormat`)."""
 
 
 @dataclass(frozen=True)
