@@ -14,6 +14,7 @@ import base64
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,12 @@ def test_anthropic_sdk_thinking_block_and_budget(thinker: ServerProc) -> None:
     assert final.content[0].type == "thinking" and final.content[0].thinking == m.content[0].thinking
     assert [b.type for b in final.content] == [b.type for b in m.content]
     assert "thinking" in kinds and "signature" in kinds  # thinking_delta and signature_delta, as the SDK names them
+    bad = httpx.post(
+        thinker.url + "/v1/messages",
+        json={"messages": ASK, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": -3}},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error_code"] == "INVALID_REQUEST", bad.text
     free = c.messages.create(**{**kw, "thinking": {"type": "disabled"}, "max_tokens": 8})
     assert free.content[0].type == "thinking" and MESSAGE.strip() not in free.content[0].thinking
 
@@ -255,3 +262,31 @@ def test_llama_server_completion_budget_and_split(thinker: ServerProc) -> None:
     assert "".join(e["content"] for e in events) == split["content"]
     bad = httpx.post(thinker.url + "/completion", json={**body, "reasoning_format": "nope"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error_code"] == "INVALID_REQUEST"
+
+
+def test_budgets_cut_at_their_token_for_several_users_at_once(thinker: ServerProc) -> None:
+    """Three ``/completion`` requests at once, each on its own slot with its own budget, one with a prompt
+    longer than a batch (512 tokens): in each, the generated tokens after exactly ``budget`` tokens of
+    thought are the forced message and end tag (the budget is per sequence, counted in tokens)."""
+
+    def ids(text: str) -> list[int]:
+        r = httpx.post(thinker.url + "/tokenize", json={"content": text, "add_special": False}, timeout=60)
+        return [int(t) for t in r.json()["tokens"]]
+
+    forced = ids(MESSAGE) + ids("</think>")
+    short = httpx.post(thinker.url + "/apply-template", json={"messages": ASK}, timeout=60).json()["prompt"]
+    ask = [{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(170))}, ASK[1]]
+    long = httpx.post(thinker.url + "/apply-template", json={"messages": ask}, timeout=60).json()["prompt"]
+    assert len(ids(long)) > 512
+
+    def run(budget: int, prompt: str, slot: str) -> tuple[int, list[int]]:
+        body = {"prompt": prompt, "n_predict": budget + len(forced) + 3, "temperature": 0, "ignore_eos": True,
+                "reasoning_budget_tokens": budget, "return_tokens": True, "id_slot": slot}  # fmt: skip
+        r = httpx.post(thinker.url + "/completion", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        return budget, r.json()["tokens"]
+
+    with ThreadPoolExecutor(3) as pool:
+        done = list(pool.map(run, [2, 5, 9], [short, long, short], ["rs-c1", "rs-c2", "rs-c3"]))
+    for budget, tokens in done:
+        assert tokens[budget : budget + len(forced)] == forced, (budget, tokens)

@@ -114,7 +114,7 @@ class ThinkingOption(msgspec.Struct, kw_only=True):
     (llama-server's ``thinking_budget_tokens``, 10000 when left out); other types leave the server's."""
 
     type: str
-    budget_tokens: int | None = None
+    budget_tokens: TokenCount | None = None
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
