@@ -61,8 +61,12 @@ class MemoryInfo(msgspec.Struct, kw_only=True):
     partial_reuse: bool = True
 
 
-class ModelInfo(msgspec.Struct, kw_only=True):
-    """Model and engine facts; fields as docs/api.md lists them for ``GET /api/v1/model``, llama.cpp's names."""
+class ModelFacts(msgspec.Struct, kw_only=True):
+    """The GGUF's facts under llama.cpp's names, shared by the worker's report (:class:`ModelInfo`) and the
+    API's ``GET /api/v1/model`` answer, which adds the seeds' aliases (docs/api.md, "Model").
+
+    ``attention_layers``: the layers with attention rows (a recurrent layer has none); ``attention_windows``: per
+    attention layer its sliding window in tokens, 0 for a global one; ``n_kv_cells``: cells per KV stream."""
 
     model_name: str
     model_path: str
@@ -74,13 +78,10 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     num_attention_heads: int
     num_key_value_heads: int
     hidden_size: int
-    n_ctx: int
-    n_ctx_train: int
     n_kv_cells: int
     n_slots: int
-    attention_layers: list[int]  # layers with attention rows (a recurrent layer has none)
-    attention_windows: list[int] = []  # per attention layer: its sliding window in tokens, 0 for a global one
-    memory: MemoryInfo = msgspec.field(default_factory=MemoryInfo)
+    attention_layers: list[int]
+    attention_windows: list[int] = []
     rope_freq_base: float
     rope_freq_scale: float
     bos_token_id: int
@@ -91,6 +92,15 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     chat_template: str
     n_params: int
     size_bytes: int
+
+
+class ModelInfo(ModelFacts, kw_only=True):
+    """Model and engine facts as the worker reports them: :class:`ModelFacts` and the context (``n_ctx`` per
+    sequence, ``n_ctx_train``), the memory, the runtime and the llama-cpp-python version."""
+
+    n_ctx: int
+    n_ctx_train: int
+    memory: MemoryInfo = msgspec.field(default_factory=MemoryInfo)
     llama_cpp_version: str
     runtime: EngineRuntime
     classifier_labels: list[str] = []  # a classifier's output labels, in logit order

@@ -101,7 +101,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
 
         async def on_restart() -> None:
             metrics.ENGINE_RESTARTS.inc()
-            svc.registry.on_engine_restart()
+            svc.registry.residency.on_engine_restart()
 
         svc.engine.on_restart = on_restart
 
@@ -111,7 +111,7 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
             try:
                 info = await client.start()
                 if client is svc.engine and info.n_slots != svc.registry.n_seqs:
-                    svc.registry.set_sequences(info.n_slots)  # a standalone worker's own -np
+                    svc.registry.residency.set_sequences(info.n_slots)  # a standalone worker's own -np
             except Exception as exc:
                 log.error("engine failed to start; shutting down", error=str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -179,6 +179,10 @@ def create_app(settings: Settings, services: Services | None = None) -> Litestar
         EmbeddingsController,
         KoboldController,
     ]
+    if settings.webui:
+        from orchestrator.webui.routes import webui_handlers
+
+        route_handlers += webui_handlers()
     return Litestar(
         route_handlers=route_handlers,
         lifespan=[lifespan],

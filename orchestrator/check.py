@@ -29,7 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from contract import protocol as proto
 from orchestrator.engine_client.client import WorkerClient
-from orchestrator.engine_client.interface import EngineClient, EngineRequestError, TokenOutput
+from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationJob, TokenOutput
 from orchestrator.engine_client.launch import WorkerOptions
 
 PROMPT = "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n"
@@ -57,7 +57,7 @@ async def generate(engine: EngineClient, seq: int, ids: list[int], n: int) -> li
     params = proto.SamplingParams(max_new_tokens=n, temperature=0.0, n_probs=5, logprobs=True, ignore_eos=True)
     capture = proto.CaptureOptions(attention=True, format="per_layer", dtype="float32")
     out: list[Generated] = []
-    async for ev in await engine.generate(seq, ids, params, capture):
+    async for ev in await engine.generate(GenerationJob(seq=seq, input_ids=ids, params=params, capture=capture)):
         if isinstance(ev, TokenOutput) and (shape := ev.token.attention) is not None:
             t = ev.token
             att = np.frombuffer(ev.attention or b"", dtype=shape.dtype).reshape(shape.shape)

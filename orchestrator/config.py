@@ -63,6 +63,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         Flag("guards /admin and slot-changing actions", "--admin-key", env="SLOTSERVE_ADMIN_KEY", metavar="KEY"),
     ] = None
     slots_endpoint: Annotated[bool, Flag("the GET /slots listing (llama-server's --no-slots)", "--slots")] = True
+    webui: Annotated[bool, Flag("the chat page at / (llama-server's --no-webui / --no-ui)", "--webui", "--ui")] = True
     max_body_bytes: Annotated[
         int, Positive, Flag("largest JSON body / WebSocket message, bytes", "--max-body", metavar="BYTES")
     ] = 64 << 20

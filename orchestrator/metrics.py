@@ -12,8 +12,8 @@ PROMPT_TOKENS = Counter("slotserve_prompt_tokens_total", "Prompt tokens prefille
 CACHED_TOKENS = Counter("slotserve_prompt_tokens_cached_total", "Prompt tokens served from a slot's KV cache")
 GENERATIONS = Counter("slotserve_generations_total", "Finished generations", ["finish_reason"])
 GENERATION_SECONDS = Histogram("slotserve_generation_seconds", "Wall time of a generation")
-SAVES = Counter("slotserve_slot_saves_total", "Slot states written to the store (parking and write-behind)")
-RESTORES = Counter("slotserve_slot_restores_total", "Slots restored from the store")
+SAVES = Counter("slotserve_slot_saves_total", "Slot states written to the store (parking and write-behind)", ["tenant"])
+RESTORES = Counter("slotserve_slot_restores_total", "Slots restored from the store", ["tenant"])
 STALE_WRITES_REFUSED = Counter(
     "slotserve_stale_writes_refused_total",
     "Slot state writes refused because this node no longer held the slot's lease (its copy was dropped)",

@@ -54,6 +54,10 @@ class SlotMeta(msgspec.Struct):
         digest: checksum of the SES1 blob before compression, ``"xxh3-128:<32 hex digits>"``
             (:func:`storage.slot_codec.state_digest`), checked on every load; ``""`` in metadata
             written before slotserve recorded it (such a blob is loaded unchecked).
+        tenant: the tenant owning the slot (``""`` in metadata written before slots had tenants);
+            ``slot_id`` is then the slot's key, ``tenant/id`` (docs/operations.md, "Tenants").
+        partition: the cache partition within the tenant (a digest of the requests' ``cache_salt``,
+            ``""`` without one): a cache is reused only by requests of the same tenant and partition.
     """
 
     slot_id: str
@@ -69,6 +73,8 @@ class SlotMeta(msgspec.Struct):
     n_chunks: int = 1
     generation: int = 0
     digest: str = ""
+    tenant: str = ""
+    partition: str = ""
 
 
 _meta_encoder = msgspec.msgpack.Encoder()

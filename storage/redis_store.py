@@ -145,7 +145,8 @@ return 0
 """
 
 
-def _escape_tag(raw: bytes) -> bytes:
+def escape_tag(raw: bytes) -> bytes:
+    """``raw`` with ``%``, ``{`` and ``}`` percent-escaped, so it can sit inside a Redis Cluster hash tag."""
     return raw.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
 
 
@@ -159,7 +160,8 @@ def _glob_escape(raw: bytes) -> bytes:
 
 
 @asynccontextmanager
-async def _unavailable(what: str) -> AsyncIterator[None]:
+async def unavailable(what: str) -> AsyncIterator[None]:
+    """Turn redis-py's connection and timeout errors inside the block into ``StoreUnavailableError``."""
     try:
         yield
     except _UNAVAILABLE as exc:
@@ -237,7 +239,7 @@ class RedisStore:
     # -- keys ---------------------------------------------------------------------------------------
 
     def _base(self, slot_id: str) -> bytes:
-        return self._prefix + b"slot:{" + _escape_tag(validate_slot_id(slot_id)) + b"}:"
+        return self._prefix + b"slot:{" + escape_tag(validate_slot_id(slot_id)) + b"}:"
 
     def meta_key(self, slot_id: str) -> bytes:
         """Key of a slot's meta hash."""
@@ -282,7 +284,7 @@ class RedisStore:
         t = now()
         created = meta.created_at if meta.created_at > 0 else t
         body = msgspec.structs.replace(meta, stored_size=len(view), n_chunks=n, updated_at=t, created_at=created)
-        async with _unavailable("put"):
+        async with unavailable("put"):
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 for i, key in enumerate(tmp_keys):
@@ -331,7 +333,7 @@ class RedisStore:
         base = self._base(slot_id)
         meta_key = base + b"meta"
         fields_cmd = ["gen", "n", "created", "body"]
-        async with _unavailable("get"):
+        async with unavailable("get"):
             for attempt in range(_OPTIMISTIC_READS):
                 if attempt:
                     await asyncio.sleep(random.uniform(0, 0.002 * 2**attempt))
@@ -357,14 +359,14 @@ class RedisStore:
     async def get_meta(self, slot_id: str) -> SlotMeta | None:
         """Metadata only (one HMGET), or None if absent/expired."""
         meta_key = self.meta_key(slot_id)
-        async with _unavailable("get_meta"):
+        async with unavailable("get_meta"):
             return await self._read_meta(meta_key)
 
     async def delete(self, slot_id: str, *, lease: str | None = None) -> bool:
         """Delete meta and chunks atomically (Lua), fenced by ``lease`` if given (LeaseLostError); True if
         the slot existed."""
         base = self._base(slot_id)
-        async with _unavailable("delete"):
+        async with unavailable("delete"):
             done = await self._delete(keys=[base + b"meta", base + b"lease"], args=[base + b"blob:", lease or ""])
         if done == -1:
             raise LeaseLostError(slot_id)
@@ -377,7 +379,7 @@ class RedisStore:
         """
         pattern = _glob_escape(self._prefix) + b"slot:{*}:meta"
         out: list[SlotMeta] = []
-        async with _unavailable("list_meta"):
+        async with unavailable("list_meta"):
             keys = [k async for k in self.redis.scan_iter(match=pattern, count=1000)]
             for start in range(0, len(keys), _LIST_BATCH):
                 pipe = self.redis.pipeline(transaction=False)
@@ -396,7 +398,7 @@ class RedisStore:
 
     async def ping(self) -> None:
         """PING Redis; StoreUnavailableError if it does not answer."""
-        async with _unavailable("ping"):
+        async with unavailable("ping"):
             await self.redis.ping()
 
     async def close(self) -> None:
@@ -410,7 +412,7 @@ class RedisStore:
         key = self.lease_key(slot_id)
         check_ttl_ms(ttl_ms)
         token = make_token(owner)
-        async with _unavailable("acquire_lease"):
+        async with unavailable("acquire_lease"):
             if await self.redis.set(key, token, nx=True, px=ttl_ms):
                 return token
             current = cast("bytes | None", await self.redis.get(key))  # no decode_responses: bytes
@@ -426,18 +428,18 @@ class RedisStore:
         """PEXPIRE the lease if ``token`` holds it (Lua, token-checked)."""
         key = self.lease_key(slot_id)
         check_ttl_ms(ttl_ms)
-        async with _unavailable("renew_lease"):
+        async with unavailable("renew_lease"):
             return bool(await self._renew(keys=[key], args=[token, ttl_ms]))
 
     async def release_lease(self, slot_id: str, token: str) -> bool:
         """DEL the lease if ``token`` holds it (Lua, token-checked)."""
         key = self.lease_key(slot_id)
-        async with _unavailable("release_lease"):
+        async with unavailable("release_lease"):
             return bool(await self._release(keys=[key], args=[token]))
 
     async def lease_owner(self, slot_id: str) -> str | None:
         """Owner part of the current lease token, or None."""
         key = self.lease_key(slot_id)
-        async with _unavailable("lease_owner"):
+        async with unavailable("lease_owner"):
             current = cast("bytes | None", await self.redis.get(key))  # no decode_responses: bytes
         return None if current is None else token_owner(current.decode("utf-8", "replace"))

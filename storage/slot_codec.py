@@ -53,6 +53,8 @@ async def save_slot(
     level: int = codecs.DEFAULT_LEVEL,
     *,
     lease: str | None = None,
+    tenant: str = "",
+    partition: str = "",
 ) -> SlotMeta:
     """Compress ``ses1_blob`` and store it under ``slot_id`` with its metadata.
 
@@ -66,6 +68,8 @@ async def save_slot(
         level: zstd level.
         lease: a fencing token (:meth:`storage.base.SlotStore.put`): stored only while it holds the
             slot's lease.
+        tenant: the slot's owner, kept in the metadata (:attr:`storage.base.SlotMeta.tenant`).
+        partition: its cache partition (:attr:`storage.base.SlotMeta.partition`).
 
     Returns:
         The metadata as stored (generation etc. filled in by the store).
@@ -94,6 +98,8 @@ async def save_slot(
         created_at=0.0,
         updated_at=0.0,
         digest=digest,
+        tenant=tenant,
+        partition=partition,
     )
     return await store.put(meta, data, lease=lease)
 

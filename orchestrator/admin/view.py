@@ -21,15 +21,16 @@ from typing import Any
 import msgspec
 
 from orchestrator.services import Services
-from orchestrator.slots.model import slot_id_out
+from orchestrator.slots.model import slot_id_out, split_key
 from orchestrator.slots.operations import SlotOps, message_boundaries
+from orchestrator.tenants.principal import DEFAULT_TENANT
 
 
 class SlotView(msgspec.Struct, kw_only=True):
     """One slot as the admin page shows it (sizes in bytes; ``last_used`` in unix seconds, so that
     the listing only changes when a slot does)."""
 
-    id: str
+    id: str  # the slot's key: its id, or ``tenant/id`` beyond the default tenant (docs/operations.md)
     place: str
     generating: bool
     n_tokens: int
@@ -39,6 +40,7 @@ class SlotView(msgspec.Struct, kw_only=True):
     last_used: float | None
     owner: str | None
     seq: int | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 class AdminView:
@@ -67,6 +69,7 @@ class AdminView:
                     owner = await reg.leases.owner(meta.slot_id)
                 out[meta.slot_id] = SlotView(
                     id=meta.slot_id,
+                    tenant=split_key(meta.slot_id)[0],
                     place="leased" if owner and owner != node else "store",
                     generating=False,
                     n_tokens=meta.n_tokens,
@@ -78,18 +81,19 @@ class AdminView:
                 )
         for slot in list(reg.slots.values()):
             resident = reg.is_resident(slot)
-            if not resident and slot.id in out:
+            if not resident and slot.key in out:
                 continue
-            view = out.get(slot.id)
+            view = out.get(slot.key)
             n_tokens = slot.n_tokens
-            n_messages = self._known_messages(slot.id, n_tokens)
+            n_messages = self._known_messages(slot.key, n_tokens)
             if resident and not slot.busy:
-                tokens = await reg.tokens(slot)
+                tokens = await reg.kv.tokens(slot)
                 n_tokens, n_messages = len(tokens), len(message_boundaries(tokens, eot))
-                self.messages[slot.id] = (n_tokens, n_messages)
+                self.messages[slot.key] = (n_tokens, n_messages)
             place = "kv_cache" if resident else slot.place
-            out[slot.id] = SlotView(
-                id=slot.id,
+            out[slot.key] = SlotView(
+                id=slot.key,
+                tenant=slot.tenant,
                 place="store" if place == "parked" else place,
                 generating=slot.busy,
                 n_tokens=n_tokens,
@@ -108,10 +112,12 @@ class AdminView:
 
     async def messages_of(self, slot_id: str) -> dict[str, Any]:
         """A slot's messages as text with their token ranges (holds the slot briefly; ``SLOT_BUSY``
-        while it generates, ``SLOT_NOT_FOUND`` for an unknown id)."""
+        while it generates, ``SLOT_NOT_FOUND`` for an unknown id).  ``slot_id`` is the slot's key
+        (:attr:`SlotView.id`): the admin page sees every tenant's slots."""
         s = self.services
         eot = s.generation.info.eot_token_id
-        async with s.registry.use(slot_id, create=False, resident=False) as slot:
+        tenant, bare_id = split_key(slot_id)
+        async with s.registry.use(bare_id, tenant=tenant, create=False, resident=False) as slot:
             tokens = await SlotOps(s.registry, s.settings.slot_save_path).tokens(slot)
         bounds = message_boundaries(tokens, eot)
         self.messages[slot_id] = (len(tokens), len(bounds))

@@ -39,6 +39,7 @@ from orchestrator.engine_client.interface import (
     EngineDeadError,
     EngineEvent,
     EngineRequestError,
+    GenerationJob,
     GenerationStream,
     SequenceState,
     TokenOutput,
@@ -336,22 +337,12 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ the EngineClient protocol
 
-    async def generate(
-        self,
-        seq: int,
-        input_ids: Sequence[int],
-        params: proto.SamplingParams,
-        capture: proto.CaptureOptions,
-        progress: bool = False,
-        cache_reuse: int | None = None,
-        n_keep: int = 0,
-        n_discard: int = 0,
-    ) -> GenerationStream:
+    async def generate(self, job: GenerationJob) -> GenerationStream:
         """See :meth:`orchestrator.engine_client.interface.EngineClient.generate`."""
         msg = proto.Generate(
-            self.new_id(), seq, "generate", list(input_ids), params, capture,
-            progress=progress, window=self.window, window_bytes=self.window_bytes, cache_reuse=cache_reuse,
-            n_keep=n_keep, n_discard=n_discard,
+            self.new_id(), job.seq, "generate", list(job.input_ids), job.params, job.capture, progress=job.progress,
+            window=self.window, window_bytes=self.window_bytes, cache_reuse=job.cache_reuse, n_keep=job.n_keep,
+            n_discard=job.n_discard,
         )  # fmt: skip
         return await self._open_stream(msg)
 

@@ -138,6 +138,25 @@ class Classification:
     logits: bytes
 
 
+@dataclass(frozen=True, kw_only=True)
+class GenerationJob:
+    """One generation as :meth:`EngineClient.generate` takes it (the fields of :class:`contract.protocol.Generate`
+    the caller chooses; the client adds the request id and the flow-control window).
+
+    ``seq``: the engine sequence; ``input_ids``: the whole context; ``params``, ``capture``: sampling and attention;
+    ``progress``: ``Progress`` events while prefilling; ``cache_reuse``: llama-server's ``n_cache_reuse`` (None:
+    the engine's ``--cache-reuse``); ``n_keep``, ``n_discard``: llama-server's context shift fields."""
+
+    seq: int
+    input_ids: Sequence[int]
+    params: proto.SamplingParams
+    capture: proto.CaptureOptions
+    progress: bool = False
+    cache_reuse: int | None = None
+    n_keep: int = 0
+    n_discard: int = 0
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """The engine as the orchestrator uses it (see module docstring)."""
@@ -187,18 +206,8 @@ class EngineClient(Protocol):
         """Wait (seconds) until the engine is ready; False on timeout."""
         ...
 
-    async def generate(
-        self,
-        seq: int,
-        input_ids: Sequence[int],
-        params: proto.SamplingParams,
-        capture: proto.CaptureOptions,
-        progress: bool = False,
-        cache_reuse: int | None = None,
-        n_keep: int = 0,
-        n_discard: int = 0,
-    ) -> GenerationStream:
-        """Generate on sequence ``seq`` from the context ``input_ids``.
+    async def generate(self, job: GenerationJob) -> GenerationStream:
+        """Generate ``job`` (:class:`GenerationJob`): on sequence ``seq`` from the context ``input_ids``.
 
         The sequence's KV cache is reused for the longest common prefix with its tokens (and,
         with ``cache_reuse`` N > 0, runs of at least N tokens it holds further on, moved into

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from contract import protocol as proto
 from orchestrator.engine_client.interface import EngineEvent, TokenOutput
 
@@ -74,41 +76,22 @@ class ProgressOut:
     time_ms: float
 
 
-@dataclass
-class DoneOut:
-    """End of a generation.
+class DoneOut(proto.Done, kw_only=True):
+    """End of a generation as the surfaces see it: the worker's :class:`contract.protocol.Done` (``finish_reason``:
+    length, stop_token, stop_string or cancelled; token counts ``n_prompt``, ``n_cached`` of it reused from the KV
+    cache, ``n_prefilled`` decoded, ``n_generated`` new tokens, ``seq_tokens`` the slot's tokens now, 0 for a
+    preview; the worker's ``t_prefill_ms``, ``t_generate_ms``; ``n_discarded``, ``truncated``: context shifts) and
+    what the orchestrator adds: ``text``, the whole output; ``generation_time_ms``, the whole request as the
+    orchestrator saw it; ``slot_id``, the slot it ran on."""
 
-    ``finish_reason``: length, stop_token, stop_string or cancelled.  Token counts: ``n_prompt`` the
-    prompt, ``n_cached`` of it reused from the KV cache, ``n_prefilled`` decoded, ``n_generated`` new
-    tokens, ``seq_tokens`` the slot's tokens now (0 for a preview).  Times in milliseconds:
-    ``t_prefill_ms``, ``t_generate_ms`` (the worker's), and ``generation_time_ms`` (the whole request
-    as the orchestrator saw it).  ``text``: the whole output.  ``n_discarded``: tokens context shifts
-    dropped; ``truncated``: the generation shifted its window or ended at it (llama-server's ``truncated``).
-    """
-
-    finish_reason: str
-    n_prompt: int
-    n_cached: int
-    n_prefilled: int
-    n_generated: int
-    t_prefill_ms: float
-    t_generate_ms: float
-    stop_string: str = ""
-    seq_tokens: int = 0
     text: str = ""
     generation_time_ms: float = 0.0
     slot_id: str = "0"
-    n_discarded: int = 0
-    truncated: bool = False
 
     @classmethod
     def of(cls, done: proto.Done, text: str, generation_time_ms: float, slot_id: str) -> DoneOut:
         """The end a client sees, from the worker's ``Done``."""
-        return cls(
-            done.finish_reason, done.n_prompt, done.n_cached, done.n_prefilled, done.n_generated,
-            done.t_prefill_ms, done.t_generate_ms, done.stop_string, done.seq_tokens, text, generation_time_ms, slot_id,
-            done.n_discarded, done.truncated,
-        )  # fmt: skip
+        return cls(**msgspec.structs.asdict(done), text=text, generation_time_ms=generation_time_ms, slot_id=slot_id)
 
 
 class TokenStream:

@@ -15,7 +15,7 @@ import structlog
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationStream
+from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationJob, GenerationStream
 from orchestrator.generation.events import (
     DoneOut,
     PreviewStarted,
@@ -29,9 +29,10 @@ from orchestrator.generation.request import AppendToken, CanonicalRequest, Previ
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
-from orchestrator.slots.model import Slot
+from orchestrator.slots.model import Slot, partition_of
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.slots.residency import uncancellable
+from orchestrator.tenants.principal import DEFAULT_PRINCIPAL, Principal
 from orchestrator.tokens import check_tokens
 
 log = structlog.get_logger("slotserve.generate")
@@ -247,13 +248,18 @@ class GenerationService:
         capture = capture_options(req, info.attention_layers)
         hooks = control.hooks if control is not None else None
         on_chosen = control.chose if control is not None else None
+        tenant, partition = req.principal.tenant, partition_of(req.cache_salt)  # caches never cross them
         if req.slot is None:  # docs/api.md, "Requests without a slot id"
-            holding = self.anonymous.use(ids, hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen)
+            holding = self.anonymous.use(
+                ids, tenant=tenant, partition=partition, conversation_key=req.conversation_key,
+                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen,
+            )  # fmt: skip
         else:
             if on_chosen is not None:
                 on_chosen(req.slot)
-            holding = self.registry.use(req.slot, wait=req.wait, hooks=hooks)
+            holding = self.registry.use(req.slot, tenant=tenant, partition=partition, wait=req.wait, hooks=hooks)
         async with holding as slot:
+            await self.registry.enter_partition(slot, partition)
             structlog.contextvars.bind_contextvars(slot_id=slot.id)
             t0 = time.perf_counter()
             assert slot.seq is not None
@@ -264,8 +270,10 @@ class GenerationService:
             n_out = 0
             finished = False
             events = await self.engine.generate(
-                slot.seq, ids, params, capture, progress=req.progress, cache_reuse=req.n_cache_reuse,
-                n_keep=req.n_keep, n_discard=req.n_discard,
+                GenerationJob(
+                    seq=slot.seq, input_ids=ids, params=params, capture=capture, progress=req.progress,
+                    cache_reuse=req.n_cache_reuse, n_keep=req.n_keep, n_discard=req.n_discard,
+                )
             )  # fmt: skip
             took = refused = False  # the worker took it (the slot's cells change) / refused it (they did not)
             try:
@@ -329,7 +337,7 @@ class GenerationService:
                     self.registry.generation_ended(slot)
 
     async def preview(
-        self, req: PreviewRequest, control: RunControl | None = None
+        self, req: PreviewRequest, control: RunControl | None = None, principal: Principal = DEFAULT_PRINCIPAL
     ) -> AsyncIterator[PreviewStarted | TokenOut | DoneOut]:
         """A preview (docs/api.md, "POST /api/v1/generate/preview"): generate on a copy-on-write
         fork of the slot's sequence (``llama_memory_seq_cp``), then discard the fork.
@@ -340,14 +348,17 @@ class GenerationService:
         Raises :class:`ServiceError` before the first yield: ``INVALID_TOKEN``, ``SLOT_NOT_FOUND``
         (an explicitly named slot that does not exist, with no ``input_ids``),
         ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
+        Only ``principal``'s tenant's slots are seen (another tenant's is missing), and only caches
+        without a ``cache_salt`` (a preview sends none).
         """
+        tenant = principal.tenant
         info = self.info
         append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
         # naming no slot: the slot of the latest request that named none (docs/api.md)
-        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last or DEFAULT_SLOT))
+        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last(tenant) or DEFAULT_SLOT))
         params = await self.checked_params(req.canonical(slot_id))
         require_attention(req.output_attentions, info.attention_layers)
         capture = proto.CaptureOptions(
@@ -356,16 +367,13 @@ class GenerationService:
         t0 = time.perf_counter()
         events: GenerationStream | None = None
         if req.use_cached_context:
-            archive = self.registry.archive
-            known = self.registry.find(slot_id) is not None or (
-                archive is not None and await archive.lookup(slot_id) is not None
-            )
+            known = await self.registry.exists(slot_id, tenant)
             if not known and named is not None and req.input_ids is None:
                 raise ServiceError(ErrorCode.SLOT_NOT_FOUND, f"slot {slot_id!r} does not exist")
             if known:
                 hooks = control.hooks if control is not None else None  # its client leaving ends its waits
-                async with self.registry.use(slot_id, wait=True, create=False, hooks=hooks) as slot:
-                    if slot.n_tokens:
+                async with self.registry.use(slot_id, tenant=tenant, wait=True, create=False, hooks=hooks) as slot:
+                    if slot.n_tokens and not slot.partition:
                         assert slot.seq is not None
                         # the fork is taken before any later request
                         events = await self.engine.preview(slot.seq, [], append, params, capture)

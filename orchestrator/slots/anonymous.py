@@ -18,13 +18,22 @@ conversations (docs/api.md, "Requests without a slot id"):
   the request keeps less than half of it.
 
 With no slot above the threshold a new, empty anonymous slot is made.  Anonymous slots are
-parked and expire like any other; at most ``max_slots`` of them are kept by a node: making one
-more deletes the least recently used idle one (its stored copy too).  A similarity of 0 turns
-matching off: requests without a slot id use slot ``"0"``, as before.
+parked and expire like any other; at most ``max_slots`` of them per tenant are kept by a node:
+making one more deletes the tenant's least recently used idle one (its stored copy too).  A
+similarity of 0 turns matching off: requests without a slot id use slot ``"0"``, as before.
+
+Every look-up is scoped: only the caller's tenant's slots of the same cache partition (its
+``cache_salt``, :func:`orchestrator.slots.model.partition_of`) are candidates, taken over, forked
+or deleted to make room; another tenant's slots are never seen.  A request that sends a
+conversation key (``prompt_cache_key``, ``metadata.user_id``, a session header: docs/api.md) and
+no slot id uses the slot that key names in its tenant and partition (:func:`keyed_id`), before
+any prefix pick.  A slot whose park or save is in progress is waited for, not passed over, so a
+conversation's next turn continues on its own slot.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from array import array
@@ -37,8 +46,9 @@ import structlog
 from contract.errors import ErrorCode
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
-from orchestrator.slots.model import Slot
+from orchestrator.slots.model import Slot, split_key
 from orchestrator.slots.registry import SlotRegistry
+from orchestrator.tenants.principal import DEFAULT_TENANT
 
 log = structlog.get_logger("slotserve.anonymous")
 
@@ -58,6 +68,13 @@ def is_anonymous(slot_id: str) -> bool:
 def new_anonymous_id() -> str:
     """A fresh anonymous slot id: ``anon-`` + 16 random hex digits (unique across nodes)."""
     return ANON_PREFIX + secrets.token_hex(8)
+
+
+def keyed_id(partition: str, conversation_key: str) -> str:
+    """The anonymous slot id a conversation key names within a tenant's cache ``partition``: ``anon-``
+    and 16 hex digits of a SHA-256 over both (so the key is never shown, and every node finds it)."""
+    digest = hashlib.sha256(f"{partition}\x00{conversation_key}".encode()).hexdigest()
+    return ANON_PREFIX + digest[:16]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -154,34 +171,46 @@ class AnonymousSlots:
     """Chooses and holds the slot of a request without a slot id (see the module docstring).
 
     ``similarity``: llama-server's ``--slot-prompt-similarity`` (0: off, slot ``"0"``);
-    ``max_slots``: anonymous slots a node keeps (``--anon-slots``).  :attr:`last` is the slot the
-    latest such request used (a preview naming no slot forks it).
+    ``max_slots``: anonymous slots a node keeps per tenant (``--anon-slots``).  :meth:`last` is the
+    slot the latest such request of a tenant and partition used (a preview naming no slot forks it).
     """
 
     def __init__(self, registry: SlotRegistry, similarity: float = 0.1, max_slots: int = 64) -> None:
         self.registry = registry
         self.similarity = similarity
         self.max_slots = max_slots
-        self.last: str | None = None
+        self._last: dict[tuple[str, str], str] = {}
+
+    def last(self, tenant: str = DEFAULT_TENANT, partition: str = "") -> str | None:
+        """The slot id the latest request without one of ``tenant`` in ``partition`` used, or None."""
+        return self._last.get((tenant, partition))
 
     @property
     def enabled(self) -> bool:
         """Whether requests without a slot id are matched (else they use slot ``"0"``)."""
         return self.similarity > 0
 
-    async def candidates(self) -> list[Candidate]:
-        """Every idle slot with tokens: this node's (resident ones read from the engine) and the
-        store's (their metadata keeps their tokens: no state is loaded to know them).  Busy slots
-        are skipped, as llama-server skips processing slots."""
+    async def candidates(self, tenant: str = DEFAULT_TENANT, partition: str = "") -> list[Candidate]:
+        """Every idle slot with tokens of ``tenant`` in cache ``partition``: this node's (resident ones
+        read from the engine) and the store's (their metadata keeps their tokens: no state is loaded
+        to know them).  Busy slots are skipped, as llama-server skips processing slots; one that a
+        park or a save holds right now is waited for (it is still idle: its conversation may be the
+        one asking)."""
         reg = self.registry
         out: list[Candidate] = []
         seen: set[str] = set()
-        for slot in list(reg.slots.values()):
+        for slot in reg.of_tenant(tenant):
+            if slot.partition != partition:
+                seen.add(slot.id)
+                continue
+            if not slot.busy and slot.lock.locked():
+                async with slot.lock:  # a park or a background save: over within one state write
+                    pass
             if slot.busy:
                 seen.add(slot.id)
             elif reg.is_resident(slot):
                 seen.add(slot.id)
-                tokens = await reg.peek_tokens(slot)
+                tokens = await reg.kv.peek_tokens(slot)
                 if tokens is not None:
                     out.append(Candidate(slot.id, tokens, True))
         if reg.archive is not None:
@@ -190,8 +219,14 @@ class AnonymousSlots:
             except ServiceError:
                 return out
             for meta in await reg.archive.list_stored():
-                if meta.slot_id not in seen and meta.model_fingerprint == fingerprint:
-                    out.append(Candidate(meta.slot_id, meta.tokens, False))
+                owner, slot_id = split_key(meta.slot_id)
+                if (
+                    owner == tenant
+                    and meta.partition == partition
+                    and slot_id not in seen
+                    and meta.model_fingerprint == fingerprint
+                ):
+                    out.append(Candidate(slot_id, meta.tokens, False))
         return out
 
     @asynccontextmanager
@@ -199,30 +234,40 @@ class AnonymousSlots:
         self,
         ids: Sequence[int],
         *,
+        tenant: str = DEFAULT_TENANT,
+        partition: str = "",
+        conversation_key: str | None = None,
         hooks: WaitHooks | None = None,
         reuse_cache: bool = True,
         on_chosen: Callable[[str], None] | None = None,
     ) -> AsyncIterator[Slot]:
-        """Hold the slot for prompt ``ids`` (resident), as :meth:`SlotRegistry.use` does: the best
-        match taken over, a fork of it, or a new anonymous slot (``reuse_cache`` False: always a
-        new one, as llama-server's ``cache_prompt: false``).  ``on_chosen(slot_id)`` hears the
-        choice before any wait for an engine sequence.  Raises what ``SlotRegistry.use`` raises
-        (``RATE_LIMITED`` when no engine sequence comes free, ``CLIENT_GONE``...)."""
+        """Hold ``tenant``'s slot for prompt ``ids`` (resident) in cache ``partition``, as
+        :meth:`SlotRegistry.use` does: the slot ``conversation_key`` names (waited for while busy),
+        else the best match taken over, a fork of it, or a new anonymous slot (``reuse_cache``
+        False: always a new one, as llama-server's ``cache_prompt: false``).  ``on_chosen(slot_id)``
+        hears the choice before any wait for an engine sequence.  Raises what ``SlotRegistry.use``
+        raises (``RATE_LIMITED`` when no engine sequence comes free, ``CLIENT_GONE``...)."""
         chosen = on_chosen or (lambda _: None)
-        if not self.enabled:
-            chosen(DEFAULT_SLOT)
-            async with self.registry.use(DEFAULT_SLOT, wait=True, hooks=hooks) as slot:
+        fixed = keyed_id(partition, conversation_key) if conversation_key else None
+        if fixed is None and not self.enabled:
+            fixed = DEFAULT_SLOT
+        if fixed is not None:
+            chosen(fixed)
+            async with self.registry.use(fixed, tenant=tenant, partition=partition, wait=True, hooks=hooks) as slot:
+                self._last[tenant, partition] = slot.id
                 yield slot
             return
         async with AsyncExitStack() as stack:
-            slot = await self._enter(stack, ids, hooks, reuse_cache, chosen)
-            self.last = slot.id
+            slot = await self._enter(stack, ids, tenant, partition, hooks, reuse_cache, chosen)
+            self._last[tenant, partition] = slot.id
             yield slot
 
     async def _enter(
         self,
         stack: AsyncExitStack,
         ids: Sequence[int],
+        tenant: str,
+        partition: str,
         hooks: WaitHooks | None,
         reuse_cache: bool,
         on_chosen: Callable[[str], None],
@@ -231,7 +276,8 @@ class AnonymousSlots:
         tried: set[str] = set()
         chosen: Pick | None = None
         for _ in range(MAX_TRIES):
-            found = [c for c in await self.candidates() if c.slot_id not in tried] if reuse_cache else []
+            found = await self.candidates(tenant, partition) if reuse_cache else []
+            found = [c for c in found if c.slot_id not in tried]
             chosen = pick(ids, found, self.similarity)
             if chosen is None or not chosen.take_over:
                 break
@@ -239,7 +285,7 @@ class AnonymousSlots:
             try:
                 # not waited for: a slot another request took since it was seen idle is not this one's
                 slot = await stack.enter_async_context(
-                    self.registry.use(chosen.slot_id, wait=False, create=False, hooks=hooks)
+                    self.registry.use(chosen.slot_id, tenant=tenant, wait=False, create=False, hooks=hooks)
                 )
             except ServiceError as exc:
                 if exc.code not in (ErrorCode.SLOT_BUSY, ErrorCode.SLOT_NOT_FOUND):
@@ -249,24 +295,28 @@ class AnonymousSlots:
                 continue
             log.info("anonymous request continues its slot", slot_id=slot.id, lcp=chosen.lcp)
             return slot
-        await self._make_room()
+        await self._make_room(tenant)
         new_id = new_anonymous_id()
         on_chosen(new_id)
-        slot = await stack.enter_async_context(self.registry.use(new_id, create=True, resident=False, hooks=hooks))
+        slot = await stack.enter_async_context(
+            self.registry.use(new_id, tenant=tenant, partition=partition, create=True, resident=False, hooks=hooks)
+        )
         if chosen is not None:
-            await self._fork(chosen, slot)
+            await self._fork(chosen, slot, tenant)
         else:
             log.info("anonymous request gets a new slot", slot_id=slot.id)
         await self.registry.ensure_resident(slot)
         return slot
 
-    async def _fork(self, chosen: Pick, dst: Slot) -> None:
+    async def _fork(self, chosen: Pick, dst: Slot, tenant: str) -> None:
         """Make the new slot ``dst`` a copy-on-write copy of the chosen slot; a source taken by
         another request (or another node) meanwhile leaves ``dst`` empty (the prompt is then
         prefilled in full)."""
         try:
-            async with self.registry.use(chosen.slot_id, wait=False, create=False, resident=False) as src:
-                n = await self.registry.fork(src, dst)
+            async with self.registry.use(
+                chosen.slot_id, tenant=tenant, wait=False, create=False, resident=False
+            ) as src:
+                n = await self.registry.kv.fork(src, dst)
         except ServiceError as exc:
             if exc.code not in (ErrorCode.SLOT_BUSY, ErrorCode.SLOT_NOT_FOUND, ErrorCode.NO_CACHED_CONTEXT):
                 raise
@@ -274,14 +324,14 @@ class AnonymousSlots:
             return
         log.info("anonymous request forks a slot", slot_id=dst.id, source=chosen.slot_id, lcp=chosen.lcp, n_tokens=n)
 
-    async def _make_room(self) -> None:
-        """Before a new anonymous slot: delete the least recently used idle anonymous ones while
-        this node keeps ``max_slots`` of them, or (no store to park in) while no engine sequence
-        is free."""
+    async def _make_room(self, tenant: str) -> None:
+        """Before a new anonymous slot of ``tenant``: delete the tenant's least recently used idle
+        anonymous ones while this node keeps ``max_slots`` of them, or (no store to park in) while
+        no engine sequence is free.  Another tenant's slots are never deleted for it."""
         reg = self.registry
         while True:
-            anon = [s for s in reg.slots.values() if is_anonymous(s.id)]
-            no_seq = reg.archive is None and all(s is not None and reg.is_resident(s) for s in reg.owner)
+            anon = [s for s in reg.of_tenant(tenant) if is_anonymous(s.id)]
+            no_seq = reg.archive is None and all(s is not None and reg.is_resident(s) for s in reg.residency.owner)
             if len(anon) < self.max_slots and not no_seq:
                 return
             idle = [s for s in anon if not s.busy and not s.lock.locked()]

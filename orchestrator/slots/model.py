@@ -8,6 +8,7 @@ what happened through the registry's methods.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
+from orchestrator.tenants.principal import DEFAULT_TENANT
 
 MAX_SLOT_ID = 256
 
@@ -31,10 +33,13 @@ class Slot:
     client requests holding or waiting for ``lock`` (background saves do not count).
     ``synced``: the stored version this node's knowledge of the slot comes from, as
     ``(generation, digest)`` of its metadata (``(0, "")``: nothing stored; None: unknown, the
-    store must be asked before the slot is used).
+    store must be asked before the slot is used).  ``tenant``: the slot's owner; ids are per
+    tenant, and :attr:`key` (``tenant/id``) names the slot in the registry, the store and leases.
     """
 
     id: str
+    tenant: str = DEFAULT_TENANT
+    partition: str = ""  # the cache partition in the tenant: :func:`partition_of` its requests' cache_salt
     seq: int | None = None
     n_tokens: int = 0
     engine_generation: int = 0
@@ -53,6 +58,11 @@ class Slot:
     requests: int = 0
     holder_hooks: WaitHooks | None = None  # the holding request's (its client's departure ends its waits)
     synced: tuple[int, str] | None = None
+
+    @property
+    def key(self) -> str:
+        """The slot's name across tenants: :func:`slot_key` of its tenant and id."""
+        return slot_key(self.tenant, self.id)
 
     @property
     def busy(self) -> bool:
@@ -74,6 +84,32 @@ def check_slot_id(slot_id: str) -> str:
             ErrorCode.INVALID_REQUEST, f"bad slot id {slot_id[:40]!r}: 1..{MAX_SLOT_ID} printable characters"
         )
     return slot_id
+
+
+def partition_of(cache_salt: str | None) -> str:
+    """The cache partition of requests sending ``cache_salt`` (vLLM's field): ``""`` without one, else a
+    SHA-256 digest (32 hex digits), so the salt itself is never stored.  Caches are reused only within
+    one tenant and one partition."""
+    if not cache_salt:
+        return ""
+    return hashlib.sha256(cache_salt.encode("utf-8")).hexdigest()[:32]
+
+
+def slot_key(tenant: str, slot_id: str) -> str:
+    """A slot's key in the registry, the store (Redis keys, directory names) and leases:
+    ``tenant/slot_id``, or the bare id for the default tenant's ids without ``/`` (so a server
+    without keys keeps the keys it always had).  A tenant name holds no ``/``
+    (:class:`orchestrator.tenants.principal.Principal`), so keys of different tenants never meet:
+    a key without ``/`` is the default tenant's, any other is split at its first ``/``."""
+    if tenant == DEFAULT_TENANT and "/" not in slot_id:
+        return slot_id
+    return f"{tenant}/{slot_id}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``(tenant, slot_id)`` of a :func:`slot_key`."""
+    tenant, sep, slot_id = key.partition("/")
+    return (tenant, slot_id) if sep else (DEFAULT_TENANT, key)
 
 
 def slot_id_out(slot_id: str) -> int | str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +21,13 @@ from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.framing import Buffer
 from orchestrator.service_error import ServiceError
+from orchestrator.slots.loan import StateLoan
 from orchestrator.slots.registry import Slot, SlotRegistry
+from orchestrator.tenants.principal import DEFAULT_TENANT
 from orchestrator.tokens import check_tokens
 from slotstate import seq_state
 from slotstate.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
-from slotstate.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
+from slotstate.ses1 import unpack_ses1
 from storage.errors import BadStateError
 
 
@@ -34,25 +38,6 @@ class FileResult:
     n_tokens: int
     n_bytes: int
     t_ms: float
-
-
-@dataclass
-class SavedState:
-    """A slot's tokens and llama.cpp sequence state (``llama_state_seq_get_data``'s format, in
-    the buffer it arrived in), and how long it took to produce (ms)."""
-
-    tokens: list[int]
-    state: Buffer
-    t_ms: float
-
-    def ses1_chunks(self) -> list[Buffer]:
-        """The SES1 blob (:mod:`slotstate.ses1`) as two chunks to send in order (the state not copied)."""
-        return [ses1_header(self.tokens), self.state]
-
-    @property
-    def ses1_size(self) -> int:
-        """Bytes of the SES1 blob."""
-        return HEADER_SIZE + 4 * len(self.tokens) + memoryview(self.state).nbytes
 
 
 def message_boundaries(tokens: list[int], eot: int) -> list[dict[str, int]]:
@@ -69,8 +54,10 @@ def message_boundaries(tokens: list[int], eot: int) -> list[dict[str, int]]:
     return out
 
 
-def confined_path(root: Path | None, filename: str) -> Path:
-    """``root/filename`` for llama-server's file actions; refuses any path escape."""
+def confined_path(root: Path | None, filename: str, tenant: str = DEFAULT_TENANT) -> Path:
+    """``root/filename`` for llama-server's file actions of the default tenant, ``root/<tenant>/filename``
+    for any other (made on first use), so a tenant reads and writes only its own slot files; refuses
+    any path escape."""
     if root is None:
         raise ServiceError(ErrorCode.INVALID_REQUEST, "file actions need the server started with --slot-save-path")
     name = Path(filename)
@@ -88,6 +75,9 @@ def confined_path(root: Path | None, filename: str) -> Path:
     # save writes ".NAME.tmp" first: that name too must fit the file system's limit (NAME_MAX).
     if len(os.fsencode(f".{filename}.tmp")) > os.pathconf(root, "PC_NAME_MAX"):
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"filename of {len(filename)} characters is too long")
+    if tenant != DEFAULT_TENANT:
+        root = root / tenant  # a tenant name is [A-Za-z0-9._-]: one plain directory name
+        root.mkdir(exist_ok=True)
     path = root / name
     if path.is_dir():
         raise ServiceError(ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory")
@@ -122,19 +112,17 @@ class SlotOps:
 
     async def tokens(self, slot: Slot) -> list[int]:
         """The slot's tokens (from the worker if resident, else from the store)."""
-        return await self.registry.tokens(slot)
+        return await self.registry.kv.tokens(slot)
 
-    async def save_state(self, slot: Slot) -> SavedState:
-        """The slot's tokens and state (from the worker, or decompressed from the store if parked)."""
-        t0 = time.perf_counter()
-        got = await self.registry.state(slot)
-        if got is None:
-            raise ServiceError(ErrorCode.NO_CACHED_CONTEXT, f"slot {slot.id!r} holds no state")
-        return SavedState(got[0], got[1], (time.perf_counter() - t0) * 1000)
-
-    def release(self, saved: SavedState) -> None:
-        """``saved``'s state is no longer read: its receive buffer may serve the engine client's next state."""
-        self.registry.engine.release_state(saved.state)
+    @asynccontextmanager
+    async def save_state(self, slot: Slot) -> AsyncIterator[StateLoan]:
+        """``async with`` the slot's tokens and state (from the worker, or decompressed from the store if
+        parked), lent until the block ends (:class:`orchestrator.slots.loan.StateLoan`; an answer sent
+        later takes the loan over with ``hand_off``).  ``NO_CACHED_CONTEXT`` when it holds none."""
+        async with self.registry.kv.lend_state(slot) as loan:
+            if loan is None:
+                raise ServiceError(ErrorCode.NO_CACHED_CONTEXT, f"slot {slot.id!r} holds no state")
+            yield loan
 
     # ------------------------------------------------------------------ writes
 
@@ -166,7 +154,7 @@ class SlotOps:
             if created:
                 await self.registry.forget(slot)
             raise
-        await self.registry.restore(slot, tokens, state, created)
+        await self.registry.kv.restore(slot, tokens, state, created)
 
     def _check_state_tokens(self, tokens: list[int]) -> None:
         """``BAD_STATE`` unless every token of a state is in the vocabulary."""
@@ -177,25 +165,25 @@ class SlotOps:
 
     async def context_shift(self, slot: Slot, n_keep: int, n_discard: int) -> int:
         """The ``context-shift`` slot action (docs/api.md, "Slots"); returns the new token count."""
-        n = slot.n_tokens if not self.registry.is_resident(slot) else len(await self.registry.tokens(slot))
+        n = slot.n_tokens if not self.registry.is_resident(slot) else len(await self.registry.kv.tokens(slot))
         if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n:
             raise ServiceError(
                 ErrorCode.INVALID_REQUEST,
                 f"need n_keep >= 0, n_discard > 0 and n_keep + n_discard <= n_tokens ({n})",
                 n_tokens=n,
             )
-        return await self.registry.context_shift(slot, n_keep, n_discard)
+        return await self.registry.kv.context_shift(slot, n_keep, n_discard)
 
     async def erase(self, slot: Slot) -> int:
         """Drop the slot's cells and stored state; returns how many tokens it held."""
-        n = len(await self.registry.tokens(slot))
-        await self.registry.erase(slot)
+        n = len(await self.registry.kv.tokens(slot))
+        await self.registry.kv.erase(slot)
         return n
 
     async def fork(self, src: Slot, dst: Slot) -> int:
         """Make ``dst`` a copy-on-write copy of ``src``; returns its token count (see
-        :meth:`orchestrator.slots.registry.SlotRegistry.fork`)."""
-        return await self.registry.fork(src, dst)
+        :meth:`orchestrator.slots.sequences.SequenceOps.fork`)."""
+        return await self.registry.kv.fork(src, dst)
 
     # ------------------------------------------------------------------ files (llama-server)
 
@@ -205,30 +193,29 @@ class SlotOps:
         renamed over it.  A resident slot is written by the worker when it shares this file
         system (``worker_files``); a parked one (or any, with a standalone worker) from its
         state here, off the event loop.  Raises ``INVALID_REQUEST`` for a bad file name."""
-        path = confined_path(self.save_path, filename)
+        path = confined_path(self.save_path, filename, slot.tenant)
         if self.worker_files:
-            done = await self.registry.save_file(slot, path)
+            done = await self.registry.kv.save_file(slot, path)
             if done is not None:
                 return FileResult(done.n_tokens, done.n_bytes, done.t_ms)
         t0 = time.perf_counter()
-        saved = await self.save_state(slot)
-        try:
-            n = await asyncio.to_thread(write_seq_file, path, saved.tokens, saved.state)
-        except IsADirectoryError as exc:  # made a directory meanwhile
-            raise ServiceError(
-                ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory"
-            ) from exc
-        finally:
-            self.release(saved)  # written (or not)
-        return FileResult(len(saved.tokens), n, (time.perf_counter() - t0) * 1000)
+        async with self.save_state(slot) as saved:
+            try:
+                n = await asyncio.to_thread(write_seq_file, path, saved.tokens, saved.state)
+            except IsADirectoryError as exc:  # made a directory meanwhile
+                raise ServiceError(
+                    ErrorCode.INVALID_REQUEST, f"invalid filename {filename!r}: it names a directory"
+                ) from exc
+        return FileResult(saved.n_tokens, n, (time.perf_counter() - t0) * 1000)
 
-    async def saved_file(self, filename: str) -> Path:
+    async def saved_file(self, filename: str, tenant: str = DEFAULT_TENANT) -> Path:
         """The slot file ``--slot-save-path/filename`` for the worker to read, checked here first as
         far as this process can (off the event loop, without reading the K/V data): ``ggsq``
         header, token record and vocabulary, the state's structure and length.  So a missing
         (``INVALID_REQUEST``) or damaged file (``BAD_STATE``) is refused before the restore takes
-        a slot or a sequence.  Raises ``INVALID_REQUEST`` for a bad file name too."""
-        path = confined_path(self.save_path, filename)
+        a slot or a sequence.  Raises ``INVALID_REQUEST`` for a bad file name too.  Files are
+        ``tenant``'s (:func:`confined_path`)."""
+        path = confined_path(self.save_path, filename, tenant)
         try:
             tokens = await asyncio.to_thread(_check_seq_file, path, self._shape())
         except (FileNotFoundError, IsADirectoryError) as exc:
@@ -243,19 +230,22 @@ class SlotOps:
         itself (``worker_files`` only); refusals as :meth:`restore`'s (``BAD_STATE`` for a file
         this engine cannot take; the slot as it was, dropped again when ``created``)."""
         t0 = time.perf_counter()
-        done = await self.registry.restore_file(slot, path, created)
+        done = await self.registry.kv.restore_file(slot, path, created)
         return FileResult(done.n_tokens, done.n_bytes, (time.perf_counter() - t0) * 1000)
 
-    async def read_file(self, filename: str, pool: BufferPool) -> tuple[SeqFile, Buffer, int]:
+    async def read_file(
+        self, filename: str, pool: BufferPool, tenant: str = DEFAULT_TENANT
+    ) -> tuple[SeqFile, Buffer, int]:
         """The ``ggsq`` file ``--slot-save-path/filename`` (llama-server's or ours) read here, for a
         worker that does not share this file system: its tokens and llama.cpp state, the buffer
         lent by ``pool`` it was read into (once, off the event loop; give it back after the
         restore), and the file's size in bytes.
 
         Read and checked before the restore takes its slot, so a missing file (``INVALID_REQUEST``)
-        or one this engine cannot take (``BAD_STATE``) changes nothing.
+        or one this engine cannot take (``BAD_STATE``) changes nothing.  Files are ``tenant``'s
+        (:func:`confined_path`).
         """
-        path = confined_path(self.save_path, filename)
+        path = confined_path(self.save_path, filename, tenant)
         shape = self._shape()
         try:
             parsed, size = await asyncio.to_thread(_read_seq_file, path, pool)

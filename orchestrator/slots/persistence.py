@@ -37,9 +37,11 @@ import structlog
 from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.service_error import ServiceError
+from orchestrator.tenants.principal import DEFAULT_TENANT
 from storage.base import SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError, StoreUnavailableError
 from storage.factory import open_store
+from storage.records import get_record, put_record
 from storage.slot_codec import load_slot, save_slot
 from storage.timeouts import TimeoutStore
 
@@ -90,6 +92,7 @@ class SlotArchive:
         breaker_s: float = 2.0,
     ) -> None:
         self.store: SlotStore = TimeoutStore(store, store_timeout_s)  # type: ignore[assignment]
+        self.timeout_s = store_timeout_s
         self.fingerprint = fingerprint
         self.codec = codec
         self.level = level
@@ -197,10 +200,19 @@ class SlotArchive:
         return self._write_locks.setdefault(slot_id, asyncio.Lock())
 
     async def write(
-        self, slot_id: str, tokens: Sequence[int], ses1: bytes, version: int, lease: str | None = None
+        self,
+        slot_id: str,
+        tokens: Sequence[int],
+        ses1: bytes,
+        version: int,
+        lease: str | None = None,
+        *,
+        tenant: str = "",
+        partition: str = "",
     ) -> SlotMeta | None:
-        """Compress and store ``ses1`` (a SES1 blob of ``tokens``) as ``slot_id``'s state, fenced by
-        the lease token ``lease`` (None: unfenced).
+        """Compress and store ``ses1`` (a SES1 blob of ``tokens``) as ``slot_id``'s state (the slot's
+        key, ``tenant/id``), fenced by the lease token ``lease`` (None: unfenced); ``tenant`` and the
+        cache ``partition`` are kept in the metadata.
 
         Returns the stored metadata, or None when a newer snapshot (higher ``version``) is
         already stored.  ``STORE_UNAVAILABLE`` when the store fails; :class:`OwnershipLost`
@@ -210,11 +222,12 @@ class SlotArchive:
             if version < self._written.get(slot_id, 0):
                 return None
             save = save_slot(
-                self.store, slot_id, self.fingerprint(), tokens, ses1, codec=self.codec, level=self.level, lease=lease
-            )
+                self.store, slot_id, self.fingerprint(), tokens, ses1,
+                codec=self.codec, level=self.level, lease=lease, tenant=tenant, partition=partition,
+            )  # fmt: skip
             meta = await self._call(save, slot_id)
             self._written[slot_id] = version
-        metrics.SAVES.inc()
+        metrics.SAVES.labels(tenant or DEFAULT_TENANT).inc()
         return meta
 
     async def settled(self, slot_id: str) -> None:
@@ -238,6 +251,19 @@ class SlotArchive:
         async with self._write_lock(slot_id):
             self._written[slot_id] = version
             return await self._call(self.store.delete(slot_id, lease=lease), slot_id)
+
+    # ------------------------------------------------------------------ records
+
+    async def put_record(self, name: str, data: bytes) -> None:
+        """Store the small record ``data`` under ``name`` (:func:`storage.records.put_record`);
+        ``STORE_UNAVAILABLE``."""
+        self.check_up()
+        await self._call(asyncio.wait_for(put_record(self.store, name, data), self.timeout_s), name)
+
+    async def get_record(self, name: str) -> bytes | None:
+        """The record ``name`` or None (:func:`storage.records.get_record`); ``STORE_UNAVAILABLE``."""
+        self.check_up()
+        return await self._call(asyncio.wait_for(get_record(self.store, name), self.timeout_s), name)
 
     # ------------------------------------------------------------------ leases
 

@@ -7,17 +7,17 @@ when every sequence serves a request, the newcomer waits in a bounded FIFO
 (:class:`orchestrator.slots.admission.AdmissionQueue`): the next request to finish parks its
 slot and hands its sequence to the head of the queue, so equal clients take turns.
 
-:class:`Residency` is the sequence half of :class:`orchestrator.slots.registry.SlotRegistry` (its
-base class); the registry supplies :meth:`Residency.park` and :meth:`Residency._fill`.
+:class:`Residency` is a member of :class:`orchestrator.slots.registry.SlotRegistry`; it knows no
+store: the registry hands it how to park a slot and how to fill a fresh sequence
+(:class:`Parking`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -42,28 +42,63 @@ async def uncancellable(step: Coroutine[Any, Any, None]) -> None:
         raise
 
 
-class Residency(ABC):
+class Parking(Protocol):
+    """What :class:`Residency` asks of its owner (the registry)."""
+
+    async def park(self, slot: Slot) -> None:
+        """Save ``slot`` (lock held) and free its sequence."""
+
+    async def fill(self, slot: Slot, seq: int, load: bool) -> None:
+        """Put ``slot``'s stored state (``load``) or nothing into the fresh sequence ``seq``."""
+
+
+class Residency:
     """Sequence assignment over ``n_seqs`` engine sequences (see module docstring).
 
-    ``can_park``: whether slots can be parked (a store is configured); without it a
-    request that finds no free sequence gets ``RATE_LIMITED`` at once.
+    ``parking``: how slots are parked and filled (None: they cannot be parked, no store is
+    configured, and a request that finds no free sequence gets ``RATE_LIMITED`` at once; a
+    fresh sequence is only erased).
     """
 
-    def __init__(self, engine: EngineClient, n_seqs: int, queue: AdmissionQueue[Slot] | None, can_park: bool) -> None:
+    def __init__(
+        self, engine: EngineClient, n_seqs: int, queue: AdmissionQueue[Slot] | None, parking: Parking | None
+    ) -> None:
         self.engine = engine
         self.n_seqs = n_seqs
-        self.can_park = can_park
+        self.parking = parking
+        self.can_park = parking is not None
         self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue(0, 0.0)  # none: 429 at once
         self.owner: list[Slot | None] = [None] * n_seqs
         self._alloc = asyncio.Lock()
 
-    @abstractmethod
     async def park(self, slot: Slot) -> None:
-        """Save ``slot`` (lock held) and free its sequence (the registry's)."""
+        """Save ``slot`` (lock held) and free its sequence (``RATE_LIMITED`` with no store to park in)."""
+        if self.parking is None:
+            raise ServiceError(ErrorCode.RATE_LIMITED, "no store configured to park slots in")
+        await self.parking.park(slot)
 
-    @abstractmethod
     async def _fill(self, slot: Slot, seq: int, load: bool) -> None:
-        """Put ``slot``'s state (``load``) or nothing into the fresh sequence ``seq`` (the registry's)."""
+        if self.parking is not None:
+            await self.parking.fill(slot, seq, load)
+            return
+        await self.engine.erase(seq)
+        if load:
+            slot.n_tokens = 0
+
+    async def vacate(self, slot: Slot, grant: bool = True) -> None:
+        """Erase ``slot``'s cells (lock held) and free its sequence, handed to the queue unless not
+        ``grant`` (the caller takes it)."""
+        if self.is_resident(slot):
+            await self.engine.erase(slot.seq)  # type: ignore[arg-type]
+        self.release_seq(slot)
+        if grant:
+            self.grant_free()
+
+    def unload(self, slot: Slot) -> None:
+        """Free the slot's sequence without saving (its stored copy, if any, stays the truth)."""
+        self.release_seq(slot)
+        slot.dirty = False
+        self.grant_free()
 
     def is_resident(self, slot: Slot) -> bool:
         """True if the slot's sequence belongs to the running worker."""
@@ -86,7 +121,7 @@ class Residency(ABC):
         if self.is_resident(slot):
             return slot.seq  # type: ignore[return-value]
         if slot.seq is not None:  # the worker restarted: the old sequence is gone
-            self._release_seq(slot)
+            self.release_seq(slot)
         async with self._alloc:
             seq = None
             if not len(self.queue):  # nobody is ahead: take a free sequence or park an idle slot
@@ -107,8 +142,8 @@ class Residency(ABC):
         try:
             await self._fill(slot, seq, load)
         except BaseException:
-            self._release_seq(slot)
-            self._grant_free()
+            self.release_seq(slot)
+            self.grant_free()
             raise
         return seq
 
@@ -145,13 +180,13 @@ class Residency(ABC):
                     await self._serve_head()  # an idle slot appeared without handing over (e.g. a failed park)
         except BaseException:
             if ticket.outcome.done() and not ticket.outcome.exception() and slot.seq is not None:
-                self._release_seq(slot)  # granted, but the waiter is gone: pass the sequence on
-                self._grant_free()
+                self.release_seq(slot)  # granted, but the waiter is gone: pass the sequence on
+                self.grant_free()
             raise
         finally:
             self.queue.leave(ticket)
 
-    def _grant_free(self) -> None:
+    def grant_free(self) -> None:
         """Give free sequences to the queue's head tickets, in order."""
         while len(self.queue) and (seq := self._free_seq()) is not None:
             ticket = self.queue.pop()
@@ -169,7 +204,7 @@ class Residency(ABC):
             except ServiceError as exc:  # the store is down: nobody gets a sequence until it is back
                 self.queue.fail_all(exc)
                 return
-            self._grant_free()
+            self.grant_free()
 
     async def _evict_if_idle(self) -> int | None:
         """:meth:`_evict`, or None when every sequence serves a request (raises a store failure)."""
@@ -189,7 +224,7 @@ class Residency(ABC):
             if exc.code == ErrorCode.STORE_UNAVAILABLE:
                 self.queue.fail_all(exc)
             return
-        self._grant_free()
+        self.grant_free()
 
     def _free_seq(self) -> int | None:
         gen = self.engine.generation
@@ -201,7 +236,7 @@ class Residency(ABC):
                 return i
         return None
 
-    def _release_seq(self, slot: Slot) -> None:
+    def release_seq(self, slot: Slot) -> None:
         if slot.seq is not None and 0 <= slot.seq < self.n_seqs and self.owner[slot.seq] is slot:
             self.owner[slot.seq] = None
         slot.seq = None
@@ -240,7 +275,7 @@ class Residency(ABC):
                 if not slot.busy and self.is_resident(slot):
                     await self.park(slot)
                     parked += 1
-        self._grant_free()
+        self.grant_free()
         return parked
 
     def set_sequences(self, n_seqs: int) -> None:
@@ -254,7 +289,7 @@ class Residency(ABC):
                     s.n_tokens = 0
         self.owner = self.owner[:n_seqs] + [None] * (n_seqs - len(self.owner))
         self.n_seqs = n_seqs
-        self._grant_free()
+        self.grant_free()
 
     def on_engine_restart(self) -> None:
         """The worker restarted: every resident slot lost its cells (stored ones reload on use)."""
@@ -264,4 +299,4 @@ class Residency(ABC):
                 if not s.stored:
                     s.n_tokens = 0
             self.owner[i] = None
-        self._grant_free()
+        self.grant_free()

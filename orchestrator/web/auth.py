@@ -1,9 +1,10 @@
 """API key check (``--api-key``), like llama-server's: ``Authorization: Bearer KEY``.
 
 Also accepted: ``X-Api-Key: KEY`` and, for browser WebSockets that cannot set
-headers, ``?api_key=KEY``.  ``/health``, ``/metrics``, the admin page's static script
-and CORS preflights are public.  The admin key (``--admin-key``; ``X-Admin-Key``,
-``Bearer`` or ``?admin_key=``) passes wherever the API key does, and is required by
+headers, ``?api_key=KEY``.  ``/health``, ``/metrics``, the admin page's static script,
+the chat page (``/`` and ``/webui/*``: static files, no data) and CORS preflights are
+public.  The admin key (``--admin-key``; ``X-Admin-Key``, ``Bearer`` or ``?admin_key=``)
+passes wherever the API key does, and is required by
 :func:`require_admin` for the admin page and every slot-changing action.
 A refused HTTP request gets 401 ``UNAUTHORIZED``; a refused WebSocket is accepted,
 told ``{"type":"error","error_code":"UNAUTHORIZED"}`` and closed with 1008.
@@ -20,7 +21,8 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from contract.errors import ErrorCode
 from orchestrator.web.errors import ApiError, ErrorEvent, send_error
 
-PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js")
+PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js", "/")
+PUBLIC_PREFIXES = ("/webui/",)  # the chat page's static assets (orchestrator/webui): they hold no data
 
 
 def _presented_keys(scope: Scope) -> list[str]:
@@ -52,7 +54,9 @@ def api_key_middleware(api_key: str, admin_key: str | None = None):  # type: ign
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
             kind = scope["type"]
-            if kind not in ("http", "websocket") or scope["path"] in PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+            path = scope["path"]
+            public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+            if kind not in ("http", "websocket") or public or scope.get("method") == "OPTIONS":
                 await app(scope, receive, send)
                 return
             if _matches(_presented_keys(scope), api_key, admin_key):

@@ -69,6 +69,7 @@ FLAGS: dict[str, tuple[str, bool]] = {
     "swa_full": ("--swa-full", False),
     "enable_ctx_shift": ("--context-shift", False),
     "server_embeddings": ("--embeddings", False),
+    "no_ui": ("--no-ui", False),
 }
 # options slotserve has as its fixed behaviour (the value the tests set is what it does anyway)
 ALWAYS = {"server_continuous_batching", "server_metrics", "jinja", "kv_unified", "n_gpu_layer", "offline"}
@@ -77,7 +78,7 @@ NOT_OFFERED = ("model_draft", "n_ga", "n_ga_w", "lora_files", "pooling", "server
                "reasoning", "chat_template", "chat_template_file", "mmproj_url", "media_path", "sleep_idle_seconds",
                "cache_ram", "no_cache_idle_slots", "ui_mcp_proxy", "backend_sampling", "gcp_compat", "server_tools",
                "server_tools_runtime", "mcp_servers_config", "mcp_servers_json", "models_dir", "models_max",
-               "models_preset", "no_models_autoload", "no_mmproj", "no_ui")  # fmt: skip
+               "models_preset", "no_models_autoload", "no_mmproj")  # fmt: skip
 
 
 def slotserve_args(server: Any) -> list[str]:
@@ -107,7 +108,9 @@ def slotserve_args(server: Any) -> list[str]:
 
 def start(self: Any, timeout_seconds: float = 120) -> None:
     """``ServerProcess.start``: ``slotserve serve`` with the mapped flags, waited for as llama.cpp waits."""
-    self.server_port = _up_free_port()
+    if getattr(self, "_free_port", None) is None:  # one port per server, kept across restarts as llama.cpp's tests do
+        self._free_port = _up_free_port()
+    self.server_port = self._free_port
     workdir = tempfile.mkdtemp(prefix="llama-upstream-")
     args = [sys.executable, "-m", "orchestrator.cli", "serve", *slotserve_args(self),
             "--state-dir", os.path.join(workdir, "state")]  # fmt: skip

@@ -33,7 +33,7 @@ from pathlib import Path
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.model_facts import EngineRuntime, ModelInfo
-from orchestrator.engine_client.interface import EngineRequestError, SequenceState, TokenOutput
+from orchestrator.engine_client.interface import EngineRequestError, GenerationJob, SequenceState, TokenOutput
 
 VOCAB = 512
 EOG = VOCAB - 1
@@ -264,20 +264,12 @@ class FakeEngine:
         await self.restore_state(seq, tokens, blob)
         return proto.StateRestored(0, seq, len(tokens), 0.0, len(blob))
 
-    async def generate(
-        self,
-        seq: int,
-        input_ids: Sequence[int],
-        params: proto.SamplingParams,
-        capture: proto.CaptureOptions,
-        progress: bool = False,
-        cache_reuse: int | None = None,
-        n_keep: int = 0,
-        n_discard: int = 0,
-    ) -> GenerationStream:
+    async def generate(self, job: GenerationJob) -> GenerationStream:
         """Prefill (prefix reuse) and ``max_new_tokens`` deterministic tokens, then ``Done``
         (:class:`TokenOutput` per token); ``cache_reuse`` and the context shift are not modelled."""
-        msg = proto.Generate(self.new_id(), seq, "generate", list(input_ids), params, capture, progress=progress)
+        msg = proto.Generate(
+            self.new_id(), job.seq, "generate", list(job.input_ids), job.params, job.capture, progress=job.progress
+        )
         return self._start(msg, lambda ev: TokenOutput(ev) if isinstance(ev, proto.Token) else ev)
 
     async def preview(

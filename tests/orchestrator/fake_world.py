@@ -115,7 +115,7 @@ class World:
         return self.engine.seqs[slot.seq]
 
 
-def request(slot: str, ids: list[int], n: int, wait: bool = False) -> CanonicalRequest:
+def request(slot: str | None, ids: list[int], n: int, wait: bool = False) -> CanonicalRequest:
     """A greedy generation request of ``n`` tokens."""
     return CanonicalRequest(
         request_id=None,

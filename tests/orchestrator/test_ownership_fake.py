@@ -44,16 +44,16 @@ async def test_a_node_that_was_refused_a_slot_takes_the_stored_state_when_it_get
         assert refused.value.code == "SLOT_BUSY"
         assert await a.archive.lookup("p") is None, "the scenario needs a's state unsaved when b asks"
         async with a.registry.use("p", resident=False) as slot:
-            await a.registry.park(slot)
+            await a.registry.residency.park(slot)
         a_tokens = await stored_tokens(a, "p")
         first = await a.archive.lookup("p")
         assert first is not None
         async with b.registry.use("p", resident=False) as slot:
-            assert await b.registry.tokens(slot) == a_tokens, "b serves a's state, not an empty slot"
+            assert await b.registry.kv.tokens(slot) == a_tokens, "b serves a's state, not an empty slot"
         follow = [*a_tokens, 9]
         done = await b.gen("p", follow, n=3)
         assert done.n_cached == len(a_tokens), "restored from the store, not re-prefilled"
-        await b.registry.flush(wait_for_locks=True)
+        await b.registry.durability.flush(wait_for_locks=True)
         after = await b.archive.lookup("p")
         assert after is not None and after.generation > first.generation
         assert after.tokens == [*follow, *greedy(follow, 3)], "b's write extends a's state"
@@ -77,7 +77,7 @@ async def test_a_write_from_a_node_past_its_lease_is_refused_and_its_copy_droppe
         b_tokens = await stored_tokens(b, "p")
         assert b_tokens == [*b_ids, *greedy(b_ids, 2)]
         before = refused_writes()
-        assert await a.registry.flush() == 0  # a wakes up and writes its stale copy: refused
+        assert await a.registry.durability.flush() == 0  # a wakes up and writes its stale copy: refused
         assert refused_writes() == before + 1
         assert await stored_tokens(b, "p") == b_tokens, "the stale node overwrote nothing"
         slot = a.registry.slots["p"]
@@ -86,7 +86,7 @@ async def test_a_write_from_a_node_past_its_lease_is_refused_and_its_copy_droppe
             await a.gen("p", PROMPT)
         assert busy.value.code == "SLOT_BUSY" and busy.value.extra["owner"] == "node-b"
         async with b.registry.use("p", resident=False) as held:
-            await b.registry.park(held)
+            await b.registry.residency.park(held)
         follow = [*b_tokens, 3]
         done = await a.gen("p", follow, n=2)
         assert done.n_cached == len(b_tokens), "a restored b's state, not its own stale one"
@@ -151,14 +151,57 @@ async def test_a_lapsed_lease_nobody_took_is_taken_back_for_the_write(tmp_path: 
     lease) is taken back when no other node took it and the store is unchanged: the turn is kept."""
     a = World(tmp_path / "state", node="node-a", lease_ms=200)  # never started: no heartbeat
     await a.gen("p", PROMPT, n=2)
-    await a.registry.flush()
+    await a.registry.durability.flush()
     ids = [*PROMPT, *greedy(PROMPT, 2), 4]
     await a.gen("p", ids, n=2)  # dirty, not yet written
     while await a.store.lease_owner("p") is not None:  # a lease lapses by time: nothing to wait on
         await asyncio.sleep(0.05)
     a.leases.forget("p")  # as the heartbeat does when it finds the lease gone
     before = refused_writes()
-    assert await a.registry.flush() == 1
+    assert await a.registry.durability.flush() == 1
     assert refused_writes() == before, "taken back, not refused"
     assert await stored_tokens(a, "p") == [*ids, *greedy(ids, 2)] and a.leases.holds("p")
+    await a.registry.shutdown()
+
+
+@pytest.mark.parametrize("durability", ["write-behind", "strict"])
+async def test_a_write_with_a_lapsed_token_takes_the_lease_back(tmp_path: Path, durability: str) -> None:
+    """After an outage longer than the lease the node still holds its old token (the heartbeat has not
+    run since the store came back): the store refuses a write with it.  Nobody took the lease and
+    the stored version is unchanged, so the node takes the lease back and writes again: write-behind
+    keeps the turn, strict answers it (before: dropped, and 409 after the turn was generated)."""
+    strict = durability == "strict"
+    a = World(tmp_path / "state", node="node-a", lease_ms=200, strict=strict, write_delay_s=60)  # no heartbeat
+    await a.gen("p", PROMPT, n=2)
+    await a.registry.durability.flush()
+    old_token = a.leases.token("p")
+    while await a.store.lease_owner("p") is not None:  # the lease lapses (an outage longer than it)
+        await asyncio.sleep(0.05)
+    ids = [*PROMPT, *greedy(PROMPT, 2), 4]
+    await a.gen("p", ids, n=2)  # strict: stored before answered, under the lease taken back
+    if not strict:
+        assert await a.registry.durability.flush() == 1
+    assert await stored_tokens(a, "p") == [*ids, *greedy(ids, 2)], "the turn is kept"
+    assert a.leases.holds("p") and a.leases.token("p") != old_token and a.registry.slots["p"].synced is not None
+    await a.registry.shutdown()
+
+
+async def test_a_lapsed_lease_another_node_took_is_not_taken_back(tmp_path: Path) -> None:
+    """The same refusal when another node wrote the slot meanwhile: this node's copy is dropped."""
+    a = World(tmp_path / "state", node="node-a", lease_ms=200, write_delay_s=60)
+    b = World(tmp_path / "state", node="node-b", store=a.store, lease_ms=200, write_delay_s=60)
+    await a.gen("p", PROMPT, n=2)
+    await a.registry.durability.flush()
+    while await a.store.lease_owner("p") is not None:
+        await asyncio.sleep(0.05)
+    ids = [*PROMPT, *greedy(PROMPT, 2), 4]
+    await b.gen("p", ids, n=2)
+    await b.registry.durability.flush()
+    await b.registry.shutdown()  # b released the lease: only the stored version tells
+    b_tokens = await stored_tokens(b, "p")
+    a.registry.kv.changed(a.registry.slots["p"])  # a's old copy, dirty, written with its lapsed token
+    before = refused_writes()
+    assert await a.registry.durability.flush() == 0, "refused: the store holds b's newer version"
+    assert refused_writes() > before and not a.leases.holds("p") and a.registry.slots["p"].synced is None
+    assert await stored_tokens(a, "p") == b_tokens, "b's write stands"
     await a.registry.shutdown()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from contract import protocol as proto
+from orchestrator.engine_client.interface import GenerationJob
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.service import RunControl
 from orchestrator.service_error import ServiceError
@@ -63,9 +64,9 @@ async def test_park_idle_parks_only_slots_idle_long_enough(world: World) -> None
     old, new = reg.slots["old"].last_used, reg.slots["new"].last_used
     assert old < new
     # idle longer than "new", shorter than "old" (park_idle reads the clock before its first await)
-    assert await reg.park_idle(time.monotonic() - (old + new) / 2) == 1
+    assert await reg.residency.park_idle(time.monotonic() - (old + new) / 2) == 1
     assert reg.slots["old"].place == "parked" and reg.slots["new"].place == "resident"
-    assert await reg.park_idle(0.0) == 1
+    assert await reg.residency.park_idle(0.0) == 1
     assert reg.slots["new"].place == "parked"
     assert world.leases.leases == {}
 
@@ -89,7 +90,7 @@ async def test_a_parked_slot_is_restored_not_reprefilled(world: World) -> None:
     t1 = await world.gen("p", PROMPT, n=5)
     follow = [*world.seq_tokens("p"), 7, 9]
     async with reg.use("p", resident=False) as slot:
-        await reg.park(slot)
+        await reg.residency.park(slot)
     assert slot.place == "parked" and slot.seq is None
     world.engine.calls.clear()
     t2 = await world.gen("p", follow, n=5)
@@ -104,7 +105,7 @@ async def test_after_a_worker_restart_slots_come_back_from_the_store(world: Worl
     await world.gen("r", PROMPT)
     expect = list(world.seq_tokens("r"))
     await saved(world, "r")
-    eng.on_restart = lambda: asyncio.sleep(0, reg.on_engine_restart())  # type: ignore[func-returns-value]
+    eng.on_restart = lambda: asyncio.sleep(0, reg.residency.on_engine_restart())  # type: ignore[func-returns-value]
     await eng.restart()
     assert not reg.is_resident(reg.slots["r"])
     async with reg.use("r") as slot:
@@ -203,7 +204,7 @@ async def test_a_slot_leased_by_another_node_is_refused_with_owner_and_retry_aft
         assert err.code == "SLOT_BUSY" and err.extra["owner"] == "node-a" and err.extra["retry_after"] >= 1
         assert not b.registry.slots["shared"].busy, "the refused request left nothing held"
         async with a.registry.use("shared", resident=False) as slot:
-            await a.registry.park(slot)  # parking hands the conversation on
+            await a.registry.residency.park(slot)  # parking hands the conversation on
         done = await b.gen("shared", a_tokens := [*a.engine.seqs[0], 4], n=3)
         assert done.n_cached == len(a_tokens) - 1, "node b restored node a's state"
     finally:
@@ -269,12 +270,12 @@ async def test_a_refused_restore_leaves_the_slot_as_it_was(world: World) -> None
     before = list(world.seq_tokens("k"))
     async with reg.use("k", resident=False) as slot:
         with pytest.raises(Exception, match="state"):
-            await reg.restore(slot, [1, 2, 3], state_blob([1, 2]), created=False)
+            await reg.kv.restore(slot, [1, 2, 3], state_blob([1, 2]), created=False)
     assert world.seq_tokens("k") == before and reg.slots["k"].n_tokens == len(before)
     async with reg.use("new", resident=False) as fresh:
         with pytest.raises(Exception, match="state"):
-            await reg.restore(fresh, [1, 2, 3], state_blob([9]), created=True)
-    assert "new" not in reg.slots and reg.owner.count(None) == 1, "the created slot and its sequence are gone"
+            await reg.kv.restore(fresh, [1, 2, 3], state_blob([9]), created=True)
+    assert "new" not in reg.slots and reg.residency.owner.count(None) == 1, "the created slot and its sequence are gone"
 
 
 async def test_fork_copies_and_restore_state_replaces(world: World) -> None:
@@ -282,12 +283,12 @@ async def test_fork_copies_and_restore_state_replaces(world: World) -> None:
     await world.gen("src", PROMPT)
     src_tokens = list(world.seq_tokens("src"))
     async with reg.use("src", resident=False) as src, reg.use("dst", resident=False) as dst:
-        assert await reg.fork(src, dst) == len(src_tokens)
+        assert await reg.kv.fork(src, dst) == len(src_tokens)
     assert world.seq_tokens("dst") == src_tokens
-    got = await reg.state(reg.slots["src"])
-    assert got is not None and got == (src_tokens, state_blob(src_tokens))
+    async with reg.kv.lend_state(reg.slots["src"]) as got:
+        assert got is not None and (got.tokens, bytes(got.state)) == (src_tokens, state_blob(src_tokens))
     async with reg.use("dst", resident=False) as dst:
-        await reg.restore(dst, [1, 2], state_blob([1, 2]), created=False)
+        await reg.kv.restore(dst, [1, 2], state_blob([1, 2]), created=False)
     assert world.seq_tokens("dst") == [1, 2] and reg.slots["dst"].n_tokens == 2
     await saved(world, "dst")
     meta = await world.archive.lookup("dst")
@@ -297,7 +298,7 @@ async def test_fork_copies_and_restore_state_replaces(world: World) -> None:
 async def test_the_fake_generates_what_greedy_predicts_and_refuses_a_busy_sequence() -> None:
     eng = FakeEngine(1)
     params = proto.SamplingParams(max_new_tokens=3)
-    stream = await eng.generate(0, PROMPT, params, proto.CaptureOptions())
+    stream = await eng.generate(GenerationJob(seq=0, input_ids=PROMPT, params=params, capture=proto.CaptureOptions()))
     with pytest.raises(Exception, match="generating"):
         await eng.erase(0)
     events = [ev async for ev in stream]

@@ -3,7 +3,7 @@
 Read from the source (``ast``): every assignment to an attribute named like a
 :class:`orchestrator.slots.model.Slot` field (on anything but ``self``) and every call of a KV
 operation on an engine (``<...>engine.seq_op(...)``, ``.restore(...)``, ``.erase(...)``, ...).
-The registry is :mod:`orchestrator.slots.registry` with its base class in :mod:`orchestrator.slots.residency`;
+The registry is :mod:`orchestrator.slots.registry` with its members (residency, ownership, durability, sequences);
 ``orchestrator/check.py`` (``slotserve check``, which tests a fresh engine before any slot
 exists) may erase its own test sequences.
 """
@@ -19,7 +19,7 @@ from orchestrator.slots.model import Slot
 ROOT = Path(__file__).resolve().parents[2]
 SLOT_FIELDS = {f.name for f in dataclasses.fields(Slot)}
 KV_OPERATIONS = {"seq_op", "restore", "restore_state", "save_state", "erase", "fork", "truncate", "context_shift"}
-REGISTRY = {"orchestrator/slots/registry.py", "orchestrator/slots/residency.py"}
+REGISTRY = {f"orchestrator/slots/{m}.py" for m in ("registry", "residency", "ownership", "durability", "sequences")}
 
 
 def slot_writes(source: str) -> list[str]:

@@ -80,6 +80,20 @@ def test_save_state_both_content_types(server: ServerProc, convo: list[int]) -> 
     assert list(np.frombuffer(blob, dtype="<i4", count=n, offset=8)) == tokens_of(server, "s-a")
 
 
+def test_save_state_json_of_a_resident_slot_in_a_pooled_buffer(server: ServerProc, convo: list[int]) -> None:
+    """A state of 1 MiB or more arrives in a buffer of the engine client's receive pool; the JSON
+    answer was a 500 (the buffer handed back before its size was read).  Now the state is lent
+    for the answer and its sizes taken when lent."""
+    ids = convo * 3  # about 100 tokens: 2 MB of KV state
+    gen(server, "s-pooled", ids, n=4)
+    for _ in range(2):  # the second reads into the buffer the first gave back
+        r = action(server, "s-pooled", "save-state")
+        assert r.status_code == 200, r.text
+        js = r.json()
+        blob = base64.b64decode(js["state"])
+        assert js["n_bytes"] == len(blob) >= 1 << 20 and js["n_tokens"] == len(ids) + 4
+
+
 def test_round_trip_gives_identical_generations(server: ServerProc, convo: list[int]) -> None:
     """save-state from A, restore-state into B (JSON and raw), then greedy from A and B agree."""
     gen(server, "rt-a", convo)

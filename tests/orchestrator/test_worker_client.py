@@ -15,7 +15,7 @@ from contract.errors import ErrorCode
 from contract.flow import WINDOW_TOKENS
 from contract.settings import EngineSettings
 from orchestrator.engine_client.client import WorkerClient
-from orchestrator.engine_client.interface import EngineRequestError, GenerationStream, TokenOutput
+from orchestrator.engine_client.interface import EngineRequestError, GenerationJob, GenerationStream, TokenOutput
 from orchestrator.engine_client.launch import WorkerOptions
 from tests.conftest import ROOT
 from tests.redis_server import free_port
@@ -57,7 +57,9 @@ def test_every_method_over_a_real_worker() -> None:
         assert c.info is not None and c.alive and c.generation == 1
         ids = (await c.tokenize("Hello there, how are you?", True, False)).ids
         assert await c.detokenize(ids) == "Hello there, how are you?"
-        tokens, done = await collect(await c.generate(0, ids, GREEDY, ATTENTION))
+        tokens, done = await collect(
+            await c.generate(GenerationJob(seq=0, input_ids=ids, params=GREEDY, capture=ATTENTION))
+        )
         assert done.finish_reason == "length" and len(tokens) == 4 and done.seq_tokens == len(ids) + 4
         first = tokens[0]
         att = first.token.attention
@@ -90,7 +92,7 @@ def test_every_method_over_a_real_worker() -> None:
         assert state.generating == []
         # a stream closed before its first event (the client left at once) still cancels its generation
         long = proto.SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
-        stream = await c.generate(0, ids, long, proto.CaptureOptions())
+        stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=long, capture=proto.CaptureOptions()))
         await stream.aclose()
         assert (await c.engine_state()).generating == [] and not c._waiters
 
@@ -105,7 +107,7 @@ def test_a_stream_not_read_holds_its_generation() -> None:
         assert c.window == WINDOW_TOKENS
         ids = (await c.tokenize("Once upon a time", True, False)).ids
         params = proto.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        stream = await c.generate(0, ids, params, proto.CaptureOptions())
+        stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=params, capture=proto.CaptureOptions()))
         first = await anext(stream)  # taken, not yet acknowledged (that comes with the next ask)
         assert isinstance(first, TokenOutput) and first.token.index == 0
         queue = c._waiters[stream.req]
@@ -121,7 +123,7 @@ def test_a_stream_not_read_holds_its_generation() -> None:
         assert [t.token.index for t in tokens] == list(range(1, 24))
         await stream.aclose()
         # a held stream whose consumer leaves is cancelled at once
-        held = await c.generate(1, ids, params, proto.CaptureOptions())
+        held = await c.generate(GenerationJob(seq=1, input_ids=ids, params=params, capture=proto.CaptureOptions()))
         await anext(held)
         await held.aclose()
         assert (await c.engine_state()).generating == [] and not c._waiters
@@ -143,7 +145,16 @@ def test_refusals_carry_their_error_code() -> None:
                 await call
             assert exc.value.code is code, exc.value
         with pytest.raises(EngineRequestError) as exc:
-            await collect(await c.generate(0, ids, proto.SamplingParams(max_new_tokens=1000), proto.CaptureOptions()))
+            await collect(
+                await c.generate(
+                    GenerationJob(
+                        seq=0,
+                        input_ids=ids,
+                        params=proto.SamplingParams(max_new_tokens=1000),
+                        capture=proto.CaptureOptions(),
+                    )
+                )
+            )
         assert exc.value.code is ErrorCode.CONTEXT_OVERFLOW
         # a buffer that does not match its description is refused, and the worker goes on
         msg = proto.RestoreState(c.new_id(), 0, ids, proto.Tensor(0, "uint8", (100,)))

@@ -31,30 +31,7 @@ from orchestrator.generation.request import (
     TopK,
 )
 from orchestrator.generation.service import sampling_params
-from orchestrator.slots.model import Slot, slot_id_out
-
-
-def slot_task_fields(slot: Slot) -> dict[str, Any]:
-    """The fields llama-server's ``GET /slots`` adds once a slot has served a task."""
-    if slot.id_task < 0:
-        return {"speculative": False}
-    n_remain = (slot.params.max_new_tokens - slot.n_decoded) if slot.params else 0
-    return {
-        "speculative": False,
-        "id_task": slot.id_task,
-        "n_prompt_tokens": slot.n_tokens,
-        "n_prompt_tokens_processed": slot.n_prompt_tokens_processed,
-        "n_prompt_tokens_cache": slot.n_prompt_tokens_cache,
-        "params": params_json(slot.params),
-        "next_token": [
-            {
-                "has_next_token": slot.busy,
-                "has_new_line": False,
-                "n_remain": max(0, n_remain) if slot.busy else -1,
-                "n_decoded": slot.n_decoded if slot.busy else 0,  # an idle slot: 0, as llama-server (its stats reset)
-            }
-        ],
-    }
+from orchestrator.slots.model import slot_id_out
 
 
 class TokenProb(msgspec.Struct, kw_only=True):

@@ -50,7 +50,7 @@ class SlotEntry(msgspec.Struct, kw_only=True):
     """One entry of ``GET /slots`` (docs/api.md, "Slots"): llama-server's ``id``, ``n_ctx``,
     ``is_processing`` and its task fields (resident slots), plus where the slot lives
     (``place``: resident, parked, empty), its sizes in bytes and timestamps; ``named``: a
-    slotserve conversation beyond llama-server's ``n_parallel`` numbered slots."""
+    slotserve conversation beyond llama-server's ``n_parallel`` numbered slots; ``tenant``: its owner."""
 
     id: int | str
     n_ctx: int
@@ -59,6 +59,7 @@ class SlotEntry(msgspec.Struct, kw_only=True):
     place: str
     stored_bytes: int | None
     state_bytes: int | None
+    tenant: str | UnsetType = UNSET  # the slot's owner (docs/operations.md, "Tenants")
     codec: str | UnsetType = UNSET
     updated_at: float | UnsetType = UNSET
     seq: int | UnsetType | None = UNSET

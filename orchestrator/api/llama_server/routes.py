@@ -141,7 +141,9 @@ async def _prepare(
     if not body.cache_prompt and req.slot is None:
         req.cache_prompt = False  # a new, empty slot
     elif not body.cache_prompt and req.slot is not None:
-        async with services.registry.use(req.slot, wait=True, create=True, resident=False, hooks=hooks) as s:
+        tenant = req.principal.tenant  # the caller's (filled by the surface): its own slot only
+        held = services.registry.use(req.slot, tenant=tenant, wait=True, create=True, resident=False, hooks=hooks)
+        async with held as s:
             await ops.erase(s)
     info = services.generation.info
     return Completion(body, req, info, await services.generation.pieces(), services.model_id, index, thinking)

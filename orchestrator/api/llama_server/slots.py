@@ -2,8 +2,12 @@
 
 ``POST /slots/{id}?action=...`` dispatches on a typed :class:`SlotAction` (the OpenAPI
 schema lists the values; any other is a 400 from Litestar's parameter validation) to one
-handler each, :data:`ACTIONS`.  The slot actions themselves are
-:class:`orchestrator.slots.operations.SlotOps`, provided by dependency injection (``ops``).
+handler each, :data:`ACTIONS`.  Every route answers only its caller's tenant (its principal,
+:func:`orchestrator.tenants.principal.principal_of`): ids are looked up in that tenant, so
+another tenant's slot answers ``SLOT_NOT_FOUND`` exactly as a missing one; ``GET /slots`` lists
+the caller's slots (an ``admin`` sees every tenant's, each entry naming its ``tenant``).  The slot
+actions themselves are :class:`orchestrator.slots.operations.SlotOps`, provided by dependency
+injection (``ops``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import base64
 import binascii
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +53,10 @@ from orchestrator.api.llama_server.protocol import (
 from orchestrator.api.llama_server.routes import check_slot_number, slot_task_fields
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
-from orchestrator.slots.model import slot_id_out
+from orchestrator.slots.model import slot_id_out, slot_key, split_key
 from orchestrator.slots.operations import FileResult, SlotOps, message_boundaries
 from orchestrator.slots.registry import Slot, check_slot_id
+from orchestrator.tenants.principal import DEFAULT_TENANT, principal_of
 from orchestrator.web.auth import require_admin
 from orchestrator.web.body import decode_json_body
 from orchestrator.web.digest import check_repr_digest, repr_digest
@@ -62,15 +67,19 @@ OCTET = "application/octet-stream"
 MAX_STATE_BYTES = 4 << 30
 
 
-def numbered_first(seen: dict[str, dict[str, Any]], n_parallel: int, n_ctx: int) -> list[dict[str, Any]]:
-    """``GET /slots`` in llama-server's order: its ``n_parallel`` numbered slots ``0..n_parallel-1``
-    always (llama-server's ``server_slot::to_json``: ``id``, ``n_ctx``, ``speculative``,
-    ``is_processing``; an unused one is ``place: "empty"``), then every other slot known here
-    (slotserve's named conversations and numbers past ``n_parallel``), marked ``named: true``."""
+def numbered_first(
+    seen: dict[str, dict[str, Any]], n_parallel: int, n_ctx: int, tenant: str = DEFAULT_TENANT
+) -> list[dict[str, Any]]:
+    """``GET /slots`` in llama-server's order: the caller's (``tenant``'s) ``n_parallel`` numbered slots
+    ``0..n_parallel-1`` always (llama-server's ``server_slot::to_json``: ``id``, ``n_ctx``,
+    ``speculative``, ``is_processing``; an unused one is ``place: "empty"``), then every other slot in
+    ``seen`` (by :func:`orchestrator.slots.model.slot_key`: slotserve's named conversations, numbers
+    past ``n_parallel``, other tenants' for an admin), marked ``named: true``."""
     out = [
-        seen.pop(str(i), {})
+        seen.pop(slot_key(tenant, str(i)), {})
         or {
             "id": i,
+            "tenant": tenant,
             "n_ctx": n_ctx,
             "speculative": False,
             "is_processing": False,
@@ -96,6 +105,7 @@ class ActionCall:
     ops: SlotOps
     slot_id: str
     wait: bool
+    tenant: str = DEFAULT_TENANT  # the caller's: every slot it names is looked up there
     control: RunControl = field(default_factory=RunControl)  # its client's departure ends its waits
 
     @property
@@ -113,7 +123,12 @@ class ActionCall:
         async with (
             cancelled_on_disconnect(self.request, self.control) as control,
             self.services.registry.use(
-                slot_id or self.slot_id, create=create, resident=False, wait=self.wait, hooks=control.hooks
+                slot_id or self.slot_id,
+                tenant=self.tenant,
+                create=create,
+                resident=False,
+                wait=self.wait,
+                hooks=control.hooks,
             ) as slot,
         ):
             yield slot
@@ -123,31 +138,22 @@ class ActionCall:
         return decode_json_body(await self.request.body(), kind)
 
     async def is_new(self) -> bool:
-        """True when the slot exists neither here nor in the store (a restore creates it)."""
-        if self.services.registry.find(self.slot_id) is not None:
-            return False
-        archive = self.services.archive
-        return archive is None or await archive.lookup(self.slot_id) is None
+        """True when the caller's tenant has the slot neither here nor in the store (a restore creates it)."""
+        return not await self.services.registry.exists(self.slot_id, self.tenant)
 
 
 async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
-    async with call.use() as slot:
-        saved = await call.ops.save_state(slot)
-    chunks = saved.ses1_chunks()
-    digest = await asyncio.to_thread(repr_digest, *chunks)
-
-    def sent() -> None:  # the state arrived in a buffer of the engine client's
-        call.ops.release(saved)
-
-    if OCTET in call.request.headers.get("accept", ""):
-        headers = {"X-Slot-Tokens": str(len(saved.tokens)), "Repr-Digest": digest}
-        return BuffersResponse(chunks, OCTET, headers, sent)
-    try:
+    async with AsyncExitStack() as loans:
+        async with call.use() as slot:  # the slot is let go once its state is read: the loan outlives it
+            saved = await loans.enter_async_context(call.ops.save_state(slot))
+        chunks = saved.ses1_chunks()
+        digest = await asyncio.to_thread(repr_digest, *chunks)
+        if OCTET in call.request.headers.get("accept", ""):
+            headers = {"X-Slot-Tokens": str(saved.n_tokens), "Repr-Digest": digest}
+            return BuffersResponse(chunks, OCTET, headers, saved.hand_off())  # given back once sent
         state = await asyncio.to_thread(_base64, chunks)  # tens of MB: off the event loop
-    finally:
-        sent()
     return SaveStateResponse(
-        id_slot=call.out_id, n_tokens=len(saved.tokens), n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),
+        id_slot=call.out_id, n_tokens=saved.n_tokens, n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),
         state=state, digest=digest,
     )  # fmt: skip
 
@@ -223,13 +229,13 @@ async def _save(call: ActionCall) -> SaveFileResponse:
 async def _restore(call: ActionCall) -> RestoreFileResponse:
     body: SlotFileRequest = await call.body(SlotFileRequest)
     if call.ops.worker_files:  # the worker reads the file
-        path = await call.ops.saved_file(body.filename)
+        path = await call.ops.saved_file(body.filename, call.tenant)
         created = await call.is_new()
         async with call.use(create=True) as slot:
             done = await call.ops.restore_file(slot, path, created)
     else:  # read here, sent to the worker
         t0 = time.perf_counter()
-        parsed, buf, n_read = await call.ops.read_file(body.filename, BODY_POOL)
+        parsed, buf, n_read = await call.ops.read_file(body.filename, BODY_POOL, call.tenant)
         read_ms = (time.perf_counter() - t0) * 1000
         with lent_to_worker(buf):
             created = await call.is_new()
@@ -249,7 +255,7 @@ async def _fork(call: ActionCall) -> ForkResponse:
     target = check_slot_id(str(body.target))
     if target == call.slot_id:
         raise ApiError(ErrorCode.INVALID_REQUEST, "fork target must differ from the source slot")
-    async with call.use() as src, call.use(target, create=True) as dst:
+    async with call.use() as src, call.use(target, create=True) as dst:  # both in the caller's tenant
         n = await call.ops.fork(src, dst)
     return ForkResponse(id_slot=call.out_id, target=slot_id_out(target), n_tokens=n, success=True)
 
@@ -284,17 +290,23 @@ class SlotController(Controller):
 
     exception_handlers = COMPAT_ERRORS  # type: ignore[assignment]
 
-    @get("/slots", summary="All slots: resident and parked, with sizes", responses=COMPAT_ERROR_RESPONSES)
-    async def list_slots(self, services: Services) -> list[SlotEntry]:
+    @get("/slots", summary="The caller's slots: resident and parked, with sizes", responses=COMPAT_ERROR_RESPONSES)
+    async def list_slots(self, request: Request[Any, Any, Any], services: Services) -> list[SlotEntry]:
         if not services.settings.slots_endpoint:
             raise ApiError(ErrorCode.NOT_SUPPORTED, "This server does not support slots endpoint (--no-slots)", 501)
+        principal = principal_of(request)
+        scope = None if principal.admin else principal.tenant  # an admin sees every tenant's
         reg = services.registry
         n_ctx = services.generation.info.n_ctx
         seen: dict[str, dict[str, Any]] = {}
         if services.archive is not None:
             for meta in await services.archive.list_stored():
+                tenant, slot_id = split_key(meta.slot_id)
+                if scope is not None and tenant != scope:
+                    continue
                 seen[meta.slot_id] = {
-                    "id": slot_id_out(meta.slot_id),
+                    "id": slot_id_out(slot_id),
+                    "tenant": tenant,
                     "n_ctx": n_ctx,
                     "is_processing": False,
                     "n_tokens": meta.n_tokens,
@@ -304,8 +316,8 @@ class SlotController(Controller):
                     "codec": meta.codec,
                     "updated_at": meta.updated_at,
                 }
-        for slot in reg.slots.values():
-            entry = seen.setdefault(slot.id, {"id": slot_id_out(slot.id), "n_ctx": n_ctx})
+        for slot in reg.of_tenant(scope):
+            entry = seen.setdefault(slot.key, {"id": slot_id_out(slot.id), "tenant": slot.tenant, "n_ctx": n_ctx})
             entry.update(
                 is_processing=slot.busy,
                 n_tokens=slot.n_tokens,
@@ -318,16 +330,19 @@ class SlotController(Controller):
             )
             entry.setdefault("stored_bytes", slot.stored_bytes)
             entry.setdefault("state_bytes", slot.raw_bytes)
-        return msgspec.convert(numbered_first(seen, services.settings.worker.engine.n_slots, n_ctx), list[SlotEntry])
+        n_parallel = services.settings.worker.engine.n_slots
+        entries = numbered_first(seen, n_parallel, n_ctx, principal.tenant)
+        return msgspec.convert(entries, list[SlotEntry])
 
     @get(
         "/v1/slots/{slot_id:str}/info",
         summary="Tokens and message boundaries at the end-of-turn token",
         responses=COMPAT_ERROR_RESPONSES,
     )
-    async def info(self, services: Services, ops: SlotOps, slot_id: str) -> SlotInfo:
+    async def info(self, request: Request[Any, Any, Any], services: Services, ops: SlotOps, slot_id: str) -> SlotInfo:
         eot = services.generation.info.eot_token_id
-        async with services.registry.use(slot_id, create=False, resident=False) as slot:
+        tenant = principal_of(request).tenant
+        async with services.registry.use(slot_id, tenant=tenant, create=False, resident=False) as slot:
             tokens = await ops.tokens(slot)
         msgs = [MessageSpan(**m) for m in message_boundaries(tokens, eot)]
         return SlotInfo(
@@ -353,5 +368,5 @@ class SlotController(Controller):
         check_slot_number(slot_id)
         if action not in READ_ONLY_ACTIONS:
             require_admin(request.scope, services.settings.admin_key)
-        call = ActionCall(request, services, ops, check_slot_id(slot_id), wait)
+        call = ActionCall(request, services, ops, check_slot_id(slot_id), wait, principal_of(request).tenant)
         return await ACTIONS[action](call)

@@ -102,16 +102,7 @@ class GenerateController(Controller):
         end = done_event(done, req.request_id)
         kobold_text = trim_stop(done.text, done.stop_string) if data.trim_stop else done.text
         return GenerateResponse(
-            type="done",
-            request_id=end.request_id,
-            finish_reason=end.finish_reason,
-            total_tokens=end.total_tokens,
-            generation_time_ms=end.generation_time_ms,
-            prompt_tokens=end.prompt_tokens,
-            cached_tokens=end.cached_tokens,
-            slot_id=end.slot_id,
-            stop_string=end.stop_string,
-            truncated=end.truncated,
+            **msgspec.structs.asdict(end),
             generated_tokens=tokens,
             generated_text=done.text,
             results=[KoboldResult(text=kobold_text, finish_reason=KOBOLD_FINISH.get(done.finish_reason))],

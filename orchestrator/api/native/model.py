@@ -8,6 +8,7 @@ import msgspec
 from litestar import Controller, get, post
 
 from contract.errors import ErrorCode
+from contract.model_facts import ModelFacts
 from orchestrator.api.common.run import COMPAT_ERRORS
 from orchestrator.api.common.wire import TokenText
 from orchestrator.api.native.protocol import (
@@ -31,38 +32,15 @@ def model_payload(s: Services) -> ModelResponse:
     i = s.generation.info
     name = i.model_name
     return ModelResponse(
+        **{f: getattr(i, f) for f in ModelFacts.__struct_fields__},
         result=name,
-        model_name=name,
-        model_path=i.model_path,
-        architecture=i.architecture,
-        description=i.description,
-        fingerprint=i.fingerprint,
-        vocab_size=i.vocab_size,
-        num_layers=i.num_layers,
-        num_attention_heads=i.num_attention_heads,
-        num_key_value_heads=i.num_key_value_heads,
-        hidden_size=i.hidden_size,
         embedding_size=i.hidden_size,
         max_position_embeddings=i.n_ctx_train,
         max_trained_context=i.n_ctx_train,
         max_context_length=i.n_ctx,
         context_length=i.n_ctx,
         rope_theta=i.rope_freq_base,
-        rope_freq_base=i.rope_freq_base,
-        rope_freq_scale=i.rope_freq_scale,
-        bos_token_id=i.bos_token_id,
-        eos_token_id=i.eos_token_id,
-        eot_token_id=i.eot_token_id,
-        eog_token_ids=i.eog_token_ids,
-        special_tokens=i.special_tokens,
-        chat_template=i.chat_template,
         torch_dtype="gguf",
-        n_params=i.n_params,
-        size_bytes=i.size_bytes,
-        n_slots=i.n_slots,
-        n_kv_cells=i.n_kv_cells,
-        attention_layers=i.attention_layers,
-        attention_windows=i.attention_windows,
         memory=msgspec.to_builtins(i.memory),
         llama_cpp_python=i.llama_cpp_version,
         engine=msgspec.to_builtins(i.runtime),

@@ -18,6 +18,7 @@ from orchestrator.generation.events import DoneOut, PreviewStarted, TokenOut
 from orchestrator.generation.request import PreviewRequest
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
+from orchestrator.tenants.principal import principal_of
 from orchestrator.web.body import json_route
 
 STOPPED = {"length": "max_tokens", "stop_token": "stop_token", "stop_string": "stop_string", "cancelled": "cancelled"}
@@ -41,7 +42,7 @@ class PreviewController(Controller):
         started: PreviewStarted | None = None
         end: DoneOut | None = None
         async with cancelled_on_disconnect(request) as control:
-            async for ev in services.generation.preview(data, control):
+            async for ev in services.generation.preview(data, control, principal_of(request)):
                 if isinstance(ev, TokenOut):
                     tokens.append(token_text(ev))
                     if ev.attention is not None:

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from contract.errors import ErrorCode
+from contract.model_facts import ModelFacts
 from orchestrator.api.common.kobold import KoboldResult
 from orchestrator.api.common.wire import (
     Attention,
@@ -58,45 +59,20 @@ def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
     return TokenAttention(token_id=tt.token_id, text=tt.text, bytes_=tt.bytes_, attention=attention_of(t, fmt, dtype))
 
 
-class ModelResponse(msgspec.Struct, kw_only=True):
+class ModelResponse(ModelFacts, kw_only=True):
     """``GET /api/v1/model`` and ``/api/v1/model/info`` (docs/api.md, "Model"): the GGUF's facts
-    under both seeds' names (``result``/``model_name``, ``max_context_length``/``context_length``...);
-    ``attention_layers`` the layers attention tensors cover, ``attention_windows`` each one's sliding
-    window (0: global), ``memory`` what the model keeps per sequence (docs/models.md); ``engine`` the
-    worker's runtime settings (threads, batch sizes, KV cache type)."""
+    (:class:`contract.model_facts.ModelFacts`) and the same under both seeds' names (``result``/``model_name``,
+    ``max_context_length``/``context_length``...); ``memory`` what the model keeps per sequence
+    (docs/models.md); ``engine`` the worker's runtime settings (threads, batch sizes, KV cache type)."""
 
     result: str
-    model_name: str
-    model_path: str
-    architecture: str
-    description: str
-    fingerprint: str
-    vocab_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    hidden_size: int
     embedding_size: int
     max_position_embeddings: int
     max_trained_context: int
     max_context_length: int
     context_length: int
     rope_theta: float
-    rope_freq_base: float
-    rope_freq_scale: float
-    bos_token_id: int
-    eos_token_id: int
-    eot_token_id: int
-    eog_token_ids: list[int]
-    special_tokens: dict[str, str | int]
-    chat_template: str
     torch_dtype: str
-    n_params: int
-    size_bytes: int
-    n_slots: int
-    n_kv_cells: int
-    attention_layers: list[int]
-    attention_windows: list[int]
     memory: dict[str, Any]
     llama_cpp_python: str
     engine: dict[str, Any]
@@ -201,11 +177,10 @@ class GeneratedToken(TokenText, kw_only=True):
     hidden_state: Hidden | UnsetType = UNSET
 
 
-class GenerateResponse(msgspec.Struct, kw_only=True):
-    """``POST /api/v1/generate`` (docs/api.md): the ``done`` event's fields, every generated token,
-    the text, KoboldCpp's ``results``, and ``attention_data`` when attention was asked for."""
+class DoneFields(msgspec.Struct, kw_only=True):
+    """How a generation ended (docs/api.md, "``done`` fields"): token counts, milliseconds, the slot; the
+    ``done`` event's fields and the first of ``POST /api/v1/generate``'s answer."""
 
-    type: str
     request_id: str | None
     finish_reason: str
     total_tokens: int
@@ -214,7 +189,15 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     cached_tokens: int
     slot_id: int | str
     stop_string: str | UnsetType = UNSET
-    truncated: bool | UnsetType = UNSET
+    truncated: bool | UnsetType = UNSET  # the context shifted (or the generation ended at the window)
+
+
+class GenerateResponse(DoneFields, kw_only=True):
+    """``POST /api/v1/generate`` (docs/api.md): the ``done`` event's fields (:class:`DoneFields`, ``type``
+    ``done``), every generated token, the text, KoboldCpp's ``results``, and ``attention_data`` when attention
+    was asked for."""
+
+    type: str = "done"
     generated_tokens: list[GeneratedToken]
     generated_text: str
     results: list[KoboldResult]
@@ -328,18 +311,8 @@ class QueuedEvent(msgspec.Struct, kw_only=True, tag="queued", tag_field="type"):
     request_id: str | None
 
 
-class DoneEvent(msgspec.Struct, kw_only=True, tag="done", tag_field="type"):
-    """The last event of a generation (docs/api.md, "``done`` fields"): token counts, milliseconds."""
-
-    request_id: str | None
-    finish_reason: str
-    total_tokens: int
-    generation_time_ms: float
-    prompt_tokens: int
-    cached_tokens: int
-    slot_id: int | str
-    stop_string: str | UnsetType = UNSET
-    truncated: bool | UnsetType = UNSET  # the context shifted (or the generation ended at the window)
+class DoneEvent(DoneFields, kw_only=True, tag="done", tag_field="type"):
+    """The last event of a generation (docs/api.md, "``done`` fields"): token counts, milliseconds, the slot."""
 
 
 StreamEvent = TokenEvent | SseTokenEvent | BinaryTokenFrame | ProgressEvent | QueuedEvent | DoneEvent | ErrorEvent

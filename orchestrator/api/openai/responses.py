@@ -24,12 +24,12 @@ arguments arrive, ``response.function_call_arguments.done``), ``response.output_
 llama-server sends it), or ``error`` if the engine failed mid-way.  No ``[DONE]`` line: the
 Responses API has none.
 
-``previous_response_id`` continues a conversation: this server keeps, per process, the last
-:data:`MAX_KEPT` responses' conversations (their messages, without ``instructions``, as OpenAI
-does not carry them over) and the slot each ran on, so the continuation runs on the same slot
-and reuses its KV cache for the shared prefix.  The map is in memory: it is lost on restart
-and not shared between nodes, and the oldest entries are dropped first; an unknown id is
-``NOT_FOUND``.  ``store: false`` keeps nothing.  Not supported: ``background``, ``conversation``,
+``previous_response_id`` continues a conversation: each stored response's conversation (its
+messages, without ``instructions``, as OpenAI does not carry them over) and the slot it ran on
+are kept in the state store beside the slots (:mod:`orchestrator.slots.conversations`), so the
+continuation runs on the same slot and reuses its KV cache for the shared prefix, on any node and
+after a restart.  A response belongs to its caller's tenant: another tenant's id, like an unknown
+or expired one, is ``NOT_FOUND``.  ``store: false`` keeps nothing.  Not supported: ``background``, ``conversation``,
 ``item_reference`` items, non-text content (400), retrieving or deleting stored responses.
 """
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,47 +82,10 @@ from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
 from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
+from orchestrator.slots.conversations import Kept, StoredConversations
+from orchestrator.tenants.principal import principal_of
 from orchestrator.web.errors import ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, named_event, streamable
-
-MAX_KEPT = 1024
-"""Conversations kept for ``previous_response_id`` (per process, oldest dropped first)."""
-
-
-class Kept(msgspec.Struct):
-    """A stored conversation: the slot it ran on and its messages (chat shape)."""
-
-    slot: str
-    messages: list[dict[str, Any]]
-
-
-class Conversations:
-    """``response id -> Kept``, at most :data:`MAX_KEPT`, least recently used dropped first."""
-
-    def __init__(self, limit: int = MAX_KEPT) -> None:
-        self.limit = limit
-        self.items: OrderedDict[str, Kept] = OrderedDict()
-
-    def get(self, response_id: str) -> Kept:
-        """The conversation of ``response_id``; ``NOT_FOUND`` when unknown (or dropped)."""
-        kept = self.items.get(response_id)
-        if kept is None:
-            raise ApiError(
-                ErrorCode.NOT_FOUND,
-                f"Previous response with id '{response_id}' not found (this server keeps the last "
-                f"{self.limit} responses in memory)",
-            )
-        self.items.move_to_end(response_id)
-        return kept
-
-    def put(self, response_id: str, kept: Kept) -> None:
-        """Keep ``kept`` under ``response_id``, dropping the oldest beyond the limit."""
-        self.items[response_id] = kept
-        while len(self.items) > self.limit:
-            self.items.popitem(last=False)
-
-
-CONVERSATIONS = Conversations()
 
 
 def _text_of(content: Any) -> str:
@@ -210,9 +172,11 @@ def _response_format(text: TextOptions | None) -> dict[str, Any] | None:
 class Answer:
     """The response object of one request (OpenAI's ``response``), built as output arrives."""
 
-    def __init__(self, data: ResponsesRequest, shape: Shape) -> None:
+    def __init__(self, data: ResponsesRequest, shape: Shape, conversations: StoredConversations, tenant: str) -> None:
         self.data = data
         self.shape = shape
+        self.conversations = conversations
+        self.tenant = tenant
         self.id = "resp_" + secrets.token_hex(24)
         self.msg_id = "msg_" + secrets.token_hex(24)
         self.rs_id = "rs_" + secrets.token_hex(24)
@@ -284,11 +248,11 @@ class Answer:
             usage=self.usage,
         )
 
-    def remember(
+    async def remember(
         self, messages: list[dict[str, Any]], text: str | None, calls: list[ToolCall], slot: str, thought: str = ""
     ) -> None:
         """Keep the conversation (``messages`` plus this answer, its ``thought`` as ``reasoning_content``)
-        for ``previous_response_id``."""
+        for ``previous_response_id``, in the caller's tenant."""
         if not self.data.store:
             return
         reply: dict[str, Any] = {"role": "assistant", "content": text}
@@ -296,7 +260,7 @@ class Answer:
             reply["reasoning_content"] = thought
         if calls:
             reply["tool_calls"] = [c.openai() for c in calls]
-        CONVERSATIONS.put(self.id, Kept(slot, [*messages, reply]))
+        await self.conversations.put(self.tenant, self.id, Kept(slot, [*messages, reply]))
 
 
 def _chat_request(data: ResponsesRequest, messages: list[dict[str, Any]], slot: str | None) -> ChatCompletionRequest:
@@ -346,11 +310,15 @@ class ResponsesController(Controller):
         before: list[dict[str, Any]] = []
         slot = None
         if data.previous_response_id:
-            kept = CONVERSATIONS.get(data.previous_response_id)
+            kept = await services.registry.conversations.get(principal_of(request).tenant, data.previous_response_id)
+            if kept is None:
+                raise ApiError(
+                    ErrorCode.NOT_FOUND, f"Previous response with id '{data.previous_response_id}' not found"
+                )
             before, slot = kept.messages, kept.slot
         messages = input_messages(data.input, before)
         shape = await chat_shape(services, request, _chat_request(data, messages, slot))
-        answer = Answer(data, shape)
+        answer = Answer(data, shape, services.registry.conversations, principal_of(request).tenant)
         if not data.stream:
             got = await collect(services, shape.req, request)
             whole = shape.answer_text([]).whole([t.text for t in got.tokens if not t.is_stop])
@@ -361,7 +329,7 @@ class ResponsesController(Controller):
                 answer.output.append(answer.message(content or ""))
             answer.output += [answer.function_call(c) for c in calls]
             answer.end(got.end)
-            answer.remember(messages, content, calls, got.end.slot_id, whole.reasoning)
+            await answer.remember(messages, content, calls, got.end.slot_id, whole.reasoning)
             return answer.body()
         run = await started_run(services, shape.req, request)
         return EventStream(_events(answer, run, messages, route_of(request)))
@@ -501,7 +469,7 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
                     yield named_event(OutputItemDone(sequence_number=next(seq), output_index=index, item=call_item))
                     answer.output[index] = call_item
                 answer.end(ev)
-                answer.remember(messages, text or None, calls, ev.slot_id, thought)
+                await answer.remember(messages, text or None, calls, ev.slot_id, thought)
                 final = clock.final(ev)
                 yield named_event(ResponseCompleted(sequence_number=next(seq), response=answer.body(), timings=final))
     except Exception as exc:  # the worker failed mid-stream: an error event ends the stream
