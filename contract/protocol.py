@@ -91,6 +91,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     json_schema: str = ""  # a JSON schema as JSON text; turned into GBNF by the worker (``grammar`` wins)
     schema_rule: str = ""  # set: ``json_schema``'s GBNF is added to ``grammar`` as this rule (engine/grammar.py)
     grammar_triggers: list[str] = []  # set: a lazy grammar, from the first match of one of these regexes on
+    # a thinking budget (engine/reasoning_budget.py; llama-server's reasoning_budget_tokens): -1 none, else the
+    # tokens a thought between the tags may take before the message and the end tag are forced
+    reasoning_budget: int = -1
+    reasoning_start: str = ""  # the thinking tags, as text (e.g. "<think>", "</think>")
+    reasoning_end: str = ""
+    reasoning_message: str = ""  # forced before the end tag when the budget is spent (--reasoning-budget-message)
+    reasoning_open: bool = False  # the prompt opened the thought: the budget counts from the first token
 
 
 AttentionFormat = Literal["per_layer", "aggregated"]

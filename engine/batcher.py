@@ -32,6 +32,7 @@ from contract.protocol import (
 )
 from engine.engine import BatchEntry, Engine, EngineError
 from engine.grammar import GrammarError
+from engine.reasoning_budget import ReasoningBudget
 from engine.sampling import NO_TOKEN, SamplerChain, logits_row, logprobs
 
 Emit = Callable[[Message, Sequence[Buffer]], None]
@@ -114,10 +115,17 @@ class Batcher:
             self._finish(job, "length")
 
     def new_chain(self, params: SamplingParams) -> SamplerChain:
-        """The sampler chain of ``params``; ``EngineError`` (``INVALID_GRAMMAR``) when its grammar is unusable."""
+        """The sampler chain of ``params`` (with its thinking budget, :mod:`engine.reasoning_budget`);
+        ``EngineError`` (``INVALID_GRAMMAR``) when its grammar is unusable."""
         model = self.engine.model
+        budget = None
+        if params.reasoning_budget >= 0 and params.reasoning_start and params.reasoning_end:
+            forced = model.tokenize(params.reasoning_message, False, True) if params.reasoning_message else []
+            forced += model.tokenize(params.reasoning_end, False, True)
+            start, end = params.reasoning_start.encode(), params.reasoning_end.encode()
+            budget = ReasoningBudget(start, end, forced, params.reasoning_budget, params.reasoning_open, model.pieces)
         try:
-            return SamplerChain(params, model.vocab, model.n_vocab)
+            return SamplerChain(params, model.vocab, model.n_vocab, budget)
         except GrammarError as exc:
             raise EngineError(exc.code, str(exc)) from exc
 

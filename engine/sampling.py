@@ -27,6 +27,7 @@ import numpy as np
 
 from contract.protocol import SamplingParams
 from engine.grammar import gbnf_of, grammar_sampler
+from engine.reasoning_budget import ReasoningBudget
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 MIROSTAT_M = 100  # llama-server's m for Mirostat 1 (common/sampling.cpp)
@@ -69,7 +70,14 @@ class SamplerChain:
     :class:`engine.grammar.GrammarError` for a grammar or JSON schema llama.cpp cannot use.
     """
 
-    def __init__(self, params: SamplingParams, vocab: llama.llama_vocab_p, n_vocab: int) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab: llama.llama_vocab_p,
+        n_vocab: int,
+        budget: ReasoningBudget | None = None,
+    ) -> None:
+        self.budget = budget
         gbnf = gbnf_of(params.grammar, params.json_schema, params.schema_rule)
         self.grammar = grammar_sampler(vocab, gbnf, params.grammar_triggers) if gbnf else None  # beside the chain
         self.n_vocab = n_vocab
@@ -140,6 +148,23 @@ class SamplerChain:
                 llama.llama_sampler_accept(smpl, tok)
 
     def sample(self, ctx: llama.llama_context_p, batch_index: int) -> int:
+        """The next token: the one a thinking budget forces (:mod:`engine.reasoning_budget`, accepted by
+        the chain and, where it allows it, the grammar), else :meth:`_sample`'s pick."""
+        if self.budget is None:
+            return self._sample(ctx, batch_index)
+        tok = self.budget.forced()
+        if tok is None:
+            tok = self._sample(ctx, batch_index)
+        else:
+            self._kept = 0  # no candidates: post_probs gives llama-server's default
+            if self.grammar is not None and self._allowed(tok):
+                llama.llama_sampler_accept(self.grammar, tok)
+            llama.llama_sampler_accept(self.ptr, tok)
+        if tok != NO_TOKEN:
+            self.budget.accept(tok)
+        return tok
+
+    def _sample(self, ctx: llama.llama_context_p, batch_index: int) -> int:
         """Sample from the logits of ``batch_index`` of the last decode and accept the token.
 
         With a grammar, as llama-server (``common_sampler_sample``): the chain picks a token, the

@@ -21,6 +21,8 @@ from orchestrator.web.read_limits import ReadLimits
 
 Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
 Durability = Literal["strict", "write-behind"]
+ReasoningFormat = Literal["none", "auto", "deepseek"]
+"""``reasoning_format`` values (llama-server's; ``auto`` is ``deepseek``: thoughts in ``reasoning_content``)."""
 _limits = ReadLimits()
 
 
@@ -282,6 +284,33 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             "--embeddings",
         ),
     ] = True
+    reasoning_format: Annotated[
+        ReasoningFormat,
+        Flag(
+            "llama-server's --reasoning-format: a thinking template's thoughts in reasoning_content (auto, "
+            "deepseek) or left in content (none); a request's reasoning_format overrides it",
+            "--reasoning-format",
+            metavar="none|auto|deepseek",
+        ),
+    ] = "auto"
+    reasoning_budget: Annotated[
+        int,
+        msgspec.Meta(ge=-1, le=2**31 - 1),
+        Flag(
+            "llama-server's --reasoning-budget: tokens a thought may take before its end is forced (-1: no "
+            "limit, 0: ended at once); a request's thinking_budget_tokens overrides it",
+            "--reasoning-budget",
+        ),
+    ] = -1
+    reasoning_budget_message: Annotated[
+        str,
+        Flag(
+            "llama-server's --reasoning-budget-message: text forced before the end-of-thinking tag when the "
+            "budget is spent",
+            "--reasoning-budget-message",
+            metavar="MESSAGE",
+        ),
+    ] = ""
 
     @property
     def read_limits(self) -> ReadLimits:

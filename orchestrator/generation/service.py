@@ -44,7 +44,8 @@ log = structlog.get_logger("slotserve.generate")
 PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
              "dry_multiplier", "dry_allowed_length", "dry_sequence_breakers", "dynatemp_range", "dynatemp_exponent",
              "mirostat", "mirostat_tau", "mirostat_eta", "grammar", "json_schema",
-             "schema_rule", "grammar_triggers", "post_sampling_probs")  # fmt: skip
+             "schema_rule", "grammar_triggers", "post_sampling_probs", "reasoning_budget", "reasoning_start",
+             "reasoning_end", "reasoning_message", "reasoning_open")  # fmt: skip
 """The further sampler settings a :class:`CanonicalRequest` hands to the engine as they are."""
 
 

@@ -23,7 +23,10 @@ from typing import Any
 import httpx
 import pytest
 
-from orchestrator.generation.tool_calls import CallDelta, ToolFormat, ToolPlan, detect_format, parse_tools, plan_of
+from orchestrator.generation.parsers.base import detect
+from orchestrator.generation.pieces import CallDelta
+from orchestrator.generation.tool_calls import parse_tools
+from orchestrator.generation.tool_plan import ToolPlan, plan_of
 from orchestrator.service_error import ServiceError
 from tests.conftest import ServerProc
 
@@ -115,16 +118,16 @@ QWEN25 = """{%- if tools %}
 @pytest.mark.parametrize(
     ("template", "fmt"),
     [
-        (QWEN25, ToolFormat.HERMES),
-        ("{{ '[TOOL_CALLS]' }}{{ tools }}", ToolFormat.MISTRAL),
-        ("<|start_header_id|>ipython{{ tools }}", ToolFormat.LLAMA3),
-        ("{% for m in messages %}{{ m.content }}{% endfor %}", ToolFormat.GENERIC),
-        ("<tool_call>\n<function={{ tools }}<parameter=", ToolFormat.UNKNOWN),
-        ("{% if tools %}{{ tools }}{% endif %}", ToolFormat.UNKNOWN),
+        (QWEN25, "hermes"),
+        ("{{ '[TOOL_CALLS]' }}{{ tools }}", "mistral"),
+        ("<|start_header_id|>ipython{{ tools }}", "llama3"),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "generic"),
+        ("<tool_call>\n<function={{ tools }}<parameter=", "unknown"),
+        ("{% if tools %}{{ tools }}{% endif %}", "unknown"),
     ],
 )
-def test_detect_format(template: str, fmt: ToolFormat) -> None:
-    assert detect_format(template) is fmt
+def test_detect_format(template: str, fmt: str) -> None:
+    assert detect(template) == fmt
 
 
 @pytest.mark.parametrize(
@@ -337,16 +340,16 @@ def test_every_format_grammar_is_one_llama_cpp_takes(model, template: str, choic
     import llama_cpp
 
     from engine.grammar import gbnf_of, grammar_sampler
-    from orchestrator.generation.tool_calls import CALL_RULE
+    from orchestrator.generation.parsers.base import CALL_RULE
 
     plan = plan_of(template, [WEATHER, ADD], choice, parallel)
     assert plan is not None
     got = plan.grammar()
     if got is None:
-        assert choice == "none" and plan.format is not ToolFormat.GENERIC
+        assert choice == "none" and plan.format != "generic"
         return
     gbnf, schema, triggers = got
-    assert bool(triggers) == (choice == "auto" and plan.format is not ToolFormat.GENERIC)
+    assert bool(triggers) == (choice == "auto" and plan.format != "generic")
     sampler = grammar_sampler(model.vocab, gbnf_of(gbnf, json.dumps(schema), CALL_RULE), triggers)
     llama_cpp.llama_sampler_free(sampler)
 
@@ -358,7 +361,7 @@ def test_lazy_grammar_constrains_from_the_trigger_on(model) -> None:  # type: ig
     import llama_cpp
 
     from engine.grammar import gbnf_of, grammar_sampler
-    from orchestrator.generation.tool_calls import CALL_RULE
+    from orchestrator.generation.parsers.base import CALL_RULE
 
     plan = plan_of(QWEN25, [ADD], "auto", False)
     assert plan is not None

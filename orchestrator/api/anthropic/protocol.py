@@ -61,7 +61,8 @@ class ToolResultBlock(msgspec.Struct, kw_only=True, tag="tool_result", tag_field
 
 
 class ThinkingBlock(msgspec.Struct, kw_only=True, tag="thinking", tag_field="type"):
-    """An assistant's reasoning in the history (given to the template as ``reasoning_content``)."""
+    """An assistant's reasoning: in the history (given to the template as ``reasoning_content``), or the
+    answer's thinking (first block, ``signature`` "": a local model signs nothing, as llama-server)."""
 
     thinking: str
     signature: str = ""
@@ -76,7 +77,7 @@ class RedactedThinkingBlock(msgspec.Struct, kw_only=True, tag="redacted_thinking
 InputBlock = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 """A block of a request message's ``content``."""
 
-AnswerBlock = TextBlock | ToolUseBlock
+AnswerBlock = ThinkingBlock | TextBlock | ToolUseBlock
 """A block of the answer's ``content``."""
 
 
@@ -110,10 +111,11 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 
 
 class ThinkingOption(msgspec.Struct, kw_only=True):
-    """``thinking`` (extended thinking): accepted and unused; this server does not split reasoning out."""
+    """``thinking`` (extended thinking): ``{"type": "enabled", "budget_tokens"}`` is the thinking budget
+    (llama-server's ``thinking_budget_tokens``, 10000 when left out); other types leave the server's."""
 
     type: str
-    budget_tokens: int | None = None
+    budget_tokens: TokenCount | None = None
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
@@ -193,7 +195,8 @@ class MessageStart(msgspec.Struct, kw_only=True, tag="message_start", tag_field=
 
 
 class ContentBlockStart(msgspec.Struct, kw_only=True, tag="content_block_start", tag_field="type"):
-    """A block begins at ``index`` (text: empty ``text``; a tool call: ``id``, ``name``, empty ``input``)."""
+    """A block begins at ``index`` (thinking: empty ``thinking``; text: empty ``text``; a tool call: ``id``,
+    ``name``, empty ``input``)."""
 
     index: int
     content_block: AnswerBlock
@@ -203,6 +206,18 @@ class TextDelta(msgspec.Struct, kw_only=True, tag="text_delta", tag_field="type"
     """More text of a text block."""
 
     text: str
+
+
+class ThinkingDelta(msgspec.Struct, kw_only=True, tag="thinking_delta", tag_field="type"):
+    """More of a thinking block's text."""
+
+    thinking: str
+
+
+class SignatureDelta(msgspec.Struct, kw_only=True, tag="signature_delta", tag_field="type"):
+    """A thinking block's signature, sent before the block stops ("" here, as llama-server)."""
+
+    signature: str
 
 
 class InputJsonDelta(msgspec.Struct, kw_only=True, tag="input_json_delta", tag_field="type"):
@@ -215,7 +230,7 @@ class ContentBlockDelta(msgspec.Struct, kw_only=True, tag="content_block_delta",
     """A piece of block ``index``."""
 
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta
 
 
 class ContentBlockStop(msgspec.Struct, kw_only=True, tag="content_block_stop", tag_field="type"):

@@ -3,7 +3,7 @@
 As llama-server does (``tools/server/server-chat.cpp`` ``server_chat_convert_anthropic_to_oai``), the
 request becomes an OpenAI-shaped chat request (messages, tools, tool choice: :func:`turn_of`, run on
 :func:`orchestrator.api.common.chat.chat_prompt_ids`: the model's chat template, tool calls by
-:mod:`orchestrator.generation.tool_calls`, the slot by ``slot_id`` / ``X-Slot-Id`` or the server's choice):
+:mod:`orchestrator.generation.tool_plan`, the slot by ``slot_id`` / ``X-Slot-Id`` or the server's choice):
 
 * ``system`` (a text or text blocks, joined) is a first system message; an
   ``x-anthropic-billing-header:`` system text has its changing ``cch=`` stamp replaced by ``fffff``
@@ -15,17 +15,20 @@ request becomes an OpenAI-shaped chat request (messages, tools, tool choice: :fu
 * ``tools`` (``input_schema`` the parameters) are function tools; ``tool_choice`` ``auto`` / ``any`` /
   ``none`` are ``auto`` / ``required`` / ``none``, ``{"type": "tool", "name"}`` that named function
   (llama-server makes it ``required``); ``stop_sequences`` are ``stop``; ``temperature``, ``top_p``,
-  ``top_k`` pass through; ``max_tokens`` defaults to 4096 (bounded by the window); ``metadata`` and
-  ``thinking`` are accepted and unused.
+  ``top_k`` pass through; ``max_tokens`` defaults to 4096 (bounded by the window); ``metadata`` is
+  accepted and unused; ``thinking: {"type": "enabled", "budget_tokens"}`` is the thinking budget
+  (``thinking_budget_tokens``, 10000 when left out, as llama-server).
 
-The answer is llama-server's ``to_json_anthropic``: ``content`` a text block (when there is text) then
-one ``tool_use`` block per call; ``stop_reason`` ``tool_use`` when the answer calls tools, ``max_tokens``
+The answer is llama-server's ``to_json_anthropic``: ``content`` a ``thinking`` block (a thinking
+template's thoughts, split out as ``--reasoning-format`` says, ``signature`` ""), a text block (when there
+is text), then one ``tool_use`` block per call; ``stop_reason`` ``tool_use`` when the answer calls tools, ``max_tokens``
 when the limit ended it, ``stop_sequence`` when a stop sequence did (Anthropic's value: llama-server
 says ``end_turn`` and fills ``stop_sequence``), else ``end_turn``; ``usage`` with
 ``cache_read_input_tokens``; the id is Anthropic's form ``msg_...``.  Streamed (``stream: true``),
-the events are llama-server's ``to_json_anthropic_stream`` (no ``ping``, no ``[DONE]``), each
+the events are llama-server's ``to_json_anthropic_stream`` (no ``ping``, no ``[DONE]``; thoughts as
+``thinking_delta`` pieces, the thinking block closed by an empty ``signature_delta``), each
 block closed before the next opens (Anthropic's order; llama-server closes them all at the end);
-text and tool calls are read as they stream (:class:`orchestrator.generation.tool_calls.AnswerText`,
+text and tool calls are read as they stream (:class:`orchestrator.generation.answer_text.AnswerText`,
 the OpenAI stream's parser): a ``tool_use`` block starts once its call's name is known and its
 ``input_json_delta`` pieces are the arguments as the model writes them, as llama-server streams them.
 Errors have llama-server's body under Anthropic's ``"type": "error"`` (:class:`MessageError`), the
@@ -62,23 +65,28 @@ from orchestrator.api.anthropic.protocol import (
     MessageUsage,
     OutputUsage,
     RedactedThinkingBlock,
+    SignatureDelta,
     StopReason,
     TextBlock,
     TextDelta,
     ThinkingBlock,
+    ThinkingDelta,
     ToolChoice,
     ToolDef,
     ToolResultBlock,
     ToolUseBlock,
 )
-from orchestrator.api.common.chat import chat_prompt_ids
+from orchestrator.api.common.chat import chat_prompt_ids, reasoning_of
 from orchestrator.api.common.generate import GenerateRequest
 from orchestrator.api.common.run import collect, remaining, started_run
+from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
+from orchestrator.generation.parsers.reasoning import ReasoningPlan
+from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
 from orchestrator.generation.request import CanonicalRequest
-from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan
+from orchestrator.generation.tool_calls import ToolCall
+from orchestrator.generation.tool_plan import ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.tenants.conversation import anthropic_user_id, identify
@@ -87,6 +95,8 @@ from orchestrator.web.sse import EventStream, named_event, streamable
 
 DEFAULT_MAX_TOKENS = 4096
 """``max_tokens`` when the request has none (llama-server's default for this API)."""
+DEFAULT_THINKING_BUDGET = 10000
+"""``thinking.budget_tokens`` when ``thinking`` is enabled without one (llama-server's)."""
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 ERRORS = error_responses(MessageError)
@@ -200,12 +210,18 @@ def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
 
 @dataclass
 class Turn:
-    """One Messages request on the chat path: its generation request, its tool plan (None without tools)
-    and the model name the answer reports."""
+    """One Messages request on the chat path: its generation request, its tool plan (None without tools),
+    the model name the answer reports and its reasoning handling (None: a template without thinking tags)."""
 
     req: CanonicalRequest
     tools: ToolPlan | None
     model: str
+    reasoning: ReasoningPlan | None = None
+
+    def answer_text(self) -> AnswerText:
+        """A reader of one answer: stop sequences cut, thoughts split out, tool calls parsed."""
+        thoughts = self.reasoning.parser() if self.reasoning else None
+        return AnswerText(list(self.req.stop_strings), self.tools.splitter() if self.tools else None, thoughts)
 
 
 async def turn_of(services: Services, request: Request[Any, Any, Any], data: MessagesRequest) -> Turn:
@@ -214,7 +230,8 @@ async def turn_of(services: Services, request: Request[Any, Any, Any], data: Mes
     4096 by default and never past the window; streamed requests ask for prefill progress (the
     ``message_start`` event's usage comes from it).  Bad values: ``INVALID_REQUEST``."""
     tools = chat_tools(data.tools)
-    ids, plan = await chat_prompt_ids(services, chat_messages(data), tools, chat_tool_choice(data.tool_choice))
+    ids, plan, prompt = await chat_prompt_ids(services, chat_messages(data), tools, chat_tool_choice(data.tool_choice))
+    thinking = reasoning_of(services, prompt, None, thinking_budget(data), None)
     room = remaining(services, len(ids))
     slot = next((str(v) for v in (data.slot_id, request.headers.get("x-slot-id")) if v is not None and str(v)), None)
     req = GenerateRequest(
@@ -232,7 +249,17 @@ async def turn_of(services: Services, request: Request[Any, Any, Any], data: Mes
     req.wait = True
     if plan:
         plan.constrain(req)
-    return Turn(req, plan if plan is not None and plan.active else None, services.model_id)
+    if thinking:
+        thinking.constrain(req)
+    return Turn(req, plan if plan is not None and plan.active else None, services.model_id, thinking)
+
+
+def thinking_budget(data: MessagesRequest) -> int | None:
+    """The thinking budget ``thinking`` asks for (None: the server's), as llama-server reads it."""
+    thinking = data.thinking
+    if thinking is None or thinking.type != "enabled":
+        return None
+    return thinking.budget_tokens if thinking.budget_tokens is not None else DEFAULT_THINKING_BUDGET
 
 
 def stop_reason(done: DoneOut, calls: list[ToolCall]) -> StopReason:
@@ -299,12 +326,12 @@ class MessagesController(Controller):
     ) -> EventStream | Message:
         shape = await turn_of(services, request, data)
         answer = Answer(shape)
-        stops = list(shape.req.stop_strings)
         if not data.stream:
             got = await collect(services, shape.req, request)
-            whole = StopTextFilter.whole(stops, (t.text for t in got.tokens if not t.is_stop), got.end.stop_string)
-            said, calls = shape.tools.parse(whole) if shape.tools else (whole, [])
-            content: list[AnswerBlock] = [TextBlock(text=said)] if said else []
+            read = shape.answer_text().whole([t.text for t in got.tokens if not t.is_stop], got.end.stop_string)
+            said, calls = read.content, read.calls
+            content: list[AnswerBlock] = [ThinkingBlock(thinking=read.reasoning)] if read.reasoning else []
+            content += [TextBlock(text=said)] if said else []
             content += [tool_use(c) for c in calls]
             end = got.end
             usage = usage_of(end.n_prompt, end.n_cached, end.n_generated)
@@ -312,7 +339,7 @@ class MessagesController(Controller):
             message.slot_id = slot_id_out(end.slot_id)
             return message
         run = await started_run(services, shape.req, request)
-        return EventStream(_events(answer, run, AnswerText(stops, shape.tools), route_of(request)))
+        return EventStream(_events(answer, run, shape.answer_text(), route_of(request)))
 
     @post(
         "/v1/messages/count_tokens",
@@ -321,7 +348,7 @@ class MessagesController(Controller):
         responses=ERRORS,
     )
     async def count_tokens(self, services: Services, data: MessagesRequest) -> MessageTokens:
-        ids, _ = await chat_prompt_ids(
+        ids, _, _ = await chat_prompt_ids(
             services, chat_messages(data), chat_tools(data.tools), chat_tool_choice(data.tool_choice)
         )
         return MessageTokens(input_tokens=len(ids))
@@ -335,7 +362,7 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
     ``message_delta`` and ``message_stop``."""
     n_prompt, n_cached = len(answer.shape.req.input_ids or []), 0
     started = False
-    block: tuple[int, int | None] | None = None  # the open block: its index, and its call's (None: text)
+    block: tuple[int, int | None] | None = None  # the open block: its index, its call's (None: text, -1: thinking)
     n_blocks = 0
 
     def start() -> list[bytes]:
@@ -346,7 +373,7 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
         message = answer.message([], usage_of(n_prompt, n_cached, 0), None)
         return [named_event(MessageStart(message=message))]
 
-    def open_block(call: int | None, head: TextBlock | ToolUseBlock) -> list[bytes]:
+    def open_block(call: int | None, head: AnswerBlock) -> list[bytes]:
         nonlocal block, n_blocks
         out = close_block()
         block, n_blocks = (n_blocks, call), n_blocks + 1
@@ -356,13 +383,19 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
         nonlocal block
         if block is None:
             return []
-        index, block = block[0], None
-        return [named_event(ContentBlockStop(index=index))]
+        (index, kind), block = block, None
+        signed = [named_event(ContentBlockDelta(index=index, delta=SignatureDelta(signature="")))] if kind == -1 else []
+        return [*signed, named_event(ContentBlockStop(index=index))]
 
     def frames_of(pieces: list[Piece]) -> list[bytes]:
         out: list[bytes] = []
         for piece in pieces:
-            if isinstance(piece, CallDelta):
+            if isinstance(piece, ReasoningDelta):
+                if block is None or block[1] != -1:
+                    out += open_block(-1, ThinkingBlock(thinking=""))
+                assert block is not None
+                out.append(named_event(ContentBlockDelta(index=block[0], delta=ThinkingDelta(thinking=piece.text))))
+            elif isinstance(piece, CallDelta):
                 if piece.name is not None:  # a call begins: its id and name
                     out += open_block(piece.index, ToolUseBlock(id=piece.id or "", name=piece.name))
                 if piece.arguments and block is not None:
@@ -372,7 +405,7 @@ async def _events(answer: Answer, run: Any, text: AnswerText, route: str) -> Asy
                         )
                     )
             elif piece:
-                if block is None or block[1] is not None:
+                if block is None or block[1] is not None:  # after a call or a thought: a new text block
                     out += open_block(None, TextBlock(text=""))
                 assert block is not None
                 out.append(named_event(ContentBlockDelta(index=block[0], delta=TextDelta(text=piece))))

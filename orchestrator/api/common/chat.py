@@ -1,9 +1,9 @@
 """A chat request's prompt: its messages (and tools) rendered by the model's chat template and tokenized,
-shared by every chat surface (OpenAI, Anthropic, llama-server's ``/apply-template`` and
-``/chat/completions/input_tokens``): :func:`chat_prompt_text` is the one preparation they all run
-(tool results named, messages and tools prepared by :mod:`orchestrator.generation.tool_calls`,
-rendered by :func:`chat_prompt`), so the text and the token count ``/apply-template`` and
-``input_tokens`` answer are exactly the chat path's prompt."""
+shared by every chat surface (OpenAI, Anthropic, Ollama, llama-server's ``/apply-template`` and
+``/chat/completions/input_tokens``), and how its thoughts are handled (:func:`reasoning_of`).
+:func:`chat_prompt_text` is the one preparation they all run (tool results named, messages and tools
+prepared by :mod:`orchestrator.generation.tool_plan`, rendered by :func:`chat_prompt`), so the text and the
+token count ``/apply-template`` and ``input_tokens`` answer are exactly the chat path's prompt."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 
 from contract.errors import ErrorCode
 from orchestrator.generation.chat_template import ChatTemplate, message_text
-from orchestrator.generation.tool_calls import ToolPlan, plan_of
+from orchestrator.generation.parsers.reasoning import ReasoningPlan, reasoning_format_of, reasoning_plan
+from orchestrator.generation.tool_plan import ToolPlan, plan_of
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError
 
@@ -76,7 +77,7 @@ def chat_prompt_text(
 ) -> tuple[str, ToolPlan | None]:
     """The prompt text of a chat request (``messages``, ``tools``, ``tool_choice``, ``parallel_tool_calls``
     in OpenAI's shapes) and its tool plan: the tool results named (:func:`named_tool_results`), the
-    messages and tools prepared by the plan (:func:`orchestrator.generation.tool_calls.plan_of`; None
+    messages and tools prepared by the plan (:func:`orchestrator.generation.tool_plan.plan_of`; None
     without tools), rendered by :func:`chat_prompt`.  Raises ``INVALID_REQUEST`` as they do (``tool_choice``
     ``required`` or a named function without tools among them)."""
     plan = plan_of(services.generation.info.chat_template, tools, tool_choice, parallel_tool_calls)
@@ -91,7 +92,24 @@ async def chat_prompt_ids(
     tools: list[Any] | None = None,
     tool_choice: Any = None,
     parallel_tool_calls: bool | None = None,
-) -> tuple[list[int], ToolPlan | None]:
-    """:func:`chat_prompt_text` tokenized (:func:`chat_ids`): the prompt tokens and the tool plan."""
+) -> tuple[list[int], ToolPlan | None, str]:
+    """:func:`chat_prompt_text` tokenized (:func:`chat_ids`): the prompt tokens, the tool plan and the prompt's
+    text."""
     text, plan = chat_prompt_text(services, messages, tools, tool_choice, parallel_tool_calls)
-    return await chat_ids(services, text), plan
+    return await chat_ids(services, text), plan, text
+
+
+def reasoning_of(
+    services: Services, prompt: str, fmt: str | None, budget: int | None, message: str | None
+) -> ReasoningPlan | None:
+    """The reasoning handling of a chat request whose rendered prompt is ``prompt`` (None when the template
+    has no thinking tags), as llama-server reads it (``tools/server/server-common.cpp``): ``fmt`` its
+    ``reasoning_format`` (None: ``--reasoning-format``), ``budget`` its thinking budget in tokens (None or
+    -1: ``--reasoning-budget``), ``message`` its ``reasoning_budget_message`` (None:
+    ``--reasoning-budget-message``).  An unknown ``reasoning_format`` is ``INVALID_REQUEST``."""
+    settings = services.settings
+    checked = reasoning_format_of(fmt, settings.reasoning_format)
+    if budget is None or budget == -1:
+        budget = settings.reasoning_budget
+    text = settings.reasoning_budget_message if message is None else message
+    return reasoning_plan(services.generation.info.chat_template, prompt, checked, budget, text)

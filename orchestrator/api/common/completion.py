@@ -16,6 +16,8 @@ from orchestrator.api.common.run import (
 from orchestrator.api.common.timings import Timings, timings_of
 from orchestrator.api.common.wire import PromptProgress
 from orchestrator.generation.events import DoneOut, TokenOut
+from orchestrator.generation.parsers.reasoning import ReasoningPlan
+from orchestrator.generation.pieces import Piece, ReasoningDelta
 from orchestrator.generation.request import (
     INT32_MAX,
     CanonicalRequest,
@@ -124,6 +126,7 @@ class LlamaCompletion(msgspec.Struct, kw_only=True):
     tokens_cached: int
     timings: Timings
     completion_probabilities: list[CompletionProb] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # with reasoning_format (slotserve's): the thought, out of content
 
 
 class LlamaCompletionChunk(msgspec.Struct, kw_only=True):
@@ -140,6 +143,7 @@ class LlamaCompletionChunk(msgspec.Struct, kw_only=True):
     completion_probabilities: list[CompletionProb] | UnsetType = UNSET
     timings: Timings | UnsetType = UNSET  # timings_per_token: the timings so far
     prompt_progress: PromptProgress | UnsetType = UNSET  # return_progress: a prefill step (no text)
+    reasoning_content: str | UnsetType = UNSET  # with reasoning_format: the thought's new text
 
 
 JSON_PROMPT_STRING_KEY = "prompt_string"
@@ -186,6 +190,14 @@ class CompletionBody(SamplerFields, kw_only=True):
     response_fields: list[str] | None = None
     timings_per_token: bool = False
     return_progress: bool = False
+    # llama-server's thinking budget (its README): tokens (-1 or None: --reasoning-budget), the tags (None: the
+    # chat template's) and the message forced before the end tag; reasoning_format (slotserve's: None or
+    # "none" leaves thoughts in content, as llama-server's /completion) splits them into reasoning_content
+    reasoning_budget_tokens: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = None
+    reasoning_budget_start_tag: str | None = None
+    reasoning_budget_end_tag: str | None = None
+    reasoning_budget_message: str | None = None
+    reasoning_format: str | None = None
 
 
 STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
@@ -271,8 +283,10 @@ class Completion:
         pieces: list[bytes],
         model: str,
         index: int = 0,
+        reasoning: ReasoningPlan | None = None,
     ):
         self.body, self.req, self.info, self.pieces, self.index = body, req, info, pieces, index
+        self.reasoning = reasoning  # thoughts split out when reasoning.split
         self.model, self.n_ctx = model, info.n_ctx
         self.slot_out: int | str = -1 if req.slot is None else slot_id_out(req.slot)  # set once a slot is chosen
 
@@ -296,9 +310,14 @@ class Completion:
         """The last (or only) response (``stop: true``, ``timings``)."""
         d = done
         probs = self.body.n_probs and not self.body.stream
+        thoughts = self.reasoning.parser() if self.reasoning else None
+        thought: str | UnsetType = UNSET
+        if thoughts is not None and not self.body.stream:
+            text, thought = split_text(thoughts.whole(text))
         return LlamaCompletion(
             index=self.index,
             content=text,
+            reasoning_content=thought,
             tokens=[t.token_id for t in tokens] if self.body.return_tokens else [],
             id_slot=slot_id_out(done.slot_id),
             stop=True,
@@ -317,6 +336,12 @@ class Completion:
             timings=timings_of(d),
             completion_probabilities=self.probs(tokens) if probs else UNSET,
         )
+
+
+def split_text(pieces: list[Piece]) -> tuple[str, str]:
+    """``(content, reasoning)`` of a reasoning parser's pieces."""
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return content, "".join(p.text for p in pieces if isinstance(p, ReasoningDelta))
 
 
 def nested_values(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:

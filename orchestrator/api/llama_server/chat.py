@@ -39,5 +39,7 @@ class LlamaChatController(Controller):
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def input_tokens(self, services: Services, data: ChatPromptBody) -> InputTokens:
-        ids, _ = await chat_prompt_ids(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
+        ids, _, _ = await chat_prompt_ids(
+            services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls
+        )
         return InputTokens(input_tokens=len(ids))

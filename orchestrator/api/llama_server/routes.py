@@ -32,6 +32,7 @@ from orchestrator.api.common.completion import (
     SubPrompt,
     nested_values,
     params_json,
+    split_text,
 )
 from orchestrator.api.common.generate import GenerateRequest
 from orchestrator.api.common.prompts import split_prompts, subprompt_ids
@@ -45,6 +46,7 @@ from orchestrator.api.common.run import (
 from orchestrator.api.common.timings import TimingsClock
 from orchestrator.api.common.wire import PromptProgress
 from orchestrator.api.llama_server.protocol import DefaultSettings, Modalities, Props
+from orchestrator.api.llama_server.reasoning import completion_reasoning
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.service import RunControl
@@ -116,6 +118,7 @@ async def _prepare(
     ids = await subprompt_ids(services, prompt)
     if not 0 <= body.n_probs <= 100:
         raise ApiError(ErrorCode.INVALID_REQUEST, "n_probs must be in 0..100")
+    thinking = await completion_reasoning(services, body, ids)  # a bad reasoning_format: 400 before the erase
     slot = None if str(body.id_slot) == "-1" else body.id_slot
     n_predict = body.n_predict if body.n_predict is not None else services.settings.n_predict
     if n_predict < 0:
@@ -139,6 +142,8 @@ async def _prepare(
     identify(req, request)
     req.wait = True
     req.post_sampling_probs = body.post_sampling_probs
+    if thinking is not None:
+        thinking.constrain(req)
     if body.ignore_eos:  # llama-server bans the end-of-generation tokens (-inf logit bias), not just goes on
         req.banned_tokens = sorted(set(req.banned_tokens) | set(services.generation.info.eog_token_ids))
     if not body.cache_prompt and req.slot is None:
@@ -149,7 +154,7 @@ async def _prepare(
         async with held as s:
             await ops.erase(s)
     info = services.generation.info
-    return Completion(body, req, info, await services.generation.pieces(), services.model_id, index)
+    return Completion(body, req, info, await services.generation.pieces(), services.model_id, index, thinking)
 
 
 class LlamaServerController(Controller):
@@ -257,9 +262,23 @@ class PromptStream:
     def __init__(self, c: Completion, data: CompletionBody) -> None:
         self.c, self.data = c, data
         self.filt = StopTextFilter(c.req.stop_strings)
+        self.thoughts = c.reasoning.parser() if c.reasoning else None
         self.pending: list[TokenOut] = []
         self.n = 0
         self.clock = TimingsClock(data.timings_per_token)
+
+    def _split(self, text: str, final: bool = False) -> tuple[str, str]:
+        """``(content, reasoning)`` of released ``text`` (all content without ``reasoning_format``)."""
+        if self.thoughts is None:
+            return text, ""
+        return split_text(self.thoughts.feed(text) + (self.thoughts.finish() if final else []))
+
+    def _chunk(self, text: str, thought: str) -> LlamaCompletionChunk:
+        chunk = self._timed(self.c.partial(text, self.pending, self.n))
+        if thought:
+            chunk.reasoning_content = thought
+        self.pending = []
+        return chunk
 
     def _timed(self, chunk: LlamaCompletionChunk) -> LlamaCompletionChunk:
         chunk.timings = self.clock.now()
@@ -281,15 +300,14 @@ class PromptStream:
             self.n += 1
             self.clock.token()
             self.pending.append(ev)
-            text = self.filt.feed("" if ev.is_stop else ev.text)
-            if not (text or ev.is_stop):
+            text, thought = self._split(self.filt.feed("" if ev.is_stop else ev.text))
+            if not (text or thought or ev.is_stop):
                 return []
-            out, self.pending = self._timed(c.partial(text, self.pending, self.n)), []
-            return [out]
+            return [self._chunk(text, thought)]
         if isinstance(ev, DoneOut):
-            rest = self.filt.finish(ev.stop_string)
+            rest, thought = self._split(self.filt.finish(ev.stop_string), final=True)
             chunks: list[LlamaCompletionChunk | LlamaCompletion] = []
-            if rest or self.pending:
-                chunks.append(self._timed(c.partial(rest, self.pending, self.n)))
+            if rest or thought or self.pending:
+                chunks.append(self._chunk(rest, thought))
             return [*chunks, c.final("", [], ev, "")]
         return []

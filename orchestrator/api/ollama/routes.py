@@ -42,10 +42,11 @@ from orchestrator.api.ollama.protocol import (
     ShowResponse,
     VersionResponse,
 )
+from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.embeddings import normalized, pooled
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, ToolPlan
+from orchestrator.generation.tool_plan import ToolPlan
 from orchestrator.services import Services
 from orchestrator.web.errors import ERROR_RESPONSES, ApiError, report, route_of
 
@@ -153,7 +154,11 @@ class OllamaController(Controller):
             content, calls = plan.parse(text) if plan else (text, [])
             return serving.chat_end(model, got.end, content or "", serving.tool_calls(calls))
         run = await started_run(services, req, request, then=then)
-        return NdjsonStream(_lines(run, request, _chat_lines(model, AnswerText(req.stop_strings, plan), plan)))
+        return NdjsonStream(
+            _lines(
+                run, request, _chat_lines(model, AnswerText(req.stop_strings, plan.splitter() if plan else None), plan)
+            )
+        )
 
     @post("/api/generate", status_code=200, summary="Ollama: a completion", responses=streamable(GenerateResponse))
     async def generate(
@@ -220,10 +225,10 @@ def _chat_lines(model: str, text: AnswerText, plan: ToolPlan | None) -> Any:
         if isinstance(ev, TokenOut):
             if ev.is_stop:
                 return []
-            said = "".join(p for p in text.feed(ev.text) if not isinstance(p, CallDelta))
+            said = "".join(p for p in text.feed(ev.text) if isinstance(p, str))
             return [serving.chat_chunk(model, said)] if said else []
         if isinstance(ev, DoneOut):
-            said = "".join(p for p in text.finish(ev.stop_string) if not isinstance(p, CallDelta))
+            said = "".join(p for p in text.finish(ev.stop_string) if isinstance(p, str))
             out = [serving.chat_chunk(model, said)] if said else []
             if text.calls:
                 out.append(serving.chat_chunk(model, "", serving.tool_calls(text.calls)))

@@ -54,7 +54,7 @@ from orchestrator.api.ollama.protocol import (
 from orchestrator.generation.events import DoneOut
 from orchestrator.generation.request import DEFAULT, CanonicalRequest
 from orchestrator.generation.tool_calls import ToolCall as ParsedCall
-from orchestrator.generation.tool_calls import ToolPlan
+from orchestrator.generation.tool_plan import ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import Slot
 from orchestrator.tenants.principal import principal_of
@@ -233,7 +233,8 @@ async def chat_prompt(
     """The prompt tokens of a chat (its messages and tools rendered by the model's template, as every chat
     surface renders them: :func:`orchestrator.api.common.chat.chat_prompt_ids`) and its tool plan (None
     without tools; with tools, Ollama's behaviour: the model may call them or answer)."""
-    return await chat_prompt_ids(services, chat_messages(messages), openai_tools(tools))
+    ids, plan, _ = await chat_prompt_ids(services, chat_messages(messages), openai_tools(tools))
+    return ids, plan
 
 
 async def generate_prompt(

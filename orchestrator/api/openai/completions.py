@@ -59,7 +59,7 @@ async def text_shapes(services: Services, request: Request[Any, Any, Any], data:
         req = canonical(data, request, ids, services, data.logprobs or 0)
         shape = Shape(False, services.model_id, req, data.logprobs is not None, pieces, fingerprint(info))
         if shapes:
-            shape.id, shape.created = shapes[0].id, shapes[0].created
+            shape.join(shapes[0])
         shapes.append(shape)
     return shapes
 

@@ -7,7 +7,7 @@ left out when unset; ``None`` is sent as ``null``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -148,10 +148,12 @@ class ToolCallDelta(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """The assistant's message: ``content`` is null when the answer is only tool calls."""
+    """The assistant's message: ``content`` is null when the answer is only tool calls; ``reasoning_content``
+    the model's thinking, split out by ``reasoning_format`` (llama-server's, absent when there is none)."""
 
     role: str
     content: str | None
+    reasoning_content: str | UnsetType = UNSET  # llama-server's: the thinking (reasoning_format), when there is one
     tool_calls: list[ToolCallOut] | UnsetType = UNSET
 
 
@@ -211,10 +213,12 @@ class TextCompletion(msgspec.Struct, kw_only=True):
 
 class ChatDelta(msgspec.Struct, kw_only=True):
     """What a chat chunk adds: the first chunk ``role`` (and ``content: null``, as llama-server), then
-    ``content`` pieces or ``tool_calls`` pieces; the last chunk an empty delta with ``finish_reason``."""
+    ``reasoning_content``, ``content`` or ``tool_calls`` pieces; the last chunk an empty delta with
+    ``finish_reason``."""
 
     role: str | UnsetType = UNSET
     content: str | UnsetType | None = UNSET
+    reasoning_content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
@@ -310,6 +314,10 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
         return (self.schema or {}) if self.type == "json_object" else None
 
 
+ReasoningBudget = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
+"""A thinking budget in tokens: -1 unlimited, 0 ended at once (llama-server's ``reasoning_budget_tokens``)."""
+
+
 class OpenAIRequest(SamplerFields, kw_only=True):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (plus llama-server's extras,
     :class:`orchestrator.schemas.SamplerFields`, as llama-server takes them on these routes too)."""
@@ -348,6 +356,12 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     post_sampling_probs: bool = False  # llama-server's: logprobs as probabilities after the sampler chain
+    # llama-server's reasoning fields (its README): none/auto/deepseek (None: --reasoning-format), a thinking
+    # budget in tokens (-1 or None: --reasoning-budget) and the message forced before the end tag when it is spent
+    reasoning_format: str | None = None
+    reasoning_budget_tokens: ReasoningBudget | None = None
+    thinking_budget_tokens: ReasoningBudget | None = None
+    reasoning_budget_message: str | None = None
 
 
 class CompletionRequest(OpenAIRequest, kw_only=True):
@@ -404,6 +418,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     background: bool | None = None
     timings_per_token: bool = False  # llama-server's: ``timings`` on the text deltas and the last event
     return_progress: bool = False  # llama-server's: ``prompt_progress`` on ``response.in_progress`` events
+    reasoning_format: str | None = None  # llama-server's reasoning fields, as on chat completions
+    reasoning_budget_tokens: ReasoningBudget | None = None
+    thinking_budget_tokens: ReasoningBudget | None = None
+    reasoning_budget_message: str | None = None
 
 
 class TokenDetails(msgspec.Struct, kw_only=True):
@@ -450,7 +468,24 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_fi
     arguments: str
 
 
-OutputItem = MessageItem | FunctionCallItem
+class ReasoningText(msgspec.Struct, kw_only=True, tag="reasoning_text", tag_field="type"):
+    """A ``reasoning`` item's text part."""
+
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, tag="reasoning", tag_field="type"):
+    """An output item: the model's thinking (llama-server's: ``content`` one ``reasoning_text`` part once
+    complete, ``summary`` empty, ``encrypted_content`` "")."""
+
+    id: str
+    status: str
+    summary: list[Any] = msgspec.field(default_factory=list)
+    content: list[ReasoningText] = msgspec.field(default_factory=list)
+    encrypted_content: str = ""
+
+
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
 """An item of a response's ``output``."""
 
 
@@ -567,6 +602,24 @@ class OutputTextDone(ResponseEvent, kw_only=True, tag="response.output_text.done
     logprobs: list[Any] = msgspec.field(default_factory=list)
 
 
+class ReasoningTextDelta(ResponseEvent, kw_only=True, tag="response.reasoning_text.delta"):
+    """More of the thinking of the ``reasoning`` item ``item_id``."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDone(ResponseEvent, kw_only=True, tag="response.reasoning_text.done"):
+    """The ``reasoning`` item's whole text."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
 class FunctionCallArgumentsDelta(ResponseEvent, kw_only=True, tag="response.function_call_arguments.delta"):
     """More of a tool call's arguments (a whole call's arguments at once here)."""
 
@@ -597,6 +650,8 @@ ResponseStreamEvent = (
     | ResponseInProgress
     | OutputItemAdded
     | ContentPartAdded
+    | ReasoningTextDelta
+    | ReasoningTextDone
     | OutputTextDelta
     | OutputTextDone
     | ContentPartDone

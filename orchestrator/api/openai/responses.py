@@ -8,12 +8,14 @@ streaming events) as the ``openai`` SDK reads them (``client.responses.create`` 
 (``{"type": "function", "name", "description", "parameters"}``), ``text.format`` the output's
 format (``text``, ``json_object``, ``json_schema``), ``max_output_tokens``.  The request becomes
 a chat request (:func:`orchestrator.api.openai.chat_shape`: the model's template, tool calls by
-:mod:`orchestrator.generation.tool_calls`); the answer is a ``message`` output item with one
-``output_text`` part, and one ``function_call`` item per tool call.
+:mod:`orchestrator.generation.tool_plan`; llama-server's reasoning fields as there); the answer is a
+``reasoning`` output item when a thinking template thought (llama-server's: one ``reasoning_text`` part),
+a ``message`` output item with one ``output_text`` part, and one ``function_call`` item per tool call.
 
 Streaming sends ``event: <type>`` / ``data: {json}`` Server-Sent Events, each with a
 ``sequence_number``: ``response.created``, ``response.in_progress``, then per item
-``response.output_item.added``, (``response.content_part.added``,
+``response.output_item.added``, (``response.reasoning_text.delta``..., ``response.reasoning_text.done``)
+or (``response.content_part.added``,
 ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``) or (``response.function_call_arguments.delta``... as the
 arguments arrive, ``response.function_call_arguments.done``), ``response.output_item.done``, and last
@@ -60,6 +62,10 @@ from orchestrator.api.openai.protocol import (
     OutputText,
     OutputTextDelta,
     OutputTextDone,
+    ReasoningItem,
+    ReasoningText,
+    ReasoningTextDelta,
+    ReasoningTextDone,
     ResponseCompleted,
     ResponseCreated,
     ResponseError,
@@ -73,7 +79,8 @@ from orchestrator.api.openai.protocol import (
 from orchestrator.api.openai.routes import Shape, chat_shape
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall
+from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
+from orchestrator.generation.tool_calls import ToolCall
 from orchestrator.services import Services
 from orchestrator.slots.conversations import Kept, StoredConversations
 from orchestrator.tenants.principal import principal_of
@@ -179,6 +186,7 @@ class Answer:
         self.tenant = tenant
         self.id = "resp_" + secrets.token_hex(24)
         self.msg_id = "msg_" + secrets.token_hex(24)
+        self.rs_id = "rs_" + secrets.token_hex(24)
         self.created = int(time.time())
         self.output: list[OutputItem] = []
         self.usage: ResponseUsage | None = None
@@ -189,6 +197,11 @@ class Answer:
         """The ``message`` output item holding ``text`` (no part while in progress)."""
         content = [OutputText(text=text)] if status == "completed" else []
         return MessageItem(id=self.msg_id, status=status, content=content)
+
+    def thought(self, text: str, status: str = "completed") -> ReasoningItem:
+        """The ``reasoning`` output item holding ``text`` (llama-server's; no part while in progress)."""
+        content = [ReasoningText(text=text)] if status == "completed" else []
+        return ReasoningItem(id=self.rs_id, status=status, content=content)
 
     @staticmethod
     def function_call(call: ToolCall, arguments: str | None = None, status: str = "completed") -> FunctionCallItem:
@@ -243,13 +256,15 @@ class Answer:
         )
 
     async def remember(
-        self, messages: list[dict[str, Any]], text: str | None, calls: list[ToolCall], slot: str
+        self, messages: list[dict[str, Any]], text: str | None, calls: list[ToolCall], slot: str, thought: str = ""
     ) -> None:
-        """Keep the conversation (``messages`` plus this answer) for ``previous_response_id``, in the
-        caller's tenant."""
+        """Keep the conversation (``messages`` plus this answer, its ``thought`` as ``reasoning_content``)
+        for ``previous_response_id``, in the caller's tenant."""
         if not self.data.store:
             return
         reply: dict[str, Any] = {"role": "assistant", "content": text}
+        if thought:
+            reply["reasoning_content"] = thought
         if calls:
             reply["tool_calls"] = [c.openai() for c in calls]
         await self.conversations.put(self.tenant, self.id, Kept(slot, [*messages, reply]))
@@ -276,6 +291,10 @@ def _chat_request(data: ResponsesRequest, messages: list[dict[str, Any]], slot: 
         "stream": data.stream,
         "timings_per_token": data.timings_per_token,
         "return_progress": data.return_progress,
+        "reasoning_format": data.reasoning_format,
+        "reasoning_budget_tokens": data.reasoning_budget_tokens,
+        "thinking_budget_tokens": data.thinking_budget_tokens,
+        "reasoning_budget_message": data.reasoning_budget_message,
     }
     try:
         return msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
@@ -311,13 +330,15 @@ class ResponsesController(Controller):
         answer = Answer(data, shape, services.registry.conversations, principal_of(request).tenant)
         if not data.stream:
             got = await collect(services, shape.req, request)
-            text = "".join(t.text for t in got.tokens if not t.is_stop)
-            content, calls = shape.tools.parse(text) if shape.tools else (text, [])
+            whole = shape.answer_text([]).whole([t.text for t in got.tokens if not t.is_stop])
+            content, calls = whole.content, whole.calls
+            if whole.reasoning:
+                answer.output.append(answer.thought(whole.reasoning))
             if content or not calls:
                 answer.output.append(answer.message(content or ""))
             answer.output += [answer.function_call(c) for c in calls]
             answer.end(got.end)
-            await answer.remember(messages, content, calls, got.end.slot_id)
+            await answer.remember(messages, content, calls, got.end.slot_id, whole.reasoning)
             return answer.body()
         run = await started_run(services, shape.req, request)
         return EventStream(_events(answer, run, messages, route_of(request)))
@@ -326,12 +347,14 @@ class ResponsesController(Controller):
 async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], route: str) -> AsyncIterator[bytes]:
     """The Responses streaming events of one run (module docstring), numbered from 0: text deltas as the
     text arrives, and each tool call's item as soon as its name is known, then its arguments in pieces
-    (``response.function_call_arguments.delta``) as :class:`orchestrator.generation.tool_calls.AnswerText`
+    (``response.function_call_arguments.delta``) as :class:`orchestrator.generation.answer_text.AnswerText`
     reads them."""
     seq = itertools.count()
     shape = answer.shape
-    said = AnswerText(list(shape.req.stop_strings), shape.tools)
+    said = shape.answer_text(list(shape.req.stop_strings))
     text = ""
+    thought = ""
+    thinking: int | None = None  # the open reasoning item's output_index
     where: dict[str, Any] = {"item_id": answer.msg_id, "content_index": 0}  # output_index: once opened
     call_at: list[int] = []  # each call's output_index
     clock = TimingsClock(answer.data.timings_per_token)
@@ -347,10 +370,43 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
             named_event(ContentPartAdded(sequence_number=next(seq), **where, part=OutputText(text=""))),
         ]
 
+    def think(piece: ReasoningDelta) -> list[bytes]:
+        nonlocal thought, thinking
+        got: list[bytes] = []
+        if thinking is None:
+            thinking = len(answer.output)
+            answer.output.append(answer.thought("", "in_progress"))
+            added = OutputItemAdded(sequence_number=next(seq), output_index=thinking, item=answer.output[thinking])
+            got.append(named_event(added))
+        thought += piece.text
+        delta = ReasoningTextDelta(
+            sequence_number=next(seq), item_id=answer.rs_id, output_index=thinking, content_index=0, delta=piece.text
+        )
+        return [*got, named_event(delta)]
+
+    def end_thought() -> list[bytes]:
+        nonlocal thinking
+        if thinking is None:
+            return []
+        index, thinking = thinking, None
+        item = answer.output[index] = answer.thought(thought)
+        done = ReasoningTextDone(
+            sequence_number=next(seq), item_id=answer.rs_id, output_index=index, content_index=0, text=thought
+        )
+        return [
+            named_event(done),
+            named_event(OutputItemDone(sequence_number=next(seq), output_index=index, item=item)),
+        ]
+
     def out(pieces: list[Piece]) -> list[bytes]:
         nonlocal text
         got: list[bytes] = []
         for piece in pieces:
+            if isinstance(piece, ReasoningDelta):
+                got += think(piece)
+                continue
+            if piece:
+                got += end_thought()
             if isinstance(piece, CallDelta) and piece.name is not None:
                 call_at.append(len(answer.output))
                 started = answer.function_call(said.calls[piece.index], "", "in_progress")
@@ -396,7 +452,7 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
                 for b in out(said.feed(ev.text)):
                     yield b
             elif isinstance(ev, DoneOut):
-                for b in out(said.finish(ev.stop_string)):
+                for b in out(said.finish(ev.stop_string)) + end_thought():
                     yield b
                 calls = said.calls
                 if "output_index" in where or not calls:
@@ -422,7 +478,7 @@ async def _events(answer: Answer, run: Any, messages: list[dict[str, Any]], rout
                     yield named_event(OutputItemDone(sequence_number=next(seq), output_index=index, item=call_item))
                     answer.output[index] = call_item
                 answer.end(ev)
-                await answer.remember(messages, text or None, calls, ev.slot_id)
+                await answer.remember(messages, text or None, calls, ev.slot_id, thought)
                 final = clock.final(ev)
                 yield named_event(ResponseCompleted(sequence_number=next(seq), response=answer.body(), timings=final))
     except Exception as exc:  # the worker failed mid-stream: an error event ends the stream

@@ -31,7 +31,7 @@ from msgspec import UNSET, UnsetType
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
-from orchestrator.api.common.chat import chat_prompt_ids
+from orchestrator.api.common.chat import chat_prompt_ids, reasoning_of
 from orchestrator.api.common.completion import Completion, CompletionBody, LlamaCompletion
 from orchestrator.api.common.generate import GenerateRequest
 from orchestrator.api.common.run import (
@@ -71,14 +71,18 @@ from orchestrator.api.openai.protocol import (
     TopLogprobEntry,
     Usage,
 )
+from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.choices import ChoiceEvent, forked_choices
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
+from orchestrator.generation.parsers.reasoning import ReasoningPlan
+from orchestrator.generation.pieces import CallDelta, Piece, ReasoningDelta
 from orchestrator.generation.request import (
     CanonicalRequest,
 )
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan
+from orchestrator.generation.tool_calls import ToolCall
+from orchestrator.generation.tool_plan import ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.tenants.conversation import identify
@@ -195,9 +199,11 @@ class Shape:
         pieces: list[bytes],
         fingerprint: str,
         tools: ToolPlan | None = None,
+        reasoning: ReasoningPlan | None = None,
     ) -> None:
         self.chat = chat
         self.tools = tools if tools is not None and tools.active else None
+        self.reasoning = reasoning
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
@@ -205,6 +211,16 @@ class Shape:
         self.want_logprobs = want_logprobs
         self.pieces = pieces
         self.fingerprint = fingerprint
+
+    def join(self, first: Shape) -> None:
+        """Answer under ``first``'s id and creation time: several prompts are choices of one answer."""
+        self.id, self.created = first.id, first.created
+
+    def answer_text(self, stops: list[str]) -> AnswerText:
+        """A reader of one answer of this request: ``stops`` cut, thoughts split out (``reasoning_format``),
+        tool calls parsed (when it has tools)."""
+        thoughts = self.reasoning.parser() if self.reasoning else None
+        return AnswerText(stops, self.tools.splitter() if self.tools else None, thoughts)
 
     def _attention(self, tokens: list[TokenOut]) -> list[Attention | None] | UnsetType:
         """The ``attention`` extension for ``tokens`` (unset unless asked for)."""
@@ -277,13 +293,22 @@ class Shape:
     def piece_chunks(
         self, pieces: list[Piece], tokens: list[TokenOut], index: int = 0
     ) -> tuple[list[ChatCompletionChunk | TextCompletionChunk], list[TokenOut]]:
-        """The chunks of ``pieces`` (:class:`orchestrator.generation.tool_calls.ToolStream`'s content
-        and tool-call pieces) of choice ``index``; the first content chunk carries ``tokens``' logprobs.
+        """The chunks of ``pieces`` (:class:`orchestrator.generation.answer_text.AnswerText`'s content,
+        reasoning and tool-call pieces) of choice ``index``; the first content or reasoning chunk carries
+        ``tokens``' logprobs and attention.
         Returns the chunks and the tokens not yet carried."""
         out: list[ChatCompletionChunk | TextCompletionChunk] = []
         for piece in pieces:
             if isinstance(piece, CallDelta):
                 out.append(self.call_chunk(piece, index))
+            elif isinstance(piece, ReasoningDelta):
+                delta = ChatDelta(reasoning_content=piece.text)
+                choice = ChatChunkChoice(
+                    index=index, delta=delta, finish_reason=None, logprobs=self._chat_logprobs(tokens),
+                    attention=self._attention(tokens),
+                )  # fmt: skip
+                out.append(self._chat_chunk([choice]))
+                tokens = []
             elif piece:
                 out.append(self.chunk(piece, tokens, index=index))
                 tokens = []
@@ -304,8 +329,11 @@ class Shape:
         request has tools)."""
         if not self.chat:
             return self._text_choice(index, text, tokens, FINISH.get(done.finish_reason, "stop"))
-        content, calls = self.tools.parse(text) if self.tools else (text, [])
+        answer = self.answer_text([]).whole([text])
+        content, calls = answer.content, answer.calls
         message = ChatMessage(role="assistant", content=content)
+        if answer.reasoning:
+            message.reasoning_content = answer.reasoning
         finish = self.finish_of(done, calls)
         if calls:
             message.tool_calls = [
@@ -337,13 +365,12 @@ class Shape:
 
 
 class ChoiceStream:
-    """One streamed choice's text on its way out: stop strings cut (:class:`StopTextFilter`), tool calls
-    parsed as they arrive (:class:`orchestrator.generation.tool_calls.ToolStream`), tokens held until a
-    chunk carries them."""
+    """One streamed choice's text on its way out: stop strings cut and tool calls parsed as they arrive
+    (:class:`orchestrator.generation.answer_text.AnswerText`), tokens held until a chunk carries them."""
 
     def __init__(self, shape: Shape, index: int = 0) -> None:
         self.shape, self.index = shape, index
-        self.answer = AnswerText(list(shape.req.stop_strings), shape.tools)
+        self.answer = shape.answer_text(list(shape.req.stop_strings))
         self.pending: list[TokenOut] = []
 
     def _chunks(self, pieces: list[Piece]) -> list[ChatCompletionChunk | TextCompletionChunk]:
@@ -436,14 +463,22 @@ async def respond(
 
 async def chat_shape(services: Services, request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Shape:
     """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
-    the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_calls`."""
-    ids, plan = await chat_prompt_ids(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
+    the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_plan` and thoughts
+    by :func:`orchestrator.api.common.chat.reasoning_of` (llama-server's reasoning fields)."""
+    ids, plan, prompt = await chat_prompt_ids(
+        services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls
+    )
+    budget = data.reasoning_budget_tokens if data.reasoning_budget_tokens is not None else data.thinking_budget_tokens
+    thinking = reasoning_of(services, prompt, data.reasoning_format, budget, data.reasoning_budget_message)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     req.post_sampling_probs = data.post_sampling_probs
     if plan:
         plan.constrain(req)
+    if thinking:
+        thinking.constrain(req)
     pieces = await services.generation.pieces()
-    return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(services.generation.info), plan)
+    info = services.generation.info
+    return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(info), plan, thinking)
 
 
 async def respond_choices(
