@@ -39,7 +39,7 @@ from engine.handlers import EngineHandlers, Handler
 from contract.heap import keep_heap_mapped
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
-from contract.settings import EngineSettings
+from contract.settings import SPLIT_MODES, EngineSettings
 
 log = logging.getLogger("slotserve.worker")
 
@@ -257,6 +257,12 @@ def start_engine(config: EngineSettings, report: Callable[..., None]) -> Engine 
         n_gpu_layers=config.n_gpu_layers,
         repack=choice,
         on_progress=progress,
+        placement=backend.Placement(
+            devices=config.device,
+            split_mode=SPLIT_MODES[config.split_mode],
+            main_gpu=config.main_gpu,
+            tensor_split=config.tensor_split_values,
+        ),
     )
     try:
         if config.classifier or config.embedder:
