@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 from engine import native
 from engine.cellmap import CellMap, CellMapError
-from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 
 _DTYPES = {native.GGML_TYPE_F32: np.float32, native.GGML_TYPE_F16: np.float16}
 

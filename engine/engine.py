@@ -28,17 +28,17 @@ from dataclasses import dataclass
 import llama_cpp as llama
 import numpy as np
 
-from engine import backend, native
-from slotstate import seq_state
 from contract.buffers import BufferPool
-from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
-from engine.cellmap import CellMap, CellMapError
 from contract.errors import ErrorCode
 from contract.kv_types import KV_CACHE_TYPES
-from engine.memory import UnsupportedMemoryError, memory_of
-from engine.model import Model, file_fingerprint
 from contract.protocol import CaptureOptions
 from contract.settings import FLASH_ATTN_TYPES, EngineSettings
+from engine import backend, native
+from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
+from engine.cellmap import CellMap, CellMapError
+from engine.memory import UnsupportedMemoryError, memory_of
+from engine.model import Model, file_fingerprint
+from slotstate import seq_state
 
 State = bytearray | memoryview
 

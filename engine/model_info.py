@@ -6,9 +6,9 @@ import ctypes
 
 import llama_cpp as llama
 
+from contract.model_facts import EngineRuntime, MemoryInfo, ModelInfo
 from engine import backend, native
 from engine.engine import Engine
-from contract.model_facts import EngineRuntime, MemoryInfo, ModelInfo
 from engine.native import lib as libggml
 
 libggml.ggml_type_name.argtypes = [ctypes.c_int]

@@ -26,20 +26,20 @@ from typing import Literal
 import llama_cpp  # noqa: F401 - first of the native libraries, before numpy's (docs/hardware.md)
 import msgspec
 
-from engine import backend
-from contract import settings
 from contract import protocol as proto
-from engine.batcher import Batcher
+from contract import settings
 from contract.buffers import BufferPool
-from engine.classifier import Classifier
-from engine.engine import Engine, EngineError
 from contract.errors import ErrorCode
 from contract.framing import RecvBuffer, parse_address
-from engine.handlers import EngineHandlers, Handler
 from contract.heap import keep_heap_mapped
+from contract.settings import SPLIT_MODES, EngineSettings
+from engine import backend
+from engine.batcher import Batcher
+from engine.classifier import Classifier
+from engine.engine import Engine, EngineError
+from engine.handlers import EngineHandlers, Handler
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
-from contract.settings import SPLIT_MODES, EngineSettings
 
 log = logging.getLogger("slotserve.worker")
 

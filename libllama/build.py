@@ -156,7 +156,8 @@ def choose_backend(
     if not nvcc:  # not forced: both found above; forced: refused above
         raise BuildError("no CUDA compiler")
     archs = _cuda_archs(env, gpu) if gpu or env.get("SLOTSERVE_CUDA_ARCHITECTURES") else "90"
-    args = f"-DGGML_CUDA=on -DCMAKE_CUDA_COMPILER={nvcc} -DCMAKE_CUDA_ARCHITECTURES={archs}{_cublas_args(env, nvcc, exists)}"
+    args = f"-DGGML_CUDA=on -DCMAKE_CUDA_COMPILER={nvcc} -DCMAKE_CUDA_ARCHITECTURES={archs}"
+    args += _cublas_args(env, nvcc, exists)
     if not gpu:
         args += " -DGGML_CUDA_NO_VMM=ON"
     why = "SLOTSERVE_BACKEND=cuda" if forced else f"CUDA compiler {nvcc} and NVIDIA GPU {gpu}"
@@ -300,8 +301,8 @@ def wheel() -> Path:
 
 
 def main() -> int:
-    """``build.py`` prints the wheel; ``--source`` the patched tree; ``--cmake-args`` the CMake arguments of
-    this machine's backend (for a build of the patched tree by hand, e.g. with llama-server: benchmarks/gpu/check.sh)."""
+    """``build.py`` prints the wheel; ``--source`` the patched tree; ``--cmake-args`` the CMake arguments of this
+    machine's backend (for a build of the patched tree by hand, with llama-server: benchmarks/gpu/check.sh)."""
     try:
         if "--cmake-args" in sys.argv[1:]:
             print(cmake_args(choose_backend()))

@@ -17,7 +17,9 @@ CHECK = ROOT / "benchmarks" / "gpu" / "check.sh"
 
 
 def _status() -> str:
-    return subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
 
 
 def test_the_dry_run_prints_every_step_and_the_bytes_and_changes_nothing() -> None:
@@ -46,7 +48,13 @@ def test_the_report_joins_a_devices_logs_into_json_and_markdown(tmp_path: Path) 
     rows = [{"row": "one stream at 500 | SSE", "slotserve": "430 tok/s", "llama_server": "743", "ratio": "0.58"}]
     (tmp_path / "bench.json").write_text(json.dumps({"about": {"threads": "16"}, "rows": rows}))
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "report.py"), str(tmp_path), "--json", str(tmp_path / "r.json")],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu" / "report.py"),
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
