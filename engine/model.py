@@ -126,7 +126,8 @@ def _apply_placement(params: llama.llama_model_params, placement: Placement) -> 
         except UnknownDeviceError as exc:
             raise ModelLoadError(str(exc)) from exc
         devs = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
-        params.devices = ctypes.cast(devs, ctypes.c_void_p)
+        # the field is a c_void_p in llama-cpp-python's ctypes mirror (annotated as an array): its address
+        params.devices = ctypes.addressof(devs)  # type: ignore[assignment]
         keep.append(devs)
     if placement.tensor_split:
         n_max = llama.llama_max_devices()

@@ -16,10 +16,10 @@ from tests.conftest import ROOT
 CHECK = ROOT / "benchmarks" / "gpu" / "check.sh"
 
 
-def _status() -> str:
-    return subprocess.run(
-        ["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True
-    ).stdout
+def _status() -> list[str]:
+    """``git status`` with ignored files, but for Python's bytecode caches."""
+    out = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "__pycache__" not in line]
 
 
 def test_the_dry_run_prints_every_step_and_the_bytes_and_changes_nothing() -> None:
