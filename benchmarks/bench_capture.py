@@ -30,10 +30,10 @@ def measure(contexts: list[int], new: int, reps: int, threads: int) -> dict[str,
     """``{context: {mode: median decode step ms}}`` in this process's checkout."""
     import llama_cpp  # noqa: F401 - llama.cpp before numpy
 
-    from engine.engine import Engine
-    from engine.model import Model, default_model_path
     from contract.protocol import CaptureOptions
     from contract.settings import EngineSettings
+    from engine.engine import Engine
+    from engine.model import Model, default_model_path
     from tests.engine.enginekit import Runner
 
     model = Model(default_model_path())

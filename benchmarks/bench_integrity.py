@@ -39,9 +39,9 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 
 def real_state(model_path: Path, n_tokens: int) -> bytes:
     """A sequence state of ``n_tokens`` prefilled tokens."""
+    from contract.settings import EngineSettings
     from engine.engine import BatchEntry, Engine
     from engine.model import Model
-    from contract.settings import EngineSettings
 
     model = Model(model_path)
     eng = Engine(model, EngineSettings(n_ctx=n_tokens + 16, n_slots=1, n_spare=0, capture=False))

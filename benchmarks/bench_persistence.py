@@ -45,8 +45,8 @@ from common import Quiet, add_gpu_args, add_idle_args, build_prompt, http_tokeni
 from servers import ServerProc, check, default_model, free_port, settle, slotserve_cmd, stop_servers
 
 from slotstate import codec as codecs
-from storage.redis_store import RedisStore
 from slotstate.ses1 import ses1_tokens
+from storage.redis_store import RedisStore
 from storage.slot_codec import load_slot, save_slot
 from tests.redis_server import RedisServer
 

@@ -29,10 +29,10 @@ import llama_cpp as llama
 from bench_stream import Phase, build_prompt, inproc_once, take_rep
 from common import Quiet, add_idle_args
 
+from contract.settings import EngineSettings
 from engine import backend
 from engine.engine import Engine
 from engine.model import Model, default_model_path, init_backend
-from contract.settings import EngineSettings
 
 
 def main() -> int:

@@ -52,12 +52,12 @@ import numpy as np
 from common import CpuMeter, Quiet, SseEvents, add_gpu_args, add_idle_args, model_tokenizer, ws_token_frames
 from servers import ServerProc, free_port, settle, slotserve_cmd, stop_servers
 
-from engine.batcher import Batcher
-from engine.engine import Engine
 from contract.heap import keep_heap_mapped
-from engine.model import Model, default_model_path
 from contract.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
 from contract.settings import EngineSettings
+from engine.batcher import Batcher
+from engine.engine import Engine
+from engine.model import Model, default_model_path
 
 # ----------------------------------------------------------------------------- results
 

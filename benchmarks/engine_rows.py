@@ -20,12 +20,12 @@ import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 from common import Quiet, build_prompt, model_tokenizer, step_tps
 from servers import default_model
 
-from engine.batcher import Batcher
-from engine.engine import Engine
 from contract.heap import keep_heap_mapped
-from engine.model import Model
 from contract.protocol import CaptureOptions, Error, Generate, SamplingParams, Token
 from contract.settings import EngineSettings
+from engine.batcher import Batcher
+from engine.engine import Engine
+from engine.model import Model
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner
 

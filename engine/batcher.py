@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.engine import BatchEntry, Engine, EngineError
 from contract.errors import ErrorCode
 from contract.flow import Credit
-from engine.grammar import GrammarError
 from contract.protocol import (
     Buffer,
     Done,
@@ -32,6 +30,8 @@ from contract.protocol import (
     Tensor,
     Token,
 )
+from engine.engine import BatchEntry, Engine, EngineError
+from engine.grammar import GrammarError
 from engine.sampling import NO_TOKEN, SamplerChain, logits_row, logprobs
 
 Emit = Callable[[Message, Sequence[Buffer]], None]

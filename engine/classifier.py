@@ -23,12 +23,12 @@ from typing import Any
 import llama_cpp as llama
 import numpy as np
 
+from contract.errors import ErrorCode
+from contract.settings import EngineSettings
 from engine import native
 from engine.backend import FlashAttnChoice
 from engine.engine import EngineError
-from contract.errors import ErrorCode
 from engine.model import Model, ModelLoadError, file_fingerprint
-from contract.settings import EngineSettings
 
 
 class Classifier:

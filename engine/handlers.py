@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from contract import protocol as proto
-from engine.batcher import Batcher
-from engine.engine import Engine, EngineError
 from contract.errors import ErrorCode
 from contract.framing import RecvBuffer
+from engine.batcher import Batcher
+from engine.engine import Engine, EngineError
 from engine.state_file import load_seq_file, write_slot_file
 
 Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 import llama_cpp as llama
 import numpy as np
 
-from engine.grammar import gbnf_of, grammar_sampler
 from contract.protocol import SamplingParams
+from engine.grammar import gbnf_of, grammar_sampler
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 MIROSTAT_M = 100  # llama-server's m for Mirostat 1 (common/sampling.cpp)

@@ -29,9 +29,9 @@ import os
 import time
 from pathlib import Path
 
-from slotstate import seq_state
-from engine.engine import Engine, EngineError
 from contract.errors import ErrorCode
+from engine.engine import Engine, EngineError
+from slotstate import seq_state
 from slotstate.ggsq import read_seq_file, write_seq_file
 
 

@@ -24,12 +24,15 @@ from litestar.plugins.structlog import StructlogConfig, StructlogPlugin
 
 from contract.errors import ErrorCode
 from orchestrator import metrics
-from orchestrator.admin.feed import AttentionFeed
 from orchestrator.api.native.generate import GenerateController
 from orchestrator.api.native.health import MetricsController, health
 from orchestrator.api.native.model import ModelController
 from orchestrator.api.native.ws import binary_stream, event_stream
 from orchestrator.config import Settings
+from orchestrator.engine_client.client import WorkerClient
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.lazy import LazyWorker
+from orchestrator.generation.feed import AttentionFeed
 from orchestrator.generation.service import GenerationService
 from orchestrator.llama_metrics import LLAMA_SERVER
 from orchestrator.services import Services, provide_services, provide_slot_ops
@@ -43,9 +46,6 @@ from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.header_case import canonical_header_names
 from orchestrator.web.origins import CORS_METHODS, origin_middleware, preflight_ok
 from orchestrator.web.slot_header import slot_header_middleware
-from orchestrator.engine_client.client import WorkerClient
-from orchestrator.engine_client.interface import EngineClient
-from orchestrator.engine_client.lazy import LazyWorker
 
 log = structlog.get_logger("slotserve")
 

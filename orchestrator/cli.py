@@ -12,9 +12,9 @@ import uvicorn
 from contract import settings as engine_settings
 from contract.heap import keep_heap_mapped
 from orchestrator.config import Settings
+from orchestrator.engine_client.launch import WorkerOptions
 from orchestrator.web.logfilter import uvicorn_log_config
 from orchestrator.web.read_limits import limited_protocol
-from orchestrator.engine_client.launch import WorkerOptions
 
 
 def build_parser() -> argparse.ArgumentParser:

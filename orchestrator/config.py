@@ -16,8 +16,8 @@ import msgspec
 
 from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
 from contract.settings import EngineSettings, Flag, NonNegative, Positive
-from orchestrator.web.read_limits import ReadLimits
 from orchestrator.engine_client.launch import WorkerOptions
+from orchestrator.web.read_limits import ReadLimits
 
 Codec = Literal["auto", "best", "zstd", "zstd-planes", "none"]
 Durability = Literal["strict", "write-behind"]

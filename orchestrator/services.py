@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 
 from litestar.datastructures import State
 
-from orchestrator.admin.feed import AttentionFeed
 from orchestrator.config import Settings
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.engine_client.lazy import LazyWorker
+from orchestrator.generation.feed import AttentionFeed
 from orchestrator.generation.service import GenerationService
 from orchestrator.slots.operations import SlotOps
 from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.registry import SlotRegistry
-from orchestrator.engine_client.interface import EngineClient
-from orchestrator.engine_client.lazy import LazyWorker
 
 
 @dataclass

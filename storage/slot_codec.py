@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import xxhash
 
 from slotstate import codec as codecs
+from slotstate.ses1 import ses1_tokens
 from storage.base import SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError
-from slotstate.ses1 import ses1_tokens
 
 __all__ = ["DIGEST_ALGORITHM", "load_slot", "save_slot", "state_digest"]
 

@@ -113,8 +113,8 @@ def model(model_path: Path):  # type: ignore[no-untyped-def]
 def engine(model, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     """The engine of the engine tests, once with flash attention off (V transposed, rows from the softmax:
     the CPU default) and once on (V stored by rows, rows from the side branch: the GPU default)."""
-    from engine.engine import Engine
     from contract.settings import EngineSettings
+    from engine.engine import Engine
 
     settings = EngineSettings(
         n_ctx=2048, n_slots=4, n_spare=2, n_threads=2, verify_cells=True, flash_attn=request.param

@@ -17,6 +17,8 @@ from litestar.routes import WebSocketRoute
 
 from contract.errors import ErrorCode
 from orchestrator.api import stream_docs
+from orchestrator.api.common import completion
+from orchestrator.api.common import generate as common_generate
 from orchestrator.api.kobold import protocol as kobold
 from orchestrator.api.llama_server import protocol as llama_server
 from orchestrator.api.native import protocol as native
@@ -124,7 +126,7 @@ def test_every_error_code_is_documented(api_doc: str) -> None:
 
 
 REQUEST_BODIES = [
-    native.GenerateRequest,
+    common_generate.GenerateRequest,
     native.TokenizeRequest,
     native.DetokenizeRequest,
     generation.PreviewRequest,
@@ -139,8 +141,8 @@ REQUEST_BODIES = [
     openai.AttentionOption,
     openai.ResponsesRequest,
     openai.TextFormat,
-    llama_server.CompletionBody,
-    llama_server.PromptObject,
+    completion.CompletionBody,
+    completion.PromptObject,
     llama_server.ChatPromptBody,
     openai.EmbeddingsRequest,
     kobold.GenkeyBody,
@@ -170,7 +172,17 @@ def test_nothing_cites_documents_outside_the_repository() -> None:
     root = ROOT
     pattern = re.compile(r"DESIGN\.md|\bseeds?[ _]?0\d\d\b|\bseeds/", re.IGNORECASE)
     offenders = []
-    for folder in ("contract", "engine", "orchestrator", "slotstate", "storage", "benchmarks", "tests", "docs", "scripts"):
+    for folder in (
+        "contract",
+        "engine",
+        "orchestrator",
+        "slotstate",
+        "storage",
+        "benchmarks",
+        "tests",
+        "docs",
+        "scripts",
+    ):
         for path in (root / folder).rglob("*"):
             if path.suffix in {".py", ".md", ".c", ".js", ".html", ".sh"} and path.is_file():
                 text = path.read_text(encoding="utf-8", errors="replace")

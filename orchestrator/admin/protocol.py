@@ -9,8 +9,8 @@ import base64
 
 import msgspec
 
-from orchestrator.admin.feed import AttentionRow
 from orchestrator.admin.view import SlotView
+from orchestrator.generation.feed import AttentionRow
 
 
 class SlotsEvent(msgspec.Struct, kw_only=True, tag="slots", tag_field="type"):

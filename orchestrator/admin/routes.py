@@ -33,7 +33,7 @@ from litestar.response import ServerSentEvent
 from contract.errors import ErrorCode
 from orchestrator.admin.protocol import AttentionEvent, SlotsEvent
 from orchestrator.admin.view import AdminView, SlotView
-from orchestrator.api.native.protocol import SlotMessages
+from orchestrator.api.common.wire import SlotMessages
 from orchestrator.services import Services
 from orchestrator.web.auth import require_admin
 from orchestrator.web.errors import ERROR_RESPONSES, ApiError, ErrorEvent, report, route_of

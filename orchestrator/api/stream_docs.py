@@ -15,8 +15,8 @@ import msgspec
 
 from orchestrator.admin.protocol import AttentionEvent, SlotsEvent
 from orchestrator.api.anthropic.protocol import MessageStreamEvent
-from orchestrator.api.kobold.protocol import KoboldTokenEvent
-from orchestrator.api.llama_server.protocol import LlamaCompletion, LlamaCompletionChunk
+from orchestrator.api.common.completion import LlamaCompletion, LlamaCompletionChunk
+from orchestrator.api.common.kobold import KoboldTokenEvent
 from orchestrator.api.native.protocol import (
     BinaryTokenFrame,
     DoneEvent,

@@ -2,9 +2,10 @@
 
 The prompt is prefilled into the request's slot once (a generation of 0 tokens, which leaves
 the prompt's KV cells in the slot), and while the slot is still held, ``n`` copy-on-write forks
-of it (``llama_memory_seq_cp``: the previews' mechanism, :meth:`orchestrator.engine_client.interface.EngineClient.preview`
-with nothing appended) generate the ``n`` choices concurrently on spare engine sequences, each
-re-decoding the prompt's last token for its own logits.  The slot keeps the prompt; the forks are
+of it (``llama_memory_seq_cp``: the previews' mechanism,
+:meth:`orchestrator.engine_client.interface.EngineClient.preview` with nothing appended) generate
+the ``n`` choices concurrently on spare engine sequences, each re-decoding the prompt's last token
+for its own logits.  The slot keeps the prompt; the forks are
 discarded.  llama-server does the same with ``n_cmpl`` child tasks that copy the parent slot's
 prompt (``tools/server/server-context.cpp``, ``copy_state_to``), and limits ``n`` to its slots;
 here ``n`` is limited to the spare sequences (``--spare``).
@@ -21,13 +22,13 @@ import msgspec
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
+from orchestrator.engine_client.interface import GenerationStream
 from orchestrator.generation.events import DoneOut, TokenOut, TokenStream
 from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import GenerationService, RunControl, capture_options
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.model import Slot
-from orchestrator.engine_client.interface import GenerationStream
 
 
 @dataclass

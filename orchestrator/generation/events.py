@@ -152,7 +152,7 @@ class TokenStream:
 
 class TokenWatcher(Protocol):
     """Something that watches every generated token besides its client (the admin page's live feed,
-    :class:`orchestrator.admin.feed.AttentionFeed`); the generation service is handed one and does not
+    :class:`orchestrator.generation.feed.AttentionFeed`); the generation service is handed one and does not
     know what it is."""
 
     def publish(self, slot_id: str, t: TokenOut, fmt: str, dtype: str, layers: list[int] | None) -> None:

@@ -8,13 +8,14 @@ one way: handler -> slot registry -> engine client -> worker -> events back.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import structlog
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator import metrics
+from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationStream
 from orchestrator.generation.events import (
     DoneOut,
     PreviewStarted,
@@ -31,20 +32,9 @@ from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
 from orchestrator.slots.model import Slot
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.slots.residency import uncancellable
-from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationStream
+from orchestrator.tokens import check_tokens
 
 log = structlog.get_logger("slotserve.generate")
-
-
-def check_tokens(ids: Sequence[int], vocab_size: int, what: str) -> None:
-    """``INVALID_TOKEN`` unless every id is in ``[0, vocab_size)``."""
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise ServiceError(
-                ErrorCode.INVALID_TOKEN,
-                f"Token ID {t} not in vocabulary (vocab_size={vocab_size}) in {what}",
-                token_id=t,
-            )
 
 
 PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
@@ -122,7 +112,7 @@ class RunControl:
     ``on_queued(position)`` is awaited while the request waits for a free engine
     sequence (1 = next; see :mod:`orchestrator.slots.admission`); cancelling a queued request
     ends its wait (``CLIENT_GONE``) and frees its place.  ``watched``: a handler watches the
-    client for a disconnect on its behalf (``orchestrator.api.native.generate.cancelled_on_disconnect``).
+    client for a disconnect on its behalf (``orchestrator.api.common.run.cancelled_on_disconnect``).
     ``slot_id``: the slot the request uses, known as soon as it is chosen (before any wait for an
     engine sequence); HTTP answers report it in ``X-Slot-Id`` (:mod:`orchestrator.web.slot_header`).
     """

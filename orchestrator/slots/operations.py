@@ -15,16 +15,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slotstate import seq_state
 from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.framing import Buffer
-from slotstate.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
-from orchestrator.generation.service import check_tokens
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.registry import Slot, SlotRegistry
-from storage.errors import BadStateError
+from orchestrator.tokens import check_tokens
+from slotstate import seq_state
+from slotstate.ggsq import SeqFile, read_seq_file, read_seq_head, write_seq_file
 from slotstate.ses1 import HEADER_SIZE, ses1_header, unpack_ses1
+from storage.errors import BadStateError
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ import structlog
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator import metrics
+from orchestrator.engine_client.interface import EngineClient
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import AdmissionQueue, WaitHooks
 from orchestrator.slots.background import WriteBehind, every, stop
@@ -49,9 +50,8 @@ from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.model import MAX_SLOT_ID, Slot, check_slot_id
 from orchestrator.slots.persistence import OwnershipLost, SlotArchive
 from orchestrator.slots.residency import Residency, uncancellable
-from orchestrator.engine_client.interface import EngineClient
-from storage.base import SlotMeta
 from slotstate.ses1 import pack_ses1, unpack_ses1
+from storage.base import SlotMeta
 
 __all__ = ["MAX_SLOT_ID", "Slot", "SlotRegistry", "check_slot_id"]
 

@@ -23,10 +23,10 @@ import structlog
 
 from contract.errors import ErrorCode
 from orchestrator import metrics
+from orchestrator.engine_client.interface import EngineClient
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import AdmissionQueue, Ticket, WaitHooks
 from orchestrator.slots.model import Slot
-from orchestrator.engine_client.interface import EngineClient
 
 log = structlog.get_logger("slotserve.slots")
 

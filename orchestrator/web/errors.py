@@ -31,8 +31,8 @@ from litestar.openapi import ResponseSpec
 from litestar.types import ExceptionHandlersMap, Send
 
 from contract.errors import ErrorCode
-from orchestrator.service_error import ServiceError
 from orchestrator.engine_client.interface import EngineDeadError, EngineRequestError
+from orchestrator.service_error import ServiceError
 
 log = structlog.get_logger("slotserve.api")
 _QUERY = re.compile(r"\?\S*")
@@ -119,7 +119,7 @@ class CompatError(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class CompatErrorBody(ErrorFields, kw_only=True):
-    """The error body on llama-server's and OpenAI's paths (``orchestrator/api/compat.py``):
+    """The error body on llama-server's and OpenAI's paths (``orchestrator/api/common/run.py``):
     ``{"error": {"code", "message", "type"}, "error_code", ...}`` (llama.cpp ``tools/server/README.md``,
     OpenAI's API reference, "Error codes"), with :class:`ErrorFields`."""
 

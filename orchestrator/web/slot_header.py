@@ -10,13 +10,19 @@ is not ASCII is sent percent-encoded (UTF-8, RFC 3986), as a header value must b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-if TYPE_CHECKING:
-    from orchestrator.generation.service import RunControl
+
+class RunControl(Protocol):
+    """What the header needs of a run (:class:`orchestrator.generation.service.RunControl` is one): the slot
+    it was given, None until the server chose one."""
+
+    @property
+    def slot_id(self) -> str | None: ...
+
 
 HEADER = b"x-slot-id"
 _SCOPE_KEY = "slotserve.run_control"

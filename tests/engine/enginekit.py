@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from slotstate import seq_state
+from contract.protocol import CaptureOptions, Done, Error, Generate, GenerateMode, SamplingParams, Tensor, Token
 from engine.batcher import Batcher
 from engine.engine import BatchEntry, Engine, read_state
-from contract.protocol import CaptureOptions, Done, Error, Generate, GenerateMode, SamplingParams, Tensor, Token
+from slotstate import seq_state
 
 _req = iter(range(1_000_000, 10_000_000))
 

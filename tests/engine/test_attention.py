@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.engine import BatchEntry
 from contract.protocol import CaptureOptions
+from engine.engine import BatchEntry
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close, prefill_row, replay_attention
 
@@ -164,8 +164,8 @@ def test_flash_attention_side_branch_gives_the_rows_of_the_plain_path(model, pro
     """With flash attention the rows come from a side branch (softmax(QKᵀ·scale + mask) for the captured
     tokens); without it, from the main path's softmax.  Layer 0 sees the same inputs and must match to
     float rounding; deeper layers' inputs differ by the two paths' rounding (the cell-layout tolerance)."""
-    from engine.engine import Engine
     from contract.settings import EngineSettings
+    from engine.engine import Engine
 
     rows = {}
     for fa in ("on", "off"):

@@ -14,8 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from slotstate import seq_state
 from contract.errors import ErrorCode
+from slotstate import seq_state
 from tests.engine.enginekit import Result, Runner
 
 WINDOW = 64

@@ -26,10 +26,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.engine import Engine, EngineError
 from contract.errors import ErrorCode
-from engine.model import Model
 from contract.settings import EngineSettings
+from engine.engine import Engine, EngineError
+from engine.model import Model
 from tests.engine.enginekit import Result, Runner
 from tests.tiny_models import ARCHITECTURES, SLIDING_WINDOW, Reference, assert_matches, build_tiny_gguf
 

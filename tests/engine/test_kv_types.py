@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import Engine, EngineError
 from contract.settings import EngineSettings
+from engine.engine import Engine, EngineError
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner, llama_state
 

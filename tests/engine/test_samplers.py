@@ -10,8 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.grammar import JSON_GBNF, MAX_NESTING, nesting_depth
 from contract.protocol import CaptureOptions, SamplingParams
+from engine.grammar import JSON_GBNF, MAX_NESTING, nesting_depth
 from engine.sampling import SamplerChain, stage_names
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner

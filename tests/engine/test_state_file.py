@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slotstate import seq_state
-from engine.engine import BatchEntry, EngineError
 from contract.errors import ErrorCode
-from slotstate.ggsq import pack_seq_file
+from engine.engine import BatchEntry, EngineError
 from engine.state_file import load_seq_file, write_slot_file
+from slotstate import seq_state
+from slotstate.ggsq import pack_seq_file
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, llama_state, same_kv
 from tests.engine.test_state_io import decode_together

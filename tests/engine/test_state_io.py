@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from slotstate import seq_state
 from contract.buffers import BufferPool
-from engine.engine import Engine
 from contract.settings import EngineSettings
+from engine.engine import Engine
+from slotstate import seq_state
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close, llama_state, same_kv
 

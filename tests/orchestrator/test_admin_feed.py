@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.admin.feed import QUEUE_ROWS, AttentionFeed, reduce_row
 from orchestrator.generation.events import TokenOut
+from orchestrator.generation.feed import QUEUE_ROWS, AttentionFeed, reduce_row
 
 L, H, N = 3, 2, 5
 

@@ -15,8 +15,8 @@ from litestar.testing import TestClient
 from structlog.testing import capture_logs
 
 from contract.errors import ErrorCode
-from orchestrator.web.errors import EXCEPTION_HANDLERS, STATUS_OF_CODE, ApiError, from_exception
 from orchestrator.engine_client.client import EngineDeadError, EngineRequestError
+from orchestrator.web.errors import EXCEPTION_HANDLERS, STATUS_OF_CODE, ApiError, from_exception
 from tests.conftest import ServerProc
 
 API_MD = Path(__file__).resolve().parents[2] / "docs" / "api.md"

@@ -145,3 +145,72 @@ def test_the_domain_knows_no_surface() -> None:
     }
     assert "orchestrator.generation.service" in leaks and "orchestrator.slots.registry" in leaks
     assert {m: t for m, t in leaks.items() if t} == {}
+
+
+API = "orchestrator.api"
+COMMON = "orchestrator.api.common"
+
+
+def package_of(module: str) -> str:
+    """The package a module counts for in the package rules: an API surface (``orchestrator.api.openai``), the
+    surfaces' common package, or a first-level package or module of the orchestrator (``orchestrator.slots``)."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "api":
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Every package (:func:`package_of`) -> the packages its modules import."""
+    out: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        here = package_of(module)
+        out.setdefault(here, set()).update(package_of(t) for t in targets if package_of(t) != here)
+    return out
+
+
+def surfaces() -> list[str]:
+    """The API surfaces: every package under ``orchestrator/api/`` but the common one."""
+    return sorted(f"{API}.{p.name}" for p in (ROOT / "orchestrator" / "api").iterdir() if (p / "__init__.py").exists())
+
+
+def test_the_packages_have_no_import_cycle() -> None:
+    """The module graph can be acyclic while two packages still import each other (slots -> generation ->
+    slots through different modules); the package graph forbids that too."""
+    graph = package_graph()
+    assert {"orchestrator.slots", "orchestrator.generation", "orchestrator.admin", "orchestrator.services"} <= set(
+        graph
+    )
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        raise AssertionError(f"import cycle among the orchestrator's packages: {' -> '.join(exc.args[1])}") from None
+
+
+def test_api_surfaces_are_siblings() -> None:
+    """An API surface imports the common package and the domain, never another surface; the common package
+    imports no surface."""
+    names = surfaces()
+    assert {f"{API}.openai", f"{API}.anthropic", f"{API}.llama_server", f"{API}.native", f"{API}.kobold"} <= set(names)
+    assert COMMON in names
+    graph = package_graph()
+    crossing = {s: sorted(t for t in graph.get(s, set()) if t in names and t != COMMON) for s in names}
+    assert {s: t for s, t in crossing.items() if t} == {}
+
+
+def test_a_package_cycle_would_be_found() -> None:
+    """Two packages importing each other through different modules: the module graph has no cycle, the
+    package graph has one."""
+    modules = {
+        "orchestrator.slots.a": {"orchestrator.generation.b"},
+        "orchestrator.generation.c": {"orchestrator.slots.d"},
+    }
+    graph: dict[str, set[str]] = {}
+    for module, targets in modules.items():
+        graph.setdefault(package_of(module), set()).update(package_of(t) for t in targets)
+    list(TopologicalSorter(modules).static_order())  # the modules alone: no cycle
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError:
+        return
+    raise AssertionError("the cycle slots -> generation -> slots was not found")

@@ -6,8 +6,9 @@ import msgspec
 import pytest
 from litestar.response.sse import ServerSentEventMessage
 
-from orchestrator.api.kobold.protocol import KoboldTokenEvent
-from orchestrator.api.native.protocol import Attention, DoneEvent, SseTokenEvent, TokenText
+from orchestrator.api.common.kobold import KoboldTokenEvent
+from orchestrator.api.common.wire import Attention, TokenText
+from orchestrator.api.native.protocol import DoneEvent, SseTokenEvent
 from orchestrator.web.sse import json_event
 
 ATTENTION = Attention(

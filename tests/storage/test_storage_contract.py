@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
+from slotstate.ses1 import pack_ses1
 from storage.base import SlotMeta, SlotStore
 from storage.directory import DirectoryStore
 from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError
-from slotstate.ses1 import pack_ses1
 from storage.slot_codec import load_slot, save_slot
 from tests.waiting import async_wait_until
 

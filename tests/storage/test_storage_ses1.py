@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from storage.errors import BadStateError
 from slotstate.ses1 import HEADER_SIZE, MAX_TOKENS, pack_ses1, ses1_tokens, unpack_ses1
+from storage.errors import BadStateError
 
 
 def test_round_trip_layout() -> None:

@@ -1,8 +1,8 @@
 """Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, over the chat path.
 
 As llama-server does (``tools/server/server-chat.cpp`` ``server_chat_convert_anthropic_to_oai``), the
-request becomes an OpenAI chat request (:class:`orchestrator.api.openai.protocol.ChatCompletionRequest`,
-run by :func:`orchestrator.api.openai.routes.chat_shape`: the model's chat template, tool calls by
+request becomes an OpenAI-shaped chat request (messages, tools, tool choice: :func:`turn_of`, run on
+:func:`orchestrator.api.common.chat.chat_prompt_ids`: the model's chat template, tool calls by
 :mod:`orchestrator.generation.tool_calls`, the slot by ``slot_id`` / ``X-Slot-Id`` or the server's choice):
 
 * ``system`` (a text or text blocks, joined) is a first system message; an
@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -70,13 +71,14 @@ from orchestrator.api.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from orchestrator.api.compat import collect, started_run
-from orchestrator.api.openai.protocol import ChatCompletionRequest
-from orchestrator.api.openai.routes import Shape, chat_prompt_ids, chat_shape
+from orchestrator.api.common.chat import chat_prompt_ids
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.run import collect, remaining, started_run
 from orchestrator.generation.chat_template import message_text
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
+from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall
+from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import ApiError, compat_error_body, error_responses, exception_handlers, report, route_of
@@ -192,22 +194,39 @@ def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def chat_request(data: MessagesRequest) -> ChatCompletionRequest:
-    """The OpenAI chat request of a Messages request (streamed ones ask for prefill progress: the
-    ``message_start`` event's usage comes from it)."""
-    return ChatCompletionRequest(
-        messages=chat_messages(data),
-        tools=chat_tools(data.tools),
-        tool_choice=chat_tool_choice(data.tool_choice),
-        max_tokens=data.max_tokens,
+@dataclass
+class Turn:
+    """One Messages request on the chat path: its generation request, its tool plan (None without tools)
+    and the model name the answer reports."""
+
+    req: CanonicalRequest
+    tools: ToolPlan | None
+    model: str
+
+
+async def turn_of(services: Services, request: Request[Any, Any, Any], data: MessagesRequest) -> Turn:
+    """The :class:`Turn` of a Messages request (module docstring): its messages and tools rendered by the
+    model's template, the slot by ``slot_id`` / ``X-Slot-Id`` (else the server's choice), ``max_tokens``
+    4096 by default and never past the window; streamed requests ask for prefill progress (the
+    ``message_start`` event's usage comes from it).  Bad values: ``INVALID_REQUEST``."""
+    tools = chat_tools(data.tools)
+    ids, plan = await chat_prompt_ids(services, chat_messages(data), tools, chat_tool_choice(data.tool_choice))
+    room = remaining(services, len(ids))
+    slot = next((str(v) for v in (data.slot_id, request.headers.get("x-slot-id")) if v is not None and str(v)), None)
+    req = GenerateRequest(
+        input_ids=ids,
+        max_new_tokens=data.max_tokens if data.max_tokens is not None else min(room, DEFAULT_MAX_TOKENS),
         temperature=data.temperature,
         top_p=data.top_p,
         top_k=data.top_k,
         stop=data.stop_sequences,
-        stream=data.stream,
-        slot_id=data.slot_id,
+        id_slot=slot,
         return_progress=data.stream,
-    )
+    ).canonical()
+    req.wait = True
+    if plan:
+        plan.constrain(req)
+    return Turn(req, plan if plan is not None and plan.active else None, services.model_id)
 
 
 def stop_reason(done: DoneOut, calls: list[ToolCall]) -> StopReason:
@@ -231,7 +250,7 @@ def tool_use(call: ToolCall) -> ToolUseBlock:
 class Answer:
     """The message of one request, as its parts arrive."""
 
-    def __init__(self, shape: Shape) -> None:
+    def __init__(self, shape: Turn) -> None:
         self.shape = shape
         self.id = "msg_" + secrets.token_hex(12)
 
@@ -272,9 +291,7 @@ class MessagesController(Controller):
     async def create(
         self, request: Request[Any, Any, Any], services: Services, data: MessagesRequest
     ) -> EventStream | Message:
-        shape = await chat_shape(services, request, chat_request(data))
-        if data.max_tokens is None:
-            shape.req.max_new_tokens = min(shape.req.max_new_tokens, DEFAULT_MAX_TOKENS)
+        shape = await turn_of(services, request, data)
         answer = Answer(shape)
         stops = list(shape.req.stop_strings)
         if not data.stream:
@@ -298,7 +315,9 @@ class MessagesController(Controller):
         responses=ERRORS,
     )
     async def count_tokens(self, services: Services, data: MessagesRequest) -> MessageTokens:
-        ids, _ = await chat_prompt_ids(services, chat_request(data))
+        ids, _ = await chat_prompt_ids(
+            services, chat_messages(data), chat_tools(data.tools), chat_tool_choice(data.tool_choice)
+        )
         return MessageTokens(input_tokens=len(ids))
 
 

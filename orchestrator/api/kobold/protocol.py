@@ -6,14 +6,8 @@ A field typed ``... | UnsetType`` is left out when unset; ``None`` is sent as ``
 from __future__ import annotations
 
 import msgspec
-from msgspec import UNSET, UnsetType
 
-
-class KoboldResult(msgspec.Struct, kw_only=True):
-    """KoboldCpp's ``results`` entry (``finish_reason`` length, stop or abort)."""
-
-    text: str
-    finish_reason: str | UnsetType | None = UNSET
+from orchestrator.api.common.kobold import KoboldResult
 
 
 class KoboldVersion(msgspec.Struct, kw_only=True):
@@ -93,20 +87,3 @@ class TokenCountBody(msgspec.Struct, kw_only=True):
 
     prompt: str = ""
     special: bool = True
-
-
-KOBOLD_FINISH = {"length": "length", "stop_token": "stop", "stop_string": "stop", "cancelled": "abort"}
-"""KoboldCpp's ``finish_reason`` of each of generation's finish reasons."""
-
-
-class KoboldTokenEvent(msgspec.Struct, kw_only=True):
-    """KoboldCpp's SSE event (``POST /api/extra/generate/stream``, ``event: message``): a piece of text,
-    then a last event with ``token: ""`` and its ``finish_reason`` (length, stop or abort)."""
-
-    token: str
-    finish_reason: str | None = None
-
-
-def kobold_done_event(finish_reason: str) -> KoboldTokenEvent:
-    """The last KoboldCpp SSE event of a generation that ended for ``finish_reason`` (generation's name)."""
-    return KoboldTokenEvent(token="", finish_reason=KOBOLD_FINISH.get(finish_reason, finish_reason))

@@ -13,37 +13,13 @@ refused with llama-server's message.  ``POST /apply-template`` answers the promp
 
 from __future__ import annotations
 
-from typing import Any
-
 from litestar import Controller, post
 
-from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.common.chat import chat_ids, chat_prompt
+from orchestrator.api.common.run import COMPAT_ERRORS
 from orchestrator.api.llama_server.protocol import AppliedTemplate, ChatPromptBody, InputTokens
-from orchestrator.generation.chat_template import ChatTemplate, message_text
 from orchestrator.services import Services
-from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError
-
-
-def chat_prompt(services: Services, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
-    """The prompt text of ``messages`` (see the module docstring); ``INVALID_REQUEST`` for
-    malformed messages, two ``assistant`` messages at the end, or a template that refuses them."""
-    info = services.generation.info
-    special = info.special_tokens
-    template = ChatTemplate(info.chat_template, str(special.get("bos_token", "")), str(special.get("eos_token", "")))
-    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
-    if roles[-2:] == ["assistant", "assistant"]:
-        raise ApiError(ErrorCode.INVALID_REQUEST, "Cannot have 2 or more assistant messages at the end of the list.")
-    if len(messages) > 1 and roles[-1] == "assistant" and not messages[-1].get("tool_calls"):
-        prefill = message_text(messages[-1].get("content"))
-        return template.render(messages[:-1], add_generation_prompt=True, tools=tools) + prefill
-    return template.render(messages, add_generation_prompt=True, tools=tools)
-
-
-async def chat_ids(services: Services, text: str) -> list[int]:
-    """``text`` (a rendered chat prompt) tokenized; BOS added unless the template wrote it."""
-    bos = str(services.generation.info.special_tokens.get("bos_token", ""))
-    return (await services.engine.tokenize(text, not (bos and text.startswith(bos)), True)).ids
+from orchestrator.web.errors import COMPAT_ERROR_RESPONSES
 
 
 class LlamaChatController(Controller):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from contract.errors import ErrorCode
-from orchestrator.api.llama_server.protocol import PromptObject, SubPrompt
+from orchestrator.api.common.completion import PromptObject, SubPrompt
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError
 

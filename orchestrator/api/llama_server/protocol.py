@@ -7,23 +7,13 @@ A field typed ``... | UnsetType`` is left out when unset; ``None`` is sent as ``
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from orchestrator.api.native.protocol import MessageSpan, PromptProgress
-from orchestrator.generation.request import (
-    INT32_MAX,
-    Float32,
-    NonNegFloat32,
-    NProbs,
-    Probability,
-    RepeatLastN,
-    SamplerFields,
-    Seed,
-    TopK,
-)
+from orchestrator.api.common.completion import SamplerSettings
+from orchestrator.api.common.wire import MessageSpan
 
 
 class ContextShiftRequest(msgspec.Struct, kw_only=True):
@@ -176,130 +166,6 @@ class ForkResponse(msgspec.Struct, kw_only=True):
     success: bool
 
 
-class TokenProb(msgspec.Struct, kw_only=True):
-    """One of a token's ``top_logprobs`` (the model's log-probability), or with ``post_sampling_probs`` one of
-    its ``top_probs`` (the probability after the sampler chain, 0 < ``prob`` <= 1)."""
-
-    id: int
-    token: str
-    bytes_: list[int] = msgspec.field(name="bytes")
-    logprob: float | UnsetType = UNSET
-    prob: float | UnsetType = UNSET
-
-
-class CompletionProb(msgspec.Struct, kw_only=True):
-    """llama-server's ``completion_probabilities[]`` entry (``n_probs``; ``tools/server/server-task.cpp``
-    ``completion_token_output::probs_vector_to_json``): ``logprob`` and ``top_logprobs`` (the model's
-    distribution), or with ``post_sampling_probs`` ``prob`` and ``top_probs`` (after the sampler chain, at
-    most ``n_probs``, none at 0: fewer when fewer tokens are left)."""
-
-    id: int
-    token: str
-    bytes_: list[int] = msgspec.field(name="bytes")
-    logprob: float | UnsetType | None = UNSET
-    top_logprobs: list[TokenProb] | UnsetType = UNSET
-    prob: float | UnsetType = UNSET
-    top_probs: list[TokenProb] | UnsetType = UNSET
-
-
-class Timings(msgspec.Struct, kw_only=True):
-    """llama-server's ``timings``: prompt and generation counts (tokens), times (ms) and rates."""
-
-    cache_n: int
-    prompt_n: int
-    prompt_ms: float
-    prompt_per_token_ms: float
-    prompt_per_second: float
-    predicted_n: int
-    predicted_ms: float
-    predicted_per_token_ms: float
-    predicted_per_second: float
-
-
-class LogitBiasEntry(msgspec.Struct, kw_only=True):
-    """One logit bias as llama-server reports it (``task_params::format_logit_bias``); null (its JSON for
-    ``-inf``): a banned token."""
-
-    bias: float | None
-    token: int
-
-
-class SamplerSettings(msgspec.Struct, kw_only=True):
-    """llama-server's ``params`` / ``generation_settings`` (``n_ctx`` in ``generation_settings`` only)."""
-
-    seed: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_last_n: int
-    repeat_penalty: float
-    max_tokens: int
-    n_predict: int
-    ignore_eos: bool
-    n_probs: int
-    post_sampling_probs: bool
-    stop: list[str]
-    presence_penalty: float
-    frequency_penalty: float
-    typical_p: float
-    top_n_sigma: float
-    xtc_probability: float
-    xtc_threshold: float
-    dry_multiplier: float
-    dry_base: float
-    dry_allowed_length: int
-    dry_penalty_last_n: int
-    dry_sequence_breakers: list[str]
-    dynatemp_range: float
-    dynatemp_exponent: float
-    mirostat: int
-    mirostat_tau: float
-    mirostat_eta: float
-    grammar: str
-    logit_bias: list[LogitBiasEntry]
-    samplers: list[str]
-    n_ctx: int | UnsetType = UNSET
-
-
-class LlamaCompletion(msgspec.Struct, kw_only=True):
-    """llama-server's ``POST /completion`` without ``stream`` (``stop: true``)."""
-
-    index: int
-    content: str
-    tokens: list[int]
-    id_slot: int | str
-    stop: bool
-    model: str
-    tokens_predicted: int
-    tokens_evaluated: int
-    generation_settings: SamplerSettings
-    prompt: str
-    has_new_line: bool
-    truncated: bool
-    stop_type: str
-    stopping_word: str | None
-    tokens_cached: int
-    timings: Timings
-    completion_probabilities: list[CompletionProb] | UnsetType = UNSET
-
-
-class LlamaCompletionChunk(msgspec.Struct, kw_only=True):
-    """A streamed ``/completion`` chunk (``stream: true``; ``data: {json}`` events): generated text so far
-    not yet sent, with ``stop: false``; the last event is a :class:`LlamaCompletion` (``stop: true``)."""
-
-    index: int
-    content: str
-    tokens: list[int]
-    stop: bool = False
-    id_slot: int | str
-    tokens_predicted: int
-    tokens_evaluated: int
-    completion_probabilities: list[CompletionProb] | UnsetType = UNSET
-    timings: Timings | UnsetType = UNSET  # timings_per_token: the timings so far
-    prompt_progress: PromptProgress | UnsetType = UNSET  # return_progress: a prefill step (no text)
-
-
 class DefaultSettings(msgspec.Struct, kw_only=True):
     params: SamplerSettings
     n_ctx: int
@@ -327,50 +193,6 @@ class Props(msgspec.Struct, kw_only=True):
     eos_token: str | int
     build_info: str
     is_sleeping: bool
-
-
-JSON_PROMPT_STRING_KEY = "prompt_string"
-
-
-class PromptObject(msgspec.Struct, kw_only=True):
-    """``{"prompt_string": ..., "multimodal_data": [base64, ...]}`` (multimodal data is refused)."""
-
-    prompt_string: str | list[int | str]
-    multimodal_data: list[str] | None = None
-
-
-SubPrompt = str | list[int | str] | PromptObject
-Prompt = str | list[int | str | list[int | str] | PromptObject] | PromptObject
-"""The ``prompt`` field's type (see the module docstring)."""
-
-
-NPredict = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX, description="-1: to the end of the window")]
-
-
-class CompletionBody(SamplerFields, kw_only=True):
-    """``POST /completion`` (llama-server README, "POST /completion": options; the further samplers,
-    ``grammar`` and ``json_schema`` in :class:`orchestrator.generation.request.SamplerFields`)."""
-
-    prompt: Prompt
-    n_predict: NPredict | None = None  # None: the server's --n-predict
-    stream: bool = False
-    cache_prompt: bool = True
-    id_slot: int | str = -1
-    n_probs: NProbs = 0
-    temperature: Float32 | None = None
-    top_k: TopK | None = None
-    top_p: Probability | None = None
-    min_p: Probability | None = None
-    repeat_penalty: NonNegFloat32 | None = None
-    repeat_last_n: RepeatLastN | None = None
-    seed: Seed | None = None
-    stop: list[str] | None = None
-    ignore_eos: bool = False
-    return_tokens: bool = False
-    post_sampling_probs: bool = False
-    response_fields: list[str] | None = None
-    timings_per_token: bool = False
-    return_progress: bool = False
 
 
 class SlotAction(StrEnum):

@@ -4,7 +4,7 @@ Field names and shapes are llama-server's (llama.cpp ``tools/server/README.md``;
 ``tools/server/server-task.cpp``: ``to_json_non_oaicompat``, ``task_params::to_json``;
 ``server-common.cpp``: ``server_slot_stats::to_json`` for ``timings``), so its clients and
 its own test suite (``tools/server/tests/unit``) work unchanged.  Errors have its shape,
-``{"error": {"code", "message", "type"}}`` (:mod:`orchestrator.api.compat`).
+``{"error": {"code", "message", "type"}}`` (:mod:`orchestrator.api.common.run`).
 
 Slots: ``id_slot`` names the slot (an integer as llama-server's, or any slotserve slot id), and a
 busy slot is waited for (bounded) where llama-server would pick another idle slot; ``-1`` or
@@ -21,31 +21,33 @@ from typing import Any
 
 import msgspec
 from litestar import Controller, Request, get, post
-from msgspec import UNSET
 
-from contract import protocol as proto
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS, collect, piece_text, remaining, started_run
-from orchestrator.api.llama_server.prompts import split_prompts, subprompt_ids
-from orchestrator.api.llama_server.protocol import (
+from orchestrator.api.common.completion import (
+    DEFAULT_PARAMS,
+    Completion,
     CompletionBody,
-    CompletionProb,
-    DefaultSettings,
     LlamaCompletion,
     LlamaCompletionChunk,
-    Modalities,
-    Props,
-    SamplerSettings,
     SubPrompt,
-    TokenProb,
+    nested_values,
+    params_json,
 )
-from orchestrator.api.llama_server.timings import TimingsClock, timings_of
-from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import GenerateRequest, PromptProgress
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.run import (
+    COMPAT_ERRORS,
+    cancelled_on_disconnect,
+    collect,
+    remaining,
+    started_run,
+)
+from orchestrator.api.common.timings import TimingsClock
+from orchestrator.api.common.wire import PromptProgress
+from orchestrator.api.llama_server.prompts import split_prompts, subprompt_ids
+from orchestrator.api.llama_server.protocol import DefaultSettings, Modalities, Props
 from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.generation.interleave import interleaved
-from orchestrator.generation.request import CanonicalRequest
-from orchestrator.generation.service import RunControl, sampling_params
+from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
 from orchestrator.services import Services
 from orchestrator.slots.admission import WaitHooks
@@ -53,55 +55,6 @@ from orchestrator.slots.model import Slot, slot_id_out
 from orchestrator.slots.operations import SlotOps
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
 from orchestrator.web.sse import EventStream, sse_data, streamable
-
-STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
-DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
-# llama-server's default sampler order, its ``samplers`` names (engine/sampling.py builds the chain so)
-SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
-
-
-def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dict[str, Any]:
-    """llama-server's ``params`` / ``generation_settings`` object for sampler settings ``p``."""
-    p = p or DEFAULT_PARAMS
-    out: dict[str, Any] = {
-        "seed": p.seed,
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        "repeat_last_n": p.repeat_last_n,
-        "repeat_penalty": p.repeat_penalty,
-        "max_tokens": p.max_new_tokens,
-        "n_predict": p.max_new_tokens,
-        "ignore_eos": p.ignore_eos,
-        "n_probs": p.n_probs,
-        "post_sampling_probs": p.post_sampling_probs,
-        "stop": list(p.stop_strings),
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "typical_p": p.typical_p,
-        "top_n_sigma": p.top_n_sigma,
-        "xtc_probability": p.xtc_probability,
-        "xtc_threshold": p.xtc_threshold,
-        "dry_multiplier": p.dry_multiplier,
-        "dry_base": p.dry_base,
-        "dry_allowed_length": p.dry_allowed_length,
-        "dry_penalty_last_n": p.dry_penalty_last_n,
-        "dry_sequence_breakers": list(p.dry_sequence_breakers),
-        "dynatemp_range": p.dynatemp_range,
-        "dynatemp_exponent": p.dynatemp_exponent,
-        "mirostat": p.mirostat,
-        "mirostat_tau": p.mirostat_tau,
-        "mirostat_eta": p.mirostat_eta,
-        "grammar": p.grammar,
-        # a banned token is llama-server's -inf bias, which its JSON writes as null
-        "logit_bias": [{"bias": b, "token": t} for t, b in p.logit_bias]
-        + [{"bias": None, "token": t} for t in p.banned_tokens],
-        "samplers": SAMPLERS,
-    }
-    if n_ctx is not None:
-        out["n_ctx"] = n_ctx
-    return out
 
 
 def slot_task_fields(slot: Slot) -> dict[str, Any]:
@@ -131,98 +84,6 @@ def check_slot_number(slot_id: str) -> None:
     """llama-server answers a negative slot number with 400 ``Invalid slot ID``."""
     if slot_id.startswith("-") and slot_id[1:].isdigit():
         raise ApiError(ErrorCode.INVALID_REQUEST, "Invalid slot ID")
-
-
-def _alternative(tok: int, pieces: list[bytes], **value: float) -> TokenProb:
-    """One of a token's alternatives: ``logprob=`` or ``prob=``."""
-    return TokenProb(id=tok, token=piece_text(pieces[tok]), bytes_=list(pieces[tok]), **value)
-
-
-def _probs(t: TokenOut, pieces: list[bytes], post_sampling: bool) -> CompletionProb:
-    """``t``'s ``completion_probabilities`` entry: its logprobs, or with ``post_sampling`` (llama-server's
-    ``post_sampling_probs``) its probabilities after the sampler chain (``prob``, ``top_probs``)."""
-    out = CompletionProb(id=t.token_id, token=piece_text(t.piece), bytes_=list(t.piece))
-    if post_sampling:
-        out.prob = t.prob if t.prob is not None else 1.0  # llama-server's value when it has none
-        out.top_probs = [_alternative(k, pieces, prob=p) for k, p in t.top_probs]
-    else:
-        out.logprob = t.logprob
-        out.top_logprobs = [_alternative(k, pieces, logprob=lp) for k, lp in t.top]
-    return out
-
-
-class Completion:
-    """One ``/completion`` request: its canonical form and the response shapes."""
-
-    def __init__(
-        self,
-        body: CompletionBody,
-        req: CanonicalRequest,
-        info: proto.ModelInfo,
-        pieces: list[bytes],
-        model: str,
-        index: int = 0,
-    ):
-        self.body, self.req, self.info, self.pieces, self.index = body, req, info, pieces, index
-        self.model, self.n_ctx = model, info.n_ctx
-        self.slot_out: int | str = -1 if req.slot is None else slot_id_out(req.slot)  # set once a slot is chosen
-
-    def probs(self, tokens: list[TokenOut]) -> list[CompletionProb]:
-        """``tokens``' ``completion_probabilities`` entries (``post_sampling_probs``: ``prob``, ``top_probs``)."""
-        return [_probs(t, self.pieces, self.body.post_sampling_probs) for t in tokens]
-
-    def partial(self, text: str, tokens: list[TokenOut], n_done: int) -> LlamaCompletionChunk:
-        """A streamed chunk (``stop: false``)."""
-        return LlamaCompletionChunk(
-            index=self.index,
-            content=text,
-            tokens=[t.token_id for t in tokens] if self.body.return_tokens else [],
-            id_slot=self.slot_out,
-            tokens_predicted=n_done,
-            tokens_evaluated=len(self.req.input_ids or ()),
-            completion_probabilities=self.probs(tokens) if self.body.n_probs else UNSET,
-        )
-
-    def final(self, text: str, tokens: list[TokenOut], done: DoneOut, prompt: str) -> LlamaCompletion:
-        """The last (or only) response (``stop: true``, ``timings``)."""
-        d = done
-        probs = self.body.n_probs and not self.body.stream
-        return LlamaCompletion(
-            index=self.index,
-            content=text,
-            tokens=[t.token_id for t in tokens] if self.body.return_tokens else [],
-            id_slot=slot_id_out(done.slot_id),
-            stop=True,
-            model=self.model,
-            tokens_predicted=d.n_generated,
-            tokens_evaluated=d.n_prompt,
-            generation_settings=msgspec.convert(
-                params_json(sampling_params(self.req, self.info), self.n_ctx), SamplerSettings
-            ),
-            prompt=prompt,
-            has_new_line="\n" in text,
-            truncated=d.truncated,
-            stop_type=STOP_TYPE.get(d.finish_reason, "none"),
-            stopping_word=d.stop_string,
-            tokens_cached=d.seq_tokens,
-            timings=timings_of(d),
-            completion_probabilities=self.probs(tokens) if probs else UNSET,
-        )
-
-
-def nested_values(paths: list[str], result: dict[str, Any]) -> dict[str, Any]:
-    """``response_fields``: the values at ``paths`` (``"a/b"`` reads ``result["a"]["b"]``), keyed by
-    the path; paths that lead nowhere are left out (llama-server ``json_get_nested_values``)."""
-    out: dict[str, Any] = {}
-    for path in paths:
-        node: Any = result
-        for key in path.split("/"):
-            if not isinstance(node, dict) or key not in node:
-                break
-            node = node[key]
-        else:
-            out[path] = node
-    return out
 
 
 async def _complete(

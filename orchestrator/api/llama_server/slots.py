@@ -24,7 +24,8 @@ from litestar.params import Parameter
 
 from contract.errors import ErrorCode
 from contract.framing import Buffer
-from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.common.run import COMPAT_ERRORS, cancelled_on_disconnect
+from orchestrator.api.common.wire import MessageSpan
 from orchestrator.api.llama_server.protocol import (
     ContextShiftRequest,
     ContextShiftResponse,
@@ -46,8 +47,6 @@ from orchestrator.api.llama_server.protocol import (
     TokensResponse,
 )
 from orchestrator.api.llama_server.routes import check_slot_number, slot_task_fields
-from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import MessageSpan
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -16,11 +15,13 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 from msgspec import UNSET
 
-from orchestrator.api.kobold import routes as kobold
-from orchestrator.api.kobold.protocol import KOBOLD_FINISH, KoboldResult, KoboldTokenEvent, kobold_done_event
+from orchestrator.api.common import kobold
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.kobold import KOBOLD_FINISH, KoboldResult, KoboldTokenEvent, kobold_done_event
+from orchestrator.api.common.run import cancelled_on_disconnect
+from orchestrator.api.common.wire import token_text
 from orchestrator.api.native.protocol import (
     GeneratedToken,
-    GenerateRequest,
     GenerateResponse,
     TokenAttention,
     done_event,
@@ -29,7 +30,6 @@ from orchestrator.api.native.protocol import (
     progress_event,
     sse_token_event,
     token_attention,
-    token_text,
     top_logprobs_of,
 )
 from orchestrator.generation.events import DoneOut, ProgressOut, Started, TokenOut
@@ -39,7 +39,6 @@ from orchestrator.services import Services
 from orchestrator.web.body import json_route
 from orchestrator.web.encode import encoded
 from orchestrator.web.errors import ErrorEvent, report, route_of
-from orchestrator.web.slot_header import watch_slot
 from orchestrator.web.sse import JsonEvent, QueuedComment, event_stream, json_event
 
 log = structlog.get_logger("slotserve.api")
@@ -65,38 +64,6 @@ async def _queued_comments(first: asyncio.Future[Any], positions: asyncio.Queue[
         else:
             getter.cancel()
     first.result()
-
-
-async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            await control.cancel()
-            return
-
-
-@asynccontextmanager
-async def cancelled_on_disconnect(
-    request: Request[Any, Any, Any], control: RunControl | None = None
-) -> AsyncIterator[RunControl]:
-    """``control`` (or a new :class:`RunControl`), cancelled when the client of a request goes
-    away: the generation stops, and a request still waiting (for a busy slot, or for an engine
-    sequence in the admission queue: ``control.hooks``) ends with ``CLIENT_GONE``, untouched.
-
-    Start it only once the request's body has been read (it reads the ASGI ``receive`` channel
-    for ``http.disconnect``).  Nested blocks with the same ``control`` share one watcher."""
-    control = control or RunControl()
-    watch_slot(request.scope, control)  # X-Slot-Id on the answer
-    if control.watched:
-        yield control
-        return
-    control.watched = True
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
-    try:
-        yield control
-    finally:
-        watcher.cancel()
-        control.watched = False
 
 
 class GenerateController(Controller):

@@ -8,7 +8,8 @@ import msgspec
 from litestar import Controller, get, post
 
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.common.run import COMPAT_ERRORS
+from orchestrator.api.common.wire import TokenText
 from orchestrator.api.native.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -18,10 +19,9 @@ from orchestrator.api.native.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     TokenPiece,
-    TokenText,
 )
-from orchestrator.generation.service import check_tokens
 from orchestrator.services import Services
+from orchestrator.tokens import check_tokens
 from orchestrator.web.body import json_route
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ERROR_RESPONSES, ApiError
 

@@ -11,14 +11,9 @@ from typing import Any
 
 from litestar import Controller, Request, post
 
-from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import (
-    PreviewResponse,
-    TokenAttention,
-    TokenText,
-    token_attention,
-    token_text,
-)
+from orchestrator.api.common.run import cancelled_on_disconnect
+from orchestrator.api.common.wire import TokenText, token_text
+from orchestrator.api.native.protocol import PreviewResponse, TokenAttention, token_attention
 from orchestrator.generation.events import DoneOut, PreviewStarted, TokenOut
 from orchestrator.generation.request import PreviewRequest
 from orchestrator.services import Services

@@ -13,135 +13,19 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from contract.errors import ErrorCode
-from contract.protocol import AttentionDtype, AttentionFormat, SamplingParams
-from orchestrator.api.kobold.protocol import KoboldResult
-from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
-from orchestrator.generation.request import (
-    DEFAULT,
-    CanonicalRequest,
-    Float32,
-    NonNegFloat32,
-    NProbs,
-    Probability,
-    RepeatLastN,
-    SamplerFields,
-    Seed,
-    TokenCount,
-    TopK,
+from orchestrator.api.common.kobold import KoboldResult
+from orchestrator.api.common.wire import (
+    Attention,
+    ContextShift,
+    PromptProgress,
+    TokenText,
+    attention_of,
+    context_shift_of,
+    token_text,
 )
+from orchestrator.generation.events import DoneOut, ProgressOut, TokenOut
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import ErrorEvent
-
-
-class GenerateRequest(SamplerFields, kw_only=True):
-    """A generation request: the whole context as ``input_ids`` (or a ``prompt`` text)."""
-
-    type: str | None = None
-    request_id: str | None = None
-    input_ids: list[int] | None = None
-    prompt: str | None = None
-    max_new_tokens: TokenCount | None = None
-    max_length: TokenCount | None = None
-    max_tokens: TokenCount | None = None
-    n_predict: TokenCount | None = None
-    temperature: Float32 | None = None
-    top_p: Probability | None = None
-    top_k: TopK | None = None
-    min_p: Probability | None = None
-    repetition_penalty: NonNegFloat32 | None = None
-    rep_pen: NonNegFloat32 | None = None
-    repeat_penalty: NonNegFloat32 | None = None
-    rep_pen_range: RepeatLastN | None = None
-    repeat_last_n: RepeatLastN | None = None
-    seed: Seed | None = None
-    sampler_seed: Seed | None = None
-    stop_tokens: list[int] | None = None
-    banned_tokens: list[int | str] | None = None  # ids, or KoboldCpp's strings (resolved by the handler)
-    stop_sequence: list[str] | None = None
-    stop: list[str] | str | None = None
-    ignore_eos: bool = False
-    return_attention: bool | None = None
-    output_attentions: bool | None = None
-    attention_format: AttentionFormat = "per_layer"
-    attention_dtype: AttentionDtype = "float32"
-    attention_layers: list[int] | None = None
-    output_hidden_states: bool = False
-    logprobs: bool | None = None
-    n_probs: NProbs | None = None
-    top_logprobs: NProbs | None = None
-    conversation_id: str | int | None = None
-    id_slot: str | int | None = None
-    wait: bool = False
-    # KoboldCpp's fields (koboldcpp.py ``generate``); see orchestrator/api/kobold/routes.py
-    genkey: str | None = None
-    trim_stop: bool = False
-    max_context_length: int | None = None
-    memory: str | None = None
-    banned_strings: list[str] | None = None
-    n: int | None = None
-    typical: Probability | None = None  # KoboldCpp's typical_p
-    nsigma: Float32 | None = None  # KoboldCpp's top_n_sigma
-    return_progress: bool = False  # llama-server's: stream prompt-processing progress events
-
-    def sampler_fields(self) -> dict[str, Any]:
-        """:meth:`SamplerFields.sampler_fields`, KoboldCpp's ``typical`` and ``nsigma`` standing in
-        for ``typical_p`` and ``top_n_sigma`` when those are missing."""
-        out = super().sampler_fields()
-        out["typical_p"] = self.typical if self.typical_p is None else self.typical_p
-        out["top_n_sigma"] = self.nsigma if self.top_n_sigma is None else self.top_n_sigma
-        return out
-
-    def canonical(self, defaults: SamplingParams = DEFAULT) -> CanonicalRequest:
-        """Merge aliases (first given wins, slotserve's own names first) into one canonical request;
-        a field no alias gives is taken from ``defaults`` (KoboldCpp's routes pass KoboldCpp's)."""
-
-        def first(*vals: Any, default: Any) -> Any:
-            return next((v for v in vals if v is not None), default)
-
-        stops: list[str] = []
-        for s in (self.stop_sequence, self.stop):
-            if isinstance(s, str):
-                stops.append(s)
-            elif s:
-                stops.extend(s)
-        slot = first(self.conversation_id, self.id_slot, default=None)
-        return CanonicalRequest(
-            request_id=self.request_id,
-            input_ids=self.input_ids,
-            prompt=self.prompt,
-            max_new_tokens=int(
-                first(
-                    self.max_new_tokens,
-                    self.max_length,
-                    self.max_tokens,
-                    self.n_predict,
-                    default=defaults.max_new_tokens,
-                )
-            ),
-            temperature=float(first(self.temperature, default=defaults.temperature)),
-            top_p=float(first(self.top_p, default=defaults.top_p)),
-            top_k=int(first(self.top_k, default=defaults.top_k)),
-            min_p=float(first(self.min_p, default=defaults.min_p)),
-            repeat_penalty=float(
-                first(self.repetition_penalty, self.rep_pen, self.repeat_penalty, default=defaults.repeat_penalty)
-            ),
-            repeat_last_n=int(first(self.rep_pen_range, self.repeat_last_n, default=defaults.repeat_last_n)),
-            seed=int(first(self.seed, self.sampler_seed, default=defaults.seed)),
-            stop_tokens=list(self.stop_tokens or []),
-            banned_tokens=[t for t in self.banned_tokens or [] if isinstance(t, int)],
-            stop_strings=[s for s in stops if s],
-            ignore_eos=self.ignore_eos,
-            attention=bool(first(self.return_attention, self.output_attentions, default=False)),
-            attention_format=self.attention_format,
-            attention_dtype=self.attention_dtype,
-            attention_layers=self.attention_layers,
-            hidden_state=self.output_hidden_states,
-            n_probs=int(first(self.top_logprobs, self.n_probs, default=0)),
-            slot=None if slot is None else str(slot),  # None: chosen by prompt (orchestrator/slots/anonymous.py)
-            wait=self.wait or slot is None,  # a request naming no slot queues, as KoboldCpp does
-            progress=self.return_progress,
-            **self.sampler_settings(defaults),
-        )
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -162,68 +46,10 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int] | None = None
 
 
-class TokenText(msgspec.Struct, kw_only=True):
-    """A token and its text; ``bytes`` (the raw piece) when the piece alone is not valid UTF-8."""
-
-    token_id: int
-    text: str
-    bytes_: list[int] | UnsetType = msgspec.field(default=UNSET, name="bytes")
-
-
-class ContextShift(msgspec.Struct, kw_only=True):
-    """A context shift before this token (``--context-shift``; docs/api.md, "Context shift"): the slot's
-    tokens ``n_keep .. n_keep+n_discard-1`` were dropped and the later ones moved down, so from this
-    token on, attention position ``p >= n_keep`` is the earlier tokens' ``p + n_discard``."""
-
-    n_keep: int
-    n_discard: int
-
-
-class Attention(msgspec.Struct, kw_only=True):
-    """One token's attention (docs/api.md, "Attention"): ``shape`` ``[n_layers, n_heads, context_length]``
-    (``per_layer``) or ``[context_length]`` (``aggregated``), ``data`` base64 of ``dtype`` values;
-    ``context_shift`` on the first row after a context shift."""
-
-    format: str
-    shape: list[int]
-    context_length: int
-    encoding: str
-    dtype: str
-    data: str
-    context_shift: ContextShift | UnsetType = UNSET
-
-
-def context_shift_of(t: TokenOut) -> ContextShift | UnsetType:
-    """The :class:`ContextShift` before ``t``, if one came."""
-    return UNSET if t.shift is None else ContextShift(n_keep=t.shift[0], n_discard=t.shift[1])
-
-
 class TokenAttention(TokenText, kw_only=True):
     """A token with its attention (``attention_data`` entries)."""
 
     attention: Attention | None
-
-
-def token_text(t: TokenOut) -> TokenText:
-    """:class:`TokenText` of a generated token: ``bytes`` only when its piece alone is not valid UTF-8."""
-    try:
-        t.piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return TokenText(token_id=t.token_id, text=t.text, bytes_=list(t.piece))
-    return TokenText(token_id=t.token_id, text=t.text)
-
-
-def attention_of(t: TokenOut, fmt: str, dtype: str) -> Attention | None:
-    """The attention object of the JSON and SSE APIs (docs/api.md, "Attention"): ``t.attention``, the
-    worker's little-endian ``dtype`` bytes of ``t.attention_shape``, base64-encoded; ``None`` without."""
-    if t.attention is None:
-        return None
-    data = base64.b64encode(t.attention).decode("ascii")
-    shape = t.attention_shape
-    return Attention(
-        format=fmt, shape=shape, context_length=shape[-1], encoding="base64", dtype=dtype, data=data,
-        context_shift=context_shift_of(t),
-    )  # fmt: skip
 
 
 def token_attention(t: TokenOut, fmt: str, dtype: str) -> TokenAttention:
@@ -395,29 +221,6 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     attention_data: list[TokenAttention] | UnsetType = UNSET
 
 
-class MessageSpan(msgspec.Struct, kw_only=True):
-    """A message's token range, ``start``..``end`` inclusive (``index`` from 0)."""
-
-    index: int
-    start: int
-    end: int
-
-
-class SlotMessage(MessageSpan, kw_only=True):
-    """A message of a slot with its text."""
-
-    text: str
-
-
-class SlotMessages(msgspec.Struct, kw_only=True):
-    """``GET /admin/api/slots/{id}/messages``: a slot's messages as text with token ranges."""
-
-    id_slot: int | str
-    n_tokens: int
-    boundary_eot: int
-    messages: list[SlotMessage]
-
-
 class PreviewResponse(msgspec.Struct, kw_only=True):
     """``POST /api/v1/generate/preview`` (docs/api.md): ``stopped_reason`` max_tokens, stop_token,
     stop_string or cancelled; ``slot_id`` the forked slot (``null`` without a cache hit);
@@ -509,16 +312,6 @@ class BinaryTokenFrame(msgspec.Struct, kw_only=True, tag="token", tag_field="typ
     shape: list[int] | UnsetType = UNSET
     hidden_state: Hidden | UnsetType = UNSET
     context_shift: ContextShift | UnsetType = UNSET
-
-
-class PromptProgress(msgspec.Struct, kw_only=True):
-    """llama-server's ``prompt_progress`` (``return_progress``): ``processed`` of ``total`` prompt tokens
-    are in the KV cache, ``cache`` of them reused, after ``time_ms`` milliseconds."""
-
-    total: int
-    cache: int
-    processed: int
-    time_ms: float
 
 
 class ProgressEvent(msgspec.Struct, kw_only=True, tag="progress", tag_field="type"):

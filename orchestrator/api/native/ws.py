@@ -37,8 +37,8 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
 from contract.errors import ErrorCode
+from orchestrator.api.common.generate import GenerateRequest
 from orchestrator.api.native.protocol import (
-    GenerateRequest,
     QueuedEvent,
     binary_token_frame,
     done_event,

@@ -26,7 +26,7 @@ import numpy as np
 from litestar import Controller, post
 
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS
+from orchestrator.api.common.run import COMPAT_ERRORS
 from orchestrator.api.openai.protocol import Embedding, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage
 from orchestrator.services import Services
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError

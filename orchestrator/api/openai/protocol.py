@@ -14,8 +14,9 @@ from msgspec import UNSET, UnsetType
 
 from contract.errors import ErrorCode
 from contract.protocol import AttentionDtype, AttentionFormat
-from orchestrator.api.llama_server.protocol import LlamaCompletion, Timings
-from orchestrator.api.native.protocol import Attention, PromptProgress
+from orchestrator.api.common.completion import LlamaCompletion
+from orchestrator.api.common.timings import Timings
+from orchestrator.api.common.wire import Attention, PromptProgress
 from orchestrator.generation.request import (
     Float32,
     NonNegFloat32,

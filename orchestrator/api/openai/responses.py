@@ -44,9 +44,9 @@ import msgspec
 from litestar import Controller, Request, post
 
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS, collect, started_run
-from orchestrator.api.llama_server.timings import TimingsClock
-from orchestrator.api.native.protocol import PromptProgress
+from orchestrator.api.common.run import COMPAT_ERRORS, collect, started_run
+from orchestrator.api.common.timings import TimingsClock
+from orchestrator.api.common.wire import PromptProgress
 from orchestrator.api.openai.protocol import (
     ChatCompletionRequest,
     ContentPartAdded,

@@ -31,13 +31,21 @@ from msgspec import UNSET, UnsetType
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
-from orchestrator.api.compat import COMPAT_ERRORS, collect, one_prompt, piece_text, prompt_ids, remaining, started_run
-from orchestrator.api.llama_server.chat import chat_ids, chat_prompt
-from orchestrator.api.llama_server.protocol import CompletionBody, LlamaCompletion
-from orchestrator.api.llama_server.routes import Completion
-from orchestrator.api.llama_server.timings import TimingsClock
-from orchestrator.api.native.generate import cancelled_on_disconnect
-from orchestrator.api.native.protocol import Attention, GenerateRequest, PromptProgress, attention_of
+from orchestrator.api.common.chat import chat_prompt_ids
+from orchestrator.api.common.completion import Completion, CompletionBody, LlamaCompletion
+from orchestrator.api.common.generate import GenerateRequest
+from orchestrator.api.common.run import (
+    COMPAT_ERRORS,
+    cancelled_on_disconnect,
+    collect,
+    one_prompt,
+    piece_text,
+    prompt_ids,
+    remaining,
+    started_run,
+)
+from orchestrator.api.common.timings import TimingsClock
+from orchestrator.api.common.wire import Attention, PromptProgress, attention_of
 from orchestrator.api.openai.protocol import (
     MAX_TOP_LOGPROBS,
     ChatChoice,
@@ -73,7 +81,7 @@ from orchestrator.generation.request import (
 )
 from orchestrator.generation.service import RunControl
 from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan, plan_of
+from orchestrator.generation.tool_calls import AnswerText, CallDelta, Piece, ToolCall, ToolPlan
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError, compat_error_body, report, route_of
@@ -429,23 +437,13 @@ async def respond(
 async def chat_shape(services: Services, request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Shape:
     """The :class:`Shape` (and so the generation request) of a chat body: the messages rendered by
     the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_calls`."""
-    ids, plan = await chat_prompt_ids(services, data)
+    ids, plan = await chat_prompt_ids(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     req.post_sampling_probs = data.post_sampling_probs
     if plan:
         plan.constrain(req)
     pieces = await services.generation.pieces()
     return Shape(True, services.model_id, req, bool(data.logprobs), pieces, fingerprint(services.generation.info), plan)
-
-
-async def chat_prompt_ids(services: Services, data: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
-    """The prompt tokens of a chat body (its ``messages`` and ``tools`` rendered by the model's
-    template, :func:`orchestrator.api.llama_server.chat.chat_prompt`) and its tool plan
-    (:func:`orchestrator.generation.tool_calls.plan_of`; None without tools)."""
-    plan = plan_of(services.generation.info.chat_template, data.tools, data.tool_choice, data.parallel_tool_calls)
-    messages = plan.messages(data.messages) if plan else data.messages
-    ids = await chat_ids(services, chat_prompt(services, messages, plan.template_tools() if plan else None))
-    return ids, plan
 
 
 async def respond_choices(

@@ -10,19 +10,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import Request
 
 from contract.errors import ErrorCode
-from orchestrator.api.native.generate import cancelled_on_disconnect
 from orchestrator.generation.events import DoneOut, Started, TokenOut
 from orchestrator.generation.request import INT32_MAX, CanonicalRequest
 from orchestrator.generation.service import RunControl
 from orchestrator.services import Services
 from orchestrator.web.errors import ApiError, compat_error_body, exception_handlers
+from orchestrator.web.slot_header import watch_slot
 
 COMPAT_ERRORS = exception_handlers(compat_error_body)
 """Litestar exception handlers for the OpenAI and llama-server paths (errors in their shape)."""
@@ -102,3 +104,35 @@ def remaining(services: Services, n_prompt: int) -> int:
     if info.runtime.context_shift:
         return INT32_MAX
     return max(0, info.n_ctx - n_prompt)
+
+
+@asynccontextmanager
+async def cancelled_on_disconnect(
+    request: Request[Any, Any, Any], control: RunControl | None = None
+) -> AsyncIterator[RunControl]:
+    """``control`` (or a new :class:`RunControl`), cancelled when the client of a request goes
+    away: the generation stops, and a request still waiting (for a busy slot, or for an engine
+    sequence in the admission queue: ``control.hooks``) ends with ``CLIENT_GONE``, untouched.
+
+    Start it only once the request's body has been read (it reads the ASGI ``receive`` channel
+    for ``http.disconnect``).  Nested blocks with the same ``control`` share one watcher."""
+    control = control or RunControl()
+    watch_slot(request.scope, control)  # X-Slot-Id on the answer
+    if control.watched:
+        yield control
+        return
+    control.watched = True
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, control))
+    try:
+        yield control
+    finally:
+        watcher.cancel()
+        control.watched = False
+
+
+async def _cancel_on_disconnect(request: Request[Any, Any, Any], control: RunControl) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            await control.cancel()
+            return

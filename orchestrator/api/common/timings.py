@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from msgspec import UNSET, UnsetType
 
-from orchestrator.api.llama_server.protocol import Timings
 from orchestrator.generation.events import DoneOut, ProgressOut
 
 
@@ -84,3 +84,17 @@ class TimingsClock:
     def final(self, done: DoneOut) -> Timings | UnsetType:
         """The ``timings`` of the finished generation (the worker's figures; unset when off)."""
         return timings_of(done) if self.on else UNSET
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """llama-server's ``timings``: prompt and generation counts (tokens), times (ms) and rates."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
