@@ -1,6 +1,8 @@
-# slotserve, CPU build: the orchestrator and its engine worker in one container.
-# GPU: see docs/gpu.md.
-FROM python:3.11-slim
+# slotserve: the orchestrator and its engine worker in one container; a CPU build by default.
+# CUDA (compose.yaml's "gpu" profile, docs/gpu.md): --build-arg BASE_IMAGE=<an image with Python 3.11+, pip
+# and the CUDA toolkit> --build-arg SLOTSERVE_BACKEND=cuda [--build-arg SLOTSERVE_CUDA_ARCHITECTURES=90].
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 # llama-cpp-python compiles llama.cpp from source.
 RUN apt-get update \
@@ -14,11 +16,15 @@ WORKDIR /app
 
 # The slow step (a few minutes) in its own layer, so code changes do not rebuild it: llama-cpp-python
 # 0.3.36 built from its vendored llama.cpp with libllama/'s patch (libllama/README.md); PyPI's build
-# has no patch and the worker refuses it. CUDA: pass CMAKE_ARGS (docs/gpu.md).
+# has no patch and the worker refuses it. The backend: libllama/build.py's choice (no GPU is visible while
+# an image builds, so CPU unless SLOTSERVE_BACKEND=cuda forces it; docs/gpu.md).
 ARG CMAKE_ARGS=""
+ARG SLOTSERVE_BACKEND=""
+ARG SLOTSERVE_CUDA_ARCHITECTURES=""
 COPY libllama libllama
 RUN apt-get update && apt-get install -y --no-install-recommends patch && rm -rf /var/lib/apt/lists/* \
-    && CMAKE_ARGS="$CMAKE_ARGS" SLOTSERVE_CACHE=/tmp/slotserve-build pip install --no-cache-dir \
+    && CMAKE_ARGS="$CMAKE_ARGS" SLOTSERVE_BACKEND="$SLOTSERVE_BACKEND" \
+       SLOTSERVE_CUDA_ARCHITECTURES="$SLOTSERVE_CUDA_ARCHITECTURES" SLOTSERVE_CACHE=/tmp/slotserve-build pip install --no-cache-dir \
        "$(python libllama/build.py)" \
     && rm -rf /tmp/slotserve-build
 

@@ -34,6 +34,7 @@ more than ``--max-other`` cores; the load average is printed at the start and th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -63,6 +64,11 @@ class Table:
     def add(self, what: str, mine: str, llama: str = "-", ratio: str = "-") -> None:
         self.rows.append((what, mine, llama, ratio))
         print(f"  => {what}: {mine} | {llama} | {ratio}", flush=True)
+
+    def write_json(self, path: Path, about: dict[str, str]) -> None:
+        """The rows as ``{"about": {...}, "rows": [{"row", "slotserve", "llama_server", "ratio"}, ...]}``."""
+        rows = [dict(zip(("row", "slotserve", "llama_server", "ratio"), r, strict=True)) for r in self.rows]
+        path.write_text(json.dumps({"about": about, "rows": rows}, indent=1))
 
     def print(self) -> None:
         w = [max(len(r[i]) for r in self.rows) for i in range(4)]
@@ -279,6 +285,7 @@ def main() -> int:
         ap.add_argument("--" + flag, type=int, default=default, help=text)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: stream,streams,big,inproc")
     ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="also write the table's rows to this JSON file")
     common.add_idle_args(ap, wait_idle_s=5, max_other=0.5)
     ap.set_defaults(retries=1)
     args = ap.parse_args()
@@ -331,6 +338,9 @@ def main() -> int:
     print(f"at the end: {load()}")
     print()
     table.print()
+    if args.json:
+        about = {"machine": machine(), "n_gpu_layers": str(args.n_gpu_layers), "threads": str(args.threads)}
+        table.write_json(args.json, about | {"model": model.name, "llama_server": str(args.llama_server or "")})
     return 0
 
 

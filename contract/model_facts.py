@@ -19,7 +19,10 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     stream for every sequence (False: one per sequence); ``context_shift``: ``--context-shift`` is on
     and the model's memory can shift (a full generation shifts its window instead of ending);
     ``capture``: how attention rows are produced (``graph``: as outputs of llama.cpp's graph, libllama/
-    in this repository; ``off``);
+    in this repository; ``off``); ``capture_stable_graph``: whether decodes with and without attention
+    build one graph shape (``llama_attn_set_stable``; on where layers run on a GPU); ``cuda_graphs``:
+    whether llama.cpp's CUDA backend runs the decode graphs as CUDA graphs (built with them and not
+    disabled by ``GGML_CUDA_DISABLE_GRAPHS``), ``None`` where no layer runs on a CUDA device (docs/gpu.md);
     ``system_info``: llama.cpp's ``llama_print_system_info`` line.
     """
 
@@ -39,6 +42,8 @@ class EngineRuntime(msgspec.Struct, kw_only=True):
     n_threads: int
     n_seq_max: int
     capture: str
+    capture_stable_graph: bool = False
+    cuda_graphs: bool | None = None
     self_check_ms: float
     system_info: str
 

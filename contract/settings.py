@@ -20,6 +20,7 @@ takes a comma-separated, repeatable flag; ``Flag(env=NAME)`` reads the environme
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import typing
 from pathlib import Path
@@ -30,6 +31,8 @@ import msgspec
 from contract.kv_types import FLOAT_KV_TYPES, KvCacheType
 
 FlashAttn = Literal["auto", "on", "off"]
+SplitMode = Literal["none", "layer", "row", "tensor"]
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2, "tensor": 3}  # enum llama_split_mode (include/llama.h)
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type (include/llama.h)
 
 Positive = msgspec.Meta(ge=1)
@@ -89,6 +92,41 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     n_batch: Annotated[int, Positive, Flag("tokens per llama_decode (logical batch)", "--batch-size", "-b")] = 512
     n_ubatch: Annotated[int, Positive, Flag("tokens per physical micro-batch", "--ubatch-size", "-ub")] = 512
     n_gpu_layers: Annotated[int, Flag("layers to offload to the GPU", "--n-gpu-layers", "-ngl")] = 0
+    device: Annotated[
+        tuple[str, ...],
+        Flag(
+            "devices to offload to, by ggml name (llama-server's --device: CUDA0,CUDA1; none: no offload)",
+            "--device",
+            "-dev",
+            default_text="every GPU",
+            metavar="DEV,...",
+        ),
+    ] = ()
+    split_mode: Annotated[
+        SplitMode,
+        Flag(
+            "how a model larger than one GPU is split (llama-server's --split-mode: none = --main-gpu only, "
+            "layer = layers and KV across GPUs, row = weights by rows, tensor = llama.cpp's experimental one)",
+            "--split-mode",
+            "-sm",
+            metavar="none|layer|row|tensor",
+        ),
+    ] = "layer"
+    tensor_split: Annotated[
+        str,
+        Flag(
+            "share of the model on each GPU, comma-separated proportions (llama-server's --tensor-split, e.g. 3,1)",
+            "--tensor-split",
+            "-ts",
+            default_text="by free memory",
+            metavar="N0,N1,...",
+        ),
+    ] = ""
+    main_gpu: Annotated[
+        int,
+        NonNegative,
+        Flag("the GPU for the whole model with --split-mode none (llama-server's --main-gpu)", "--main-gpu", "-mg"),
+    ] = 0
     verify_cells: Annotated[
         bool, Flag("check the KV cell mirror against llama.cpp's KV cache for every captured row", "--verify-cells")
     ] = False
@@ -169,6 +207,22 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         the ``ValueError`` into a ``msgspec.ValidationError``."""
         if self.flash_attn == "off" and self.type_v not in FLOAT_KV_TYPES:
             raise ValueError(f"--cache-type-v {self.type_v} needs flash attention: drop --flash-attn off")
+        self.tensor_split_values  # noqa: B018 (raises ValueError for a bad --tensor-split)
+
+    @property
+    def tensor_split_values(self) -> tuple[float, ...]:
+        """``--tensor-split`` as proportions, one per device (empty: llama.cpp splits by free memory).
+
+        Raises ``ValueError`` for a part that is not a non-negative number, or all zero (llama-server
+        also splits on ``/``)."""
+        parts = [p for p in self.tensor_split.replace("/", ",").split(",") if p.strip()]
+        try:
+            values = tuple(float(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"--tensor-split {self.tensor_split!r}: give comma-separated numbers, e.g. 3,1") from None
+        if any(not (math.isfinite(v) and v >= 0) for v in values) or (values and not any(values)):
+            raise ValueError(f"--tensor-split {self.tensor_split!r}: proportions must be >= 0, not all 0")
+        return values
 
     @property
     def n_seq_max(self) -> int:

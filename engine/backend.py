@@ -37,6 +37,7 @@ _sig = {
     "ggml_backend_dev_by_type": ([ctypes.c_int], ctypes.c_void_p),
     "ggml_backend_reg_get_proc_address": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p),
     "ggml_backend_buft_name": ([ctypes.c_void_p], ctypes.c_char_p),
+    "ggml_backend_dev_by_name": ([ctypes.c_char_p], ctypes.c_void_p),
 }
 for _name, (_args, _res) in _sig.items():
     _fn = getattr(libggml, _name)
@@ -69,6 +70,40 @@ def devices() -> list[Device]:
                 type=DEVICE_TYPES.get(libggml.ggml_backend_dev_type(dev), "?"),
             )
         )
+    return out
+
+
+class UnknownDeviceError(ValueError):
+    """A ``--device`` name that no registered ggml backend device has."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's offloaded layers go, as llama-server's flags say (``llama_model_params``,
+    ``include/llama.h``): ``devices`` by ggml name (empty: every GPU; ``("none",)``: none), ``split_mode``
+    (``enum llama_split_mode``), ``main_gpu`` (index among the devices used) and ``tensor_split``
+    (proportions per device, empty: by free memory)."""
+
+    devices: tuple[str, ...] = ()
+    split_mode: int = 1
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] = ()
+
+
+def device_handles(names: tuple[str, ...]) -> list[int]:
+    """``ggml_backend_dev_t`` handles of the named devices (``ggml_backend_dev_by_name``, case-insensitive);
+    ``("none",)`` gives none.  Raises :class:`UnknownDeviceError` naming the devices that exist.
+
+    Call after ``llama_backend_init`` (:func:`engine.model.init_backend`)."""
+    if tuple(n.lower() for n in names) == ("none",):
+        return []
+    out = []
+    for name in names:
+        dev = libggml.ggml_backend_dev_by_name(name.encode())
+        if not dev:
+            known = ", ".join(d.name for d in devices())
+            raise UnknownDeviceError(f"--device {name}: no such device (this machine has: {known})")
+        out.append(dev)
     return out
 
 
@@ -128,6 +163,14 @@ def choose_repack(requested: bool | None, extra_bufts: list[str]) -> RepackChoic
     if not extra_bufts:
         return RepackChoice(False, "auto: the CPU backend offers no extra buffer types")
     return RepackChoice(True, f"auto: on ({', '.join(extra_bufts)})")
+
+
+def stable_capture_graph(n_gpu_layers: int) -> bool:
+    """Whether the capture keeps one graph shape for decodes with and without attention
+    (``llama_attn_set_stable``, libllama/llama-attn.h): where layers run on a GPU, so the CUDA backend keeps
+    replaying its CUDA graph when clients switch attention on and off; not on a CPU, where there is no graph
+    to keep and the capture's nodes would cost every decode some work (docs/gpu.md)."""
+    return n_gpu_layers > 0 and any(d.type in ("GPU", "IGPU") for d in devices())
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,20 @@ class AttentionCapture:
 
     The context's capture is armed already (``llama_attn_init``, by :func:`engine.memory.memory_of`,
     which also counts its ``n_caches`` KV caches).  ``verify``: every collected row's cells are also
-    checked against llama.cpp's KV cache (``--verify-cells``; :class:`CellMapError` on a difference).  Raises
+    checked against llama.cpp's KV cache (``--verify-cells``; :class:`CellMapError` on a difference).
+    ``stable``: every decode carries the capture's nodes, so decodes with and without rows asked share one
+    graph (:func:`engine.backend.stable_capture_graph`).  Raises
     :class:`engine.native.PatchMissingError` without the patch.
     """
 
-    def __init__(self, ctx: int, cellmap: CellMap, n_layer: int, n_caches: int, verify: bool = False) -> None:
+    def __init__(
+        self, ctx: int, cellmap: CellMap, n_layer: int, n_caches: int, verify: bool = False, stable: bool = False
+    ) -> None:
         native.require_patch()
         self.ctx = ctx
+        self.stable = stable  # one graph shape with and without rows asked (llama_attn_set_stable)
+        if native.lib.llama_attn_set_stable(ctx, stable) != 0:
+            raise CaptureError("llama_attn_set_stable refused: the context's capture is not armed")
         self.cellmap = cellmap
         self.n_layer = n_layer
         self.verify = verify

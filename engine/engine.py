@@ -120,8 +120,9 @@ class Engine:
         self.cellmap = CellMap(self.n_cells)
         self.capture: AttentionCapture | None = None
         if config.capture and self.shape.n_caches:
+            stable = backend.stable_capture_graph(config.n_gpu_layers)  # one graph shape on a GPU (docs/gpu.md)
             self.capture = AttentionCapture(
-                ctx, self.cellmap, model.n_layer, self.shape.n_caches, verify=config.verify_cells
+                ctx, self.cellmap, model.n_layer, self.shape.n_caches, verify=config.verify_cells, stable=stable
             )
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)

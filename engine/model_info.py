@@ -7,7 +7,7 @@ import ctypes
 import llama_cpp as llama
 
 from contract.model_facts import EngineRuntime, MemoryInfo, ModelInfo
-from engine import backend
+from engine import backend, native
 from engine.engine import Engine
 from engine.native import lib as libggml
 
@@ -25,6 +25,13 @@ def memory_info(engine: Engine) -> MemoryInfo:
         context_shift=engine.can_shift,
         partial_reuse=not mem.shape.recurrent,
     )
+
+
+def cuda_graphs(ctx: int, n_layers_offloaded: int) -> bool | None:
+    """Whether the context's CUDA devices run graphs as CUDA graphs (``llama_attn_cuda_graphs``,
+    libllama/llama-attn.h); ``None`` when no layer is offloaded or the model uses no CUDA device."""
+    found = int(native.lib.llama_attn_cuda_graphs(ctx))
+    return None if found < 0 or n_layers_offloaded == 0 else bool(found)
 
 
 def runtime_info(engine: Engine) -> EngineRuntime:
@@ -55,6 +62,8 @@ def runtime_info(engine: Engine) -> EngineRuntime:
         n_threads=c.n_threads,
         n_seq_max=c.n_seq_max,
         capture="graph" if engine.capture is not None else "off",
+        capture_stable_graph=engine.capture is not None and engine.capture.stable,
+        cuda_graphs=cuda_graphs(engine.ctx, offloaded),
         self_check_ms=round(engine.self_check_ms, 1),
         system_info=llama.llama_print_system_info().decode("utf-8", "replace").strip(),
     )

@@ -15,7 +15,7 @@ import ctypes
 
 import llama_cpp
 
-ATTN_ABI = 1  # LLAMA_ATTN_ABI of libllama/llama-attn.h
+ATTN_ABI = 2  # LLAMA_ATTN_ABI of libllama/llama-attn.h
 PER_LAYER = 0  # enum llama_attn_format
 MEAN = 1
 GGML_TYPE_F32 = 0
@@ -68,6 +68,9 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
         ctypes.c_int32,
     ),
     "llama_attn_n_captured": ([ctypes.c_void_p], ctypes.c_int32),
+    "llama_attn_set_stable": ([ctypes.c_void_p, ctypes.c_bool], ctypes.c_int32),
+    "llama_attn_host_buffer": ([ctypes.c_void_p], ctypes.c_char_p),
+    "llama_attn_cuda_graphs": ([ctypes.c_void_p], ctypes.c_int32),
     "llama_attn_seq_cells": (
         [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p],
         ctypes.c_int32,

@@ -32,7 +32,7 @@ from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.framing import RecvBuffer, parse_address
 from contract.heap import keep_heap_mapped
-from contract.settings import EngineSettings
+from contract.settings import SPLIT_MODES, EngineSettings
 from engine import backend
 from engine.batcher import Batcher
 from engine.classifier import Classifier
@@ -257,6 +257,12 @@ def start_engine(config: EngineSettings, report: Callable[..., None]) -> Engine 
         n_gpu_layers=config.n_gpu_layers,
         repack=choice,
         on_progress=progress,
+        placement=backend.Placement(
+            devices=config.device,
+            split_mode=SPLIT_MODES[config.split_mode],
+            main_gpu=config.main_gpu,
+            tensor_split=config.tensor_split_values,
+        ),
     )
     try:
         if config.classifier or config.embedder:

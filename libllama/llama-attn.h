@@ -1,6 +1,8 @@
 // slotserve's addition to libllama: post-softmax attention rows as graph outputs.
 //
-// Copied into llama.cpp's include/ by slotserve's set-up (libllama/README.md).  Nothing here changes
+// Copied into llama.cpp's include/ by slotserve's set-up (libllama/README.md); implemented in
+// src/llama-attn-graph.cpp (the nodes), src/llama-attn-capture.cpp (the copy to host and this API's
+// capture functions) and src/llama-attn-kv.cpp (cells and sequence states).  Nothing here changes
 // what llama.cpp computes: a context that never calls llama_attn_init runs exactly as upstream.
 //
 // Per llama_decode the caller names the batch tokens whose attention it wants (llama_attn_set_rows);
@@ -19,7 +21,7 @@ extern "C" {
 #endif
 
 // ABI of this header; slotserve refuses a libllama whose llama_attn_abi() differs.
-#define LLAMA_ATTN_ABI 1
+#define LLAMA_ATTN_ABI 2
 
 enum llama_attn_format {
     LLAMA_ATTN_PER_LAYER = 0, // [n_layer_sel, n_head, n_kv] per row and KV cache
@@ -67,6 +69,22 @@ LLAMA_API int32_t llama_attn_set_rows(struct llama_context * ctx, const int32_t 
 // After llama_decode: row i (the i-th index given to llama_attn_set_rows) in KV cache `cache`.
 // Returns 0, 1 when the row has no layer of that cache, -1 when it was not captured.
 LLAMA_API int32_t llama_attn_get_row(struct llama_context * ctx, int32_t i, int32_t cache, struct llama_attn_row * row);
+
+// Stable graph shape: when true, every ubatch gets the capture's nodes (one row per KV stream, read by
+// nobody, where no row is asked), so decodes with and without capture build the same graph and llama.cpp
+// reuses it (and a CUDA backend keeps its CUDA graph).  Costs those nodes' work on every ubatch.
+// Returns 0, or -1 before llama_attn_init.
+LLAMA_API int32_t llama_attn_set_stable(struct llama_context * ctx, bool stable);
+
+// The name of the host buffer type the last captured rows were copied into ("CUDA_Host": pinned memory;
+// "CPU": pageable), or NULL before the first copy.
+LLAMA_API const char * llama_attn_host_buffer(const struct llama_context * ctx);
+
+// Whether the model's CUDA devices run graphs as CUDA graphs: 1 when the CUDA backend was built with them
+// (ggml_backend_get_features: USE_GRAPHS) and GGML_CUDA_DISABLE_GRAPHS is unset, 0 when not, -1 when the
+// model uses no CUDA device.  (ggml-cuda may still run a graph without one while it warms up or on a GPU
+// older than Volta.)
+LLAMA_API int32_t llama_attn_cuda_graphs(const struct llama_context * ctx);
 
 // Attention layers captured by the last llama_decode's graphs (a start-up check), or -1 after an error.
 LLAMA_API int32_t llama_attn_n_captured(const struct llama_context * ctx);

@@ -31,3 +31,26 @@ def test_the_cluster_profile_runs_every_node_the_proxy_routes_to() -> None:
         hostnames.add(service["hostname"])
     assert len(hostnames) == len(nodes), "each node its own hostname: its own lease node id"
     assert "redis-server" in cluster["redis"]["command"] and "noeviction" in cluster["redis"]["command"]
+
+
+def test_the_gpu_profile_runs_one_offloaded_node_per_gpu_behind_the_same_proxy() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    proxy = services["haproxy-gpu"]
+    assert proxy["profiles"] == ["gpu"]
+    assert "./deploy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in proxy["volumes"]
+    names = set(re.findall(r"\$\{(SLOTSERVE_NODE\d+)\}", (ROOT / "deploy" / "haproxy.cfg").read_text()))
+    nodes = [proxy["environment"][n].partition(":")[0] for n in sorted(names)]
+    gpus = []
+    for node in nodes:
+        service = services[node]
+        assert service["profiles"] == ["gpu"] and "redis" in service["depends_on"]
+        assert service["build"]["args"]["SLOTSERVE_BACKEND"] == "cuda"
+        command = service["command"]
+        assert int(command[command.index("--n-gpu-layers") + 1]) >= 99, "every layer offloaded"
+        assert "redis://redis:6379/0" in command, "the one Redis"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        gpus.extend(device["device_ids"])
+    assert len(gpus) == len(set(gpus)) == len(nodes), "one GPU per node, each its own"
+    assert len({services[n]["hostname"] for n in nodes}) == len(nodes)

@@ -44,6 +44,13 @@ FLAGS = [
     (["--no-repack"], {"repack": False}),
     (["-fa", "off"], {"flash_attn": "off"}),
     (["--flash-attn", "on", "-ctv", "q8_0"], {"flash_attn": "on", "type_v": "q8_0"}),
+    # llama-server's multi-GPU flags
+    (["--device", "CUDA0,CUDA1"], {"device": ("CUDA0", "CUDA1")}),
+    (["-dev", "CUDA1", "-dev", "CUDA0"], {"device": ("CUDA1", "CUDA0")}),
+    (["-dev", "none"], {"device": ("none",)}),
+    (["-sm", "row", "-mg", "1"], {"split_mode": "row", "main_gpu": 1}),
+    (["--split-mode", "none"], {"split_mode": "none"}),
+    (["-ts", "3,1"], {"tensor_split": "3,1"}),
 ]
 
 
@@ -71,7 +78,22 @@ def test_the_worker_gets_the_settings_whole() -> None:
     assert _worker(*argv[5:], "-c", "256").n_ctx == 256
 
 
-@pytest.mark.parametrize("argv", [["-c", "0"], ["-np", "-1"], ["-b", "0"], ["--spare", "-2"], ["-c", "many"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-c", "0"],
+        ["-np", "-1"],
+        ["-b", "0"],
+        ["--spare", "-2"],
+        ["-c", "many"],
+        ["-sm", "diagonal"],
+        ["-mg", "-1"],
+        ["-ts", "3,x"],
+        ["-ts", "0,0"],
+        ["-ts", "1,-1"],
+        ["-ts", "nan"],
+    ],
+)
 def test_bad_values_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         _worker(*argv)
@@ -82,6 +104,14 @@ def test_bad_values_are_refused(argv: list[str], capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit) as exc:
         main(["serve", *argv])
     assert exc.value.code == 2
+
+
+def test_tensor_split_reads_as_proportions() -> None:
+    assert EngineSettings(tensor_split="3,1").tensor_split_values == (3.0, 1.0)
+    assert EngineSettings(tensor_split="1/2/0").tensor_split_values == (1.0, 2.0, 0.0)  # llama-server splits on / too
+    assert EngineSettings().tensor_split_values == ()
+    with pytest.raises(msgspec.ValidationError, match="tensor-split"):
+        settings.decode('{"tensor_split": "a,b"}')
 
 
 def test_settings_json_is_checked() -> None:

@@ -1,0 +1,258 @@
+// slotserve: the attention capture's nodes in llama.cpp's graph (llama-attn.h).  One reason to patch:
+// building the rows of the asked tokens as graph outputs.
+//
+// Copied into llama.cpp's src/ by slotserve's set-up; libllama/hooks.patch makes llama.cpp call
+// llama_attn_cap_layer from llm_graph_context::build_attn_mha (once per attention layer).  Pattern:
+// llama.cpp's own per-layer outputs (cparams.embeddings_layer_inp, llm_graph_result::set_outputs).
+//
+// Per ubatch the captured tokens are laid out in "slots": the ubatch's tokens are n_stream streams
+// of n_tps tokens (one KV stream per sequence with kv_unified=false, else one), n_q = the most
+// captured tokens of any stream, slot = q + n_q*s (streams with fewer captured tokens repeat a row,
+// whose slot nobody reads).  idx_h[q, h, s] = the token's row within its stream, for every head.
+//   per layer:  rows = get_rows(kq, idx_h)                                  [n_kv, n_q, n_head, n_stream]
+//               (flash attention: kq recomputed for those rows only:
+//                softmax(get_rows(q) * K^T * scale + get_rows(mask)) with soft-capping and sinks)
+//   PER_LAYER:  out[n_kv, n_head, n_layer_sel, n_slots] <- rows  (ggml_set_inplace, one per layer)
+//   MEAN:       acc += rows;  out = sum over heads(acc) / (n_layer_sel_total * n_head)  [n_kv, n_slots]
+// and out (cast to F16 if asked) is a graph output, copied to host after the ubatch (llama-attn-capture.cpp).
+//
+// Stable shape (llama_attn_set_stable): a ubatch in which nobody asks for a row still gets the nodes,
+// with n_q = 1 (the stream's first row, read by nobody), so decodes that capture and decodes that do not
+// build one graph: llama.cpp reuses it (llm_graph_result::can_reuse) and the CUDA backend keeps its CUDA
+// graph instead of warming a new one each time a client switches attention on or off.
+
+#include "llama-attn-impl.h"
+#include "llama-attn-hooks.h"
+
+#include "llama-graph.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <climits>
+#include <memory>
+#include <utility>
+#include <vector>
+
+void attn_make_plan(const llama_attn_cap & cap, bool kv_unified, const llama_ubatch & ub, attn_plan & p) {
+    p.n_stream = kv_unified ? 1 : std::max<int32_t>(1, (int32_t) ub.n_seqs_unq);
+    p.n_tps    = (int32_t) ub.n_tokens / p.n_stream;
+    p.n_q      = 0;
+    p.row.clear();
+    p.batch.clear();
+    if ((cap.rows.empty() && !cap.stable) || !ub.data || ub.data->batch_idxs.size() != ub.n_tokens || p.n_tps == 0 ||
+        (int32_t) ub.n_tokens != p.n_tps * p.n_stream) {
+        return;
+    }
+    const auto & bidx = ub.data->batch_idxs;
+    auto wanted = [&](uint32_t j) {
+        const int32_t b = bidx[j];
+        return b >= 0 && (size_t) b < cap.row_of.size() && cap.row_of[b] >= 0;
+    };
+    std::vector<int32_t> count(p.n_stream, 0);
+    for (uint32_t j = 0; j < ub.n_tokens; ++j) {
+        if (wanted(j)) {
+            p.n_q = std::max(p.n_q, ++count[j / p.n_tps]);
+        }
+    }
+    if (p.n_q == 0) {
+        if (cap.stable) { // the same nodes as a capturing ubatch: one row per stream, read by nobody
+            p.n_q = 1;
+            p.row.assign((size_t) p.n_stream, 0);
+            p.batch.assign((size_t) p.n_stream, -1);
+        }
+        return;
+    }
+    p.row.assign((size_t) p.n_stream * p.n_q, 0);
+    p.batch.assign((size_t) p.n_stream * p.n_q, -1);
+    std::fill(count.begin(), count.end(), 0);
+    for (uint32_t j = 0; j < ub.n_tokens; ++j) {
+        if (wanted(j)) {
+            const int32_t s    = (int32_t) j / p.n_tps;
+            const size_t  slot = (size_t) s * p.n_q + count[s]++;
+            p.row[slot]   = (int32_t) j % p.n_tps;
+            p.batch[slot] = bidx[j];
+        }
+    }
+}
+
+void llm_graph_input_attn_cap::set_input(const llama_ubatch * ubatch) {
+    attn_plan now;
+    attn_make_plan(*cap, kv_unified, *ubatch, now);
+    if (now.n_q != plan.n_q || now.n_stream != plan.n_stream) {
+        failed = true; // cannot happen: can_reuse compared the same plan
+        return;
+    }
+    plan = std::move(now);
+    std::vector<int32_t> data;
+    for (auto & [n_head, t] : idx_h) {
+        data.resize((size_t) plan.n_q * n_head * plan.n_stream);
+        for (int32_t s = 0; s < plan.n_stream; ++s) {
+            for (int64_t h = 0; h < n_head; ++h) {
+                for (int32_t q = 0; q < plan.n_q; ++q) {
+                    data[q + plan.n_q * (h + n_head * s)] = plan.row[(size_t) s * plan.n_q + q];
+                }
+            }
+        }
+        if (t->buffer) {
+            ggml_backend_tensor_set(t, data.data(), 0, ggml_nbytes(t));
+        }
+    }
+    if (idx_m && idx_m->buffer) {
+        ggml_backend_tensor_set(idx_m, plan.row.data(), 0, ggml_nbytes(idx_m));
+    }
+}
+
+bool llm_graph_input_attn_cap::can_reuse(const llm_graph_params & params) {
+    if (params.cparams.attn_cap != cap || serial != cap->serial || failed) {
+        return false;
+    }
+    attn_plan now;
+    attn_make_plan(*cap, kv_unified, params.ubatch, now);
+    return now.n_q == plan.n_q && now.n_stream == plan.n_stream;
+}
+
+ggml_tensor * llm_graph_input_attn_cap::get_idx_h(ggml_context * ctx, int64_t n_head) {
+    for (auto & [n, t] : idx_h) {
+        if (n == n_head) {
+            return t;
+        }
+    }
+    ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, plan.n_q, n_head, plan.n_stream);
+    ggml_set_input(t);
+    ggml_set_name(t, "attn_cap_idx");
+    idx_h.emplace_back(n_head, t);
+    return t;
+}
+
+ggml_tensor * llm_graph_input_attn_cap::get_idx_m(ggml_context * ctx) {
+    if (!idx_m) {
+        idx_m = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, plan.n_q, 1, plan.n_stream);
+        ggml_set_input(idx_m);
+        ggml_set_name(idx_m, "attn_cap_idx_mask");
+    }
+    return idx_m;
+}
+
+ggml_tensor * llm_graph_input_attn_cap::get_mask_rows(ggml_context * ctx, ggml_tensor * kq_mask) {
+    for (auto & [m, t] : mask_rows) {
+        if (m == kq_mask) {
+            return t;
+        }
+    }
+    ggml_tensor * t = ggml_get_rows(ctx, kq_mask, get_idx_m(ctx));
+    mask_rows.emplace_back(kq_mask, t);
+    return t;
+}
+
+namespace {
+
+llm_graph_input_attn_cap * attn_input_of(const llm_graph_context & g, llama_attn_cap * cap) {
+    for (auto & in : g.res->inputs) {
+        if (auto * p = dynamic_cast<llm_graph_input_attn_cap *>(in.get())) {
+            return p;
+        }
+    }
+    auto inp = std::make_unique<llm_graph_input_attn_cap>(cap, g.cparams.kv_unified);
+    attn_make_plan(*cap, g.cparams.kv_unified, g.ubatch, inp->plan);
+    return (llm_graph_input_attn_cap *) g.res->add_input(std::move(inp));
+}
+
+// the rows of the captured tokens, [n_kv, n_q, n_head, n_stream], recomputed as build_attn_mha's
+// non-flash path computes kq (src/llama-graph.cpp): mul_mat in F32 precision, Grok's and Gemma 2's
+// soft-capping, soft_max_ext with the mask rows (gathered once per mask), scale and ALiBi bias, then the sinks
+ggml_tensor * attn_recompute_rows(const llm_graph_context & g, llm_graph_input_attn_cap * inp, ggml_tensor * q,
+                             ggml_tensor * k, ggml_tensor * kq_mask, ggml_tensor * sinks, float kq_scale) {
+    ggml_context * ctx0 = g.ctx0;
+    const auto & hp = g.hparams;
+    ggml_tensor * qs = ggml_get_rows(ctx0, q, inp->get_idx_h(ctx0, q->ne[2])); // [d, n_q, n_head, n_stream]
+    ggml_tensor * kq = ggml_mul_mat(ctx0, k, qs);
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    if (g.arch == LLM_ARCH_GROK) {
+        kq = ggml_tanh(ctx0, ggml_scale(ctx0, kq, hp.f_attn_out_scale / hp.f_attn_logit_softcapping));
+        kq = ggml_scale(ctx0, kq, hp.f_attn_logit_softcapping);
+    }
+    if (hp.attn_soft_cap) {
+        kq = ggml_scale(ctx0, kq, 1.0f / hp.f_attn_logit_softcapping);
+        kq = ggml_tanh(ctx0, kq);
+        kq = ggml_scale(ctx0, kq, hp.f_attn_logit_softcapping);
+    }
+    kq = ggml_soft_max_ext(ctx0, kq, inp->get_mask_rows(ctx0, kq_mask), kq_scale, hp.f_max_alibi_bias);
+    ggml_soft_max_add_sinks(kq, sinks);
+    return kq;
+}
+
+void attn_finish(const llm_graph_context & g, llama_attn_cap * cap, llm_graph_input_attn_cap * inp, int c) {
+    ggml_context * ctx0 = g.ctx0;
+    ggml_tensor * t = inp->acc[c];
+    if (cap->format == LLAMA_ATTN_MEAN) {
+        t = ggml_cont(ctx0, ggml_permute(ctx0, t, 1, 2, 0, 3)); // [n_head, n_kv, n_q, n_stream]
+        t = ggml_sum_rows(ctx0, t);                             // [1, n_kv, n_q, n_stream]
+        t = ggml_scale(ctx0, t, 1.0f / ((float) cap->n_sel_total * (float) inp->n_head[c]));
+    }
+    if (cap->type == GGML_TYPE_F16) {
+        t = ggml_cast(ctx0, t, GGML_TYPE_F16);
+    }
+    ggml_set_name(t, "attn_cap_out");
+    ggml_set_output(t);
+    ggml_build_forward_expand(g.gf, t);
+    inp->out[c] = t;
+}
+
+} // namespace
+
+void llama_attn_cap_layer(const llm_graph_context & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * kq_mask,
+                          ggml_tensor * kq, ggml_tensor * sinks, float kq_scale, int il) {
+    llama_attn_cap * cap = g.cparams.attn_cap;
+    if (!cap || il < 0 || il >= cap->n_layer) {
+        return;
+    }
+    llm_graph_input_attn_cap * inp = attn_input_of(g, cap);
+    const int32_t c = cap->cache_of[il];
+    if (c < 0) {
+        inp->failed = true; // attention where llama_attn_init saw none
+        return;
+    }
+    if (inp->failed || inp->plan.n_q == 0 || !cap->sel[il]) {
+        return;
+    }
+    // the shapes the gathers assume (src/llama-graph.cpp build_attn_mha and build_attn_inp_kq_mask); a graph
+    // that differs is not captured (ggml would abort on a mismatch)
+    const int64_t n_head = q->ne[2];
+    if (q->ne[1] != inp->plan.n_tps || q->ne[3] != inp->plan.n_stream || kq_mask->ne[2] != 1 ||
+        kq_mask->ne[3] != inp->plan.n_stream || (kq && (kq->ne[1] != q->ne[1] || kq->ne[2] != n_head || kq->ne[3] != q->ne[3]))) {
+        inp->failed = true;
+        return;
+    }
+    ggml_context * ctx0 = g.ctx0;
+    ggml_tensor * rows = kq ? ggml_get_rows(ctx0, kq, inp->get_idx_h(ctx0, n_head))
+                            : attn_recompute_rows(g, inp, q, k, kq_mask, sinks, kq_scale);
+    const int64_t n_kv = rows->ne[0];
+    if (inp->n_done[c] == 0) {
+        inp->n_kv[c]   = n_kv;
+        inp->n_head[c] = n_head;
+    } else if (inp->n_kv[c] != n_kv || inp->n_head[c] != n_head) {
+        inp->failed = true; // layers of one cache must agree (heads that vary by layer are not supported)
+        return;
+    }
+    if (cap->format == LLAMA_ATTN_MEAN) {
+        inp->acc[c] = inp->acc[c] ? ggml_add(ctx0, inp->acc[c], rows) : rows;
+    } else {
+        const int64_t n_slots = (int64_t) inp->plan.n_q * inp->plan.n_stream;
+        const size_t  nb_slot = sizeof(float) * n_kv * n_head * cap->n_sel[c];
+        if (nb_slot * n_slots > INT32_MAX) { // ggml_set keeps strides and offset as int32
+            inp->failed = true;
+            return;
+        }
+        if (!inp->acc[c]) {
+            inp->acc[c] = ggml_new_tensor_4d(ctx0, GGML_TYPE_F32, n_kv, n_head, cap->n_sel[c], n_slots);
+        }
+        inp->acc[c] = ggml_set_inplace(ctx0, inp->acc[c], rows, nb_slot, sizeof(float) * n_kv,
+                                       nb_slot * inp->plan.n_q, sizeof(float) * n_kv * n_head * cap->index[il]);
+    }
+    ggml_build_forward_expand(g.gf, inp->acc[c]); // here, while this layer's K is still in cache
+    inp->n_done[c]++;
+    inp->n_captured++;
+    if (il == cap->last[c]) {
+        attn_finish(g, cap, inp, c);
+    }
+}

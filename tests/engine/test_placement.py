@@ -1,0 +1,49 @@
+"""llama-server's GPU placement flags reach llama_model_params (engine/model.py, engine/backend.py).
+
+On this GPU-less machine: ``--device none`` loads every layer on the CPU, an unknown device or too many
+``--tensor-split`` parts is refused before llama.cpp loads anything, with a message naming what exists;
+a worker started with a bad placement says why and exits (no HTTP port opens: tests/orchestrator cover
+start-up failures).  Which GPU gets which layers needs GPUs: docs/gpu.md's device check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp as llama
+import pytest
+
+from engine import backend
+from engine.model import Model, ModelLoadError
+
+
+def test_device_none_loads_on_the_cpu(model_path: Path) -> None:
+    m = Model(model_path, n_gpu_layers=99, placement=backend.Placement(devices=("none",)))
+    try:
+        assert m.n_layer == 30 and m.describe()
+    finally:
+        m.close()
+
+
+def test_an_unknown_device_is_refused_naming_the_devices(model_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"--device CUDA7: no such device \(this machine has: CPU"):
+        Model(model_path, n_gpu_layers=99, placement=backend.Placement(devices=("CUDA7",)))
+
+
+def test_more_tensor_split_parts_than_llama_cpp_takes_are_refused(model_path: Path) -> None:
+    parts = (1.0,) * (llama.llama_max_devices() + 1)
+    with pytest.raises(ModelLoadError, match="--tensor-split has"):
+        Model(model_path, placement=backend.Placement(tensor_split=parts))
+
+
+def test_device_names_resolve_as_ggml_names_them() -> None:
+    assert backend.device_handles(("none",)) == [] and backend.device_handles(("NONE",)) == []
+    (cpu,) = backend.device_handles(("cpu",))  # ggml_backend_dev_by_name ignores case
+    assert cpu
+    with pytest.raises(backend.UnknownDeviceError):
+        backend.device_handles(("CPU", "Vulkan3"))
+
+
+def test_the_capture_keeps_lean_graphs_without_a_gpu() -> None:
+    assert backend.stable_capture_graph(0) is False
+    assert backend.stable_capture_graph(99) is False  # no GPU device here
