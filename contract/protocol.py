@@ -1,6 +1,8 @@
 """The worker protocol: every message between the orchestrator and an engine worker.
 
-This module is the table of contents of the IPC.  Each message is one ``msgspec``
+This module is the table of contents of the IPC.  It stays one module by design (SGLang's ``io_struct.py``
+is the same): adding a message is one Struct and one row of a union, and a reader finds every message here.
+Each message is one ``msgspec``
 Struct derived from :class:`Message` (which carries ``req``), encoded as msgpack in a
 tagged array (the tag is the class name).  :data:`Request` lists what the orchestrator
 sends, :data:`Reply` what the worker answers; a frame whose tag is in neither is

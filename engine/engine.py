@@ -4,6 +4,11 @@
 and performs every operation on the KV cache, so the mirror (:mod:`engine.cellmap`) sees all of
 them.  It is single-threaded: the worker's loop calls it between decode steps.
 
+Why one file over 450 lines: every operation on the context (decode, truncate, fork, context shift, state save
+and restore, the start-up self-check that learns the state layout) changes the KV cache that the cell mirror
+must follow, and llama.cpp's context has one owner; the byte formats it reads are in :mod:`slotstate`, the
+capture in :mod:`engine.capture`, batching in :mod:`engine.batcher`.
+
 KV layout (docs/architecture.md, "KV layout"): llama-server's default, ``kv_unified=false``:
 every sequence has a KV stream of its own (``n_ctx`` cells), so a token attends over its own
 sequence's cells only and the work per token follows its own context, however many other

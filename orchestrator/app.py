@@ -192,7 +192,7 @@ def create_app(settings: Settings, services: Services | None = None, auth: Authe
     from orchestrator.api.ollama.routes import OllamaController
     from orchestrator.api.openai.completions import CompletionsController
     from orchestrator.api.openai.embeddings import EmbeddingsController
-    from orchestrator.api.openai.responses import ResponsesController
+    from orchestrator.api.openai.responses.routes import ResponsesController
     from orchestrator.api.openai.routes import OpenAIController
 
     route_handlers += [

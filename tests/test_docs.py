@@ -24,6 +24,7 @@ from orchestrator.api.llama_server import protocol as llama_server
 from orchestrator.api.native import protocol as native
 from orchestrator.api.ollama import protocol as ollama
 from orchestrator.api.openai import protocol as openai
+from orchestrator.api.openai.responses import protocol as responses
 from orchestrator.app import build_services, create_app
 from orchestrator.cli import build_parser
 from orchestrator.config import Settings
@@ -140,8 +141,8 @@ REQUEST_BODIES = [
     openai.CompletionRequest,
     openai.StreamOptions,
     openai.AttentionOption,
-    openai.ResponsesRequest,
-    openai.TextFormat,
+    responses.ResponsesRequest,
+    responses.TextFormat,
     completion.CompletionBody,
     completion.PromptObject,
     llama_server.ChatPromptBody,

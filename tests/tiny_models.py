@@ -187,21 +187,6 @@ def _lfm2(vocab: int):  # type: ignore[no-untyped-def]
     return Lfm2ForCausalLM(cfg)
 
 
-def _granite_hybrid(vocab: int):  # type: ignore[no-untyped-def]
-    # Granite 4.0 H: Mamba2 layers (d_state 128, head size 64, one group, conv 4) with one attention
-    # layer to nine, no positional embedding in attention ("nope"), a shared MLP beside routed experts
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    cfg = GraniteMoeHybridConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=10, num_attention_heads=4,
-        num_key_value_heads=1, layer_types=["attention" if i == 5 else "mamba" for i in range(10)],
-        position_embedding_type="nope", mamba_n_heads=2, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
-        mamba_d_conv=4, mamba_expand=2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=8192,
-    )  # fmt: skip
-    return GraniteMoeHybridForCausalLM(cfg)
-
-
 def _mamba(vocab: int):  # type: ignore[no-untyped-def]
     # recurrent: no attention at all
     from transformers import MambaConfig, MambaForCausalLM
@@ -238,7 +223,6 @@ FAMILIES: dict[str, Family] = {
     "gpt-oss": Family(_gpt_oss, "gpt-oss: window 128 every other layer, attention sinks, head_dim 64, YaRN, MoE",
                       128, _alternating(4, 128)),
     "lfm2": Family(_lfm2, "LFM2-350M: 10 short-convolution layers, attention at 2, 5, 8, 10, 12, 14"),
-    "granite-hybrid": Family(_granite_hybrid, "Granite 4.0 H: Mamba2 layers, one attention layer to nine, NoPE"),
     "mamba": Family(_mamba, "Mamba: recurrent, no attention"),
 }  # fmt: skip
 """Family name -> its tiny model (:class:`Family`)."""

@@ -25,7 +25,8 @@ from orchestrator.api.native.protocol import (
     SseTokenEvent,
     TokenEvent,
 )
-from orchestrator.api.openai.protocol import ChatCompletionChunk, ResponseStreamEvent, TextCompletionChunk
+from orchestrator.api.openai.protocol import ChatCompletionChunk, TextCompletionChunk
+from orchestrator.api.openai.responses.protocol import ResponseStreamEvent
 from orchestrator.web.errors import ErrorEvent
 
 STREAMS: list[tuple[str, list[type[msgspec.Struct]]]] = [

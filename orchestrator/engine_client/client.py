@@ -6,6 +6,9 @@ process: it spawns ``python -m engine.worker`` (or connects to a standalone one)
 waiting for them.  Nothing here loads llama.cpp: the API process imports only the
 protocol's messages.
 
+Why one file just over 450 lines: the requests and the reader task that resolves their replies share the
+pending-request table and the flow-control credit; the process itself is :mod:`orchestrator.engine_client.launch`.
+
 If the worker dies, every pending request fails with ``EngineDeadError`` (an error
 event for streams) and, when ``restart`` is on, a new worker is started; its
 sequences are empty, so slots must come back from the store (``on_restart`` hook).

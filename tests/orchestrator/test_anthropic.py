@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from orchestrator.api.anthropic.protocol import MessagesRequest
-from orchestrator.api.anthropic.routes import chat_messages, chat_tool_choice, chat_tools, normalize_billing_header
+from orchestrator.api.anthropic.serving import chat_messages, chat_tool_choice, chat_tools, normalize_billing_header
 from orchestrator.generation.chat_template import ChatTemplate
 from orchestrator.generation.tool_plan import plan_of
 from orchestrator.web.errors import ApiError

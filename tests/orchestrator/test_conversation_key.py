@@ -12,7 +12,8 @@ import pytest
 from contract.errors import ErrorCode
 from orchestrator.api.anthropic.protocol import MessagesRequest
 from orchestrator.api.common.generate import GenerateRequest
-from orchestrator.api.openai.protocol import ChatCompletionRequest, ResponsesRequest
+from orchestrator.api.openai.protocol import ChatCompletionRequest
+from orchestrator.api.openai.responses.protocol import ResponsesRequest
 from orchestrator.service_error import ServiceError
 from orchestrator.tenants.conversation import SESSION_HEADERS, anthropic_user_id, conversation_key, identify
 from orchestrator.tenants.principal import SCOPE_KEY, Principal

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 
@@ -30,11 +31,13 @@ def test_the_api_process_does_not_load_llama_cpp() -> None:
     code = (
         "import sys, orchestrator.app, orchestrator.cli, orchestrator.check\n"
         "bad = sorted(m for m in sys.modules if m == 'llama_cpp' or m.startswith('llama_cpp.'))\n"
-        "engine = sorted(m for m in sys.modules if m.startswith('engine'))\n"
-        "print(bad, engine)\n"
+        "engine = sorted(m for m in sys.modules if m == 'engine' or m.startswith('engine.'))\n"
+        "contract = sorted(m for m in sys.modules if m.startswith('contract.'))\n"
+        "import json; print(json.dumps({'engine': engine, 'contract': contract}))\n"
         "assert not bad, bad\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     loaded = out.stdout
-    assert "'contract.protocol'" in loaded and "'engine.worker'" not in loaded and "'engine.engine'" not in loaded
+    modules = json.loads(loaded)
+    assert "contract.protocol" in modules["contract"] and modules["engine"] == [], loaded  # no worker code at all

@@ -166,7 +166,8 @@ def test_schema_documents_the_real_error_body(server: ServerProc) -> None:
         for method, op in item.items():
             if path in ("/health", "/v1/health", "/metrics"):
                 continue
-            expect = "/CompatErrorBody" if path.startswith(COMPAT_PATHS) else "/ErrorBody"
+            compat = path == "/" or path.startswith(COMPAT_PATHS)  # "/": the chat page, outside /api/ and /admin
+            expect = "/CompatErrorBody" if compat else "/ErrorBody"
             if path.startswith("/v1/messages"):  # llama-server's body with Anthropic's "type": "error"
                 expect = "/MessageError"
             for status in ("400", "404", "409", "429", "503"):

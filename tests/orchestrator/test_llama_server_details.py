@@ -288,7 +288,7 @@ def test_completion_post_sampling_probs(srv: ServerProc) -> None:
     ``test_n_probs_post_sampling``): ``prob`` and ``top_probs`` after the sampler chain, streamed and not;
     greedy leaves the one token at 1."""
     body = {"prompt": "Today was the day. Today I would finally become a", "n_probs": 10, "temperature": 1.0,
-            "n_predict": 5, "post_sampling_probs": True}  # fmt: skip
+            "n_predict": 5, "post_sampling_probs": True, "ignore_eos": True}  # fmt: skip  # 5 tokens on any CPU
     res = post(srv, "/completion", body)
     probs = res["completion_probabilities"]
     assert len(probs) == 5 and len(probs[0]["top_probs"]) == 10  # a vague prompt: 10 alternatives at first
@@ -310,7 +310,7 @@ def test_chat_post_sampling_probs(srv: ServerProc) -> None:
     """llama-server takes ``post_sampling_probs`` on ``/v1/chat/completions`` too: ``logprobs.content`` entries
     are its ``probs_vector_to_json`` ones (``id``, ``token``, ``bytes``, ``prob``, ``top_probs``), streamed and not."""
     body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 1.0, "logprobs": True, "top_logprobs": 5,
-            "post_sampling_probs": True}  # fmt: skip
+            "post_sampling_probs": True, "ignore_eos": True}  # fmt: skip  # 4 tokens whatever the sampler draws
     content = post(srv, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(t["top_probs"] for t in content)
     _check_post_sampling(content, 5)

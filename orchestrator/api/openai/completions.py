@@ -11,7 +11,7 @@ not streamed (as llama-server's ``/completion`` here); streamed, all started at 
 interleaved as they are generated, each with its prompt's ``index`` and each prompt's last chunk with
 its ``finish_reason``.  Every prompt is tokenized and checked (token ids in the
 vocabulary) before any runs, so a bad prompt is a 4xx that changes no slot.  ``n`` > 1 is taken with one
-prompt only (forks of one prefilled prompt, :func:`orchestrator.api.openai.routes.respond_choices`).
+prompt only (forks of one prefilled prompt, :func:`orchestrator.api.openai.choices.respond_choices`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from litestar import Controller, Request, post
 from contract.errors import ErrorCode
 from orchestrator.api.common.prompts import split_prompts, subprompt_ids
 from orchestrator.api.common.run import COMPAT_ERRORS, collect, started_run
+from orchestrator.api.openai.canonical import canonical
+from orchestrator.api.openai.choices import respond_choices
 from orchestrator.api.openai.protocol import CompletionRequest, TextChoice, TextCompletion, Usage
-from orchestrator.api.openai.routes import ChoiceStream, Shape, canonical, fingerprint, respond, usage_of
+from orchestrator.api.openai.serving import ChoiceStream, Shape, fingerprint, respond, usage_of
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
@@ -138,6 +140,8 @@ class CompletionsController(Controller):
         self, request: Request[Any, Any, Any], services: Services, data: CompletionRequest
     ) -> EventStream | TextCompletion:
         shapes = await text_shapes(services, request, data)
+        if len(shapes) == 1 and (data.n or 1) > 1:
+            return await respond_choices(services, request, data, shapes[0], TextCompletion)
         if len(shapes) == 1:
             return await respond(services, request, data, shapes[0], TextCompletion)
         if data.stream:

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: wire types (``protocol``), shaping (``serving``), the route (``routes``)."""
