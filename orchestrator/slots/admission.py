@@ -46,10 +46,10 @@ T = TypeVar("T")
 class Ticket(Generic[S]):
     """One waiting request's place in an :class:`AdmissionQueue`."""
 
-    def __init__(self, queue: AdmissionQueue[S], slot: S, tenant: str | None = None) -> None:
+    def __init__(self, queue: AdmissionQueue[S], slot: S) -> None:
         self.queue = queue
         self.slot = slot
-        self.tenant = tenant if tenant is not None else tenant_of(slot)
+        self.tenant = tenant_of(slot)  # slots are per tenant: the slot's owner is the requesting tenant
         self.outcome: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.moved = asyncio.Event()
 
@@ -129,14 +129,13 @@ class AdmissionQueue(Generic[S]):
         """``RATE_LIMITED`` with ``retry_after`` (seconds; HTTP answers carry it as ``Retry-After``)."""
         return ServiceError(ErrorCode.RATE_LIMITED, message, retry_after=self.retry_after_s)
 
-    def enter(self, slot: S, tenant: str | None = None) -> Ticket[S]:
-        """Join the back of ``tenant``'s lane (the requesting tenant; None: the slot's owner, see
-        :func:`tenant_of`); a new lane joins the end of the turn order.  ``RATE_LIMITED`` when the
-        queue is full."""
+    def enter(self, slot: S) -> Ticket[S]:
+        """Join the back of the slot's tenant's lane (:func:`tenant_of`); a new lane joins the end of the
+        turn order.  ``RATE_LIMITED`` when the queue is full."""
         if self._count >= self.max_waiting:
             metrics.QUEUE_REFUSED.labels("full").inc()
             raise self.refusal(f"every engine sequence is busy and {self._count} requests already wait (--queue-size)")
-        ticket = Ticket(self, slot, tenant)
+        ticket = Ticket(self, slot)
         self.lanes.setdefault(ticket.tenant, deque()).append(ticket)
         self._count += 1
         metrics.TENANT_WAITING.labels(ticket.tenant).set(len(self.lanes[ticket.tenant]))
@@ -192,10 +191,9 @@ class WaitHooks:
     queue, and any other wait run through :meth:`unless_gone` (e.g. for a busy slot's lock).
     """
 
-    def __init__(self, on_position: Callable[[int], Awaitable[None]] | None = None, tenant: str | None = None) -> None:
+    def __init__(self, on_position: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.on_position = on_position
         self.gone = asyncio.Event()
-        self.tenant = tenant  # the requesting tenant: its lane in the admission queue (None: the slot's owner)
 
     def check(self, what: str) -> None:
         """``CLIENT_GONE`` if the client already left (``what``: what it was waiting for)."""

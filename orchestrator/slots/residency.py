@@ -140,7 +140,7 @@ class Residency:
                     + ("" if self.can_park else " (and there is no store to park slots in)")
                 )
             else:
-                ticket = self.queue.enter(slot, hooks.tenant if hooks is not None else None)
+                ticket = self.queue.enter(slot)
         if seq is None:
             seq = await self._wait_turn(ticket, hooks)
         try:
