@@ -76,7 +76,15 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
         ctypes.c_int32,
     ),
     "llama_attn_seq_range_get": (
-        [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t],
+        [
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+        ],
         ctypes.c_int64,
     ),
     "llama_attn_state_seq_set_data": (

@@ -216,7 +216,8 @@ int64_t llama_attn_seq_range_get(llama_context * ctx, int32_t cache, llama_seq_i
         return -1;
     }
     llama_synchronize(ctx);
-    const ggml_init_params ip = {ggml_tensor_overhead() * 4, nullptr, true};
+    // room for one V view per layer (attn_range_plan_make takes each V tensor from its view)
+    const ggml_init_params ip = {ggml_tensor_overhead() * (kv->get_layer_ids().size() + 1), nullptr, true};
     ggml_context_ptr gctx(ggml_init(ip));
     attn_range_plan plan;
     const llama_hparams & hp = ctx->get_model().hparams;

@@ -31,16 +31,16 @@ import numpy as np
 import xxhash
 
 from slotstate.errors import BadStateError
-from slotstate.seq_state import IO_MAGIC, CacheLayout, _Reader, _read_stream
+from slotstate.seq_state import IO_MAGIC, CacheLayout, _read_stream, _Reader
 
 __all__ = [
     "CHUNK_TOKENS",
     "RangeRecord",
     "chunk_bounds",
     "chunk_keys",
-    "plan_ranges",
     "join_records",
     "parse_record",
+    "plan_ranges",
     "seal",
     "state_of",
     "unseal",

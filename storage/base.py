@@ -17,11 +17,11 @@ from storage.errors import BadStateError
 
 __all__ = [
     "CHUNK_KEY_HEX",
-    "ChunkRef",
-    "ChunkStore",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PREFIX",
     "MAX_SLOT_ID_BYTES",
+    "ChunkRef",
+    "ChunkStore",
     "SlotMeta",
     "SlotStore",
     "decode_meta",

@@ -154,7 +154,7 @@ async def save_chunks(
     if codec not in (*codecs.CODECS, "auto", "best"):
         raise ValueError(f"unknown codec {codec!r}")
     written = await store.put_chunks(new) if new else 0
-    used, data, _ = await asyncio.to_thread(_encode, rest, codec, level)
+    used, data, _ = await asyncio.to_thread(_encode, memoryview(rest), codec, level)
     tokens = list(tokens)
     meta = SlotMeta(
         slot_id=slot_id,
@@ -190,7 +190,9 @@ def _assemble(meta: SlotMeta, rest: bytes, values: list[bytes | None]) -> bytes:
         except StateFormatError as exc:
             raise BadStateError(f"slot {meta.slot_id!r}: KV chunk {ref.key}: {exc}") from exc
         if not np.array_equal(got, np.arange(ref.p0, ref.p1)):
-            raise BadStateError(f"slot {meta.slot_id!r}: KV chunk {ref.key} holds other positions than {ref.p0}-{ref.p1}")
+            raise BadStateError(
+                f"slot {meta.slot_id!r}: KV chunk {ref.key} holds other positions than {ref.p0}-{ref.p1}"
+            )
         records.append(record)
     try:
         joined = kv_chunks.join_records(records)
