@@ -326,11 +326,15 @@ def assert_matches(
     tokens: list[int],
     attention: list[np.ndarray],
     layers: Sequence[int],
+    later: tuple[float, float] | None = None,
 ) -> float:
     """``tokens`` generated greedily after ``ids``, with ``attention`` (each token's ``[L, H, n]`` rows over the
     model's attention ``layers``), match transformers: the tokens are its argmax (or within :data:`NEAR_TIE` of
-    it: the reference runs on the generated tokens, so a near-tie taken the other way changes nothing else), each head's row correlates at
-    >= :data:`MIN_HEAD_CORR` and is within 5e-3.  Returns the smallest per-head correlation."""
+    it: the reference runs on the generated tokens, so a near-tie taken the other way changes nothing else),
+    each head's row correlates at >= :data:`MIN_HEAD_CORR` and is within 5e-3.  ``later``: ``(min correlation,
+    max abs difference)`` for the layers after the first attention layer instead, where the engine's own main
+    path is known to drift from transformers' float32 (the first layer's inputs are the embeddings, equal on
+    both sides, so its rows are still held to :data:`MIN_HEAD_CORR`).  Returns the smallest per-head correlation."""
     n = len(ids)
     att, logits = ref([*ids, *tokens], first=n - 1)
     for k, tok in enumerate(tokens):
@@ -347,8 +351,11 @@ def assert_matches(
         want = att[:, :, k, : q + 1]
         assert rows.shape == want.shape, (what, k, rows.shape, want.shape)
         for layer in range(rows.shape[0]):
-            for head in range(rows.shape[1]):
-                worst = min(worst, float(np.corrcoef(rows[layer, head], want[layer, head])[0, 1]))
-        np.testing.assert_allclose(rows, want, atol=5e-3, err_msg=f"{what} token {k}")  # float rounding: up to ~1e-3
-    assert worst >= MIN_HEAD_CORR, (what, worst)
+            floor, atol = MIN_HEAD_CORR, 5e-3  # float rounding: up to ~1e-3
+            if later is not None and layer > 0:
+                floor, atol = later
+            corr = min(float(np.corrcoef(rows[layer, head], want[layer, head])[0, 1]) for head in range(rows.shape[1]))
+            assert corr >= floor, (what, f"token {k} layer {layers[layer]}", corr, floor)
+            np.testing.assert_allclose(rows[layer], want[layer], atol=atol, err_msg=f"{what} token {k} layer {layer}")
+            worst = min(worst, corr)
     return worst
