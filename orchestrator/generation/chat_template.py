@@ -107,13 +107,13 @@ class ChatTemplate:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, "each message needs a string 'role'")
             clean.append({**m, "content": message_text(m.get("content"))})
         try:
-            return self.template.render(
-                **(variables or {}),
-                messages=clean,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-            )
+            names = {
+                "messages": clean,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+                "add_generation_prompt": add_generation_prompt,
+                "tools": tools,
+            }
+            return self.template.render({**(variables or {}), **names})
         except jinja2.TemplateError as exc:
             raise ServiceError(ErrorCode.INVALID_REQUEST, f"chat template error: {exc}") from exc

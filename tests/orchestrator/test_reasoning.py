@@ -321,3 +321,21 @@ def test_ollama_think_splits_the_thinking(thinker: ServerProc) -> None:
     assert off.prompt_eval_count == unset.prompt_eval_count + empty_thought
     gen = c.generate(model=m, prompt="What is two plus two?", think=True, options=opts, stream=False)
     assert gen.response and not gen.thinking  # the generation prompt opens no thought and none was written
+
+
+def test_chat_template_kwargs_reach_the_template(thinker: ServerProc) -> None:
+    """llama-server's ``chat_template_kwargs``: ``enable_thinking`` false makes Qwen3's template write an empty
+    thought into the prompt, on ``/apply-template``, ``input_tokens`` and the chat itself alike; a name the
+    server sets itself (``messages``) is not replaced; a body whose kwargs are not an object is 400."""
+    ask = {"messages": ASK[:1]}
+    off = {**ask, "chat_template_kwargs": {"enable_thinking": False, "messages": []}}
+    plain = httpx.post(thinker.url + "/apply-template", json=ask, timeout=60).json()["prompt"]
+    thoughtless = httpx.post(thinker.url + "/apply-template", json=off, timeout=60).json()["prompt"]
+    assert thoughtless == plain + "<think>\n\n</think>\n\n" and "What is two plus two?" in thoughtless
+    n = [httpx.post(thinker.url + "/v1/chat/completions/input_tokens", json=b, timeout=60).json()["input_tokens"]
+         for b in (ask, off)]  # fmt: skip
+    r = httpx.post(thinker.url + "/v1/chat/completions", timeout=600,
+                   json={**off, "max_tokens": 1, "user": "ctk-1"}).json()  # fmt: skip
+    assert r["usage"]["prompt_tokens"] == n[1] > n[0]
+    bad = httpx.post(thinker.url + "/v1/chat/completions", json={**ask, "chat_template_kwargs": [1]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error_code"] == "INVALID_REQUEST", bad.text
