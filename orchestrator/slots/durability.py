@@ -115,7 +115,9 @@ class Durability:
     async def _snapshot(self, slot: Slot) -> Snapshot:
         """What a save of ``slot`` (resident, lock held) stores: incremental where it applies."""
         if self.increments.applies():
-            return await self.increments.snapshot(slot)
+            snap = await self.increments.snapshot(slot)
+            if snap is not None:
+                return snap
         return await self._read_state(slot)
 
     async def _read_state(self, slot: Slot) -> tuple[list[int], bytes]:

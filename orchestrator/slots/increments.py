@@ -66,14 +66,17 @@ class Increments:
     def _scope(self, slot: Slot) -> bytes:
         return "\0".join((self.archive.fingerprint(), slot.tenant, slot.partition)).encode()
 
-    async def snapshot(self, slot: Slot) -> ChunkedSnapshot:
-        """Read what a save of ``slot`` (resident, lock held) must store; ``STORE_UNAVAILABLE`` when the
-        store cannot say which chunks it has."""
+    async def snapshot(self, slot: Slot) -> ChunkedSnapshot | None:
+        """Read what a save of ``slot`` (resident, lock held) must store; None for an empty sequence (stored
+        whole: a state of no cells has no chunks); ``STORE_UNAVAILABLE`` when the store cannot say which
+        chunks it has."""
         seq = slot.seq
         assert seq is not None
         info = self.engine.info
         assert info is not None
         tokens = await self.engine.tokens(seq)
+        if not tokens:
+            return None
         last = self.saved.get(slot.key)
         if last is not None and (slot.synced is None or slot.synced[0] != last.generation):
             last = None  # the store holds another version than this node's last save
