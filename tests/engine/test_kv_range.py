@@ -16,7 +16,7 @@ import pytest
 
 from contract.errors import ErrorCode
 from contract.settings import EngineSettings
-from engine.engine import Engine, EngineError
+from engine.engine import Engine, EngineError, read_state
 from engine.kv_range import read_range, read_ranges
 from engine.model import Model
 from slotstate import kv_chunks, seq_state
@@ -150,7 +150,7 @@ def test_sliding_window_model_ranges(tmp_path: Path, flash_attn: str) -> None:
         ids = prompt(model, 400)
         assert run.generate(0, ids, max_new_tokens=3, ignore_eos=True).done is not None
         run.batcher.flush()
-        state = llama_state(eng.ctx, 0)
+        state = bytes(read_state(eng.ctx, 0, shape=eng.shape)[1])  # both KV caches' parts
         n = eng.seq_len(0)
         chunks = read_ranges(eng.ctx, 0, [(0, p0, p1) for p0, p1 in kv_chunks.chunk_bounds(n, 128)])
         assert bytes(kv_chunks.join_records(chunks)) == record_of(state, eng.layout, 0)
