@@ -28,6 +28,7 @@ __all__ = [
     "encode_meta",
     "n_chunks_for",
     "now",
+    "stored_bytes",
     "validate_chunk_key",
     "validate_slot_id",
 ]
@@ -47,6 +48,7 @@ class ChunkRef(msgspec.Struct, array_like=True, frozen=True):
     p0: int
     p1: int
     key: str
+    size: int = 0  # bytes of the stored chunk
 
 
 class SlotMeta(msgspec.Struct):
@@ -138,6 +140,12 @@ def validate_slot_id(slot_id: str) -> bytes:
     if len(raw) > MAX_SLOT_ID_BYTES:
         raise ValueError(f"slot id is {len(raw)} bytes long; the limit is {MAX_SLOT_ID_BYTES}")
     return raw
+
+
+def stored_bytes(meta: SlotMeta) -> int:
+    """Bytes a stored slot takes in the store: its blob and, for an incremental state, its chunks (each counted
+    whole, even where other slots share it)."""
+    return meta.stored_size + sum(c.size for c in meta.chunks)
 
 
 def validate_chunk_key(key: str) -> str:
@@ -251,8 +259,9 @@ class ChunkStore(Protocol):
         bytes written."""
         ...
 
-    async def has_chunks(self, keys: list[str]) -> list[bool]:
-        """Whether each key is stored; a stored one is touched (kept from the sweep for its grace)."""
+    async def has_chunks(self, keys: list[str]) -> list[int]:
+        """Each key's stored size in bytes, -1 where it is not stored; a stored one is touched (kept from the
+        sweep for its grace)."""
         ...
 
     async def get_chunks(self, keys: list[str]) -> list[bytes | None]:

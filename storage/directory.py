@@ -343,7 +343,7 @@ class DirectoryStore:
         """See :meth:`storage.base.ChunkStore.put_chunks` (files: :mod:`storage.directory_chunks`)."""
         return await self._run(self.chunks.put, chunks)
 
-    async def has_chunks(self, keys: list[str]) -> list[bool]:
+    async def has_chunks(self, keys: list[str]) -> list[int]:
         """See :meth:`storage.base.ChunkStore.has_chunks`."""
         return await self._run(self.chunks.has, keys)
 

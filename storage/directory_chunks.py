@@ -39,7 +39,7 @@ class ChunkFiles:
         written, folders = 0, set()
         for key, value in chunks.items():
             path = self.path(key)
-            if self._touch(path):
+            if self._touch(path) >= 0:
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.parent / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
@@ -65,15 +65,16 @@ class ChunkFiles:
         return written
 
     @staticmethod
-    def _touch(path: Path) -> bool:
+    def _touch(path: Path) -> int:
+        """The file's size after setting its mtime to now, -1 when there is none."""
         try:
             os.utime(path)
+            return os.stat(path).st_size
         except FileNotFoundError:
-            return False
-        return True
+            return -1
 
-    def has(self, keys: list[str]) -> list[bool]:
-        """Whether each chunk is present (touching those that are)."""
+    def has(self, keys: list[str]) -> list[int]:
+        """Each chunk's size, -1 where absent (touching those that are present)."""
         return [self._touch(self.path(k)) for k in keys]
 
     def get(self, keys: list[str]) -> list[bytes | None]:

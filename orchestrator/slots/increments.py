@@ -86,8 +86,8 @@ class Increments:
         keys = kv_chunks.chunk_keys(self._scope(slot), tokens, ranges)
         # every key is asked (and so touched: kept from the sweep until this commit), those of the last
         # save too: a chunk lost from the store since is read again rather than named missing
-        present = await self.archive.has_chunks(keys) if keys else []
-        read = [i for i, there in enumerate(present) if not there]
+        sizes = await self.archive.has_chunks(keys) if keys else []
+        read = [i for i, size in enumerate(sizes) if size < 0]
         want = [KVRange(0, *ranges[i]) for i in read]
         want += [KVRange(c, 0, WHOLE) for c in range(1, info.memory.kv_caches)]
         got = await self.engine.read_kv(seq, want) if want else None
@@ -96,7 +96,9 @@ class Increments:
         records = got.records if got is not None else []
         new = {keys[i]: kv_chunks.seal(records[j], keys[i]) for j, i in enumerate(read)}
         rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
-        chunks = [ChunkRef(p0, p1, k) for (p0, p1), k in zip(ranges, keys, strict=True)]
+        for i in read:
+            sizes[i] = len(new[keys[i]])
+        chunks = [ChunkRef(p0, p1, k, size) for (p0, p1), k, size in zip(ranges, keys, sizes, strict=True)]
         return ChunkedSnapshot(tokens, chunks, new, rest)
 
     def stored(self, slot: Slot, snap: ChunkedSnapshot, meta: SlotMeta) -> None:

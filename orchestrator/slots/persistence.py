@@ -242,8 +242,9 @@ class SlotArchive:
         """Whether the store keeps KV chunks (:class:`storage.base.ChunkStore`): incremental states."""
         return isinstance(self.store, ChunkStore)
 
-    async def has_chunks(self, keys: list[str]) -> list[bool]:
-        """Which of the chunk ``keys`` are stored (touching them: :meth:`storage.base.ChunkStore.has_chunks`)."""
+    async def has_chunks(self, keys: list[str]) -> list[int]:
+        """The stored size of each chunk of ``keys``, -1 where absent (touching them:
+        :meth:`storage.base.ChunkStore.has_chunks`)."""
         self.check_up()
         return await self._call(self.store.has_chunks(keys))  # type: ignore[attr-defined]
 
@@ -270,7 +271,7 @@ class SlotArchive:
 
         async def counted() -> SlotMeta:
             meta, written = await save
-            metrics.STATE_BYTES_WRITTEN.inc(written + meta.stored_size)
+            metrics.STATE_BYTES_WRITTEN.inc(written + meta.stored_size)  # the chunks written and the blob
             return meta
 
         return await self._ordered(slot_id, version, tenant, counted())
