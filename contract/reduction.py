@@ -39,6 +39,6 @@ def reduction_error(cap: CaptureOptions, n_head: int, n_ctx: int, n_input: int) 
         not cap.heads or len(set(cap.heads)) != len(cap.heads) or any(not 0 <= h < n_head for h in cap.heads)
     ):
         return f"attention_heads must be distinct head indices 0..{n_head - 1}"
-    if cap.sink > n_ctx:
+    if not 0 <= cap.sink <= n_ctx:
         return f"attention_sink must be 0..{n_ctx} (n_ctx), not {cap.sink}"
     return None

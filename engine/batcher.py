@@ -18,7 +18,6 @@ import numpy as np
 
 from contract.errors import ErrorCode
 from contract.flow import Credit
-from contract.reduction import reduction_error
 from contract.protocol import (
     Buffer,
     Done,
@@ -31,6 +30,7 @@ from contract.protocol import (
     Tensor,
     Token,
 )
+from contract.reduction import reduction_error
 from engine.engine import BatchEntry, Engine, EngineError
 from engine.grammar import GrammarError
 from engine.reasoning_budget import ReasoningBudget
@@ -363,9 +363,21 @@ class Batcher:
         n_ctx = e.pos0 + len(e.tokens)
         self.emit(
             Token(
-                job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden, job.shift, prob, top_probs,
-                positions, sink,
-            ),  # fmt: skip
+                job.req.req,
+                index,
+                tok,
+                piece,
+                lp,
+                top,
+                n_ctx,
+                attention,
+                hidden,
+                job.shift,
+                prob,
+                top_probs,
+                attention_pos=positions,
+                sink=sink,
+            ),
             [b.data for b in buffers],
         )
         job.shift = None

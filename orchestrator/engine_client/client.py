@@ -452,4 +452,5 @@ def token_output(msg: proto.Token, bufs: list[RecvBuffer]) -> TokenOutput:
     """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
     attention = msg.attention.take(bufs) if msg.attention is not None else None
     hidden = msg.hidden.take(bufs) if msg.hidden is not None else None
-    return TokenOutput(msg, attention, hidden)  # type: ignore[arg-type]
+    positions = msg.attention_pos.take(bufs) if msg.attention_pos is not None else None
+    return TokenOutput(msg, attention, hidden, positions)  # type: ignore[arg-type]

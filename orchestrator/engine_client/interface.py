@@ -45,12 +45,14 @@ class TokenOutput:
 
     ``attention`` is described by ``token.attention`` (dtype ``float32``/``float16``,
     shape ``[n_layers_sel, n_heads, n_ctx]`` or ``[n_ctx]`` when aggregated); ``hidden``
-    by ``token.hidden`` (``float32[n_embd]``).  Each is None when not captured.
+    by ``token.hidden`` (``float32[n_embd]``); ``positions`` (format ``topk``) by ``token.attention_pos``
+    (``int32``, ``attention``'s shape).  Each is None when not captured.
     """
 
     token: proto.Token
     attention: bytes | None = None
     hidden: bytes | None = None
+    positions: bytes | None = None
 
 
 EngineEvent = TokenOutput | proto.Progress | proto.Done
