@@ -15,7 +15,8 @@ llama.cpp's KV cache reports for every decoded token: ``llama_attn_seq_cells``).
 
 One format per decode: when the rows of one decode ask for different formats, dtypes or layers,
 the graph computes every asked layer per head in float32 and each row is reduced here
-(:func:`shape_attention`).
+(:func:`shape_attention`).  The formats the graph does not compute (``topk``, ``spans``, a head subset,
+the sink figure) are reduced from its rows by :mod:`engine.reduce` (:meth:`RowTarget.finish`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class RowTarget:
         ``cap.layers`` None: every layer of ``attention_layers`` (the model's layers with attention)."""
         layers = tuple(attention_layers) if cap.layers is None else tuple(cap.layers)
         fmt, dtype = graph_format(cap)
-        return cls(-1, seq, pos, layers, fmt, dtype, reduce=cap if cap.reduced else None)  # type: ignore[arg-type]
+        return cls(-1, seq, pos, layers, fmt, dtype, reduce=cap if cap.reduced else None)
 
     def finish(self) -> None:
         """Reduce ``out`` as ``reduce`` asks (no-op without)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contract.protocol import CaptureOptions
+from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Reduced:
     sink: float | None = None
 
 
-def graph_format(cap: CaptureOptions) -> tuple[str, str]:
+def graph_format(cap: CaptureOptions) -> tuple[AttentionFormat, AttentionDtype]:
     """``(format, dtype)`` the graph must compute for ``cap``: the request's own when no reduction is asked;
     ``aggregated`` float32 for ``spans``/``sink`` over every head (a mean over layers and heads is linear);
     else ``per_layer`` float32."""
