@@ -17,6 +17,7 @@ from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationJob, GenerationStream
+from orchestrator.generation.capture import capture_options, check_reduction, require_attention
 from orchestrator.generation.events import (
     DoneOut,
     PreviewStarted,
@@ -81,33 +82,6 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
         dry_penalty_last_n=info.n_ctx if req.dry_penalty_last_n == -1 else req.dry_penalty_last_n,
         logit_bias=bias,
         **{name: getattr(req, name) for name in PASSED_ON},
-    )
-
-
-def require_attention(wanted: bool, attention_layers: list[int]) -> None:
-    """Refuse (``INVALID_REQUEST``) attention ``wanted`` from a model without attention layers (recurrent)."""
-    if wanted and not attention_layers:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent): no attention")
-
-
-def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto.CaptureOptions:
-    """Validated capture options: ``attention_layers`` distinct layers among the model's layers with
-    attention (``GET /api/v1/model``'s ``attention_layers``; a recurrent model has none, and asking
-    it for attention is an ``INVALID_REQUEST``)."""
-    layers = req.attention_layers
-    require_attention(req.attention, attention_layers)
-    if layers is not None and (
-        not layers or any(il not in attention_layers for il in layers) or len(set(layers)) != len(layers)
-    ):
-        raise ServiceError(
-            ErrorCode.INVALID_REQUEST, f"attention_layers must be distinct layers with attention: {attention_layers}"
-        )
-    return proto.CaptureOptions(
-        attention=req.attention,
-        format=req.attention_format,
-        dtype=req.attention_dtype,
-        layers=layers,
-        hidden_state=req.hidden_state,
     )
 
 
@@ -267,7 +241,7 @@ class GenerationService:
         info = self.info
         ids = await self.input_ids(req)
         params = await self.checked_params(req)
-        capture = capture_options(req, info.attention_layers)
+        capture = capture_options(req, info, ids)
         hooks = control.hooks if control is not None else WaitHooks()
         on_chosen = control.chose if control is not None else None
         tenant, partition = req.principal.tenant, partition_of(req.cache_salt)  # caches never cross them
@@ -395,6 +369,7 @@ class GenerationService:
         capture = proto.CaptureOptions(
             attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
         )
+        check_reduction(capture, info, info.n_ctx)  # a preview asks no reduction's options: topk and spans refused
         t0 = time.perf_counter()
         events: GenerationStream | None = None
         if req.use_cached_context:
