@@ -274,7 +274,7 @@ class GenerationService:
         if req.slot is None:  # docs/api.md, "Requests without a slot id"
             holding = self.anonymous.use(
                 ids, tenant=tenant, partition=partition, conversation_key=req.conversation_key,
-                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen,
+                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen, eog=info.eog_token_ids,
             )  # fmt: skip
         else:
             if on_chosen is not None:
