@@ -106,6 +106,10 @@ def test_admin_acts_on_the_tenant_its_page_names(srv: ServerProc) -> None:
         assert r.status_code == missing.status_code == 401 and r.json()["error_code"] == "UNAUTHORIZED", r.text
     assert slot_tokens(srv, "key-a", "page1", "tenant-a").json()["tokens"] == before, "its own tenant named"
     assert slot_tokens(srv, "key-ops", "page1", "tenant-a").json()["tokens"] == before
+    for bad in ("tenant-a/..", "", "x" * 65):  # not a tenant name: 400, nothing erased
+        r = httpx.post(f"{srv.url}/slots/page1", params={"tenant": bad, "action": "erase"}, headers=h("key-ops"))
+        assert r.status_code == 400 and r.json()["error_code"] == "INVALID_REQUEST", r.text
+    assert slot_tokens(srv, "key-a", "page1").json()["tokens"] == before
     act = f"{srv.url}/slots/page1"
     q = {"tenant": "tenant-a"}
     r = httpx.post(act, params={**q, "action": "save"}, json={"filename": "page1.bin"}, headers=h("key-ops"))
