@@ -5,6 +5,7 @@ them in its ``Ready`` message (:mod:`contract.protocol`) and the API serves them
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 
 class EngineRuntime(msgspec.Struct, kw_only=True):
@@ -66,12 +67,28 @@ class MemoryInfo(msgspec.Struct, kw_only=True):
     partial_reuse: bool = True
 
 
+SINK_ARCHITECTURES = frozenset({"gpt-oss", "mimo2", "granite_swa", "hy_v4", "deepseek4", "dflash"})
+"""``general.architecture`` of the models llama.cpp gives attention sinks (the ``src/models/*.cpp`` that load
+``LLM_TENSOR_ATTN_SINKS``): their rows sum to less than 1."""
+
+
+def attention_rows_sum_ok(sums: np.ndarray, sinks: bool) -> bool:
+    """Whether attention row sums ``sums`` (any shape, float) are a softmax's: 1 each (within 1e-3), or on a model
+    with attention sinks (llama.cpp's ``ggml_soft_max_add_sinks``: the sink's logit joins the softmax and its
+    weight is dropped) each in (0, 1]."""
+    if sinks:
+        return bool(np.all((sums > 0) & (sums <= 1.0 + 1e-3)))
+    return bool(np.allclose(sums, 1.0, atol=1e-3))
+
+
 class ModelFacts(msgspec.Struct, kw_only=True):
     """The GGUF's facts under llama.cpp's names, shared by the worker's report (:class:`ModelInfo`) and the
     API's ``GET /api/v1/model`` answer, which adds the seeds' aliases (docs/api.md, "Model").
 
     ``attention_layers``: the layers with attention rows (a recurrent layer has none); ``attention_windows``: per
-    attention layer its sliding window in tokens, 0 for a global one; ``n_kv_cells``: cells per KV stream."""
+    attention layer its sliding window in tokens, 0 for a global one; ``n_kv_cells``: cells per KV stream;
+    ``attention_sinks``: the architecture has learned attention sinks (:data:`SINK_ARCHITECTURES`), so a head's
+    row sums to less than 1 (the sink takes the rest)."""
 
     model_name: str
     model_path: str
@@ -87,6 +104,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     n_slots: int
     attention_layers: list[int]
     attention_windows: list[int] = []
+    attention_sinks: bool = False
     rope_freq_base: float
     rope_freq_scale: float
     bos_token_id: int

@@ -36,6 +36,7 @@ import numpy as np
 from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.kv_types import KV_CACHE_TYPES
+from contract.model_facts import SINK_ARCHITECTURES, attention_rows_sum_ok
 from contract.protocol import CaptureOptions
 from contract.settings import FLASH_ATTN_TYPES, EngineSettings
 from engine import backend, native
@@ -579,9 +580,7 @@ class Engine:
             for k, il in enumerate(self.attention_layers)
             if self.layer_window(il)
         ]
-        # with attention sinks a row's weights sum to 1 less the sink's share (llama.cpp's soft_max with sinks)
-        sinks = self.model.meta("general.architecture") in SINK_ARCHITECTURES
-        sums_ok = bool(np.all((sums > 0) & (sums <= 1.0 + 1e-3))) if sinks else np.allclose(sums, 1.0, atol=1e-3)
+        sums_ok = attention_rows_sum_ok(sums, self.model.meta("general.architecture") in SINK_ARCHITECTURES)
         if seen != expect or not sums_ok or max(outside, default=0.0) > 1e-3:
             raise CaptureError(
                 f"attention capture self-check failed: {seen} of {expect} layers captured, "
@@ -623,10 +622,6 @@ def read_state(
         release(raw)
         raise
 
-
-SINK_ARCHITECTURES = frozenset({"gpt-oss", "mimo2", "granite_swa", "hy_v4", "deepseek4", "dflash"})
-"""``general.architecture`` of the models llama.cpp gives attention sinks (the ``src/models/*.cpp`` that load
-``LLM_TENSOR_ATTN_SINKS``): their rows sum to less than 1."""
 
 _MAX_STREAMS = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
 _COUNT = [ctypes.c_uint32(n) for n in range(_MAX_STREAMS + 1)]

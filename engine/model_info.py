@@ -6,7 +6,7 @@ import ctypes
 
 import llama_cpp as llama
 
-from contract.model_facts import EngineRuntime, MemoryInfo, ModelInfo
+from contract.model_facts import SINK_ARCHITECTURES, EngineRuntime, MemoryInfo, ModelInfo
 from engine import backend, native
 from engine.engine import Engine
 from engine.native import lib as libggml
@@ -101,6 +101,7 @@ def model_info(engine: Engine) -> ModelInfo:
         n_slots=engine.config.n_slots,
         attention_layers=list(engine.attention_layers),
         attention_windows=[engine.layer_window(il) for il in engine.attention_layers],  # a classifier has none
+        attention_sinks=m.meta("general.architecture") in SINK_ARCHITECTURES,
         memory=memory_info(engine) if isinstance(engine, Engine) else MemoryInfo(),
         rope_freq_base=float(m.meta(f"{m.meta('general.architecture')}.rope.freq_base") or 10000.0),
         rope_freq_scale=1.0,

@@ -93,7 +93,7 @@ def build_services(settings: Settings) -> Services:
     generation.limits = registry.residency.limits = limits
     generation.stall_timeout_s = settings.stall_timeout_s
     LLAMA_SERVER.n_batch = settings.worker.engine.n_batch  # llama-server's n_decode_total counts prefill chunks
-    embedder = LazyWorker(settings.embedder) if settings.embedder is not None else None
+    embedder = LazyWorker(settings.embedder, settings.embeddings_keep_alive) if settings.embedder is not None else None
     return Services(settings, engine, registry, generation, archive, classifier, feed, embedder)
 
 

@@ -284,6 +284,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             "--embeddings",
         ),
     ] = True
+    embeddings_keep_alive: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        Flag(
+            "seconds the embeddings worker stays started after its last request (Ollama's keep_alive; 0: "
+            "until the server stops)",
+            "--embeddings-keep-alive",
+            metavar="SECONDS",
+        ),
+    ] = 300.0
     reasoning_format: Annotated[
         ReasoningFormat,
         Flag(

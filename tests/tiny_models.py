@@ -12,11 +12,13 @@ eager attention is sharp (the default Q4_1 model's floor is ~0.99 per-head corre
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,13 +74,16 @@ class Family:
     ``build(vocab)`` returns a randomly initialised ``*ForCausalLM``; ``window`` is its local layers'
     sliding window in tokens (0: none), ``windows`` the window of each layer llama.cpp reports
     (``attention_windows`` of docs/api.md: 0 for a global layer), ``shapes`` which real configuration's
-    shape parameters it takes (their ``config.json`` on the Hugging Face Hub).
+    shape parameters it takes (their ``config.json`` on the Hugging Face Hub); ``config`` rewrites the saved
+    ``config.json`` where this transformers spells a field otherwise than the real checkpoints do (and
+    llama.cpp's converter reads).
     """
 
     build: Callable[[int], object]
     shapes: str
     window: int = 0
     windows: tuple[int, ...] = ()
+    config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 def _llama(vocab: int):  # type: ignore[no-untyped-def]
@@ -187,6 +192,29 @@ def _lfm2(vocab: int):  # type: ignore[no-untyped-def]
     return Lfm2ForCausalLM(cfg)
 
 
+def _granite_hybrid(vocab: int):  # type: ignore[no-untyped-def]
+    # Granite 4.0 H (ibm-granite/granite-4.0-h-tiny): Mamba2 layers (d_state 128, head size 64, one group,
+    # conv 4) with one attention layer to nine, no positional embedding in attention ("nope"), a shared MLP
+    # beside routed experts; the vocabulary padded to 8 as the converter pads it
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=-(-vocab // 8) * 8, hidden_size=64, intermediate_size=64, num_hidden_layers=10,
+        num_attention_heads=4, num_key_value_heads=1, layer_types=["attention" if i == 5 else "mamba" for i in range(10)],
+        position_embedding_type="nope", mamba_n_heads=2, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+        mamba_d_conv=4, mamba_expand=2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, max_position_embeddings=8192,
+    )  # fmt: skip
+    return GraniteMoeHybridForCausalLM(cfg)
+
+
+def _granite_layer_types(config: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0 H's checkpoints name their layers ``mamba`` / ``attention`` (what llama.cpp's converter
+    reads, ``conversion/granite.py``); transformers 5 saves ``linear_attention`` / ``full_attention``."""
+    names = {"full_attention": "attention", "linear_attention": "mamba"}
+    return {**config, "layer_types": [names.get(t, t) for t in config["layer_types"]]}
+
+
 def _mamba(vocab: int):  # type: ignore[no-untyped-def]
     # recurrent: no attention at all
     from transformers import MambaConfig, MambaForCausalLM
@@ -223,6 +251,8 @@ FAMILIES: dict[str, Family] = {
     "gpt-oss": Family(_gpt_oss, "gpt-oss: window 128 every other layer, attention sinks, head_dim 64, YaRN, MoE",
                       128, _alternating(4, 128)),
     "lfm2": Family(_lfm2, "LFM2-350M: 10 short-convolution layers, attention at 2, 5, 8, 10, 12, 14"),
+    "granite-hybrid": Family(_granite_hybrid, "Granite 4.0 H: Mamba2 layers, one attention layer to nine, NoPE",
+                             config=_granite_layer_types),
     "mamba": Family(_mamba, "Mamba: recurrent, no attention"),
 }  # fmt: skip
 """Family name -> its tiny model (:class:`Family`)."""
@@ -242,8 +272,12 @@ def build_tiny_gguf(arch: str, out: Path, seed: int = 0) -> Path:
     hf.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(hf)
     torch.manual_seed(seed)
-    model = FAMILIES[arch].build(len(tok)).eval()  # type: ignore[attr-defined]
+    family = FAMILIES[arch]
+    model = family.build(len(tok)).eval()  # type: ignore[attr-defined]
     model.save_pretrained(hf, safe_serialization=True)
+    if family.config is not None:
+        saved = hf / "config.json"
+        saved.write_text(json.dumps(family.config(json.loads(saved.read_text())), indent=2))
     gguf = out / "model-f32.gguf"
     cmd = [sys.executable, "-c", _PATCHED_RUN, str(script), str(hf), "--outtype", "f32", "--outfile", str(gguf)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -292,11 +326,15 @@ def assert_matches(
     tokens: list[int],
     attention: list[np.ndarray],
     layers: Sequence[int],
+    later: tuple[float, float] | None = None,
 ) -> float:
     """``tokens`` generated greedily after ``ids``, with ``attention`` (each token's ``[L, H, n]`` rows over the
     model's attention ``layers``), match transformers: the tokens are its argmax (or within :data:`NEAR_TIE` of
-    it: the reference runs on the generated tokens, so a near-tie taken the other way changes nothing else), each head's row correlates at
-    >= :data:`MIN_HEAD_CORR` and is within 5e-3.  Returns the smallest per-head correlation."""
+    it: the reference runs on the generated tokens, so a near-tie taken the other way changes nothing else),
+    each head's row correlates at >= :data:`MIN_HEAD_CORR` and is within 5e-3.  ``later``: ``(min correlation,
+    max abs difference)`` for the layers after the first attention layer instead, where the engine's own main
+    path is known to drift from transformers' float32 (the first layer's inputs are the embeddings, equal on
+    both sides, so its rows are still held to :data:`MIN_HEAD_CORR`).  Returns the smallest per-head correlation."""
     n = len(ids)
     att, logits = ref([*ids, *tokens], first=n - 1)
     for k, tok in enumerate(tokens):
@@ -313,8 +351,11 @@ def assert_matches(
         want = att[:, :, k, : q + 1]
         assert rows.shape == want.shape, (what, k, rows.shape, want.shape)
         for layer in range(rows.shape[0]):
-            for head in range(rows.shape[1]):
-                worst = min(worst, float(np.corrcoef(rows[layer, head], want[layer, head])[0, 1]))
-        np.testing.assert_allclose(rows, want, atol=5e-3, err_msg=f"{what} token {k}")  # float rounding: up to ~1e-3
-    assert worst >= MIN_HEAD_CORR, (what, worst)
+            floor, atol = MIN_HEAD_CORR, 5e-3  # float rounding: up to ~1e-3
+            if later is not None and layer > 0:
+                floor, atol = later
+            corr = min(float(np.corrcoef(rows[layer, head], want[layer, head])[0, 1]) for head in range(rows.shape[1]))
+            assert corr >= floor, (what, f"token {k} layer {layers[layer]}", corr, floor)
+            np.testing.assert_allclose(rows[layer], want[layer], atol=atol, err_msg=f"{what} token {k} layer {layer}")
+            worst = min(worst, corr)
     return worst

@@ -87,10 +87,16 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages`` (each ``{"role", "content", ...}``; none: what the template
-        makes of an empty list, as llama-server renders it).
+        makes of an empty list, as llama-server renders it).  ``variables``: more names the template may
+        read (llama-server's ``chat_template_kwargs``, e.g. ``enable_thinking``); they never replace the
+        names above.
 
         Raises ``INVALID_REQUEST`` when a message is malformed or the template refuses it
         (``raise_exception``, e.g. roles out of order).
@@ -101,12 +107,13 @@ class ChatTemplate:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, "each message needs a string 'role'")
             clean.append({**m, "content": message_text(m.get("content"))})
         try:
-            return self.template.render(
-                messages=clean,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-            )
+            names = {
+                "messages": clean,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+                "add_generation_prompt": add_generation_prompt,
+                "tools": tools,
+            }
+            return self.template.render({**(variables or {}), **names})
         except jinja2.TemplateError as exc:
             raise ServiceError(ErrorCode.INVALID_REQUEST, f"chat template error: {exc}") from exc

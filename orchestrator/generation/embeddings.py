@@ -2,8 +2,9 @@
 (OpenAI's ``/v1/embeddings``, Ollama's ``/api/embed`` and ``/api/embeddings``).
 
 The worker loads the served model again with a pooled context (llama.cpp's ``llama_get_embeddings_seq``:
-the model's own pooling, else mean), started on the first request
-(:class:`orchestrator.engine_client.lazy.LazyWorker`); ``--no-embeddings`` leaves none.
+the model's own pooling, else mean), started on the first request and stopped after
+``--embeddings-keep-alive`` idle seconds (:class:`orchestrator.engine_client.lazy.LazyWorker`);
+``--no-embeddings`` leaves none.
 """
 
 from __future__ import annotations
@@ -27,6 +28,6 @@ async def pooled(embedder: LazyWorker | None, texts: list[str]) -> tuple[np.ndar
     token count; ``embedder`` None (``--no-embeddings``): ``NOT_SUPPORTED``."""
     if embedder is None:
         raise ServiceError(ErrorCode.NOT_SUPPORTED, "embeddings are off (--no-embeddings)")
-    engine = await embedder.client()
-    result = await engine.classify(texts)
+    async with embedder.use() as engine:
+        result = await engine.classify(texts)
     return np.frombuffer(result.logits, dtype=np.float32).reshape(len(texts), result.n_out), list(result.n_tokens)

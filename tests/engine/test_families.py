@@ -32,8 +32,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from contract.errors import ErrorCode
+from contract.model_facts import SINK_ARCHITECTURES
 from contract.settings import EngineSettings
-from engine.engine import SINK_ARCHITECTURES, Engine, EngineError
+from engine.engine import Engine, EngineError
 from engine.model import Model
 from tests.engine.enginekit import Result, Runner
 from tests.tiny_models import FAMILIES, NEAR_TIE, Reference, assert_matches, build_tiny_gguf
@@ -44,12 +45,15 @@ N_NEW = 5
 N_BATCH = 512  # --batch-size's default
 PROMPT = "the quick brown fox pays attention to the lazy dog, a model pays attention to the words"
 LONG_PROMPT = 2000  # tokens of the default-settings check
-KNOWN_GAPS = {
-    ("gemma2", "on"): "flash attention on, Gemma 2's shapes at 4,136 tokens: min per-head correlation 0.991 "
-    "(off: 0.9999999) and a greedy token 0.026 off transformers' argmax; not yet explained (docs/models.md)",
-}
-"""(family, flash attention) -> a difference from transformers found at real shapes and not fixed yet: the
-test must fail (strict xfail) until it is."""
+MAIN_PATH_DRIFT = {("gemma2", "on"): (0.99, 0.02)}
+"""(family, flash attention) -> ``(min per-head correlation, max abs difference)`` for the layers after the first,
+where llama.cpp's own computation parts from transformers' float32 at the family's real shapes: Gemma 2 at
+4,136 tokens with flash attention on.  llama.cpp casts K and V to F16 for flash attention
+(``build_attn_mha``, src/llama-graph.cpp) and ggml-cpu's kernel sums ``softmax · V`` in an F16 accumulator
+(``VKQ16``, ggml/src/ggml-cpu/ops.cpp): over 4,136 positions the first layer's *output* rounds, so every later
+layer's inputs differ (measured: layer 0's rows 1.0000000, later layers 0.9973 / 0.9997 / 0.9910; the same
+engine with flash attention off and an F16 KV cache: 1.0000000 everywhere; at 552 tokens flash attention on:
+0.99996).  The first layer's rows stay held to the strict floor, so the capture itself is checked exactly."""
 
 
 def prompt_of(model: Model, n: int) -> list[int]:
@@ -66,10 +70,13 @@ def tiny(request, tmp_path_factory) -> tuple[str, Path, Reference]:  # type: ign
     return request.param, gguf, Reference(gguf.parent)
 
 
-def check(ref: Reference, what: str, ids: list[int], res: Result, layers: tuple[int, ...]) -> float:
+def check(
+    ref: Reference, what: str, ids: list[int], res: Result, layers: tuple[int, ...],
+    later: tuple[float, float] | None = None,
+) -> float:  # fmt: skip
     """``res`` generated after ``ids`` matches transformers (:func:`tests.tiny_models.assert_matches`)."""
     assert res.error is None, (what, res.error)
-    return assert_matches(ref, what, ids, res.tokens, res.attention, layers)
+    return assert_matches(ref, what, ids, res.tokens, res.attention, layers, later)
 
 
 def context_of(arch: str) -> int:
@@ -85,12 +92,9 @@ def settings(flash_attn: str, n_ctx: int) -> EngineSettings:
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
-def test_family_matches_transformers_through_slot_ops(
-    tiny: tuple[str, Path, Reference], flash_attn: str, request: pytest.FixtureRequest
-) -> None:
+def test_family_matches_transformers_through_slot_ops(tiny: tuple[str, Path, Reference], flash_attn: str) -> None:
     arch, gguf, ref = tiny
-    if (arch, flash_attn) in KNOWN_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[arch, flash_attn]))
+    later = MAIN_PATH_DRIFT.get((arch, flash_attn))
     family = FAMILIES[arch]
     model = Model(gguf)
     n_ctx = context_of(arch) + 64
@@ -107,7 +111,7 @@ def test_family_matches_transformers_through_slot_ops(
         assert len(prompt) > N_BATCH and len(prompt) > family.window
         run.generate(1, prompt[::-1][:6], max_new_tokens=2)  # another sequence holds cells
         first = run.generate(0, prompt, max_new_tokens=N_NEW, ignore_eos=True)
-        worst.append(check(ref, f"{arch} first", prompt, first, layers))
+        worst.append(check(ref, f"{arch} first", prompt, first, layers, later))
         ids = [*prompt, *first.tokens]
 
         # save, restore into the other sequence, go on from the restored state (one new token appended)
@@ -117,12 +121,12 @@ def test_family_matches_transformers_through_slot_ops(
         eng.restore_state(1, tokens, blob, check_values=True)
         more = [*ids, prompt[1]]
         after = run.generate(1, more, max_new_tokens=N_NEW, ignore_eos=True)
-        worst.append(check(ref, f"{arch} restored", more, after, layers))
+        worst.append(check(ref, f"{arch} restored", more, after, layers, later))
 
         # a preview: the slot forked onto a spare, the message appended there; the slot itself unchanged
         req = run.submit(0, [], mode="preview", append=[prompt[2]], max_new_tokens=N_NEW, ignore_eos=True)
         run.run()
-        worst.append(check(ref, f"{arch} preview", [*ids, prompt[2]], run.results[req], layers))
+        worst.append(check(ref, f"{arch} preview", [*ids, prompt[2]], run.results[req], layers, later))
         assert eng.tokens[0] == ids
     finally:
         eng.close()
@@ -132,7 +136,7 @@ def test_family_matches_transformers_through_slot_ops(
     try:
         eng.restore_state(0, tokens, blob, check_values=True)
         again = Runner(eng).generate(0, more, max_new_tokens=N_NEW, ignore_eos=True)
-        worst.append(check(ref, f"{arch} restarted", more, again, layers))
+        worst.append(check(ref, f"{arch} restarted", more, again, layers, later))
     finally:
         eng.close()
         model.close()

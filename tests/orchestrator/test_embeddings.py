@@ -5,13 +5,17 @@ the real ``openai`` SDK (which asks for base64) and as plain JSON floats (issue 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import llama_cpp
 import numpy as np
+import psutil
 import pytest
 
 from engine.model import default_model_path
 from tests.conftest import ServerProc
+from tests.waiting import wait_until
 
 openai = pytest.importorskip("openai")
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply today."]
@@ -49,3 +53,26 @@ def test_embeddings_bad_input(server: ServerProc) -> None:
     for body in ({"input": []}, {"input": [""]}, {"input": 5}, {}):
         r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error_code"] == "INVALID_REQUEST", (body, r.text)
+
+
+def test_embeddings_worker_stops_when_idle_and_starts_again(tmp_path: Path, reference: np.ndarray) -> None:
+    """``--embeddings-keep-alive``: the pooled worker is started by the first request, stopped once idle that
+    long (its process gone, its memory given back), and started again by the next request, whose vectors are
+    the same; a request arriving while it runs keeps it."""
+    srv = ServerProc(["--parallel", "1", "--ctx-size", "512", "--threads", "2", "--embeddings-keep-alive", "3",
+                      "--state-dir", str(tmp_path / "st")], tmp_path).start()  # fmt: skip
+    try:
+        server = psutil.Process(srv.proc.pid)
+
+        def workers() -> int:
+            return sum(1 for p in server.children(recursive=True) if "engine.worker" in " ".join(p.cmdline()))
+
+        assert workers() == 1  # the generation worker only
+        body = {"input": TEXTS[0]}
+        first = httpx.post(srv.url + "/v1/embeddings", json=body, timeout=300).json()["data"][0]["embedding"]
+        assert workers() == 2
+        wait_until(lambda: workers() == 1, "the idle embeddings worker stops", timeout=60)
+        again = httpx.post(srv.url + "/v1/embeddings", json=body, timeout=300).json()["data"][0]["embedding"]
+        assert workers() == 2 and np.allclose(again, reference[0], atol=1e-4) and np.allclose(again, first)
+    finally:
+        srv.stop()

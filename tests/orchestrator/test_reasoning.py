@@ -290,3 +290,52 @@ def test_budgets_cut_at_their_token_for_several_users_at_once(thinker: ServerPro
         done = list(pool.map(run, [2, 5, 9], [short, long, short], ["rs-c1", "rs-c2", "rs-c3"]))
     for budget, tokens in done:
         assert tokens[budget : budget + len(forced)] == forced, (budget, tokens)
+
+
+def test_ollama_think_splits_the_thinking(thinker: ServerProc) -> None:
+    """Ollama's ``think`` through the ``ollama`` client: true splits the thought into ``message.thinking``
+    (streamed and whole alike, the same thought llama-server's split gives), unset leaves it in the content
+    (as Ollama without ``think``), false renders the template with ``enable_thinking`` false (Qwen3's template
+    then writes an empty thought into the prompt)."""
+    ollama = pytest.importorskip("ollama")
+    c = ollama.Client(host=thinker.url, timeout=600)
+    m = c.list().models[0].model or ""
+    opts = {"temperature": 0, "num_predict": 12}
+    whole = c.chat(model=m, messages=ASK, think=True, options=opts, stream=False)
+    thought = whole.message.thinking or ""
+    assert thought and not whole.message.content and "<think>" not in thought
+    r = httpx.post(thinker.url + "/v1/chat/completions", timeout=600,
+                   json={"messages": ASK, "max_tokens": 12, "temperature": 0, "user": "ol-ref"})  # fmt: skip
+    assert r.json()["choices"][0]["message"]["reasoning_content"] == thought
+    chunks = list(c.chat(model=m, messages=ASK, think=True, options=opts, stream=True))
+    assert sum(1 for ch in chunks if ch.message.thinking) > 1
+    assert "".join(ch.message.thinking or "" for ch in chunks) == thought
+    assert not "".join(ch.message.content or "" for ch in chunks) and chunks[-1].done
+    plain = c.chat(model=m, messages=ASK, options=opts, stream=False)
+    assert not plain.message.thinking and (plain.message.content or "").strip() == thought.strip()
+    ask = ASK[:1]
+    unset = c.chat(model=m, messages=ask, options={**opts, "num_predict": 1}, stream=False)
+    off = c.chat(model=m, messages=ask, think=False, options={**opts, "num_predict": 1}, stream=False)
+    empty_thought = len(httpx.post(thinker.url + "/tokenize", json={"content": "<think>\n\n</think>\n\n"},
+                                   timeout=60).json()["tokens"])  # fmt: skip
+    assert off.prompt_eval_count == unset.prompt_eval_count + empty_thought
+    gen = c.generate(model=m, prompt="What is two plus two?", think=True, options=opts, stream=False)
+    assert gen.response and not gen.thinking  # the generation prompt opens no thought and none was written
+
+
+def test_chat_template_kwargs_reach_the_template(thinker: ServerProc) -> None:
+    """llama-server's ``chat_template_kwargs``: ``enable_thinking`` false makes Qwen3's template write an empty
+    thought into the prompt, on ``/apply-template``, ``input_tokens`` and the chat itself alike; a name the
+    server sets itself (``messages``) is not replaced; a body whose kwargs are not an object is 400."""
+    ask = {"messages": ASK[:1]}
+    off = {**ask, "chat_template_kwargs": {"enable_thinking": False, "messages": []}}
+    plain = httpx.post(thinker.url + "/apply-template", json=ask, timeout=60).json()["prompt"]
+    thoughtless = httpx.post(thinker.url + "/apply-template", json=off, timeout=60).json()["prompt"]
+    assert thoughtless == plain + "<think>\n\n</think>\n\n" and "What is two plus two?" in thoughtless
+    n = [httpx.post(thinker.url + "/v1/chat/completions/input_tokens", json=b, timeout=60).json()["input_tokens"]
+         for b in (ask, off)]  # fmt: skip
+    r = httpx.post(thinker.url + "/v1/chat/completions", timeout=600,
+                   json={**off, "max_tokens": 1, "user": "ctk-1"}).json()  # fmt: skip
+    assert r["usage"]["prompt_tokens"] == n[1] > n[0]
+    bad = httpx.post(thinker.url + "/v1/chat/completions", json={**ask, "chat_template_kwargs": [1]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error_code"] == "INVALID_REQUEST", bad.text

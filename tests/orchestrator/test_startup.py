@@ -26,6 +26,7 @@ from orchestrator.check import run_check
 from orchestrator.engine_client.client import WorkerClient
 from orchestrator.engine_client.launch import EngineStartError, WorkerOptions
 from tests.conftest import ROOT
+from tests.tiny_models import build_tiny_gguf
 
 FAULTS = ROOT / "tests" / "orchestrator" / "worker_faults.py"
 
@@ -219,3 +220,12 @@ def test_check_with_a_quantized_v_cache() -> None:
     )
     assert code == 0, out
     assert "KV q8_0/q8_0," in out and "flash attention on (auto: on (a q8_0 V cache needs" in out
+
+
+def test_check_passes_on_a_model_with_attention_sinks(tmp_path: Path) -> None:
+    """gpt-oss's learned attention sinks take part of each softmax, so its rows sum to less than 1: ``slotserve
+    check`` accepts rows in (0, 1] on such a model (it failed every gpt-oss before) and still recomputes them."""
+    gguf = build_tiny_gguf("gpt-oss", tmp_path)
+    code, out = check(WorkerOptions(EngineSettings(model=str(gguf), n_slots=2, n_spare=1, n_ctx=512, n_threads=2)))
+    assert code == 0, out
+    assert "sum to at most 1 True" in out and "recomputed attention" in out

@@ -37,7 +37,7 @@ def _action(srv: ServerProc, slot: str, action: str, **kw: Any) -> httpx.Respons
 
 
 def _save(srv: ServerProc, slot: str) -> tuple[bytes, str]:
-    r = _action(srv, slot, "save-state", headers={"Accept": OCTET})
+    r = _action(srv, slot, "save-state", headers={"Accept": OCTET, "Want-Repr-Digest": "sha-256=10"})
     assert r.status_code == 200, r.text
     return r.content, r.headers["repr-digest"]
 
@@ -117,6 +117,28 @@ def test_save_state_returns_its_digest(server: ServerProc, saved: tuple[bytes, s
     assert r.status_code == 200
     body = r.json()
     assert body["digest"] == _sha256(base64.b64decode(body["state"])) == digest
+
+
+def test_raw_save_hashes_only_when_asked(server: ServerProc, saved: tuple[bytes, str]) -> None:
+    """RFC 9530 section 4: the raw save answers ``Repr-Digest`` only for a ``Want-Repr-Digest`` naming an
+    algorithm it knows with a preference above 0 (the highest one wins); a malformed one is 400 and changes
+    nothing."""
+    blob, digest = saved
+    plain = _action(server, "integrity", "save-state", headers={"Accept": OCTET})
+    assert plain.status_code == 200 and plain.content == blob and "repr-digest" not in plain.headers
+    for want, got in [("sha-512=9, sha-256=2", "sha-512"), ("sha-256=1", "sha-256"), ("sha-256=0, md5=10", None),
+                      ("unixsum=3", None)]:  # fmt: skip
+        r = _action(server, "integrity", "save-state", headers={"Accept": OCTET, "Want-Repr-Digest": want})
+        assert r.status_code == 200 and r.content == blob, (want, r.text)
+        if got is None:
+            assert "repr-digest" not in r.headers, want
+        else:
+            hasher = hashlib.sha512 if got == "sha-512" else hashlib.sha256
+            assert r.headers["repr-digest"] == f"{got}=:{base64.b64encode(hasher(blob).digest()).decode()}:", want
+    for bad in ("sha-256", "sha-256=11", "sha-256=:AAAA:", "((("):
+        r = _action(server, "integrity", "save-state", headers={"Accept": OCTET, "Want-Repr-Digest": bad})
+        assert r.status_code == 400 and r.json()["error_code"] == "INVALID_REQUEST", (bad, r.text)
+    assert _save(server, "integrity") == (blob, digest)
 
 
 @pytest.mark.parametrize("path", ["octet", "json"])

@@ -17,9 +17,15 @@ from orchestrator.services import Services
 from orchestrator.web.errors import ApiError
 
 
-def chat_prompt(services: Services, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
-    """The prompt text of ``messages`` (see the module docstring); ``INVALID_REQUEST`` for
-    malformed messages, two ``assistant`` messages at the end, or a template that refuses them."""
+def chat_prompt(
+    services: Services,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None = None,
+    variables: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of ``messages`` (see the module docstring), ``variables`` given to the template
+    (:meth:`ChatTemplate.render`); ``INVALID_REQUEST`` for malformed messages, two ``assistant`` messages at
+    the end, or a template that refuses them."""
     info = services.generation.info
     special = info.special_tokens
     template = ChatTemplate(info.chat_template, str(special.get("bos_token", "")), str(special.get("eos_token", "")))
@@ -28,8 +34,8 @@ def chat_prompt(services: Services, messages: list[dict[str, Any]], tools: list[
         raise ApiError(ErrorCode.INVALID_REQUEST, "Cannot have 2 or more assistant messages at the end of the list.")
     if len(messages) > 1 and roles[-1] == "assistant" and not messages[-1].get("tool_calls"):
         prefill = message_text(messages[-1].get("content"))
-        return template.render(messages[:-1], add_generation_prompt=True, tools=tools) + prefill
-    return template.render(messages, add_generation_prompt=True, tools=tools)
+        return template.render(messages[:-1], add_generation_prompt=True, tools=tools, variables=variables) + prefill
+    return template.render(messages, add_generation_prompt=True, tools=tools, variables=variables)
 
 
 async def chat_ids(services: Services, text: str) -> list[int]:
@@ -74,16 +80,18 @@ def chat_prompt_text(
     tools: list[Any] | None = None,
     tool_choice: Any = None,
     parallel_tool_calls: bool | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> tuple[str, ToolPlan | None]:
     """The prompt text of a chat request (``messages``, ``tools``, ``tool_choice``, ``parallel_tool_calls``
-    in OpenAI's shapes) and its tool plan: the tool results named (:func:`named_tool_results`), the
-    messages and tools prepared by the plan (:func:`orchestrator.generation.tool_plan.plan_of`; None
-    without tools), rendered by :func:`chat_prompt`.  Raises ``INVALID_REQUEST`` as they do (``tool_choice``
-    ``required`` or a named function without tools among them)."""
+    in OpenAI's shapes; ``variables`` for the template) and its tool plan: the tool results named
+    (:func:`named_tool_results`), the messages and tools prepared by the plan
+    (:func:`orchestrator.generation.tool_plan.plan_of`; None without tools), rendered by :func:`chat_prompt`.
+    Raises ``INVALID_REQUEST`` as they do (``tool_choice`` ``required`` or a named function without tools
+    among them)."""
     plan = plan_of(services.generation.info.chat_template, tools, tool_choice, parallel_tool_calls)
     named = named_tool_results(messages)
     prepared = plan.messages(named) if plan else named
-    return chat_prompt(services, prepared, plan.template_tools() if plan else None), plan
+    return chat_prompt(services, prepared, plan.template_tools() if plan else None, variables), plan
 
 
 async def chat_prompt_ids(
@@ -92,10 +100,11 @@ async def chat_prompt_ids(
     tools: list[Any] | None = None,
     tool_choice: Any = None,
     parallel_tool_calls: bool | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> tuple[list[int], ToolPlan | None, str]:
     """:func:`chat_prompt_text` tokenized (:func:`chat_ids`): the prompt tokens, the tool plan and the prompt's
     text."""
-    text, plan = chat_prompt_text(services, messages, tools, tool_choice, parallel_tool_calls)
+    text, plan = chat_prompt_text(services, messages, tools, tool_choice, parallel_tool_calls, variables)
     return await chat_ids(services, text), plan, text
 
 

@@ -29,7 +29,9 @@ class LlamaChatController(Controller):
         responses=COMPAT_ERROR_RESPONSES,
     )
     async def apply_template(self, services: Services, data: ChatPromptBody) -> AppliedTemplate:
-        text, _ = chat_prompt_text(services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls)
+        text, _ = chat_prompt_text(
+            services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls, data.chat_template_kwargs
+        )
         return AppliedTemplate(prompt=text)
 
     @post(
@@ -40,6 +42,6 @@ class LlamaChatController(Controller):
     )
     async def input_tokens(self, services: Services, data: ChatPromptBody) -> InputTokens:
         ids, _, _ = await chat_prompt_ids(
-            services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls
+            services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls, data.chat_template_kwargs
         )
         return InputTokens(input_tokens=len(ids))

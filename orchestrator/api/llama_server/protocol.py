@@ -233,6 +233,7 @@ class ChatPromptBody(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AppliedTemplate(msgspec.Struct, kw_only=True):

@@ -60,7 +60,7 @@ from orchestrator.tenants.keys import TENANT_NAME
 from orchestrator.tenants.principal import DEFAULT_TENANT, principal_of
 from orchestrator.web.auth import require_admin
 from orchestrator.web.body import decode_json_body
-from orchestrator.web.digest import check_repr_digest, repr_digest
+from orchestrator.web.digest import check_repr_digest, repr_digest, wanted_digest
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError
 from orchestrator.web.raw_body import BODY_POOL, BuffersResponse, lent_to_worker, read_body
 
@@ -144,14 +144,18 @@ class ActionCall:
 
 
 async def _save_state(call: ActionCall) -> SaveStateResponse | BuffersResponse:
+    raw = OCTET in call.request.headers.get("accept", "")
+    algorithm = wanted_digest(call.request.headers.get("want-repr-digest")) if raw else None  # checked first
     async with AsyncExitStack() as loans:
         async with call.use() as slot:  # the slot is let go once its state is read: the loan outlives it
             saved = await loans.enter_async_context(call.ops.save_state(slot))
         chunks = saved.ses1_chunks()
-        digest = await asyncio.to_thread(repr_digest, *chunks)
-        if OCTET in call.request.headers.get("accept", ""):
-            headers = {"X-Slot-Tokens": str(saved.n_tokens), "Repr-Digest": digest}
+        if raw:
+            headers = {"X-Slot-Tokens": str(saved.n_tokens)}
+            if algorithm is not None:  # hashed only when asked
+                headers["Repr-Digest"] = await asyncio.to_thread(repr_digest, *chunks, algorithm=algorithm)
             return BuffersResponse(chunks, OCTET, headers, saved.hand_off())  # given back once sent
+        digest = await asyncio.to_thread(repr_digest, *chunks)
         state = await asyncio.to_thread(_base64, chunks)  # tens of MB: off the event loop
     return SaveStateResponse(
         id_slot=call.out_id, n_tokens=saved.n_tokens, n_bytes=saved.ses1_size, t_ms=round(saved.t_ms, 3),

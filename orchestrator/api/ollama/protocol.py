@@ -190,7 +190,8 @@ class ChatResponse(Metrics, kw_only=True, omit_defaults=True):
 
 class GenerateResponse(Metrics, kw_only=True, omit_defaults=True):
     """One line of a ``/api/generate`` stream, or the whole answer.  ``context`` (on the last): the
-    conversation's token ids (the prompt's and the answer's), to send back as the next request's."""
+    conversation's token ids (the prompt's and the answer's), to send back as the next request's;
+    ``thinking``: the model's thinking, split from ``response`` when the request asked ``think``."""
 
     model: str
     created_at: str
@@ -199,6 +200,7 @@ class GenerateResponse(Metrics, kw_only=True, omit_defaults=True):
     done_reason: DoneReason | UnsetType = UNSET
     context: list[int] | UnsetType = UNSET
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    thinking: str | UnsetType = UNSET
 
 
 class EmbedRequest(msgspec.Struct, kw_only=True):

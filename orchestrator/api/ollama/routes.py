@@ -45,8 +45,7 @@ from orchestrator.api.ollama.protocol import (
 from orchestrator.generation.answer_text import AnswerText
 from orchestrator.generation.embeddings import normalized, pooled
 from orchestrator.generation.events import DoneOut, TokenOut
-from orchestrator.generation.stop_text import StopTextFilter
-from orchestrator.generation.tool_plan import ToolPlan
+from orchestrator.generation.pieces import Piece, ReasoningDelta
 from orchestrator.services import Services
 from orchestrator.web.errors import ERROR_RESPONSES, ApiError, report, route_of
 
@@ -140,25 +139,22 @@ class OllamaController(Controller):
             reason: DoneReason = "unload" if keep == 0 else "load"
             return ChatResponse(model=model, created_at=serving.now(), message=Message(role="assistant", content=""),
                                 done=True, done_reason=reason)  # fmt: skip
-        ids, plan = await serving.chat_prompt(services, data.messages, data.tools)
+        ids, plan, prompt = await serving.chat_prompt(services, data.messages, data.tools, data.think)
         req = serving.canonical(services, request, ids, data.options, data.format)
         if plan is not None and plan.active:
             plan.constrain(req)
         else:
             plan = None
+        text = AnswerText(req.stop_strings, plan.splitter() if plan else None,
+                          serving.thinking_parser(services, data.think, prompt))  # fmt: skip
         then = serving.park_after(services, keep)
         if not data.stream:
             got = await collect(services, req, request, then=then)
-            text = StopTextFilter.whole(req.stop_strings, (t.text for t in got.tokens if not t.is_stop),
-                                        got.end.stop_string)  # fmt: skip
-            content, calls = plan.parse(text) if plan else (text, [])
-            return serving.chat_end(model, got.end, content or "", serving.tool_calls(calls))
+            whole = text.whole([t.text for t in got.tokens if not t.is_stop], got.end.stop_string)
+            return serving.chat_end(model, got.end, whole.content or "", serving.tool_calls(whole.calls),
+                                    whole.reasoning)  # fmt: skip
         run = await started_run(services, req, request, then=then)
-        return NdjsonStream(
-            _lines(
-                run, request, _chat_lines(model, AnswerText(req.stop_strings, plan.splitter() if plan else None), plan)
-            )
-        )
+        return NdjsonStream(_lines(run, request, _chat_lines(model, text)))
 
     @post("/api/generate", status_code=200, summary="Ollama: a completion", responses=streamable(GenerateResponse))
     async def generate(
@@ -179,17 +175,22 @@ class OllamaController(Controller):
         if not data.prompt:  # Ollama loads the model and answers at once
             return GenerateResponse(model=model, created_at=serving.now(), response="", done=True,
                                     done_reason="unload" if keep == 0 else "load")  # fmt: skip
-        ids = await serving.generate_prompt(services, data.prompt, data.system, data.context, data.raw)
+        ids, prompt = await serving.generate_prompt(
+            services, data.prompt, data.system, data.context, data.raw, data.think
+        )
         req = serving.canonical(services, request, ids, data.options, data.format)
+        text = AnswerText(
+            req.stop_strings, None, None if data.raw else serving.thinking_parser(services, data.think, prompt)
+        )
         then = serving.park_after(services, keep)
         if not data.stream:
             got = await collect(services, req, request, then=then)
             kept = [t for t in got.tokens if not t.is_stop]
-            text = StopTextFilter.whole(req.stop_strings, (t.text for t in kept), got.end.stop_string)
+            whole = text.whole([t.text for t in kept], got.end.stop_string)
             context = None if data.raw else ids + [t.token_id for t in kept]
-            return serving.generate_end(model, got.end, text, context)
+            return serving.generate_end(model, got.end, whole.content or "", context, whole.reasoning)
         run = await started_run(services, req, request, then=then)
-        return NdjsonStream(_lines(run, request, _generate_lines(model, req.stop_strings, None if data.raw else ids)))
+        return NdjsonStream(_lines(run, request, _generate_lines(model, text, None if data.raw else ids)))
 
     @post("/api/embed", status_code=200, summary="Ollama: embeddings of texts", responses=ERROR_RESPONSES)
     async def embed(self, services: Services, data: EmbedRequest) -> EmbedResponse:
@@ -218,18 +219,25 @@ class OllamaController(Controller):
         return EmbeddingResponse(embedding=rows[0].astype(float).tolist())
 
 
-def _chat_lines(model: str, text: AnswerText, plan: ToolPlan | None) -> Any:
-    """The ``/api/chat`` lines of each event: content as it comes, the tool calls whole before the last."""
+def _said(pieces: list[Piece]) -> tuple[str, str]:
+    """``(content, thinking)`` of a list of answer pieces (tool call pieces are read from the parser whole)."""
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return content, "".join(p.text for p in pieces if isinstance(p, ReasoningDelta))
+
+
+def _chat_lines(model: str, text: AnswerText) -> Any:
+    """The ``/api/chat`` lines of each event: content and thinking as they come, the tool calls whole before
+    the last."""
 
     def shape(ev: Any) -> list[ChatResponse]:
         if isinstance(ev, TokenOut):
             if ev.is_stop:
                 return []
-            said = "".join(p for p in text.feed(ev.text) if isinstance(p, str))
-            return [serving.chat_chunk(model, said)] if said else []
+            said, thought = _said(text.feed(ev.text))
+            return [serving.chat_chunk(model, said, thinking=thought)] if said or thought else []
         if isinstance(ev, DoneOut):
-            said = "".join(p for p in text.finish(ev.stop_string) if isinstance(p, str))
-            out = [serving.chat_chunk(model, said)] if said else []
+            said, thought = _said(text.finish(ev.stop_string))
+            out = [serving.chat_chunk(model, said, thinking=thought)] if said or thought else []
             if text.calls:
                 out.append(serving.chat_chunk(model, "", serving.tool_calls(text.calls)))
             return [*out, serving.chat_end(model, ev)]
@@ -238,10 +246,9 @@ def _chat_lines(model: str, text: AnswerText, plan: ToolPlan | None) -> Any:
     return shape
 
 
-def _generate_lines(model: str, stops: list[str], prompt: list[int] | None) -> Any:
+def _generate_lines(model: str, text: AnswerText, prompt: list[int] | None) -> Any:
     """The ``/api/generate`` lines of each event; the last carries ``context`` (``prompt`` and the generated
     tokens; None: raw mode, no context)."""
-    text = AnswerText(stops, None)
     generated: list[int] = []
 
     def shape(ev: Any) -> list[GenerateResponse]:
@@ -249,11 +256,11 @@ def _generate_lines(model: str, stops: list[str], prompt: list[int] | None) -> A
             if ev.is_stop:
                 return []
             generated.append(ev.token_id)
-            said = "".join(p for p in text.feed(ev.text) if isinstance(p, str))
-            return [serving.generate_chunk(model, said)] if said else []
+            said, thought = _said(text.feed(ev.text))
+            return [serving.generate_chunk(model, said, thought)] if said or thought else []
         if isinstance(ev, DoneOut):
-            said = "".join(p for p in text.finish(ev.stop_string) if isinstance(p, str))
-            out = [serving.generate_chunk(model, said)] if said else []
+            said, thought = _said(text.finish(ev.stop_string))
+            out = [serving.generate_chunk(model, said, thought)] if said or thought else []
             context = None if prompt is None else prompt + generated
             return [*out, serving.generate_end(model, ev, "", context)]
         return []

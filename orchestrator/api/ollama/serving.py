@@ -34,7 +34,7 @@ from litestar import Request
 
 from contract.errors import ErrorCode
 from contract.model_facts import ModelInfo
-from orchestrator.api.common.chat import chat_ids, chat_prompt_ids
+from orchestrator.api.common.chat import chat_ids, chat_prompt_ids, reasoning_of
 from orchestrator.api.common.chat import chat_prompt as render_chat
 from orchestrator.api.common.run import AfterTurn, remaining
 from orchestrator.api.ollama.protocol import (
@@ -52,6 +52,7 @@ from orchestrator.api.ollama.protocol import (
     ToolCallFunction,
 )
 from orchestrator.generation.events import DoneOut
+from orchestrator.generation.parsers.reasoning import ReasoningParser
 from orchestrator.generation.request import DEFAULT, CanonicalRequest
 from orchestrator.generation.tool_calls import ToolCall as ParsedCall
 from orchestrator.generation.tool_plan import ToolPlan
@@ -132,9 +133,27 @@ def model_names(services: Services) -> list[str]:
 
 def check_think(think: Think | None, info: ModelInfo, model: str) -> None:
     """Ollama refuses ``think`` for a model that cannot think (400, its message); a template that writes
-    ``<think>`` can.  The thinking is not split from the answer here (it stays in the content)."""
+    ``<think>`` can."""
     if think and "<think>" not in info.chat_template:
         raise ApiError(ErrorCode.INVALID_REQUEST, f'"{model}" does not support thinking')
+
+
+def think_variables(think: Think | None) -> dict[str, Any]:
+    """What the chat template reads of ``think`` (Ollama's ``docs/api.md``: ``think`` false asks a thinking
+    model not to think): ``enable_thinking`` (the name Qwen3's and other Jinja templates read) false or true;
+    unset: nothing, the template's own default."""
+    return {} if think is None else {"enable_thinking": bool(think)}
+
+
+def thinking_parser(services: Services, think: Think | None, prompt: str) -> ReasoningParser | None:
+    """The parser that splits the thinking out of an answer whose rendered prompt is ``prompt`` when
+    ``think`` asks for it (true or a level: Ollama's ``message.thinking`` / ``thinking``), as llama-server's
+    ``reasoning_format: deepseek`` splits it; None (the thinking stays in the content, as Ollama without
+    ``think``) otherwise or for a template without thinking tags."""
+    if not think:
+        return None
+    plan = reasoning_of(services, prompt, "deepseek", None, None)
+    return plan.parser() if plan is not None else None
 
 
 def schema_of(fmt: Format | None) -> str:
@@ -228,29 +247,31 @@ def openai_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 
 
 async def chat_prompt(
-    services: Services, messages: list[Message], tools: list[Tool] | None
-) -> tuple[list[int], ToolPlan | None]:
-    """The prompt tokens of a chat (its messages and tools rendered by the model's template, as every chat
-    surface renders them: :func:`orchestrator.api.common.chat.chat_prompt_ids`) and its tool plan (None
-    without tools; with tools, Ollama's behaviour: the model may call them or answer)."""
-    ids, plan, _ = await chat_prompt_ids(services, chat_messages(messages), openai_tools(tools))
-    return ids, plan
+    services: Services, messages: list[Message], tools: list[Tool] | None, think: Think | None = None
+) -> tuple[list[int], ToolPlan | None, str]:
+    """The prompt tokens of a chat (its messages and tools rendered by the model's template with ``think``'s
+    variables, :func:`think_variables`, as every chat surface renders them:
+    :func:`orchestrator.api.common.chat.chat_prompt_ids`), its tool plan (None without tools; with tools,
+    Ollama's behaviour: the model may call them or answer) and the prompt's text."""
+    return await chat_prompt_ids(
+        services, chat_messages(messages), openai_tools(tools), variables=think_variables(think)
+    )
 
 
 async def generate_prompt(
-    services: Services, prompt: str, system: str, context: list[int] | None, raw: bool
-) -> list[int]:
-    """``/api/generate``'s prompt tokens: ``context`` (the ids a previous answer returned) followed by
-    ``system`` and ``prompt`` rendered as one turn by the model's chat template (BOS only at a conversation's
-    start, unless the template writes it); ``raw``: the prompt's own tokens (BOS added as llama-server adds
-    it)."""
+    services: Services, prompt: str, system: str, context: list[int] | None, raw: bool, think: Think | None = None
+) -> tuple[list[int], str]:
+    """``/api/generate``'s prompt tokens and the text they end with: ``context`` (the ids a previous answer
+    returned) followed by ``system`` and ``prompt`` rendered as one turn by the model's chat template with
+    ``think``'s variables (BOS only at a conversation's start, unless the template writes it); ``raw``: the
+    prompt's own tokens (BOS added as llama-server adds it)."""
     if raw:
-        return (await services.engine.tokenize(prompt, True, True)).ids
+        return (await services.engine.tokenize(prompt, True, True)).ids, prompt
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    text = render_chat(services, msgs)
+    text = render_chat(services, msgs, variables=think_variables(think))
     if not context:
-        return await chat_ids(services, text)
-    return list(context) + (await services.engine.tokenize(text, False, True)).ids
+        return await chat_ids(services, text), text
+    return list(context) + (await services.engine.tokenize(text, False, True)).ids, text
 
 
 def park_after(services: Services, keep_alive: float | None) -> AfterTurn | None:
@@ -300,32 +321,41 @@ def metrics(done: DoneOut) -> dict[str, int]:
     }
 
 
-def chat_chunk(model: str, content: str, calls: list[ToolCall] | None = None) -> ChatResponse:
-    """A ``/api/chat`` stream line that is not the last."""
+def chat_chunk(model: str, content: str, calls: list[ToolCall] | None = None, thinking: str = "") -> ChatResponse:
+    """A ``/api/chat`` stream line that is not the last (``thinking``: the thinking it carries, if any)."""
     message = Message(role="assistant", content=content)
     if calls:
         message.tool_calls = calls
+    if thinking:
+        message.thinking = thinking
     return ChatResponse(model=model, created_at=now(), message=message, done=False)
 
 
-def chat_end(model: str, done: DoneOut, content: str = "", calls: list[ToolCall] | None = None) -> ChatResponse:
+def chat_end(
+    model: str, done: DoneOut, content: str = "", calls: list[ToolCall] | None = None, thinking: str = ""
+) -> ChatResponse:
     """The last line of a ``/api/chat`` stream (``content`` ""), or the whole answer."""
-    end = chat_chunk(model, content, calls)
+    end = chat_chunk(model, content, calls, thinking)
     end.done, end.done_reason = True, done_reason(done)
     for name, value in metrics(done).items():
         setattr(end, name, value)
     return end
 
 
-def generate_chunk(model: str, text: str) -> GenerateResponse:
-    """A ``/api/generate`` stream line that is not the last."""
-    return GenerateResponse(model=model, created_at=now(), response=text, done=False)
+def generate_chunk(model: str, text: str, thinking: str = "") -> GenerateResponse:
+    """A ``/api/generate`` stream line that is not the last (``thinking``: the thinking it carries, if any)."""
+    out = GenerateResponse(model=model, created_at=now(), response=text, done=False)
+    if thinking:
+        out.thinking = thinking
+    return out
 
 
-def generate_end(model: str, done: DoneOut, text: str, context: list[int] | None) -> GenerateResponse:
+def generate_end(
+    model: str, done: DoneOut, text: str, context: list[int] | None, thinking: str = ""
+) -> GenerateResponse:
     """The last line of a ``/api/generate`` stream (``text`` ""), or the whole answer; ``context``: the
     conversation's tokens (None in raw mode, as Ollama)."""
-    end = generate_chunk(model, text)
+    end = generate_chunk(model, text, thinking)
     end.done, end.done_reason = True, done_reason(done)
     if context is not None:
         end.context = context

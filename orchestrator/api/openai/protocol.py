@@ -362,6 +362,8 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
     reasoning_budget_tokens: ReasoningBudget | None = None
     thinking_budget_tokens: ReasoningBudget | None = None
     reasoning_budget_message: str | None = None
+    # llama-server's: more variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(OpenAIRequest, kw_only=True):

@@ -362,7 +362,7 @@ async def chat_shape(services: Services, request: Request[Any, Any, Any], data: 
     the model's template, with ``tools`` handled by :mod:`orchestrator.generation.tool_plan` and thoughts
     by :func:`orchestrator.api.common.chat.reasoning_of` (llama-server's reasoning fields)."""
     ids, plan, prompt = await chat_prompt_ids(
-        services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls
+        services, data.messages, data.tools, data.tool_choice, data.parallel_tool_calls, data.chat_template_kwargs
     )
     budget = data.reasoning_budget_tokens if data.reasoning_budget_tokens is not None else data.thinking_budget_tokens
     thinking = reasoning_of(services, prompt, data.reasoning_format, budget, data.reasoning_budget_message)
