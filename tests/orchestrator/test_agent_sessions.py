@@ -80,7 +80,7 @@ def _turn(srv: ServerProc, who: str, history: list[dict[str, Any]], session: str
     """One turn of A (Claude Code: Messages API, its session header) or B (OpenCode: Chat
     Completions, its header): (slot id, cached tokens, prompt tokens, the answer's text)."""
     if who == "A":
-        body = {"model": "m", "system": SYSTEM, "messages": history, "max_tokens": 8, "temperature": 0}
+        body = {"model": "m", "system": SYSTEM, "messages": history, "max_tokens": 4, "temperature": 0}
         headers = h("key-a", **{"X-Claude-Code-Session-Id": session, "anthropic-version": "2023-06-01"})
         r = httpx.post(srv.url + "/v1/messages", json=body, headers=headers, timeout=600)
         assert r.status_code == 200, r.text
@@ -90,7 +90,7 @@ def _turn(srv: ServerProc, who: str, history: list[dict[str, Any]], session: str
         cached = u["cache_read_input_tokens"]
         return r.headers["x-slot-id"], cached, cached + u["input_tokens"], text
     messages = [{"role": "system", "content": SYSTEM}, *history]
-    body = {"model": "m", "messages": messages, "max_tokens": 8, "temperature": 0}
+    body = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0}
     r = httpx.post(
         srv.url + "/v1/chat/completions", json=body, headers=h("key-b", **{"x-opencode-session": session}), timeout=600
     )
@@ -101,6 +101,7 @@ def _turn(srv: ServerProc, who: str, history: list[dict[str, Any]], session: str
     return r.headers["x-slot-id"], u["prompt_tokens_details"]["cached_tokens"], u["prompt_tokens"], text
 
 
+@pytest.mark.timeout(1800)  # 20 turns; on the loaded 2-core test machine a turn took up to a minute
 def test_session_headers_keep_one_slot_per_tenant_for_ten_turns(srv: ServerProc) -> None:
     """Two tenants' agent sessions, interleaved turn by turn, same system prompt, no slot id."""
     history: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
