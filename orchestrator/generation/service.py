@@ -31,7 +31,7 @@ from orchestrator.generation.request import AppendToken, CanonicalRequest, Previ
 from orchestrator.generation.stall import StallGuard, park_stalled
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
-from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
+from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots, keyed_id
 from orchestrator.slots.model import Slot, partition_of
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.slots.residency import uncancellable
@@ -248,7 +248,7 @@ class GenerationService:
         if req.slot is None:  # docs/api.md, "Requests without a slot id"
             holding = self.anonymous.use(
                 ids, tenant=tenant, partition=partition, conversation_key=req.conversation_key,
-                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen,
+                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen, eog=info.eog_token_ids,
             )  # fmt: skip
         else:
             if on_chosen is not None:
@@ -342,7 +342,11 @@ class GenerationService:
                     self.registry.generation_ended(slot)
 
     async def preview(
-        self, req: PreviewRequest, control: RunControl | None = None, principal: Principal = DEFAULT_PRINCIPAL
+        self,
+        req: PreviewRequest,
+        control: RunControl | None = None,
+        principal: Principal = DEFAULT_PRINCIPAL,
+        conversation_key: str | None = None,
     ) -> AsyncIterator[PreviewStarted | TokenOut | DoneOut]:
         """A preview (docs/api.md, "POST /api/v1/generate/preview"): generate on a copy-on-write
         fork of the slot's sequence (``llama_memory_seq_cp``), then discard the fork.
@@ -354,7 +358,9 @@ class GenerationService:
         (an explicitly named slot that does not exist, with no ``input_ids``),
         ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
         Only ``principal``'s tenant's slots are seen (another tenant's is missing), and only caches
-        without a ``cache_salt`` (a preview sends none).
+        without a ``cache_salt`` (a preview sends none).  Naming no slot, the preview forks the slot
+        ``conversation_key`` names (the request's session header: docs/api.md), else the slot of the
+        tenant's latest request that named none.
         """
         tenant = principal.tenant
         info = self.info
@@ -362,8 +368,11 @@ class GenerationService:
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
-        # naming no slot: the slot of the latest request that named none (docs/api.md)
-        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last(tenant) or DEFAULT_SLOT))
+        # naming no slot: the conversation the client's key keeps (no salt), else the slot of the
+        # latest request that named none (docs/api.md); a key naming nothing yet is no cache, not a 404
+        keyed = keyed_id("", conversation_key) if conversation_key else None
+        fallback = keyed or self.anonymous.last(tenant) or DEFAULT_SLOT
+        slot_id = check_slot_id(str(named if named is not None else fallback))
         params = await self.checked_params(req.canonical(slot_id))
         require_attention(req.output_attentions, info.attention_layers)
         capture = proto.CaptureOptions(

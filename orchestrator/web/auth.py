@@ -7,7 +7,9 @@ Keys come from ``--api-key`` (the one tenant :data:`~orchestrator.tenants.princi
 ``--admin-key`` (its admin) and ``--api-keys FILE`` (:mod:`orchestrator.tenants.keys`); a gateway's
 tenant header from :mod:`orchestrator.tenants.gateway`.  ``/health``, ``/metrics``, the admin page's
 static script, the chat page (``/`` and ``/webui/*``: static files, no data) and CORS preflights are
-public.
+public: never refused, but a public HTTP request that presents a valid key (or comes with no key
+configured) gets its principal too, so ``/health`` counts only the caller's tenant's slots
+(:func:`~orchestrator.tenants.principal.principal_if_known` is None for a caller who shows none).
 
 The middleware leaves the principal in ``scope["state"][SCOPE_KEY]``
 (:func:`~orchestrator.tenants.principal.principal_of` reads it).  With no key configured everyone is
@@ -18,6 +20,7 @@ request gets 401 ``UNAUTHORIZED``; a refused WebSocket is accepted, told
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -102,6 +105,9 @@ def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
             path = scope["path"]
             public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
             if kind not in ("http", "websocket") or public or scope.get("method") == "OPTIONS":
+                if public and kind == "http":  # never refused; a caller who shows a key sees its own
+                    with contextlib.suppress(ApiError):
+                        scope.setdefault("state", {})[SCOPE_KEY] = auth.resolve(scope)  # type: ignore[typeddict-unknown-key]
                 await app(scope, receive, send)
                 return
             try:

@@ -77,6 +77,27 @@ def test_prefix_and_pick_rules() -> None:
     assert header_value("alice") == b"alice" and header_value("é 1") == b"%C3%A9 1"
 
 
+def test_agent_step_with_its_answer_rewritten_continues() -> None:
+    """An agent's next step (smolagents: the model's tool call sent back as ``Calling tools:`` text,
+    then the tool's result) keeps every message of the slot but the model's latest answer: taken
+    over, not forked, and so is no other conversation."""
+    end = 2  # an end-of-generation token (the chat template's end of a message)
+    system = [*range(100, 1300), end]
+    prompt = [*system, *range(2000, 2030), end, 7, 8]  # system, task, the generation prompt
+    slot = [*prompt, *range(5000, 5029)]  # and the model's answer (its final end token not decoded)
+    step = [*prompt, *range(6000, 6040), end, *range(7000, 7020), end, 7, 8]  # answer rewritten, result
+    assert continues(slot, step, len(prompt), {end})
+    assert not continues(slot, step, len(prompt)), "without the model's end tokens: forked, as before"
+    p = pick(step, [Candidate("anon-e", slot, True), Candidate("anon-f", system, True)], 0.1, {end})
+    assert p is not None and (p.slot_id, p.lcp, p.take_over) == ("anon-e", len(prompt), True)
+    assert not continues(slot, prompt, len(prompt), {end}), "a regenerated answer is forked"
+    assert not continues(slot, [*prompt, 9, 9], len(prompt), {end}), "an edited answer, no new message"
+    other = [*system, *range(2000, 2010), 3, end, 7, 8, 9, end]  # parts inside the slot's task message
+    assert not continues(slot, other, common_prefix(slot, other), {end})
+    no_chat = [*range(100, 1300), *range(5000, 5029)]  # a raw completion: no message ends at all
+    assert not continues(no_chat, [*range(100, 1300), 4, end], 1200, {end})
+
+
 def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One Kobold SSE generation (Halo Weave's body: no slot id, aggregated attention): its
     ``X-Slot-Id``, ``done`` event, and when its first token and its end arrived."""
