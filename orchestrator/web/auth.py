@@ -5,10 +5,13 @@ A key is accepted as ``Authorization: Bearer KEY``, ``X-Api-Key: KEY``, ``X-Admi
 and, for browser WebSockets that cannot set headers, ``?api_key=KEY`` / ``?admin_key=KEY``.
 Keys come from ``--api-key`` (the one tenant :data:`~orchestrator.tenants.principal.DEFAULT_TENANT`),
 ``--admin-key`` (its admin) and ``--api-keys FILE`` (:mod:`orchestrator.tenants.keys`); a gateway's
-tenant header from :mod:`orchestrator.tenants.gateway`.  ``/health``, ``/metrics``, the admin page's
-static script, the chat page (``/`` and ``/webui/*``: static files, no data) and CORS preflights are
-public: never refused, but a public HTTP request that presents a valid key (or comes with no key
-configured) gets its principal too, so ``/health`` counts only the caller's tenant's slots
+tenant header from :mod:`orchestrator.tenants.gateway`.  ``/metrics`` holds every tenant's figures
+(label ``tenant``): it needs the admin role once keys or a gateway are configured (llama-server's
+``/metrics`` needs its ``--api-key`` too; Prometheus sends one with ``authorization`` in its scrape
+config), and is open without.  ``/health``, the admin page's static script, the chat page (``/`` and
+``/webui/*``: static files, no data) and CORS preflights are public: never refused, but a public
+HTTP request that presents a valid key (or comes with no key configured) gets its principal too, so
+``/health`` counts only the caller's tenant's slots
 (:func:`~orchestrator.tenants.principal.principal_if_known` is None for a caller who shows none).
 
 The middleware leaves the principal in ``scope["state"][SCOPE_KEY]``
@@ -33,7 +36,8 @@ from orchestrator.tenants.keys import KeyRing
 from orchestrator.tenants.principal import DEFAULT_TENANT, SCOPE_KEY, Principal, principal_of
 from orchestrator.web.errors import ApiError, ErrorEvent, send_error
 
-PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js", "/")
+PUBLIC_PATHS = ("/health", "/v1/health", "/admin/admin.js", "/")
+OPERATOR_PATHS = ("/metrics",)  # every tenant's figures: the admin role once keys or a gateway are configured
 PUBLIC_PREFIXES = ("/webui/",)  # the chat page's static assets (orchestrator/webui): they hold no data
 
 
@@ -84,15 +88,19 @@ class Authenticator:
         return self.open
 
 
+def _admin_needed() -> ApiError:
+    return ApiError(
+        ErrorCode.UNAUTHORIZED,
+        "this needs the admin role: an admin key (--admin-key or an 'admin' line of --api-keys),"
+        " as Bearer, X-Admin-Key or ?admin_key=",
+    )
+
+
 def require_admin(scope: Any) -> None:
     """Raise ``UNAUTHORIZED`` (401) unless the request's principal has the admin role (``scope``: an
     ASGI scope or a Litestar request)."""
     if not principal_of(scope).admin:
-        raise ApiError(
-            ErrorCode.UNAUTHORIZED,
-            "this needs the admin role: an admin key (--admin-key or an 'admin' line of --api-keys),"
-            " as Bearer, X-Admin-Key or ?admin_key=",
-        )
+        raise _admin_needed()
 
 
 def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
@@ -112,6 +120,8 @@ def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
                 return
             try:
                 principal = auth.resolve(scope)
+                if path in OPERATOR_PATHS and not principal.admin:
+                    raise _admin_needed()
             except ApiError as err:
                 if kind == "http":
                     await send_error(send, scope["path"], err, [(b"www-authenticate", b"Bearer")])
