@@ -358,19 +358,19 @@ class GenerationService:
         (an explicitly named slot that does not exist, with no ``input_ids``),
         ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
         Only ``principal``'s tenant's slots are seen (another tenant's is missing), and only caches
-        without a ``cache_salt`` (a preview sends none).  Naming no slot, the preview forks the slot
-        ``conversation_key`` names (the request's session header: docs/api.md), else the slot of the
-        tenant's latest request that named none.
+        made with the preview's own ``cache_salt`` (none: those made without one).  Naming no slot, the
+        preview forks the slot ``conversation_key`` names in that partition (the request's session
+        header: docs/api.md), else the slot of the tenant's latest request that named none.
         """
-        tenant = principal.tenant
+        tenant, partition = principal.tenant, partition_of(req.cache_salt)
         info = self.info
         append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
-        # naming no slot: the conversation the client's key keeps (no salt), else the slot of the
+        # naming no slot: the conversation the client's key keeps (in its salt's partition), else the slot of the
         # latest request that named none (docs/api.md); a key naming nothing yet is no cache, not a 404
-        keyed = keyed_id("", conversation_key) if conversation_key else None
+        keyed = keyed_id(partition, conversation_key) if conversation_key else None
         fallback = keyed or self.anonymous.last(tenant) or DEFAULT_SLOT
         slot_id = check_slot_id(str(named if named is not None else fallback))
         params = await self.checked_params(req.canonical(slot_id))
@@ -388,7 +388,7 @@ class GenerationService:
             if known:
                 hooks = control.hooks if control is not None else None  # its client leaving ends its waits
                 async with self.registry.use(slot_id, tenant=tenant, wait=True, create=False, hooks=hooks) as slot:
-                    if slot.n_tokens and not slot.partition:
+                    if slot.n_tokens and slot.partition == partition:
                         assert slot.seq is not None
                         # the fork is taken before any later request
                         events = await self.engine.preview(slot.seq, [], append, params, capture)

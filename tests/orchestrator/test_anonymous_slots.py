@@ -276,6 +276,28 @@ def test_preview_without_slot_forks_the_latest_anonymous_slot(srv: ServerProc) -
     assert _tokens(srv, got["slot"]) == ids + got["generated"], "the preview left the slot as it was"
 
 
+def test_preview_forks_only_a_cache_of_its_own_salt(srv: ServerProc) -> None:
+    """A preview with ``cache_salt`` forks the cache made with that salt (its session header's conversation,
+    or the tenant's latest); without the salt, or with another, that cache is no candidate (400
+    ``NO_CACHED_CONTEXT``: nothing to fork), and the salted slot is left as it was."""
+    ids = tokenize(srv.url, CHAT.format("Name three mountains."))
+    body = {"input_ids": ids, "max_new_tokens": 2, "temperature": 0, "ignore_eos": True, "cache_salt": "salt-p"}
+    head = {"X-Session-Id": "preview-salted"}
+    r = httpx.post(srv.url + "/api/v1/generate", json=body, headers=head, timeout=300)
+    assert r.status_code == 200, r.text
+    slot, n = r.headers["x-slot-id"], len(ids) + 2
+    append = tokenize(srv.url, "<|im_end|>\n" + CHAT.format("And hills?"))
+    preview = {"append_tokens": append, "max_tokens": 2}
+    hit = httpx.post(srv.url + "/api/v1/generate/preview", json={**preview, "cache_salt": "salt-p"}, headers=head,
+                     timeout=300)  # fmt: skip
+    assert hit.status_code == 200 and hit.json()["cache_hit"] and hit.json()["n_cached"] == n, hit.text
+    assert hit.json()["slot_id"] == slot
+    for other in ({}, {"cache_salt": "salt-q"}):
+        miss = httpx.post(srv.url + "/api/v1/generate/preview", json={**preview, **other}, headers=head, timeout=300)
+        assert miss.status_code == 400 and miss.json()["error_code"] == "NO_CACHED_CONTEXT", (other, miss.text)
+    assert len(_tokens(srv, slot)) == n, "the previews left the salted slot as it was"
+
+
 def test_llama_server_completion_reports_the_chosen_slot(srv: ServerProc) -> None:
     prompt = "The lighthouse keeper climbed the stairs every evening to"
     first = httpx.post(srv.url + "/completion", json={"prompt": prompt, "n_predict": 6, "temperature": 0}, timeout=300)
