@@ -68,3 +68,18 @@ class Credit:
         if 0 < self.window <= self.outstanding:
             return True
         return 0 < self.window_bytes <= self.outstanding_bytes  # never with nothing outstanding
+
+
+def ack_due(unacked: int, unacked_bytes: int, window: int, window_bytes: int) -> bool:
+    """Whether the orchestrator acknowledges now, its client having taken ``unacked`` tokens (``unacked_bytes``
+    bytes of tensors) since its last ``Ack``: once half of either bound of the window is taken (every token
+    with a window of 1 or 2), so one ``Ack`` covers several tokens and the worker's reader wakes less often.
+
+    Never a deadlock: the worker holds a generation only while ``window`` tokens or ``window_bytes`` bytes
+    are outstanding (:meth:`Credit.spent`); a client that has taken all of them has then taken at least half
+    of that bound, so this says yes.  Both bounds 0 (unknown): every token is acknowledged.
+    """
+    if window <= 0 and window_bytes <= 0:
+        return unacked > 0
+    by_tokens = window > 0 and unacked >= max(1, window // 2)
+    return by_tokens or (window_bytes > 0 and unacked_bytes >= max(1, window_bytes // 2))

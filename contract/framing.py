@@ -52,8 +52,8 @@ class ProtocolError(RuntimeError):
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
-Dtype = Literal["float32", "float16", "uint8"]
-ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "uint8": 1}
+Dtype = Literal["float32", "float16", "int32", "uint8"]
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "int32": 4, "uint8": 1}
 
 
 class Tensor(msgspec.Struct, array_like=True, frozen=True):

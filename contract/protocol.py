@@ -102,17 +102,25 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     reasoning_open: bool = False  # the prompt opened the thought: the budget counts from the first token
 
 
-AttentionFormat = Literal["per_layer", "aggregated"]
+AttentionFormat = Literal["per_layer", "aggregated", "topk", "spans"]
 AttentionDtype = Literal["float32", "float16"]
+GRAPH_FORMATS: tuple[AttentionFormat, ...] = ("per_layer", "aggregated")
+"""The formats llama.cpp's graph computes (libllama/llama-attn.h); the others are reduced from them in the worker."""
 
 
 class CaptureOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """What to capture per generated token.
+    """What to capture per generated token (docs/api.md, "Attention formats").
 
-    ``attention``: rows of ``kq_soft_max-{il}`` gathered into input-position order,
-    ``[n_layers_sel, n_heads, n_ctx]`` (``per_layer``) or the mean over layers and heads
-    ``[n_ctx]`` (``aggregated``), in ``dtype``.  ``layers``: subset of layer indices
-    (default all).  ``hidden_state``: the final hidden state ``float32[n_embd]``.
+    ``attention``: rows of ``kq_soft_max-{il}`` gathered into input-position order, then in ``format``:
+    ``per_layer`` ``[n_layers_sel, n_heads_sel, n_ctx]``; ``aggregated`` the mean over the selected layers
+    and heads ``[n_ctx]``; ``topk`` per selected layer and head the ``top_k`` largest weights, best first,
+    ``[n_layers_sel, n_heads_sel, min(top_k, n_ctx)]`` (their input positions travel beside them as
+    ``int32`` of the same shape); ``spans`` the mean over the selected layers and heads summed over each
+    ``[start, end)`` of ``spans`` (input positions, sorted, disjoint), ``[len(spans)]``.  Weights in
+    ``dtype``.  ``layers``: subset of layer indices (default all); ``heads``: subset of head indices
+    (default all).  ``sink`` > 0: also the mean over the selected layers and heads of the weight on
+    positions ``0..sink-1`` (a float32 figure per token).  ``hidden_state``: the final hidden state
+    ``float32[n_embd]``.
     """
 
     attention: bool = False
@@ -120,6 +128,15 @@ class CaptureOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     dtype: AttentionDtype = "float32"
     layers: list[int] | None = None
     hidden_state: bool = False
+    heads: list[int] | None = None
+    top_k: NonNegInt = 0
+    spans: list[tuple[NonNegInt, NonNegInt]] = []
+    sink: NonNegInt = 0
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the worker reduces the graph's rows (a format or figure the graph does not compute)."""
+        return self.format not in GRAPH_FORMATS or self.heads is not None or self.sink > 0
 
 
 class Message(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -351,6 +368,8 @@ class Token(Message):
     after a context shift (``Generate.n_keep``): ``(n_keep, n_discard)``, the sequence's tokens
     ``n_keep .. n_keep+n_discard-1`` were dropped and the later ones moved down by ``n_discard``
     positions, so this row's position ``p >= n_keep`` is the earlier row's ``p + n_discard``.
+    ``attention_pos`` (format ``topk``): ``int32`` input positions of ``attention``'s weights, its shape;
+    ``sink`` (``CaptureOptions.sink``): the mean weight mass on the first ``sink`` positions.
     """
 
     index: int
@@ -364,6 +383,8 @@ class Token(Message):
     shift: tuple[int, int] | None = None
     prob: float | None = None
     top_probs: list[tuple[int, float]] = []
+    attention_pos: Tensor | None = None
+    sink: float | None = None
 
 
 class Progress(Message):

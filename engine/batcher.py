@@ -30,6 +30,7 @@ from contract.protocol import (
     Tensor,
     Token,
 )
+from contract.reduction import reduction_error
 from engine.engine import BatchEntry, Engine, EngineError
 from engine.grammar import GrammarError
 from engine.reasoning_budget import ReasoningBudget
@@ -137,6 +138,10 @@ class Batcher:
             raise EngineError(ErrorCode.INVALID_REQUEST, "this engine runs without attention capture")
         if req.capture.attention and not eng.attention_layers:
             raise EngineError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent)")
+        n_input = len(req.input_ids) if req.mode == "generate" else n_ctx  # a preview's spans: the orchestrator's
+        bad = reduction_error(req.capture, eng.model.n_head, n_ctx, n_input)
+        if bad is not None:
+            raise EngineError(ErrorCode.INVALID_REQUEST, bad)
         if req.mode == "generate":
             if not 0 <= req.seq < eng.config.n_slots:
                 raise EngineError(ErrorCode.INVALID_REQUEST, f"no engine sequence {req.seq}")
@@ -340,10 +345,14 @@ class Batcher:
         lp, top = logprobs(logits, tok, 0 if post else p.n_probs) if logits is not None else (None, [])
         prob, top_probs = job.chain.post_probs(p.n_probs) if post else (None, [])
         buffers: list[np.ndarray] = []
-        attention = hidden = None
+        attention = hidden = positions = None
+        sink = e.target.sink if e.target is not None else None
         if e.target is not None and e.target.out is not None:
             buffers.append(e.target.out)
             attention = Tensor.of(buffers[-1], len(buffers) - 1)
+            if e.target.positions is not None:
+                buffers.append(e.target.positions)
+                positions = Tensor.of(buffers[-1], len(buffers) - 1)
         if job.req.capture.hidden_state:
             buffers.append(eng.hidden_state(idx))
             hidden = Tensor.of(buffers[-1], len(buffers) - 1)
@@ -353,7 +362,22 @@ class Batcher:
         job.text += piece
         n_ctx = e.pos0 + len(e.tokens)
         self.emit(
-            Token(job.req.req, index, tok, piece, lp, top, n_ctx, attention, hidden, job.shift, prob, top_probs),
+            Token(
+                job.req.req,
+                index,
+                tok,
+                piece,
+                lp,
+                top,
+                n_ctx,
+                attention,
+                hidden,
+                job.shift,
+                prob,
+                top_probs,
+                attention_pos=positions,
+                sink=sink,
+            ),
             [b.data for b in buffers],
         )
         job.shift = None

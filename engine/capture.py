@@ -15,7 +15,8 @@ llama.cpp's KV cache reports for every decoded token: ``llama_attn_seq_cells``).
 
 One format per decode: when the rows of one decode ask for different formats, dtypes or layers,
 the graph computes every asked layer per head in float32 and each row is reduced here
-(:func:`shape_attention`).
+(:func:`shape_attention`).  The formats the graph does not compute (``topk``, ``spans``, a head subset,
+the sink figure) are reduced from its rows by :mod:`engine.reduce` (:meth:`RowTarget.finish`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 from engine import native
 from engine.cellmap import CellMap, CellMapError
+from engine.reduce import graph_format, reduce_rows
 
 _DTYPES = {native.GGML_TYPE_F32: np.float32, native.GGML_TYPE_F16: np.float16}
 
@@ -48,9 +50,12 @@ def shape_attention(out: np.ndarray, fmt: AttentionFormat, dtype: AttentionDtype
 class RowTarget:
     """One row to capture: batch entry ``batch_index`` of ``seq``, the token at position ``pos``.
 
-    ``layers`` are the requested layer indices in the request's order; after the decode ``out`` is
+    ``layers`` are the requested layer indices in the request's order; ``format`` and ``dtype`` what the
+    graph computes for it (:func:`engine.reduce.graph_format`).  After the decode ``out`` is
     ``[len(layers), n_head, pos+1]`` (``per_layer``) or ``[pos+1]`` (``aggregated``) of ``dtype``,
-    ``out[..., p]`` the attention to position ``p`` of the sequence.
+    ``out[..., p]`` the attention to position ``p`` of the sequence; with a ``reduce`` request
+    (``CaptureOptions.reduced``) ``out`` is its reduction (:func:`engine.reduce.reduce_rows`),
+    ``positions`` the ``int32`` positions of ``topk`` and ``sink`` the sink figure.
     """
 
     batch_index: int
@@ -60,13 +65,23 @@ class RowTarget:
     format: AttentionFormat = "per_layer"
     dtype: AttentionDtype = "float32"
     out: np.ndarray | None = None
+    reduce: CaptureOptions | None = None
+    positions: np.ndarray | None = None
+    sink: float | None = None
 
     @classmethod
     def of(cls, seq: int, pos: int, cap: CaptureOptions, attention_layers: Sequence[int]) -> RowTarget:
         """The target of ``cap`` for the token of ``seq`` at ``pos`` (batch index set by the decode);
         ``cap.layers`` None: every layer of ``attention_layers`` (the model's layers with attention)."""
         layers = tuple(attention_layers) if cap.layers is None else tuple(cap.layers)
-        return cls(-1, seq, pos, layers, cap.format, cap.dtype)
+        fmt, dtype = graph_format(cap)
+        return cls(-1, seq, pos, layers, fmt, dtype, reduce=cap if cap.reduced else None)
+
+    def finish(self) -> None:
+        """Reduce ``out`` as ``reduce`` asks (no-op without)."""
+        if self.reduce is not None and self.out is not None:
+            red = reduce_rows(self.out, self.reduce)
+            self.out, self.positions, self.sink = red.weights, red.positions, red.sink
 
 
 class AttentionCapture:
@@ -150,6 +165,7 @@ class AttentionCapture:
                 tg.out = rows
             else:
                 tg.out = shape_attention(rows[[layers.index(il) for il in tg.layers]], tg.format, tg.dtype)
+            tg.finish()
 
     def _rows(self, i: int, tg: RowTarget, cells: np.ndarray) -> np.ndarray:
         """Row ``i`` of the last decode (``tg``'s), gathered into position order: ``[n_layers, H, n]``

@@ -45,6 +45,7 @@ from orchestrator.slots.registry import Slot, SlotRegistry
 from orchestrator.tenants.gateway import TenantHeader, parse_networks
 from orchestrator.tenants.keys import KeyRing
 from orchestrator.tenants.limits import TenantLimits
+from orchestrator.web.access_log import StreamLoggingMiddleware
 from orchestrator.web.auth import Authenticator, auth_middleware
 from orchestrator.web.errors import EXCEPTION_HANDLERS, ApiError
 from orchestrator.web.header_case import canonical_header_names
@@ -234,6 +235,7 @@ def create_app(settings: Settings, services: Services | None = None, auth: Authe
                     middleware_logging_config=LoggingMiddlewareConfig(
                         request_log_fields=("path", "method", "content_type", "path_params"),
                         response_log_fields=RESPONSE_LOG_FIELDS,
+                        middleware_class=StreamLoggingMiddleware,  # one line per stream, not per chunk
                     ),
                 )
             )

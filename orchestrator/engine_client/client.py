@@ -291,7 +291,9 @@ class WorkerClient:
             self._waiters.pop(msg.req, None)
             raise
         ack = (lambda n: self._ack(msg.req, n)) if msg.window > 0 or msg.window_bytes > 0 else None
-        return GenerationStream(msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q), ack)
+        return GenerationStream(
+            msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q), ack, msg.window, msg.window_bytes
+        )
 
     async def _ack(self, req: int, n: int) -> None:
         """Tell the worker the client of generation ``req`` has taken its first ``n`` tokens.
@@ -458,4 +460,5 @@ def token_output(msg: proto.Token, bufs: list[RecvBuffer]) -> TokenOutput:
     """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
     attention = msg.attention.take(bufs) if msg.attention is not None else None
     hidden = msg.hidden.take(bufs) if msg.hidden is not None else None
-    return TokenOutput(msg, attention, hidden)  # type: ignore[arg-type]
+    positions = msg.attention_pos.take(bufs) if msg.attention_pos is not None else None
+    return TokenOutput(msg, attention, hidden, positions)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
+from contract.flow import ack_due
 
 
 class EngineDeadError(RuntimeError):
@@ -56,12 +57,19 @@ class TokenOutput:
 
     ``attention`` is described by ``token.attention`` (dtype ``float32``/``float16``,
     shape ``[n_layers_sel, n_heads, n_ctx]`` or ``[n_ctx]`` when aggregated); ``hidden``
-    by ``token.hidden`` (``float32[n_embd]``).  Each is None when not captured.
+    by ``token.hidden`` (``float32[n_embd]``); ``positions`` (format ``topk``) by ``token.attention_pos``
+    (``int32``, ``attention``'s shape).  Each is None when not captured.
     """
 
     token: proto.Token
     attention: bytes | None = None
     hidden: bytes | None = None
+    positions: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors, as the worker's flow-control credit counts them (``contract.flow.Credit``)."""
+        return sum(memoryview(b).nbytes for b in (self.attention, self.hidden, self.positions) if b is not None)
 
 
 EngineEvent = TokenOutput | proto.Progress | proto.Done
@@ -81,7 +89,9 @@ class GenerationStream:
     it was given so far (it has handed the token to its client: the wire layers send a
     frame, and the server's transport applies backpressure on that send, before they ask
     again), so ``ack(n)`` is awaited first, ``n`` being the count of tokens taken
-    (``Token.index + 1`` of the latest).  The engine runs at most its flow-control window
+    (``Token.index + 1`` of the latest), once half of ``window`` tokens or ``window_bytes``
+    bytes were taken since the last (:func:`contract.flow.ack_due`; every token when both are 0).
+    The engine runs at most its flow-control window
     (``contract.protocol.Generate.window`` and ``window_bytes``; :mod:`contract.flow`)
     ahead of that count, so a slow client holds its own generation, not the server's
     memory.  Without ``ack`` (an in-process engine that decodes only as it is iterated)
@@ -94,14 +104,19 @@ class GenerationStream:
         events: AsyncGenerator[EngineEvent, None],
         abandon: Callable[[], Awaitable[None]] | None = None,
         ack: Callable[[int], Awaitable[None]] | None = None,
+        window: int = 0,
+        window_bytes: int = 0,
     ) -> None:
         self.req = req
         self._events = events
         self._abandon = abandon
         self._ack = ack
+        self._window = (window, window_bytes)
         self._started = False
         self.taken = 0  # tokens handed to the consumer (the count the next ``ack`` reports)
         self._acked = 0
+        self._taken_bytes = 0  # their tensor bytes, as the worker's credit counts them
+        self._acked_bytes = 0
         self._ended = False  # ``Done`` was handed out: nothing left to acknowledge
 
     def __aiter__(self) -> GenerationStream:
@@ -109,12 +124,17 @@ class GenerationStream:
 
     async def __anext__(self) -> EngineEvent:
         self._started = True
-        if self._ack is not None and self.taken > self._acked and not self._ended:
-            self._acked = self.taken
+        if (
+            self._ack is not None
+            and not self._ended
+            and ack_due(self.taken - self._acked, self._taken_bytes - self._acked_bytes, *self._window)
+        ):
+            self._acked, self._acked_bytes = self.taken, self._taken_bytes
             await self._ack(self.taken)
         event = await self._events.__anext__()
         if isinstance(event, TokenOutput):
             self.taken = event.token.index + 1
+            self._taken_bytes += event.nbytes
         elif isinstance(event, proto.Done):
             self._ended = True
         return event

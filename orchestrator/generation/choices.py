@@ -23,10 +23,11 @@ import msgspec
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator.engine_client.interface import GenerationStream
+from orchestrator.generation.capture import capture_options
 from orchestrator.generation.events import DoneOut, TokenOut, TokenStream
 from orchestrator.generation.interleave import interleaved
 from orchestrator.generation.request import CanonicalRequest
-from orchestrator.generation.service import GenerationService, RunControl, capture_options
+from orchestrator.generation.service import GenerationService, RunControl
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.model import Slot
 
@@ -58,7 +59,7 @@ async def forked_choices(
     params = await generation.checked_params(req)
     if info.runtime.context_shift:  # a fork cannot shift its window (its prompt is shared): it ends at it
         params = msgspec.structs.replace(params, max_new_tokens=min(params.max_new_tokens, info.n_ctx - len(ids)))
-    capture = capture_options(req, info.attention_layers)
+    capture = capture_options(req, info, ids)
     streams: list[GenerationStream] = []
 
     async def fork(slot: Slot) -> None:

@@ -31,7 +31,9 @@ class TokenOut:
     tokens ``n_keep .. n_keep+n_discard-1`` were dropped, so attention positions from ``n_keep`` on are
     ``n_discard`` lower than before.  ``prob`` and ``top_probs`` (``(token_id, p)``, best first): with
     llama-server's ``post_sampling_probs`` the probabilities after the sampler chain, in place of ``logprob``'s
-    companion ``top`` (the model's own distribution, ``(token_id, logprob)``).
+    companion ``top`` (the model's own distribution, ``(token_id, logprob)``).  Reduced attention (docs/api.md,
+    "Attention formats"): ``positions`` the ``int32`` input positions of ``topk`` weights (``attention_shape``),
+    ``sink`` the mass on the first ``attention_sink`` positions, ``context_length`` the row's length in tokens.
     """
 
     index: int
@@ -47,6 +49,9 @@ class TokenOut:
     shift: tuple[int, int] | None = None
     prob: float | None = None
     top_probs: list[tuple[int, float]] = field(default_factory=list)
+    positions: bytes | None = None
+    sink: float | None = None
+    context_length: int = 0
 
 
 @dataclass
@@ -130,6 +135,9 @@ class TokenStream:
             shift=msg.shift,
             prob=msg.prob,
             top_probs=list(msg.top_probs),
+            positions=out.positions,
+            sink=msg.sink,
+            context_length=msg.n_ctx,
         )
 
 

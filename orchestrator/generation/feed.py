@@ -53,9 +53,10 @@ def reduce_row(t: TokenOut, fmt: str, dtype: str, layers: list[int] | None, laye
     """``float32[n_ctx]`` from a token's attention bytes (``[L, H, n_ctx]`` or ``[n_ctx]``), or None.
 
     ``layer`` picks one model layer (its heads' mean) from ``per_layer`` attention
-    whose captured ``layers`` (None: all) include it; None means the mean of all.
+    whose captured ``layers`` (None: all) include it; None means the mean of all.  None for the reduced
+    formats ``topk`` and ``spans`` (no row over the context; docs/api.md, "Attention formats").
     """
-    if t.attention is None:
+    if t.attention is None or fmt not in ("per_layer", "aggregated"):
         return None
     arr = np.frombuffer(t.attention, dtype=np.float16 if dtype == "float16" else np.float32)
     arr = arr.reshape(t.attention_shape).astype(np.float32)

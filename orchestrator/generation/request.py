@@ -228,6 +228,10 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     principal: Principal = DEFAULT_PRINCIPAL  # who asks: slots and caches are looked up in its tenant only
     cache_salt: str | None = None  # vLLM's cache_salt: caches are shared only between equal salts of a tenant
     conversation_key: str | None = None  # prompt_cache_key, metadata.user_id or a session header (docs/api.md)
+    attention_heads: list[int] | None = None  # reduced attention (docs/api.md, "Attention formats")
+    attention_top_k: int = 0
+    attention_spans: list[tuple[int, int]] | None = None  # None: one span per chat message (format spans)
+    attention_sink: int = 0
 
 
 class AppendToken(msgspec.Struct):

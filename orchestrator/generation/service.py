@@ -17,6 +17,7 @@ from contract import protocol as proto
 from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationJob, GenerationStream
+from orchestrator.generation.capture import capture_options, check_reduction, require_attention
 from orchestrator.generation.events import (
     DoneOut,
     PreviewStarted,
@@ -30,7 +31,7 @@ from orchestrator.generation.request import AppendToken, CanonicalRequest, Previ
 from orchestrator.generation.stall import StallGuard, park_stalled
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
-from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots
+from orchestrator.slots.anonymous import DEFAULT_SLOT, AnonymousSlots, keyed_id
 from orchestrator.slots.model import Slot, partition_of
 from orchestrator.slots.registry import SlotRegistry, check_slot_id
 from orchestrator.slots.residency import uncancellable
@@ -81,33 +82,6 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
         dry_penalty_last_n=info.n_ctx if req.dry_penalty_last_n == -1 else req.dry_penalty_last_n,
         logit_bias=bias,
         **{name: getattr(req, name) for name in PASSED_ON},
-    )
-
-
-def require_attention(wanted: bool, attention_layers: list[int]) -> None:
-    """Refuse (``INVALID_REQUEST``) attention ``wanted`` from a model without attention layers (recurrent)."""
-    if wanted and not attention_layers:
-        raise ServiceError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent): no attention")
-
-
-def capture_options(req: CanonicalRequest, attention_layers: list[int]) -> proto.CaptureOptions:
-    """Validated capture options: ``attention_layers`` distinct layers among the model's layers with
-    attention (``GET /api/v1/model``'s ``attention_layers``; a recurrent model has none, and asking
-    it for attention is an ``INVALID_REQUEST``)."""
-    layers = req.attention_layers
-    require_attention(req.attention, attention_layers)
-    if layers is not None and (
-        not layers or any(il not in attention_layers for il in layers) or len(set(layers)) != len(layers)
-    ):
-        raise ServiceError(
-            ErrorCode.INVALID_REQUEST, f"attention_layers must be distinct layers with attention: {attention_layers}"
-        )
-    return proto.CaptureOptions(
-        attention=req.attention,
-        format=req.attention_format,
-        dtype=req.attention_dtype,
-        layers=layers,
-        hidden_state=req.hidden_state,
     )
 
 
@@ -267,14 +241,14 @@ class GenerationService:
         info = self.info
         ids = await self.input_ids(req)
         params = await self.checked_params(req)
-        capture = capture_options(req, info.attention_layers)
+        capture = capture_options(req, info, ids)
         hooks = control.hooks if control is not None else WaitHooks()
         on_chosen = control.chose if control is not None else None
         tenant, partition = req.principal.tenant, partition_of(req.cache_salt)  # caches never cross them
         if req.slot is None:  # docs/api.md, "Requests without a slot id"
             holding = self.anonymous.use(
                 ids, tenant=tenant, partition=partition, conversation_key=req.conversation_key,
-                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen,
+                hooks=hooks, reuse_cache=req.cache_prompt, on_chosen=on_chosen, eog=info.eog_token_ids,
             )  # fmt: skip
         else:
             if on_chosen is not None:
@@ -368,7 +342,11 @@ class GenerationService:
                     self.registry.generation_ended(slot)
 
     async def preview(
-        self, req: PreviewRequest, control: RunControl | None = None, principal: Principal = DEFAULT_PRINCIPAL
+        self,
+        req: PreviewRequest,
+        control: RunControl | None = None,
+        principal: Principal = DEFAULT_PRINCIPAL,
+        conversation_key: str | None = None,
     ) -> AsyncIterator[PreviewStarted | TokenOut | DoneOut]:
         """A preview (docs/api.md, "POST /api/v1/generate/preview"): generate on a copy-on-write
         fork of the slot's sequence (``llama_memory_seq_cp``), then discard the fork.
@@ -380,21 +358,27 @@ class GenerationService:
         (an explicitly named slot that does not exist, with no ``input_ids``),
         ``NO_CACHED_CONTEXT`` (no cached context and no ``input_ids``), ``INVALID_GRAMMAR``.
         Only ``principal``'s tenant's slots are seen (another tenant's is missing), and only caches
-        without a ``cache_salt`` (a preview sends none).
+        made with the preview's own ``cache_salt`` (none: those made without one).  Naming no slot, the
+        preview forks the slot ``conversation_key`` names in that partition (the request's session
+        header: docs/api.md), else the slot of the tenant's latest request that named none.
         """
-        tenant = principal.tenant
+        tenant, partition = principal.tenant, partition_of(req.cache_salt)
         info = self.info
         append = [t.token_id if isinstance(t, AppendToken) else t for t in req.append_tokens]
         check_tokens(append, info.vocab_size, "append_tokens")
         check_tokens(req.input_ids or [], info.vocab_size, "input_ids")
         named = req.conversation_id if req.conversation_id is not None else req.id_slot
-        # naming no slot: the slot of the latest request that named none (docs/api.md)
-        slot_id = check_slot_id(str(named if named is not None else self.anonymous.last(tenant) or DEFAULT_SLOT))
+        # naming no slot: the conversation the client's key keeps (in its salt's partition), else the slot of the
+        # latest request that named none (docs/api.md); a key naming nothing yet is no cache, not a 404
+        keyed = keyed_id(partition, conversation_key) if conversation_key else None
+        fallback = keyed or self.anonymous.last(tenant) or DEFAULT_SLOT
+        slot_id = check_slot_id(str(named if named is not None else fallback))
         params = await self.checked_params(req.canonical(slot_id))
         require_attention(req.output_attentions, info.attention_layers)
         capture = proto.CaptureOptions(
             attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
         )
+        check_reduction(capture, info, info.n_ctx)  # a preview asks no reduction's options: topk and spans refused
         t0 = time.perf_counter()
         events: GenerationStream | None = None
         if req.use_cached_context:
@@ -404,7 +388,7 @@ class GenerationService:
             if known:
                 hooks = control.hooks if control is not None else None  # its client leaving ends its waits
                 async with self.registry.use(slot_id, tenant=tenant, wait=True, create=False, hooks=hooks) as slot:
-                    if slot.n_tokens and not slot.partition:
+                    if slot.n_tokens and slot.partition == partition:
                         assert slot.seq is not None
                         # the fork is taken before any later request
                         events = await self.engine.preview(slot.seq, [], append, params, capture)

@@ -11,8 +11,9 @@ conversations (docs/api.md, "Requests without a slot id"):
   copy-on-write into a new anonymous slot (``llama_memory_seq_cp``), so a shared system prompt
   is prefilled once for everyone;
 * an *anonymous* slot (id ``anon-<16 hex digits>``) is taken over only when the request
-  continues its conversation (:func:`continues`: it keeps the slot's tokens, or, pruned in its
-  middle, still holds most of them); one that only shares a prefix with the request
+  continues its conversation (:func:`continues`: it keeps the slot's tokens; or all of them but
+  the model's latest answer, which an agent sends back rewritten before its next message; or,
+  pruned in its middle, it still holds most of them); one that only shares a prefix with the request
   (another client's conversation under the same system prompt) is forked like a named slot and
   left as it was.  llama-server instead overwrites it, saving it to its prompt cache first when
   the request keeps less than half of it.
@@ -37,7 +38,7 @@ import hashlib
 import secrets
 import time
 from array import array
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -114,16 +115,37 @@ def contains(hay: bytes, needle: Sequence[int]) -> bool:
     return i != -1
 
 
-def continues(tokens: Sequence[int], ids: Sequence[int], lcp: int) -> bool:
+def rewrites_answer(tokens: Sequence[int], ids: Sequence[int], lcp: int, eog: Collection[int]) -> bool:
+    """Whether prompt ``ids`` keeps every message of a slot's ``tokens`` but the latest and goes on
+    past it: the slot's tokens after the ``lcp`` shared ones hold no end-of-generation token (``eog``:
+    the model's ``eog_token_ids``, which end each chat message) but a last one, the slot holds at
+    least one earlier message, and the prompt's own tokens after ``lcp`` close a message and add
+    more.  That is an agent's next step: the model's answer (a tool call, its reasoning) comes back
+    re-rendered by the client (smolagents writes a tool call as ``Calling tools:\n[{...}]`` text,
+    OpenAI clients send ``tool_calls`` the chat template renders its own way), followed by the
+    tool's result.  A regenerated answer (the prompt ends where the answer began) is not one;
+    another conversation sharing a system prompt or a first question parts before the slot's
+    latest message."""
+    ends = frozenset(eog)
+    if not ends or lcp >= len(tokens) or any(t in ends for t in tokens[lcp:-1]):
+        return False
+    return any(t in ends for t in ids[lcp:]) and any(t in ends for t in reversed(tokens[:lcp]))
+
+
+def continues(tokens: Sequence[int], ids: Sequence[int], lcp: int, eog: Collection[int] = ()) -> bool:
     """Whether prompt ``ids`` continues the conversation a slot's ``tokens`` hold, sharing ``lcp``
     tokens with it as a prefix.  Either it keeps all of them but at most :data:`TAIL_SLACK` (a
-    re-tokenized or trimmed end) and at least half; or, pruned in its middle or trimmed at its
-    front, it still holds at least half of the slot's tokens after the prefix, its latest ones
-    among them: of up to :data:`WINDOWS` runs of :data:`TAIL` tokens taken evenly from them, half
-    or more occur in the prompt after the prefix (what cache reuse can move into place), one of
-    the last quarter among them.  Another client's prompt that only shares a prefix (a system
-    prompt, a first message), or the same long text after another beginning, lacks the slot's
-    latest turns."""
+    re-tokenized or trimmed end) and at least half; or it keeps all of them but the latest message,
+    the model's answer, which the client sent back rewritten before its next message
+    (:func:`rewrites_answer`, ``eog``: the end-of-generation token ids); or, pruned in its middle
+    or trimmed at its front, it still holds at least half of the slot's tokens after the prefix,
+    its latest ones among them: of up to :data:`WINDOWS` runs of :data:`TAIL` tokens taken evenly
+    from them, half or more occur in the prompt after the prefix (what cache reuse can move into
+    place), one of the last quarter among them.  Another client's prompt that only shares a prefix
+    (a system prompt, a first message), or the same long text after another beginning, lacks the
+    slot's latest turns."""
+    if rewrites_answer(tokens, ids, lcp, eog):
+        return True
     rest = len(tokens) - lcp
     if rest <= TAIL_SLACK:
         return 2 * lcp >= len(tokens)
@@ -147,9 +169,12 @@ class Pick:
     take_over: bool
 
 
-def pick(ids: Sequence[int], candidates: Sequence[Candidate], threshold: float) -> Pick | None:
-    """The slot for prompt ``ids``, or None.  An anonymous slot the prompt :func:`continues` comes
-    first, whatever its similarity (a context pruned early shares little prefix, but cache reuse
+def pick(
+    ids: Sequence[int], candidates: Sequence[Candidate], threshold: float, eog: Collection[int] = ()
+) -> Pick | None:
+    """The slot for prompt ``ids``, or None (``eog``: the model's end-of-generation token ids, for
+    :func:`continues`).  An anonymous slot the prompt :func:`continues` comes first, whatever its
+    similarity (a context pruned early shares little prefix, but cache reuse
     can still move its kept chunks into place); else the highest similarity above ``threshold``
     (llama-server's rule; ties: the fewest tokens beyond the shared prefix, then resident first)."""
     best: tuple[tuple[bool, int, int, bool], Pick] | None = None
@@ -158,7 +183,7 @@ def pick(ids: Sequence[int], candidates: Sequence[Candidate], threshold: float) 
             continue
         lcp = common_prefix(c.tokens, ids)
         sim = lcp / len(ids)
-        take = is_anonymous(c.slot_id) and continues(c.tokens, ids, lcp)
+        take = is_anonymous(c.slot_id) and continues(c.tokens, ids, lcp, eog)
         if sim <= threshold and not take:
             continue
         key = (take, lcp, -len(c.tokens), c.resident)
@@ -240,12 +265,14 @@ class AnonymousSlots:
         hooks: WaitHooks | None = None,
         reuse_cache: bool = True,
         on_chosen: Callable[[str], None] | None = None,
+        eog: Collection[int] = (),
     ) -> AsyncIterator[Slot]:
         """Hold ``tenant``'s slot for prompt ``ids`` (resident) in cache ``partition``, as
         :meth:`SlotRegistry.use` does: the slot ``conversation_key`` names (waited for while busy),
         else the best match taken over, a fork of it, or a new anonymous slot (``reuse_cache``
         False: always a new one, as llama-server's ``cache_prompt: false``).  ``on_chosen(slot_id)``
-        hears the choice before any wait for an engine sequence.  Raises what ``SlotRegistry.use``
+        hears the choice before any wait for an engine sequence; ``eog``: the model's
+        end-of-generation token ids (:func:`continues`).  Raises what ``SlotRegistry.use``
         raises (``RATE_LIMITED`` when no engine sequence comes free, ``CLIENT_GONE``...)."""
         chosen = on_chosen or (lambda _: None)
         fixed = keyed_id(partition, conversation_key) if conversation_key else None
@@ -258,7 +285,7 @@ class AnonymousSlots:
                 yield slot
             return
         async with AsyncExitStack() as stack:
-            slot = await self._enter(stack, ids, tenant, partition, hooks, reuse_cache, chosen)
+            slot = await self._enter(stack, ids, tenant, partition, hooks, reuse_cache, chosen, eog)
             self._last[tenant, partition] = slot.id
             yield slot
 
@@ -271,6 +298,7 @@ class AnonymousSlots:
         hooks: WaitHooks | None,
         reuse_cache: bool,
         on_chosen: Callable[[str], None],
+        eog: Collection[int] = (),
     ) -> Slot:
         """Choose the slot and enter its hold on ``stack`` (see :meth:`use`)."""
         tried: set[str] = set()
@@ -278,7 +306,7 @@ class AnonymousSlots:
         for _ in range(MAX_TRIES):
             found = await self.candidates(tenant, partition) if reuse_cache else []
             found = [c for c in found if c.slot_id not in tried]
-            chosen = pick(ids, found, self.similarity)
+            chosen = pick(ids, found, self.similarity, eog)
             if chosen is None or not chosen.take_over:
                 break
             on_chosen(chosen.slot_id)

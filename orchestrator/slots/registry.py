@@ -184,6 +184,10 @@ class SlotRegistry:
         """Client requests waiting: for a slot another request holds, or for an engine sequence."""
         return sum(max(0, s.requests - 1) for s in self.slots.values()) + len(self.queue)
 
+    def waiting_of(self, tenant: str) -> int:
+        """:attr:`n_waiting` of ``tenant``'s requests alone."""
+        return sum(max(0, s.requests - 1) for s in self.of_tenant(tenant)) + self.queue.waiting(tenant)
+
     def find(self, slot_id: str, tenant: str = DEFAULT_TENANT) -> Slot | None:
         """``tenant``'s slot ``slot_id`` known on this node, or None."""
         return self.slots.get(slot_key(tenant, slot_id))

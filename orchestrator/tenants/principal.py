@@ -43,3 +43,11 @@ def principal_of(scope: Any) -> Principal:
     state = scope.get("state") or {}
     principal = state.get(SCOPE_KEY)
     return principal if isinstance(principal, Principal) else DEFAULT_PRINCIPAL
+
+
+def principal_if_known(scope: Any) -> Principal | None:
+    """The principal the authentication middleware resolved, or None when it set none (a public route
+    called without a valid key while keys are configured).  ``scope``: as :func:`principal_of`."""
+    scope = getattr(scope, "scope", scope)
+    principal = (scope.get("state") or {}).get(SCOPE_KEY)
+    return principal if isinstance(principal, Principal) else None

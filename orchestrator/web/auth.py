@@ -5,9 +5,14 @@ A key is accepted as ``Authorization: Bearer KEY``, ``X-Api-Key: KEY``, ``X-Admi
 and, for browser WebSockets that cannot set headers, ``?api_key=KEY`` / ``?admin_key=KEY``.
 Keys come from ``--api-key`` (the one tenant :data:`~orchestrator.tenants.principal.DEFAULT_TENANT`),
 ``--admin-key`` (its admin) and ``--api-keys FILE`` (:mod:`orchestrator.tenants.keys`); a gateway's
-tenant header from :mod:`orchestrator.tenants.gateway`.  ``/health``, ``/metrics``, the admin page's
-static script, the chat page (``/`` and ``/webui/*``: static files, no data) and CORS preflights are
-public.
+tenant header from :mod:`orchestrator.tenants.gateway`.  ``/metrics`` holds every tenant's figures
+(label ``tenant``): it needs the admin role once keys or a gateway are configured (llama-server's
+``/metrics`` needs its ``--api-key`` too; Prometheus sends one with ``authorization`` in its scrape
+config), and is open without.  ``/health``, the admin page's static script, the chat page (``/`` and
+``/webui/*``: static files, no data) and CORS preflights are public: never refused, but a public
+HTTP request that presents a valid key (or comes with no key configured) gets its principal too, so
+``/health`` counts only the caller's tenant's slots
+(:func:`~orchestrator.tenants.principal.principal_if_known` is None for a caller who shows none).
 
 The middleware leaves the principal in ``scope["state"][SCOPE_KEY]``
 (:func:`~orchestrator.tenants.principal.principal_of` reads it).  With no key configured everyone is
@@ -18,6 +23,7 @@ request gets 401 ``UNAUTHORIZED``; a refused WebSocket is accepted, told
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -30,7 +36,8 @@ from orchestrator.tenants.keys import KeyRing
 from orchestrator.tenants.principal import DEFAULT_TENANT, SCOPE_KEY, Principal, principal_of
 from orchestrator.web.errors import ApiError, ErrorEvent, send_error
 
-PUBLIC_PATHS = ("/health", "/v1/health", "/metrics", "/admin/admin.js", "/")
+PUBLIC_PATHS = ("/health", "/v1/health", "/admin/admin.js", "/")
+OPERATOR_PATHS = ("/metrics",)  # every tenant's figures: the admin role once keys or a gateway are configured
 PUBLIC_PREFIXES = ("/webui/",)  # the chat page's static assets (orchestrator/webui): they hold no data
 
 
@@ -81,15 +88,19 @@ class Authenticator:
         return self.open
 
 
+def _admin_needed() -> ApiError:
+    return ApiError(
+        ErrorCode.UNAUTHORIZED,
+        "this needs the admin role: an admin key (--admin-key or an 'admin' line of --api-keys),"
+        " as Bearer, X-Admin-Key or ?admin_key=",
+    )
+
+
 def require_admin(scope: Any) -> None:
     """Raise ``UNAUTHORIZED`` (401) unless the request's principal has the admin role (``scope``: an
     ASGI scope or a Litestar request)."""
     if not principal_of(scope).admin:
-        raise ApiError(
-            ErrorCode.UNAUTHORIZED,
-            "this needs the admin role: an admin key (--admin-key or an 'admin' line of --api-keys),"
-            " as Bearer, X-Admin-Key or ?admin_key=",
-        )
+        raise _admin_needed()
 
 
 def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
@@ -102,10 +113,15 @@ def auth_middleware(auth: Authenticator):  # type: ignore[no-untyped-def]
             path = scope["path"]
             public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
             if kind not in ("http", "websocket") or public or scope.get("method") == "OPTIONS":
+                if public and kind == "http":  # never refused; a caller who shows a key sees its own
+                    with contextlib.suppress(ApiError):
+                        scope.setdefault("state", {})[SCOPE_KEY] = auth.resolve(scope)  # type: ignore[typeddict-unknown-key]
                 await app(scope, receive, send)
                 return
             try:
                 principal = auth.resolve(scope)
+                if path in OPERATOR_PATHS and not principal.admin:
+                    raise _admin_needed()
             except ApiError as err:
                 if kind == "http":
                     await send_error(send, scope["path"], err, [(b"www-authenticate", b"Bearer")])

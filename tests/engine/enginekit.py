@@ -40,6 +40,7 @@ class Result:
 
     tokens: list[int] = field(default_factory=list)
     attention: list[np.ndarray] = field(default_factory=list)
+    positions: list[np.ndarray] = field(default_factory=list)  # format topk: each token's int32 positions
     hidden: list[np.ndarray] = field(default_factory=list)
     events: list[Token] = field(default_factory=list)
     done: Done | None = None
@@ -62,6 +63,8 @@ class Runner:
             # read each tensor as a receiver would: from its description alone
             if msg.attention is not None:
                 r.attention.append(tensor(msg.attention, bufs))
+            if msg.attention_pos is not None:
+                r.positions.append(tensor(msg.attention_pos, bufs))
             if msg.hidden is not None:
                 r.hidden.append(tensor(msg.hidden, bufs))
         elif isinstance(msg, Done):

@@ -77,6 +77,27 @@ def test_prefix_and_pick_rules() -> None:
     assert header_value("alice") == b"alice" and header_value("é 1") == b"%C3%A9 1"
 
 
+def test_agent_step_with_its_answer_rewritten_continues() -> None:
+    """An agent's next step (smolagents: the model's tool call sent back as ``Calling tools:`` text,
+    then the tool's result) keeps every message of the slot but the model's latest answer: taken
+    over, not forked, and so is no other conversation."""
+    end = 2  # an end-of-generation token (the chat template's end of a message)
+    system = [*range(100, 1300), end]
+    prompt = [*system, *range(2000, 2030), end, 7, 8]  # system, task, the generation prompt
+    slot = [*prompt, *range(5000, 5029)]  # and the model's answer (its final end token not decoded)
+    step = [*prompt, *range(6000, 6040), end, *range(7000, 7020), end, 7, 8]  # answer rewritten, result
+    assert continues(slot, step, len(prompt), {end})
+    assert not continues(slot, step, len(prompt)), "without the model's end tokens: forked, as before"
+    p = pick(step, [Candidate("anon-e", slot, True), Candidate("anon-f", system, True)], 0.1, {end})
+    assert p is not None and (p.slot_id, p.lcp, p.take_over) == ("anon-e", len(prompt), True)
+    assert not continues(slot, prompt, len(prompt), {end}), "a regenerated answer is forked"
+    assert not continues(slot, [*prompt, 9, 9], len(prompt), {end}), "an edited answer, no new message"
+    other = [*system, *range(2000, 2010), 3, end, 7, 8, 9, end]  # parts inside the slot's task message
+    assert not continues(slot, other, common_prefix(slot, other), {end})
+    no_chat = [*range(100, 1300), *range(5000, 5029)]  # a raw completion: no message ends at all
+    assert not continues(no_chat, [*range(100, 1300), 4, end], 1200, {end})
+
+
 def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One Kobold SSE generation (Halo Weave's body: no slot id, aggregated attention): its
     ``X-Slot-Id``, ``done`` event, and when its first token and its end arrived."""
@@ -253,6 +274,28 @@ def test_preview_without_slot_forks_the_latest_anonymous_slot(srv: ServerProc) -
     assert p["cache_hit"] is True and p["slot_id"] == got["slot"] and r.headers["x-slot-id"] == got["slot"]
     assert p["n_cached"] == len(ids) + len(got["generated"])
     assert _tokens(srv, got["slot"]) == ids + got["generated"], "the preview left the slot as it was"
+
+
+def test_preview_forks_only_a_cache_of_its_own_salt(srv: ServerProc) -> None:
+    """A preview with ``cache_salt`` forks the cache made with that salt (its session header's conversation,
+    or the tenant's latest); without the salt, or with another, that cache is no candidate (400
+    ``NO_CACHED_CONTEXT``: nothing to fork), and the salted slot is left as it was."""
+    ids = tokenize(srv.url, CHAT.format("Name three mountains."))
+    body = {"input_ids": ids, "max_new_tokens": 2, "temperature": 0, "ignore_eos": True, "cache_salt": "salt-p"}
+    head = {"X-Session-Id": "preview-salted"}
+    r = httpx.post(srv.url + "/api/v1/generate", json=body, headers=head, timeout=300)
+    assert r.status_code == 200, r.text
+    slot, n = r.headers["x-slot-id"], len(ids) + 2
+    append = tokenize(srv.url, "<|im_end|>\n" + CHAT.format("And hills?"))
+    preview = {"append_tokens": append, "max_tokens": 2}
+    hit = httpx.post(srv.url + "/api/v1/generate/preview", json={**preview, "cache_salt": "salt-p"}, headers=head,
+                     timeout=300)  # fmt: skip
+    assert hit.status_code == 200 and hit.json()["cache_hit"] and hit.json()["n_cached"] == n, hit.text
+    assert hit.json()["slot_id"] == slot
+    for other in ({}, {"cache_salt": "salt-q"}):
+        miss = httpx.post(srv.url + "/api/v1/generate/preview", json={**preview, **other}, headers=head, timeout=300)
+        assert miss.status_code == 400 and miss.json()["error_code"] == "NO_CACHED_CONTEXT", (other, miss.text)
+    assert len(_tokens(srv, slot)) == n, "the previews left the salted slot as it was"
 
 
 def test_llama_server_completion_reports_the_chosen_slot(srv: ServerProc) -> None:

@@ -115,6 +115,8 @@ def test_openapi_schema_documents_the_api(server: ServerProc) -> None:
 def test_api_key(start_server) -> None:  # type: ignore[no-untyped-def]
     srv = start_server("--api-key", "s3cret", "--parallel", "1", "--ctx-size", "512", "--no-persist")
     assert httpx.get(srv.url + "/health").status_code == 200  # public, like llama-server
+    assert httpx.get(srv.url + "/metrics").status_code == 401  # llama-server's /metrics needs the key too
+    assert "slotserve_" in httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer s3cret"}).text
     r = httpx.get(srv.url + "/api/v1/model")
     assert r.status_code == 401 and r.json()["error_code"] == "UNAUTHORIZED"
     r = httpx.get(srv.url + "/api/v1/model", headers={"Authorization": "Bearer wrong"})

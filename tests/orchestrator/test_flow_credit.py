@@ -62,8 +62,9 @@ def test_no_window_is_never_spent() -> None:
     assert not c.spent() and c.outstanding == 1000
 
 
-def _token(i: int) -> TokenOutput:
-    return TokenOutput(proto.Token(1, i, 42, b"x"), None, None)
+def _token(i: int, size: int = 0) -> TokenOutput:
+    """Token ``i`` with ``size`` bytes of attention (the credit's count)."""
+    return TokenOutput(proto.Token(1, i, 42, b"x"), bytes(size) if size else None, None)
 
 
 def _done(n: int) -> proto.Done:
@@ -112,7 +113,7 @@ class FakeWorker:
                 self.wake.clear()
                 await self.wake.wait()
             await asyncio.sleep(self.step_s)
-            self.queue.put_nowait(_token(i))
+            self.queue.put_nowait(_token(i, self.size))
             self.credit.emit(self.size)
             self.most_queued = max(self.most_queued, self.queue.qsize())
             self.most_bytes = max(self.most_bytes, self.queue.qsize() * self.size)
@@ -136,7 +137,9 @@ def test_a_slow_consumer_holds_the_fake_worker_to_its_window() -> None:
     async def main(credit: Credit, size: int) -> FakeWorker:
         worker = FakeWorker(30, size, credit, step_s=0.001)
         producer = asyncio.create_task(worker.run())
-        stream = GenerationStream(1, worker.events(), ack=worker.ack)
+        stream = GenerationStream(
+            1, worker.events(), ack=worker.ack, window=credit.window, window_bytes=credit.window_bytes
+        )
         indexes = []
         async for ev in stream:
             if isinstance(ev, TokenOutput):
@@ -156,3 +159,56 @@ def test_a_slow_consumer_holds_the_fake_worker_to_its_window() -> None:
         f"\nqueued at most: window 4 -> {by_tokens.most_queued}, 5 MB -> {by_bytes.most_bytes / MB:.0f} MB, "
         f"no window -> {unbounded.most_queued} tokens"
     )
+
+
+def _acks_of(n: int, size: int, window: int, window_bytes: int) -> list[int]:
+    """The ``Ack`` counts a consumer taking ``n`` tokens of ``size`` bytes as fast as they come sends."""
+    acks: list[int] = []
+
+    async def events() -> AsyncGenerator[EngineEvent, None]:
+        for i in range(n):
+            yield _token(i, size)
+        yield _done(n)
+
+    async def ack(k: int) -> None:
+        acks.append(k)
+
+    async def main() -> None:
+        stream = GenerationStream(1, events(), ack=ack, window=window, window_bytes=window_bytes)
+        got = [ev async for ev in stream]
+        assert len(got) == n + 1
+
+    asyncio.run(main())
+    return acks
+
+
+def test_acknowledgements_are_batched_within_the_window() -> None:
+    assert _acks_of(8, 0, window=4, window_bytes=0) == [2, 4, 6, 8]  # half the token window
+    assert _acks_of(6, 2 * MB, window=100, window_bytes=5 * MB) == [2, 4, 6]  # 4 MB >= half of 5 MB
+    assert _acks_of(3, 100 * MB, window=4, window_bytes=MB) == [1, 2, 3]  # a token past the byte window: each
+    assert _acks_of(3, 0, window=1, window_bytes=0) == [1, 2, 3]
+    assert _acks_of(3, 0, window=0, window_bytes=0) == [1, 2, 3]  # no window known: every token
+
+
+def test_batched_acknowledgements_never_hold_a_fast_consumer() -> None:
+    """A consumer faster than the worker gets every token with one Ack per two (window 4), or per token
+    when one token's tensors exceed half the byte window, the fake worker holding to its credit."""
+
+    async def main(credit: Credit, size: int) -> tuple[list[int], int]:
+        worker = FakeWorker(20, size, credit, step_s=0.001)
+        producer = asyncio.create_task(worker.run())
+        acks: list[int] = []
+
+        async def ack(n: int) -> None:
+            acks.append(n)
+            await worker.ack(n)
+
+        stream = GenerationStream(1, worker.events(), ack=ack, window=credit.window, window_bytes=credit.window_bytes)
+        n = sum([isinstance(ev, TokenOutput) async for ev in stream])
+        await asyncio.wait_for(producer, 10)
+        return acks, n
+
+    acks, n = asyncio.run(main(Credit(window=4, window_bytes=16 * MB), 1000))
+    assert n == 20 and acks == list(range(2, 21, 2))
+    acks, n = asyncio.run(main(Credit(window=4, window_bytes=3 * MB), 2 * MB))
+    assert n == 20 and acks == list(range(1, 21))

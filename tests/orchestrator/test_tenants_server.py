@@ -133,7 +133,10 @@ def test_a_tenant_over_its_generations_gets_429_with_retry_after(tenant_server: 
     assert r.status_code == 200, r.text  # another tenant is not limited by tenant-a's generations
     out["stop"] = True
     t.join(60)
-    metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    for who in ({}, bearer("key-a")):  # every tenant's figures: the operator's (admin) only
+        r = httpx.get(srv.url + "/metrics", headers=who, timeout=30)
+        assert r.status_code == 401 and r.json()["error_code"] == "UNAUTHORIZED" and "tenant-b" not in r.text
+    metrics = httpx.get(srv.url + "/metrics", headers=bearer("key-ops"), timeout=30).text
     assert 'slotserve_tenant_refused_total{limit="generations",tenant="tenant-a"} 1.0' in metrics
     assert 'slotserve_tenant_generations_total{tenant="tenant-b"}' in metrics
 
@@ -192,7 +195,7 @@ def test_four_stalled_readers_do_not_hold_the_engine(tenant_server: ServerProc) 
         )
         waited_s = time.monotonic() - t0
         assert r.status_code == 200 and r.json()["results"][0]["text"] is not None, r.text
-        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        metrics = httpx.get(srv.url + "/metrics", headers=bearer("key-ops"), timeout=30).text
         stalled = sum(
             float(line.rsplit(" ", 1)[1])
             for line in metrics.splitlines()

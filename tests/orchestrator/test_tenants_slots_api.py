@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -31,11 +31,18 @@ MEMO = (
 ) * 2
 
 
+class Reachable(Protocol):
+    """A server, or a proxy in front of several (tests/deploy/test_haproxy_tenants.py)."""
+
+    @property
+    def url(self) -> str: ...
+
+
 def h(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def chat(srv: ServerProc, key: str, text: str, **extra: Any) -> httpx.Response:
+def chat(srv: Reachable, key: str, text: str, **extra: Any) -> httpx.Response:
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0, **extra}
     return httpx.post(srv.url + "/v1/chat/completions", json=body, headers=h(key), timeout=300)
 
@@ -45,11 +52,11 @@ def cached(r: httpx.Response) -> int:
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def action(srv: ServerProc, key: str, slot: str, name: str, **kw: Any) -> httpx.Response:
+def action(srv: Reachable, key: str, slot: str, name: str, **kw: Any) -> httpx.Response:
     return httpx.post(f"{srv.url}/slots/{slot}", params={"action": name}, headers=h(key), timeout=120, **kw)
 
 
-def tokens(srv: ServerProc, key: str, slot: str) -> list[int]:
+def tokens(srv: Reachable, key: str, slot: str) -> list[int]:
     r = action(srv, key, slot, "tokens")
     assert r.status_code == 200, r.text
     return list(r.json()["tokens"])
@@ -73,6 +80,12 @@ def srv(start_server: Callable[..., ServerProc], redis_server: RedisServer, tmp_
 
 
 def test_tenant_b_cannot_reach_tenant_a_and_caches_stay_apart(srv: ServerProc) -> None:
+    b_against_a(srv)
+
+
+def b_against_a(srv: Reachable) -> list[int]:
+    """Everything B could do to A's conversations, as B: 404 or a miss; A's slots unchanged; the paired
+    cache test.  Returns A's slot ``chat1``'s tokens (it is left as A made it)."""
     native = {"input_ids": None, "max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "id_slot": "chat1"}
     tok = httpx.post(srv.url + "/api/v1/tokenize", json={"text": CHAT.format(MEMO)}, headers=h("key-a"), timeout=60)
     ids = tok.json()["token_ids"]
@@ -110,3 +123,4 @@ def test_tenant_b_cannot_reach_tenant_a_and_caches_stay_apart(srv: ServerProc) -
     # the paired cache test: same tenant and salt hit; another salt or tenant miss
     assert cached(chat(srv, "key-a", MEMO + " Is the Lisbon office closing?")) > 0
     assert cached(chat(srv, "key-a", MEMO + " What about Porto?", cache_salt="s2")) == 0
+    return a_chat1

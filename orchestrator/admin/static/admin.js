@@ -136,11 +136,22 @@ async function refreshMessages() {
   }
 }
 
+// A listed slot's id is `tenant/id` (a bare id for the default tenant): the slot API takes the
+// tenant's own id and, from an admin, the tenant as `?tenant=`.
+function slotAddress(key) {
+  const s = state.slots.find((x) => x.id === key);
+  const tenant = s && s.tenant ? s.tenant : "default";
+  const bare = key.startsWith(tenant + "/") ? key.slice(tenant.length + 1) : key;
+  return { tenant, bare };
+}
+
 async function action(name, body) {
   const id = state.selected;
   if (id === null) return;
+  const { tenant, bare } = slotAddress(id);
   try {
-    const res = await api(`/slots/${encodeURIComponent(id)}?action=${name}`, {
+    const q = `action=${name}&tenant=${encodeURIComponent(tenant)}`;
+    const res = await api(`/slots/${encodeURIComponent(bare)}?${q}`, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body || {}),
@@ -154,7 +165,7 @@ async function action(name, body) {
 }
 
 $("save").addEventListener("click", () => {
-  const filename = $("filename").value.trim() || `slot-${state.selected}.bin`;
+  const filename = $("filename").value.trim() || `slot-${slotAddress(state.selected).bare.replace(/[^A-Za-z0-9._-]/g, "_")}.bin`;
   action("save", { filename });
 });
 $("erase").addEventListener("click", () => {

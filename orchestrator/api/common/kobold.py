@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from msgspec import UNSET, UnsetType
 
@@ -32,7 +33,9 @@ from orchestrator.api.common.generate import GenerateRequest
 from orchestrator.generation.events import DoneOut
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.generation.service import RunControl
+from orchestrator.llama_metrics import LLAMA_SERVER
 from orchestrator.services import Services
+from orchestrator.tenants.principal import principal_of
 from orchestrator.web.errors import ApiError
 
 log = structlog.get_logger("slotserve.kobold")
@@ -159,12 +162,18 @@ class KoboldJobs:
         self.last_request = time.time()
 
 
-def jobs_of(state: State) -> KoboldJobs:
-    """The app's :class:`KoboldJobs` (created on first use)."""
-    jobs = state.get("kobold_jobs")
+def jobs_of(request: ASGIConnection[Any, Any, Any, Any]) -> KoboldJobs:
+    """The :class:`KoboldJobs` of the request's tenant (created on first use): a ``genkey``, the text
+    so far, an abort and ``perf``'s figures never reach another tenant's generations."""
+    state: State = request.app.state
+    tenants: dict[str, KoboldJobs] | None = state.get("kobold_jobs")
+    if tenants is None:
+        tenants = state["kobold_jobs"] = {}
+    tenant = principal_of(request).tenant
+    jobs = tenants.get(tenant)
     if jobs is None:
-        jobs = state["kobold_jobs"] = KoboldJobs()
-    return jobs  # type: ignore[no-any-return]
+        jobs = tenants[tenant] = KoboldJobs(started=LLAMA_SERVER.t_start)
+    return jobs
 
 
 def _warn_unsupported(data: GenerateRequest, raw: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ import base64
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from contract.protocol import GRAPH_FORMATS
 from orchestrator.generation.events import TokenOut
 
 
@@ -30,8 +31,11 @@ class ContextShift(msgspec.Struct, kw_only=True):
 
 
 class Attention(msgspec.Struct, kw_only=True):
-    """One token's attention (docs/api.md, "Attention"): ``shape`` ``[n_layers, n_heads, context_length]``
-    (``per_layer``) or ``[context_length]`` (``aggregated``), ``data`` base64 of ``dtype`` values;
+    """One token's attention (docs/api.md, "Attention" and "Attention formats"): ``shape``
+    ``[n_layers, n_heads, context_length]`` (``per_layer``), ``[context_length]`` (``aggregated``),
+    ``[n_layers, n_heads, k]`` (``topk``, ``k = min(attention_top_k, context_length)``) or ``[n_spans]``
+    (``spans``); ``data`` base64 of ``dtype`` values; ``positions`` (``topk``) base64 of ``int32`` input
+    positions of ``shape``; ``sink`` (``attention_sink``) the mass on the first positions;
     ``context_shift`` on the first row after a context shift."""
 
     format: str
@@ -41,6 +45,8 @@ class Attention(msgspec.Struct, kw_only=True):
     dtype: str
     data: str
     context_shift: ContextShift | UnsetType = UNSET
+    positions: str | UnsetType = UNSET
+    sink: float | UnsetType = UNSET
 
 
 def context_shift_of(t: TokenOut) -> ContextShift | UnsetType:
@@ -59,14 +65,18 @@ def token_text(t: TokenOut) -> TokenText:
 
 def attention_of(t: TokenOut, fmt: str, dtype: str) -> Attention | None:
     """The attention object of the JSON and SSE APIs (docs/api.md, "Attention"): ``t.attention``, the
-    worker's little-endian ``dtype`` bytes of ``t.attention_shape``, base64-encoded; ``None`` without."""
+    worker's little-endian ``dtype`` bytes of ``t.attention_shape``, base64-encoded (and ``topk``'s ``int32``
+    positions, the ``sink`` figure); ``None`` without."""
     if t.attention is None:
         return None
     data = base64.b64encode(t.attention).decode("ascii")
     shape = t.attention_shape
+    rows = fmt in GRAPH_FORMATS  # full rows: their last axis is the context
     return Attention(
-        format=fmt, shape=shape, context_length=shape[-1], encoding="base64", dtype=dtype, data=data,
-        context_shift=context_shift_of(t),
+        format=fmt, shape=shape, context_length=shape[-1] if rows else t.context_length, encoding="base64",
+        dtype=dtype, data=data, context_shift=context_shift_of(t),
+        positions=UNSET if t.positions is None else base64.b64encode(t.positions).decode("ascii"),
+        sink=UNSET if t.sink is None else t.sink,
     )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from orchestrator.api.kobold.protocol import (
     TokenCountBody,
 )
 from orchestrator.services import Services
+from orchestrator.tenants.principal import principal_of
 from orchestrator.web.body import decode_json_body
 from orchestrator.web.errors import ERROR_RESPONSES
 
@@ -89,7 +90,7 @@ class KoboldController(Controller):
     )
     async def abort(self, request: Request[Any, Any, Any]) -> KoboldAbort:
         body = decode_json_body(await request.body(), GenkeyBody)
-        running = jobs_of(request.app.state).running.get(body.genkey, [])
+        running = jobs_of(request).running.get(body.genkey, [])
         if not running:
             return KoboldAbort(success="false", done="false")
         stopping = list(running)
@@ -116,14 +117,15 @@ class KoboldController(Controller):
 
     @staticmethod
     def _pending(request: Request[Any, Any, Any], genkey: str) -> KoboldPending:
-        running = jobs_of(request.app.state).running.get(genkey)
+        running = jobs_of(request).running.get(genkey)
         return KoboldPending(results=[KoboldResult(text="".join(running[0].text) if running else "")])
 
     @get("/api/extra/perf", summary="KoboldCpp: last generation's figures and server status", responses=ERROR_RESPONSES)
     async def perf(self, request: Request[Any, Any, Any], services: Services) -> KoboldPerf:
-        jobs = jobs_of(request.app.state)
+        jobs = jobs_of(request)
         now = time.time()
-        busy = any(s.busy for s in services.registry.slots.values())
+        tenant = principal_of(request).tenant  # the caller's own generations and queue, as every figure here
+        busy = any(s.busy for s in services.registry.of_tenant(tenant))
         return KoboldPerf(
             last_process=jobs.last_process_s,
             last_eval=jobs.last_eval_s,
@@ -132,7 +134,7 @@ class KoboldController(Controller):
             total_gens=jobs.total_gens,
             stop_reason=jobs.stop_reason,
             total_img_gens=0,
-            queue=services.registry.n_waiting,
+            queue=services.registry.waiting_of(tenant),
             idle=0 if busy else 1,
             hordeexitcounter=-1,
             uptime=now - jobs.started,

@@ -56,6 +56,7 @@ from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out, slot_key, split_key
 from orchestrator.slots.operations import FileResult, SlotOps, message_boundaries
 from orchestrator.slots.registry import Slot, check_slot_id
+from orchestrator.tenants.keys import TENANT_NAME
 from orchestrator.tenants.principal import DEFAULT_TENANT, principal_of
 from orchestrator.web.auth import require_admin
 from orchestrator.web.body import decode_json_body
@@ -296,6 +297,20 @@ def guard_slot_change(request: Request[Any, Any, Any], services: Services) -> No
         require_admin(request)
 
 
+def acting_tenant(request: Request[Any, Any, Any], tenant: str | None) -> str:
+    """The tenant whose slot an action addresses: the caller's own, or for an admin the ``tenant`` query
+    parameter (the admin page acts on any tenant's slot; a bad tenant name is ``INVALID_REQUEST``).  A
+    user naming another tenant is refused with ``UNAUTHORIZED`` whatever the tenant and slot, so the
+    refusal reveals nothing of them."""
+    principal = principal_of(request)
+    if tenant is None or tenant == principal.tenant:
+        return principal.tenant
+    require_admin(request)
+    if not TENANT_NAME.fullmatch(tenant):
+        raise ApiError(ErrorCode.INVALID_REQUEST, "tenant: 1-64 characters of A-Z a-z 0-9 . _ -")
+    return tenant
+
+
 class SlotController(Controller):
     """``GET /slots``, ``POST /slots/{id}?action=...``, ``GET /v1/slots/{id}/info``.
 
@@ -378,9 +393,12 @@ class SlotController(Controller):
         slot_id: str,
         action: SlotAction = Parameter(query="action"),
         wait: bool = Parameter(query="wait", default=False),
+        tenant: str | None = Parameter(
+            query="tenant", default=None, description="admin only: act on this tenant's slot (the admin page)"
+        ),
     ) -> SlotActionResponse | BuffersResponse:
         check_slot_number(slot_id)
         if action not in READ_ONLY_ACTIONS:
             guard_slot_change(request, services)
-        call = ActionCall(request, services, ops, check_slot_id(slot_id), wait, principal_of(request).tenant)
+        call = ActionCall(request, services, ops, check_slot_id(slot_id), wait, acting_tenant(request, tenant))
         return await ACTIONS[action](call)

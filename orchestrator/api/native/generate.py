@@ -85,7 +85,7 @@ class GenerateController(Controller):
         attention: list[TokenAttention] = []
         done: DoneOut | None = None
         pieces = await services.generation.pieces()
-        jobs = kobold.jobs_of(request.app.state)
+        jobs = kobold.jobs_of(request)
         async with cancelled_on_disconnect(request) as control:
             with jobs.track(data.genkey, control, req.seed) as job:
                 async for ev in services.generation.run(req, control):
@@ -135,7 +135,7 @@ class GenerateController(Controller):
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         positions: asyncio.Queue[int] = asyncio.Queue()
         control = RunControl(positions.put)
-        jobs = kobold.jobs_of(request.app.state)
+        jobs = kobold.jobs_of(request)
         run = services.generation.run(req, control)
         # Validate and take the slot before the response starts, so bad input is a 4xx; a
         # request queued for an engine sequence starts the stream with its position instead.

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
-from litestar import MediaType, Response, get
+from litestar import MediaType, Request, Response, get
 from litestar.openapi import ResponseSpec
 from litestar.plugins.prometheus import PrometheusController
 
@@ -12,6 +14,16 @@ from contract.errors import ErrorCode
 from orchestrator.api.native.protocol import HealthError, HealthResponse
 from orchestrator.llama_metrics import LLAMA_SERVER, PROCESS_START_HEADER
 from orchestrator.services import Services
+from orchestrator.slots.model import Slot
+from orchestrator.tenants.principal import Principal, principal_if_known
+
+
+def visible_slots(services: Services, principal: Principal | None) -> list[Slot]:
+    """The slots on this node a caller's status figures count: every tenant's for an admin, its own
+    tenant's for a user, none for an unknown caller (``principal`` None)."""
+    if principal is None:
+        return []
+    return services.registry.of_tenant(None if principal.admin else principal.tenant)
 
 
 @get(
@@ -19,13 +31,16 @@ from orchestrator.services import Services
     summary="Liveness: ok, degraded (store down), 503 loading (start-up stage and load fraction) or down",
     responses={503: ResponseSpec(HealthResponse, description="no engine: the health body with error and error_code")},
 )
-async def health(services: Services) -> Response[HealthResponse]:
+async def health(request: Request[Any, Any, Any], services: Services) -> Response[HealthResponse]:
+    """llama-server's ``/health`` body; ``slots_idle`` / ``slots_processing`` count the caller's
+    tenant's slots on this node (every tenant's for an admin, or with no key configured; none for a
+    caller who shows no valid key while keys are configured: docs/operations.md, "Tenants")."""
     engine_ok = services.engine.alive
     store_ok = True
     if services.archive is not None:
         store_ok = await services.archive.check()
     status = "ok" if engine_ok and store_ok else ("degraded" if engine_ok else "error")
-    slots = list(services.registry.slots.values())
+    slots = visible_slots(services, principal_if_known(request))
     body = HealthResponse(
         status=status,
         engine="ready" if engine_ok else "down",
@@ -57,7 +72,7 @@ class MetricsController(PrometheusController):
     @get(media_type=MediaType.TEXT, summary="Prometheus metrics (text exposition format)")
     async def get(self, services: Services) -> Response[bytes]:
         own: Response[bytes] = await PrometheusController.get.fn(self)
-        slots = services.registry.slots.values()
+        slots = services.registry.slots.values()  # an admin's (or no key configured): every tenant's
         llama = LLAMA_SERVER.render(sum(1 for s in slots if s.busy), services.registry.n_waiting)
         headers = {**own.headers, PROCESS_START_HEADER: str(LLAMA_SERVER.t_start)}
         return Response(own.content + llama.encode(), headers=headers)

@@ -18,6 +18,7 @@ from orchestrator.generation.events import DoneOut, PreviewStarted, TokenOut
 from orchestrator.generation.request import PreviewRequest
 from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out
+from orchestrator.tenants.conversation import conversation_key
 from orchestrator.tenants.principal import principal_of
 from orchestrator.web.body import json_route
 
@@ -42,7 +43,8 @@ class PreviewController(Controller):
         started: PreviewStarted | None = None
         end: DoneOut | None = None
         async with cancelled_on_disconnect(request) as control:
-            async for ev in services.generation.preview(data, control, principal_of(request)):
+            key = conversation_key(request.headers)  # a session header: the conversation it keeps
+            async for ev in services.generation.preview(data, control, principal_of(request), key):
                 if isinstance(ev, TokenOut):
                     tokens.append(token_text(ev))
                     if ev.attention is not None:

@@ -14,6 +14,7 @@ from msgspec import UNSET, UnsetType
 
 from contract.errors import ErrorCode
 from contract.model_facts import ModelFacts
+from contract.protocol import GRAPH_FORMATS
 from orchestrator.api.common.kobold import KoboldResult
 from orchestrator.api.common.wire import (
     Attention,
@@ -286,7 +287,9 @@ class SseTokenEvent(msgspec.Struct, kw_only=True, tag="token", tag_field="type")
 
 class BinaryTokenFrame(msgspec.Struct, kw_only=True, tag="token", tag_field="type"):
     """``WS /api/extra/generate/stream/ws``: the JSON text frame before a token's binary attention frame
-    (raw float32 of ``shape``; no binary frame when ``shape`` is absent)."""
+    (raw ``attention_dtype`` values of ``shape``; no binary frame when ``shape`` is absent).  Reduced formats
+    (docs/api.md, "Attention formats"): ``positions`` true (``topk``) says a second binary frame of ``int32``
+    positions of ``shape`` follows; ``context_length`` the row's length; ``sink`` the sink figure."""
 
     token_id: int
     text: str
@@ -295,6 +298,9 @@ class BinaryTokenFrame(msgspec.Struct, kw_only=True, tag="token", tag_field="typ
     shape: list[int] | UnsetType = UNSET
     hidden_state: Hidden | UnsetType = UNSET
     context_shift: ContextShift | UnsetType = UNSET
+    positions: bool | UnsetType = UNSET
+    context_length: int | UnsetType = UNSET
+    sink: float | UnsetType = UNSET
 
 
 class ProgressEvent(msgspec.Struct, kw_only=True, tag="progress", tag_field="type"):
@@ -320,8 +326,8 @@ StreamEvent = TokenEvent | SseTokenEvent | BinaryTokenFrame | ProgressEvent | Qu
 
 
 def payload_bytes(t: TokenOut) -> int:
-    """The raw bytes a token's event carries base64-encoded (attention and hidden state)."""
-    return len(t.attention or b"") + len(t.hidden or b"")
+    """The raw bytes a token's event carries base64-encoded (attention, its positions and hidden state)."""
+    return len(t.attention or b"") + len(t.positions or b"") + len(t.hidden or b"")
 
 
 def token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str, pieces: list[bytes]) -> TokenEvent:
@@ -346,13 +352,17 @@ def sse_token_event(t: TokenOut, request_id: str | None, fmt: str, dtype: str) -
     return SseTokenEvent(token=token_text(t), request_id=request_id, attention=att, hidden_state=hidden_of(t))
 
 
-def binary_token_frame(t: TokenOut) -> BinaryTokenFrame:
-    """The binary WebSocket's text frame of ``t``."""
+def binary_token_frame(t: TokenOut, fmt: str) -> BinaryTokenFrame:
+    """The binary WebSocket's text frame of ``t``, whose attention is in format ``fmt``."""
     tt = token_text(t)
     shape = UNSET if t.attention is None else t.attention_shape
+    reduced = t.attention is not None and (fmt not in GRAPH_FORMATS or t.sink is not None)
     return BinaryTokenFrame(
         token_id=tt.token_id, text=tt.text, bytes_=tt.bytes_, index=t.index, shape=shape, hidden_state=hidden_of(t),
         context_shift=context_shift_of(t) if t.attention is not None else UNSET,
+        positions=True if t.positions is not None else UNSET,
+        context_length=t.context_length if reduced else UNSET,
+        sink=UNSET if t.sink is None else t.sink,
     )  # fmt: skip
 
 

@@ -250,7 +250,7 @@ async def run_controlled(
 @websocket("/api/extra/generate/stream/ws")
 async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) -> None:
     """The binary WebSocket (docs/api.md, "WS /api/extra/generate/stream/ws"): JSON config in;
-    per token a JSON text frame then a binary attention frame."""
+    per token a JSON text frame then a binary attention frame (format ``topk``: then its positions' frame)."""
     await socket.accept()
     inbox = Inbox(socket, services.settings.max_body_bytes)
     request_id = None
@@ -262,9 +262,10 @@ async def binary_stream(socket: WebSocket[Any, Any, Any], services: Services) ->
         request_id = req.request_id
 
         async def on_token(t: TokenOut) -> None:
-            await _send_json(socket, binary_token_frame(t))
-            if t.attention is not None:  # the buffer as received from the worker (Litestar's send_bytes wants bytes)
-                await socket.send({"type": "websocket.send", "bytes": t.attention, "text": None})  # type: ignore[typeddict-item]
+            await _send_json(socket, binary_token_frame(t, req.attention_format))
+            for buf in (t.attention, t.positions):  # as received from the worker (Litestar's send_bytes wants bytes)
+                if buf is not None:  # topk: the int32 positions follow the weights in a second binary frame
+                    await socket.send({"type": "websocket.send", "bytes": buf, "text": None})  # type: ignore[typeddict-item]
 
         async def on_done(d: DoneOut) -> None:
             await _send_json(socket, done_event(d, request_id))
