@@ -154,7 +154,9 @@ async def save_chunks(
     if codec not in (*codecs.CODECS, "auto", "best"):
         raise ValueError(f"unknown codec {codec!r}")
     written = await store.put_chunks(new) if new else 0
-    used, data, _ = await asyncio.to_thread(_encode, memoryview(rest), codec, level)
+    used, data = "none", b""  # no rest (one KV cache): nothing to compress
+    if len(rest):
+        used, data, _ = await asyncio.to_thread(_encode, memoryview(rest), codec, level)
     tokens = list(tokens)
     meta = SlotMeta(
         slot_id=slot_id,

@@ -28,7 +28,7 @@ from orchestrator.slots.ownership import Ownership
 from orchestrator.slots.persistence import OwnershipLost, SlotArchive
 from orchestrator.slots.residency import Residency
 from slotstate.ses1 import pack_ses1
-from storage.base import SlotMeta, stored_bytes
+from storage.base import SlotMeta, state_bytes, stored_bytes
 
 Snapshot = tuple[list[int], bytes] | ChunkedSnapshot
 """What a save stores: ``(tokens, ses1)`` (whole) or a :class:`ChunkedSnapshot` (incremental)."""
@@ -163,7 +163,7 @@ class Durability:
             if isinstance(snap, ChunkedSnapshot):
                 self.increments.stored(slot, snap, meta)
             slot.stored, slot.synced = True, (meta.generation, meta.digest)
-            slot.stored_bytes, slot.raw_bytes = stored_bytes(meta), meta.raw_size
+            slot.stored_bytes, slot.raw_bytes = stored_bytes(meta), state_bytes(meta)
             if not slot.dirty:
                 slot.n_tokens = meta.n_tokens
         return meta
