@@ -262,6 +262,22 @@ class SaveState(SeqRequest):
     """Read the sequence's llama.cpp state (``llama_state_seq_get_data``; reply ``StateBlob``)."""
 
 
+class KVRange(msgspec.Struct, array_like=True, frozen=True):
+    """Positions ``[p0, p1)`` of KV cache ``cache`` (0: the global or only one, 1: a sliding-window
+    model's sliding layers)."""
+
+    cache: int
+    p0: int
+    p1: int
+
+
+class ReadKV(SeqRequest):
+    """Read the KV of position ranges of the sequence (``llama_attn_seq_range_get``, libllama/llama-attn.h;
+    reply ``KVRecords``): per range llama.cpp's stream record of its cells (slotstate/kv_chunks.py)."""
+
+    ranges: list[KVRange]
+
+
 class RestoreState(SeqRequest):
     """Replace the sequence with ``tokens`` and the llama.cpp sequence state ``state`` (``uint8[n]``).
 
@@ -446,6 +462,16 @@ class StateBlob(Message):
     state: Tensor
 
 
+class KVRecords(Message):
+    """The sequence's tokens and one record (``uint8[n]``) per range of ``ReadKV``, in its order;
+    ``t_ms``: time to read them."""
+
+    seq: int
+    tokens: list[int]
+    t_ms: float
+    records: list[Tensor]
+
+
 class StateRestored(Message):
     """``seq`` now holds ``n_tokens`` tokens from a restored state; ``t_ms``: time the restore took;
     ``n_bytes``: bytes of the file read (``LoadFile``; 0 otherwise)."""
@@ -498,6 +524,7 @@ Request = (
     | Fork
     | ContextShift
     | SaveState
+    | ReadKV
     | RestoreState
     | SaveFile
     | LoadFile
@@ -517,6 +544,7 @@ Reply = (
     | DetokenizeResult
     | SeqTokens
     | StateBlob
+    | KVRecords
     | StateRestored
     | FileSaved
     | Classified

@@ -19,6 +19,7 @@ from contract.errors import ErrorCode
 from contract.framing import RecvBuffer
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineError
+from engine.kv_range import read_ranges
 from engine.state_file import load_seq_file, write_slot_file
 
 Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]
@@ -49,6 +50,7 @@ class EngineHandlers:
                 lambda msg: self.engine.context_shift(msg.seq, msg.n_keep, msg.n_discard)
             ),
             proto.SaveState: self.save_state,
+            proto.ReadKV: self.read_kv,
             proto.RestoreState: self.restore_state,
             proto.SaveFile: self.save_file,
             proto.LoadFile: self.load_file,
@@ -98,6 +100,16 @@ class EngineHandlers:
         tokens, blob = self.engine.save_state(msg.seq)
         t_ms = (time.perf_counter() - t0) * 1000
         self.send(proto.StateBlob(msg.req, msg.seq, tokens, t_ms, proto.Tensor.raw(blob)), [blob])
+
+    def read_kv(self, msg: proto.ReadKV, _: list[RecvBuffer]) -> None:
+        """The sequence's tokens and the KV records of ``msg.ranges`` (buffers 0..n-1)."""
+        self.check(msg)
+        t0 = time.perf_counter()
+        records = read_ranges(self.engine.ctx, msg.seq, [(r.cache, r.p0, r.p1) for r in msg.ranges])
+        t_ms = (time.perf_counter() - t0) * 1000
+        tokens = list(self.engine.tokens.get(msg.seq, []))
+        descs = [proto.Tensor.raw(rec, i) for i, rec in enumerate(records)]
+        self.send(proto.KVRecords(msg.req, msg.seq, tokens, t_ms, descs), records)
 
     def restore_state(self, msg: proto.RestoreState, bufs: list[RecvBuffer]) -> None:
         """Replace the sequence from tokens + the llama.cpp state the message describes."""

@@ -15,7 +15,7 @@ import ctypes
 
 import llama_cpp
 
-ATTN_ABI = 2  # LLAMA_ATTN_ABI of libllama/llama-attn.h
+ATTN_ABI = 3  # LLAMA_ATTN_ABI of libllama/llama-attn.h
 PER_LAYER = 0  # enum llama_attn_format
 MEAN = 1
 GGML_TYPE_F32 = 0
@@ -74,6 +74,18 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "llama_attn_seq_cells": (
         [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p],
         ctypes.c_int32,
+    ),
+    "llama_attn_seq_range_get": (
+        [
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+        ],
+        ctypes.c_int64,
     ),
     "llama_attn_state_seq_set_data": (
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],

@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 // ABI of this header; slotserve refuses a libllama whose llama_attn_abi() differs.
-#define LLAMA_ATTN_ABI 2
+#define LLAMA_ATTN_ABI 3
 
 enum llama_attn_format {
     LLAMA_ATTN_PER_LAYER = 0, // [n_layer_sel, n_head, n_kv] per row and KV cache
@@ -93,6 +93,21 @@ LLAMA_API int32_t llama_attn_n_captured(const struct llama_context * ctx);
 // p0 <= p < p0 + n; -1 where the cache holds no such position.  Returns how many were found, or -1.
 LLAMA_API int32_t llama_attn_seq_cells(struct llama_context * ctx, int32_t cache, llama_seq_id seq_id, llama_pos p0,
                                        int32_t n, int32_t * cells);
+
+// The KV of positions [p0, p1) of seq_id in KV cache `cache` (see llama_attn_init), written to dst as the stream
+// record llama_state_seq_get_data writes for those cells (src/llama-kv-cache.cpp state_write_meta/_data):
+//   u32 cell_count | cell_count x (i32 pos | u32 1 | [llama_kv_cell_ext] | i32 seq_id) | u32 v_trans | u32 n_layer
+//   | per layer: i32 k_type | u64 k_row_bytes | cell_count K rows
+//   | per layer with V: i32 v_type | u64 v_row_bytes | cell_count V rows                 (v_trans 0)
+//                    or i32 v_type | u32 v_elem_bytes | u32 n_embd_v_gqa | per embedding row cell_count elements (v_trans 1)
+// (cell_count 0: the u32 alone).  The cells are those state_write would write (not masked by the cache's sliding
+// window) in position order, where state_write writes cell order: for a sequence whose cells ascend with their
+// positions, the range [0, INT32_MAX) is byte for byte the record of llama_state_seq_get_data.  The rows are read
+// with ggml_backend_tensor_get(_2d) per run of consecutive cells (device memory is read in place, nothing else
+// copied).  dst == NULL: returns the bytes needed; else the bytes written, or -1 for a bad argument or a dst of
+// fewer than the bytes needed.  Call llama_attn_memory_update first when a seq_cp/seq_add may be pending.
+LLAMA_API int64_t llama_attn_seq_range_get(struct llama_context * ctx, int32_t cache, llama_seq_id seq_id, llama_pos p0,
+                                           llama_pos p1, uint8_t * dst, size_t size);
 
 // llama_state_seq_set_data of the n_pieces pieces of memory read in order as one buffer, without joining
 // them: a state whose stream counts differ from this context's (slotserve keeps a sequence's state as one

@@ -18,6 +18,10 @@ STALE_WRITES_REFUSED = Counter(
     "slotserve_stale_writes_refused_total",
     "Slot state writes refused because this node no longer held the slot's lease (its copy was dropped)",
 )
+STATE_BYTES_WRITTEN = Counter(
+    "slotserve_state_bytes_written_total",
+    "Bytes of incremental slot states written to the store (new KV chunks and the stored metadata's blob)",
+)
 DURABLE_COMMIT_SECONDS = Histogram(
     "slotserve_durable_commit_seconds",
     "Time a turn's answer waited for its state to be stored (--durability strict)",

@@ -16,15 +16,21 @@ import msgspec
 from storage.errors import BadStateError
 
 __all__ = [
+    "CHUNK_KEY_HEX",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PREFIX",
     "MAX_SLOT_ID_BYTES",
+    "ChunkRef",
+    "ChunkStore",
     "SlotMeta",
     "SlotStore",
     "decode_meta",
     "encode_meta",
     "n_chunks_for",
     "now",
+    "state_bytes",
+    "stored_bytes",
+    "validate_chunk_key",
     "validate_slot_id",
 ]
 
@@ -32,6 +38,18 @@ DEFAULT_PREFIX = "slotserve:"
 DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
 """Default chunk size in bytes (64 MiB); Redis caps a value at 512 MB."""
 MAX_SLOT_ID_BYTES = 1024
+CHUNK_KEY_HEX = 32
+"""A KV chunk's key: 32 lowercase hex digits (an XXH3-128 digest, :func:`slotstate.kv_chunks.chunk_keys`)."""
+
+
+class ChunkRef(msgspec.Struct, array_like=True, frozen=True):
+    """One KV chunk of a stored slot: positions ``[p0, p1)`` of its first KV cache, stored under ``key``
+    (:class:`ChunkStore`)."""
+
+    p0: int
+    p1: int
+    key: str
+    size: int = 0  # bytes of the stored chunk
 
 
 class SlotMeta(msgspec.Struct):
@@ -58,6 +76,9 @@ class SlotMeta(msgspec.Struct):
             ``slot_id`` is then the slot's key, ``tenant/id`` (docs/operations.md, "Tenants").
         partition: the cache partition within the tenant (a digest of the requests' ``cache_salt``,
             ``""`` without one): a cache is reused only by requests of the same tenant and partition.
+        chunks: an incremental state's KV chunks in position order (:class:`ChunkRef`, stored apart in
+            the :class:`ChunkStore`); empty for a state stored whole.  With chunks the blob holds the
+            rest of the state (docs/operations.md, "Incremental states").
     """
 
     slot_id: str
@@ -75,6 +96,7 @@ class SlotMeta(msgspec.Struct):
     digest: str = ""
     tenant: str = ""
     partition: str = ""
+    chunks: list[ChunkRef] = []
 
 
 _meta_encoder = msgspec.msgpack.Encoder()
@@ -119,6 +141,26 @@ def validate_slot_id(slot_id: str) -> bytes:
     if len(raw) > MAX_SLOT_ID_BYTES:
         raise ValueError(f"slot id is {len(raw)} bytes long; the limit is {MAX_SLOT_ID_BYTES}")
     return raw
+
+
+def stored_bytes(meta: SlotMeta) -> int:
+    """Bytes a stored slot takes in the store: its blob and, for an incremental state, its chunks (each counted
+    whole, even where other slots share it)."""
+    return meta.stored_size + sum(c.size for c in meta.chunks)
+
+
+def state_bytes(meta: SlotMeta) -> int:
+    """Bytes of a stored slot's state before compression: the blob's and, for an incremental state, its chunks'
+    (stored uncompressed: f16 KV compresses 1.1-1.2x)."""
+    return meta.raw_size + sum(c.size for c in meta.chunks)
+
+
+def validate_chunk_key(key: str) -> str:
+    """``key`` when it is :data:`CHUNK_KEY_HEX` lowercase hex digits; ValueError otherwise (so a key can
+    name a file or a Redis key as it is)."""
+    if not isinstance(key, str) or len(key) != CHUNK_KEY_HEX or key.strip("0123456789abcdef"):
+        raise ValueError(f"not a chunk key: {key!r}")
+    return key
 
 
 def n_chunks_for(size: int, chunk_size: int) -> int:
@@ -203,4 +245,37 @@ class SlotStore(Protocol):
 
     async def lease_owner(self, slot_id: str) -> str | None:
         """The owner of the unexpired lease of a slot, or None."""
+        ...
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    """A store of KV chunks beside the slots (:class:`SlotStore`): content-addressed, written once, shared
+    by every slot whose manifest (:attr:`SlotMeta.chunks`) names them.  Keys: :func:`validate_chunk_key`
+    (ValueError otherwise); values: bytes as given (sealed by :func:`slotstate.kv_chunks.seal`).  Outages
+    raise :class:`storage.errors.StoreUnavailableError`.
+
+    A turn writes its new chunks first and then its slot's metadata (the commit point, fenced by the
+    lease); chunks no stored slot names are removed by :meth:`sweep_chunks` once untouched for
+    ``grace_s`` seconds, so a chunk written or found (:meth:`has_chunks` touches it) for a commit still
+    in flight is kept.
+    """
+
+    async def put_chunks(self, chunks: dict[str, bytes]) -> int:
+        """Store each ``key -> value`` that is not stored yet (one present is only touched); returns the
+        bytes written."""
+        ...
+
+    async def has_chunks(self, keys: list[str]) -> list[int]:
+        """Each key's stored size in bytes, -1 where it is not stored; a stored one is touched (kept from the
+        sweep for its grace)."""
+        ...
+
+    async def get_chunks(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's value, None where it is not stored."""
+        ...
+
+    async def sweep_chunks(self, grace_s: float) -> int:
+        """Remove the chunks no stored slot names that were untouched for ``grace_s`` seconds; returns
+        how many."""
         ...

@@ -18,6 +18,8 @@ integers little-endian::
 A put writes ``.tmp-<random>`` in the slot directory, fsyncs it (unless ``fsync=False``), renames it
 over ``slot.bin`` and fsyncs the directory. Blocking I/O runs in ``asyncio.to_thread``.
 
+KV chunks of incremental states live in ``root/<namespace>/chunks/`` (:mod:`storage.directory_chunks`).
+
 Concurrency: writers of one slot are serialized inside a process (the generation counter is a
 read-modify-write). Several processes may read one directory; concurrent writers of the same slot in
 different processes still never produce a mismatched pair, but may reuse a generation number.
@@ -52,6 +54,7 @@ from storage.base import (
     now,
     validate_slot_id,
 )
+from storage.directory_chunks import ChunkFiles
 from storage.errors import BadStateError, LeaseLostError, StoreUnavailableError
 from storage.leases import LeaseTable
 
@@ -127,6 +130,7 @@ class DirectoryStore:
         self._locks = [asyncio.Lock() for _ in range(_N_LOCKS)]
         key = (self.root.resolve(), prefix)
         self._leases, self._fence = _lease_tables.setdefault(key, (LeaseTable(), threading.Lock()))
+        self.chunks = ChunkFiles(self.dir / "chunks", fsync)
 
     # -- paths and file format ------------------------------------------------------------------
 
@@ -334,6 +338,26 @@ class DirectoryStore:
     async def purge_expired(self) -> int:
         """Delete expired slots and stale temp files (older than 1 h); returns the number of slots removed."""
         return await self._run(self._purge)
+
+    async def put_chunks(self, chunks: dict[str, bytes]) -> int:
+        """See :meth:`storage.base.ChunkStore.put_chunks` (files: :mod:`storage.directory_chunks`)."""
+        return await self._run(self.chunks.put, chunks)
+
+    async def has_chunks(self, keys: list[str]) -> list[int]:
+        """See :meth:`storage.base.ChunkStore.has_chunks`."""
+        return await self._run(self.chunks.has, keys)
+
+    async def get_chunks(self, keys: list[str]) -> list[bytes | None]:
+        """See :meth:`storage.base.ChunkStore.get_chunks`."""
+        return await self._run(self.chunks.get, keys)
+
+    async def sweep_chunks(self, grace_s: float) -> int:
+        """See :meth:`storage.base.ChunkStore.sweep_chunks` (the names: every listed slot's chunks)."""
+
+        def sweep() -> int:
+            return self.chunks.sweep((c.key for meta in self._list() for c in meta.chunks), grace_s)
+
+        return await self._run(sweep)
 
     async def ping(self) -> None:
         """Check that the directory exists (creating it) and is writable; StoreUnavailableError if not."""

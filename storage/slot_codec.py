@@ -1,5 +1,10 @@
 """Save and load SES1 slot states through a store, compressing and checking them.
 
+A state is stored whole (:func:`save_slot`) or incrementally (:func:`save_chunks`): its first KV cache as
+KV chunks in the store's :class:`storage.base.ChunkStore` (:mod:`slotstate.kv_chunks`), named in order by
+the metadata (:attr:`storage.base.SlotMeta.chunks`), and the rest of the state (a sliding-window model's
+sliding cache, bounded by its window) as the blob.  :func:`load_slot` gives back the SES1 blob either way.
+
 ``save_slot`` compresses a SES1 blob (in a worker thread) and stores it with its metadata, which
 records the blob's checksum (:func:`state_digest`, XXH3-128 from the ``xxhash`` package); ``load_slot``
 fetches, refuses a foreign model fingerprint, decompresses and checks the result (size, tokens and that
@@ -10,16 +15,21 @@ compressed planes rather than the SES1 blob) before handing it back.
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 from slotstate import codec as codecs
-from slotstate.ses1 import ses1_tokens
-from storage.base import SlotMeta, SlotStore
+from slotstate import kv_chunks
+from slotstate.errors import BadStateError as StateFormatError
+from slotstate.seq_state import IO_MAGIC
+from slotstate.ses1 import pack_ses1, ses1_tokens
+from storage.base import ChunkRef, ChunkStore, SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError
 
-__all__ = ["DIGEST_ALGORITHM", "load_slot", "save_slot", "state_digest"]
+__all__ = ["DIGEST_ALGORITHM", "load_slot", "manifest_digest", "save_chunks", "save_slot", "state_digest"]
 
 DIGEST_ALGORITHM = "xxh3-128"
 
@@ -104,10 +114,104 @@ async def save_slot(
     return await store.put(meta, data, lease=lease)
 
 
+def manifest_digest(chunks: Sequence[ChunkRef], rest: bytes | bytearray | memoryview) -> str:
+    """The :attr:`~storage.base.SlotMeta.digest` of an incremental state: ``"xxh3-128:<hex>"`` over its
+    chunks' ranges and keys and the rest's bytes (each chunk carries its own checksum:
+    :func:`slotstate.kv_chunks.seal`)."""
+    h = xxhash.xxh3_128()
+    for c in chunks:
+        h.update(struct.pack("<ii", c.p0, c.p1) + c.key.encode("ascii"))
+    h.update(rest)
+    return f"{DIGEST_ALGORITHM}:{h.hexdigest()}"
+
+
+async def save_chunks(
+    store: SlotStore,
+    slot_id: str,
+    fingerprint: str,
+    tokens: Sequence[int],
+    chunks: Sequence[ChunkRef],
+    new: dict[str, bytes],
+    rest: bytes | bytearray | memoryview,
+    codec: str = "auto",
+    level: int = codecs.DEFAULT_LEVEL,
+    *,
+    lease: str | None = None,
+    tenant: str = "",
+    partition: str = "",
+) -> tuple[SlotMeta, int]:
+    """Store an incremental state: the chunks of ``new`` (key -> sealed record) the store lacks first,
+    then the metadata naming ``chunks`` (the state's first KV cache, in position order) with ``rest``
+    (the one-stream state's bytes after that cache's record: ``u32 1 | record`` per further KV cache;
+    empty for one cache) compressed as the blob: that write is the commit point, fenced by ``lease`` as
+    :func:`save_slot`'s.  Returns the stored metadata and the chunk bytes written.
+
+    Raises ValueError (a store without chunks, an unknown codec, a malformed key), StoreUnavailableError,
+    LeaseLostError (nothing committed; chunks written stay until swept).
+    """
+    if not isinstance(store, ChunkStore):
+        raise ValueError("this store keeps no KV chunks")
+    if codec not in (*codecs.CODECS, "auto", "best"):
+        raise ValueError(f"unknown codec {codec!r}")
+    written = await store.put_chunks(new) if new else 0
+    used, data = "none", b""  # no rest (one KV cache): nothing to compress
+    if len(rest):
+        used, data, _ = await asyncio.to_thread(_encode, memoryview(rest), codec, level)
+    tokens = list(tokens)
+    meta = SlotMeta(
+        slot_id=slot_id,
+        model_fingerprint=fingerprint,
+        n_tokens=len(tokens),
+        tokens=tokens,
+        codec=used,
+        level=level,
+        raw_size=len(memoryview(rest).cast("B")),
+        stored_size=len(data),
+        created_at=0.0,
+        updated_at=0.0,
+        digest=manifest_digest(chunks, rest),
+        tenant=tenant,
+        partition=partition,
+        chunks=list(chunks),
+    )
+    return await store.put(meta, data, lease=lease), written
+
+
+def _assemble(meta: SlotMeta, rest: bytes, values: list[bytes | None]) -> bytes:
+    """The SES1 blob of an incremental state from its rest and its chunks' stored values (checked)."""
+    bounds = [(c.p0, c.p1) for c in meta.chunks]
+    if [b[0] for b in bounds] != [0, *(b[1] for b in bounds[:-1])] or bounds[-1][1] != meta.n_tokens:
+        raise BadStateError(f"slot {meta.slot_id!r}: its KV chunks do not cover positions 0-{meta.n_tokens}")
+    records = []
+    for ref, value in zip(meta.chunks, values, strict=True):
+        if value is None:
+            raise BadStateError(f"slot {meta.slot_id!r}: KV chunk {ref.key} of positions {ref.p0}-{ref.p1} is missing")
+        try:
+            record = kv_chunks.unseal(value, ref.key)
+            got = kv_chunks.parse_record(record).positions
+        except StateFormatError as exc:
+            raise BadStateError(f"slot {meta.slot_id!r}: KV chunk {ref.key}: {exc}") from exc
+        if not np.array_equal(got, np.arange(ref.p0, ref.p1)):
+            raise BadStateError(
+                f"slot {meta.slot_id!r}: KV chunk {ref.key} holds other positions than {ref.p0}-{ref.p1}"
+            )
+        records.append(record)
+    try:
+        joined = kv_chunks.join_records(records)
+    except StateFormatError as exc:
+        raise BadStateError(f"slot {meta.slot_id!r}: {exc}") from exc
+    state = struct.pack("<IiI", IO_MAGIC, 0, 1) + joined + rest
+    return pack_ses1(meta.tokens, state)
+
+
 def _decode_checked(meta: SlotMeta, data: bytes) -> bytes:
     raw = codecs.decode(data, meta.codec)
     if len(raw) != meta.raw_size:
         raise BadStateError(f"slot {meta.slot_id!r}: decoded {len(raw)} bytes, meta says {meta.raw_size}")
+    if meta.chunks:
+        if manifest_digest(meta.chunks, raw) != meta.digest:
+            raise BadStateError(f"slot {meta.slot_id!r}: the state's checksum differs from the metadata's (damaged)")
+        return raw  # the rest: assembled with the chunks by load_slot
     if meta.digest and state_digest(raw) != meta.digest:
         raise BadStateError(f"slot {meta.slot_id!r}: the state's checksum differs from the metadata's (damaged)")
     tokens = ses1_tokens(raw)
@@ -127,7 +231,8 @@ async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[S
             or returned).
         BadStateError: damaged blob: corrupt compressed data, size mismatch, a checksum that differs
             from the metadata's :attr:`~storage.base.SlotMeta.digest`, invalid SES1 header, or tokens that
-            differ from the metadata.
+            differ from the metadata; for an incremental state also a KV chunk missing, damaged (its own
+            checksum) or holding other positions than its range.
         StoreUnavailableError: the store is unreachable.
     """
     got = await store.get(slot_id)
@@ -137,4 +242,9 @@ async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[S
     if meta.model_fingerprint != fingerprint:
         raise FingerprintMismatchError(slot_id, fingerprint, meta.model_fingerprint)
     raw = await asyncio.to_thread(_decode_checked, meta, data)
+    if meta.chunks:
+        if not isinstance(store, ChunkStore):
+            raise BadStateError(f"slot {meta.slot_id!r} is stored in KV chunks, which this store does not keep")
+        values = await store.get_chunks([c.key for c in meta.chunks])
+        raw = await asyncio.to_thread(_assemble, meta, raw, values)
     return meta, raw

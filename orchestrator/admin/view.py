@@ -24,6 +24,7 @@ from orchestrator.services import Services
 from orchestrator.slots.model import slot_id_out, split_key
 from orchestrator.slots.operations import SlotOps, message_boundaries
 from orchestrator.tenants.principal import DEFAULT_TENANT
+from storage.base import state_bytes, stored_bytes
 
 
 class SlotView(msgspec.Struct, kw_only=True):
@@ -74,8 +75,8 @@ class AdminView:
                     generating=False,
                     n_tokens=meta.n_tokens,
                     n_messages=self._known_messages(meta.slot_id, meta.n_tokens),
-                    state_bytes=meta.raw_size,
-                    stored_bytes=meta.stored_size,
+                    state_bytes=state_bytes(meta),
+                    stored_bytes=stored_bytes(meta),
                     last_used=round(meta.updated_at, 1),
                     owner=owner or None,
                 )

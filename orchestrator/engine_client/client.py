@@ -44,6 +44,7 @@ from orchestrator.engine_client.interface import (
     EngineRequestError,
     GenerationJob,
     GenerationStream,
+    SequenceKV,
     SequenceState,
     TokenOutput,
 )
@@ -399,6 +400,11 @@ class WorkerClient:
         """Tokens and llama.cpp sequence state of ``seq``."""
         reply, bufs = await self._request(proto.SaveState(self.new_id(), seq), proto.StateBlob)
         return SequenceState(reply.tokens, reply.state.take(bufs), reply.t_ms)
+
+    async def read_kv(self, seq: int, ranges: Sequence[proto.KVRange]) -> SequenceKV:
+        """See :meth:`orchestrator.engine_client.interface.EngineClient.read_kv`."""
+        reply, bufs = await self._request(proto.ReadKV(self.new_id(), seq, list(ranges)), proto.KVRecords)
+        return SequenceKV(reply.tokens, [t.take(bufs) for t in reply.records], reply.t_ms)
 
     def release_state(self, state: proto.Buffer) -> None:
         """Give the receive buffer of a :meth:`save_state` reply back to the frame reader's pool."""

@@ -41,6 +41,17 @@ class EngineRequestError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SequenceKV:
+    """A sequence's ``tokens`` (position order) and the KV ``records`` of the position ranges asked for
+    (llama.cpp's stream record of each range's cells: slotstate/kv_chunks.py), in the buffers they were
+    received in; ``t_ms``: how long the engine took to read them."""
+
+    tokens: list[int]
+    records: list[proto.Buffer]
+    t_ms: float
+
+
+@dataclass(frozen=True)
 class TokenOutput:
     """One generated token and its tensors, as raw little-endian bytes.
 
@@ -288,6 +299,11 @@ class EngineClient(Protocol):
 
     async def save_state(self, seq: int) -> SequenceState:
         """The tokens and llama.cpp sequence state of ``seq`` (``SLOT_BUSY`` while it generates)."""
+        ...
+
+    async def read_kv(self, seq: int, ranges: Sequence[proto.KVRange]) -> SequenceKV:
+        """The tokens of ``seq`` and the KV record of each of ``ranges`` (``llama_attn_seq_range_get``:
+        only those cells are read), ``SLOT_BUSY`` while it generates."""
         ...
 
     def release_state(self, state: proto.Buffer) -> None:

@@ -7,6 +7,10 @@ is released, so a slow store never blocks the slot's next turn.  With ``strict``
 (``--durability strict``, docs/operations.md) a turn's answer waits until its state is stored
 (:meth:`Durability.commit_turn`).  Every write is fenced by the slot's lease
 (:class:`orchestrator.slots.ownership.Ownership`); a refused one disowns the slot.
+
+Where the store keeps KV chunks and the model's state is KV caches only, a save stores the state
+incrementally (:mod:`orchestrator.slots.increments`): the chunks the turn's new tokens touched and the
+metadata naming all of them, so a turn's cost follows its new tokens, not its context.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from collections.abc import Callable
 from orchestrator import metrics
 from orchestrator.engine_client.interface import EngineClient
 from orchestrator.slots.background import WriteBehind
+from orchestrator.slots.increments import ChunkedSnapshot, Increments
 from orchestrator.slots.model import Slot
 from orchestrator.slots.ownership import Ownership
 from orchestrator.slots.persistence import OwnershipLost, SlotArchive
 from orchestrator.slots.residency import Residency
 from slotstate.ses1 import pack_ses1
-from storage.base import SlotMeta
+from storage.base import SlotMeta, state_bytes, stored_bytes
+
+Snapshot = tuple[list[int], bytes] | ChunkedSnapshot
+"""What a save stores: ``(tokens, ses1)`` (whole) or a :class:`ChunkedSnapshot` (incremental)."""
 
 
 class Durability:
@@ -51,6 +59,7 @@ class Durability:
         self.find = find
         self.strict = strict
         self.pending: set[str] = set()  # keys of slots changed since their last save
+        self.increments = Increments(engine, archive)
         self.saver = WriteBehind(self.flush, lambda: bool(self.pending), write_delay_s)
 
     def schedule(self, slot: Slot) -> None:
@@ -86,15 +95,15 @@ class Durability:
         it is not ours."""
         lease = await self._fence(slot)
         version = self.archive.next_version()
-        tokens, ses1 = await self._read_state(slot)
+        snap = await self._snapshot(slot)
         slot.dirty = False  # from here; write marks it dirty again if the write fails
-        return await self.write(slot, tokens, ses1, version, lease)
+        return await self.write(slot, snap, version, lease)
 
     async def save_copy(self, slot: Slot, tokens: list[int], ses1: bytes) -> SlotMeta | None:
         """Store the SES1 blob ``ses1`` of ``tokens`` as ``slot``'s state (lock held; a fork made
         in the store), fenced by its lease."""
         slot.dirty = False
-        return await self.write(slot, tokens, ses1, self.archive.next_version(), await self._fence(slot))
+        return await self.write(slot, (tokens, ses1), self.archive.next_version(), await self._fence(slot))
 
     async def ensure_saved(self, slot: Slot) -> None:
         """Before ``slot`` (lock held) leaves the engine: wait for a write in flight, then save
@@ -102,6 +111,14 @@ class Durability:
         await self.archive.settled(slot.key)  # a background write that fails marks the slot dirty again
         if slot.dirty or (slot.n_tokens and not slot.stored):
             await self.save(slot)
+
+    async def _snapshot(self, slot: Slot) -> Snapshot:
+        """What a save of ``slot`` (resident, lock held) stores: incremental where it applies."""
+        if self.increments.applies():
+            snap = await self.increments.snapshot(slot)
+            if snap is not None:
+                return snap
+        return await self._read_state(slot)
 
     async def _read_state(self, slot: Slot) -> tuple[list[int], bytes]:
         saved = await self.engine.save_state(slot.seq)  # type: ignore[arg-type]
@@ -111,17 +128,20 @@ class Durability:
             self.engine.release_state(saved.state)  # copied into the blob: its receive buffer serves the next state
         return saved.tokens, ses1
 
-    async def write(
-        self, slot: Slot, tokens: list[int], ses1: bytes, version: int, lease: str | None
-    ) -> SlotMeta | None:
-        """Store a snapshot fenced by ``lease`` (unless a newer one is stored: None); on failure
+    async def write(self, slot: Slot, snap: Snapshot, version: int, lease: str | None) -> SlotMeta | None:
+        """Store a snapshot (whole or incremental) fenced by ``lease`` (unless a newer one is stored: None); on failure
         the slot is dirty again and queued for the write-behind.  A refusal whose lease only lapsed
         (nobody took it, the stored version unchanged: :meth:`Ownership.retake`) is written again
         under the lease taken back; any other refusal (``OwnershipLost``) disowns the slot."""
 
         async def put(token: str | None) -> SlotMeta | None:
+            if isinstance(snap, ChunkedSnapshot):
+                return await self.archive.write_chunks(
+                    slot.key, snap.tokens, snap.chunks, snap.new, snap.rest, version, token,
+                    tenant=slot.tenant, partition=slot.partition,
+                )  # fmt: skip
             return await self.archive.write(
-                slot.key, tokens, ses1, version, token, tenant=slot.tenant, partition=slot.partition
+                slot.key, snap[0], snap[1], version, token, tenant=slot.tenant, partition=slot.partition
             )
 
         try:
@@ -140,8 +160,10 @@ class Durability:
             self.pending.add(slot.key)
             raise
         if meta is not None:
+            if isinstance(snap, ChunkedSnapshot):
+                self.increments.stored(slot, snap, meta)
             slot.stored, slot.synced = True, (meta.generation, meta.digest)
-            slot.stored_bytes, slot.raw_bytes = meta.stored_size, meta.raw_size
+            slot.stored_bytes, slot.raw_bytes = stored_bytes(meta), state_bytes(meta)
             if not slot.dirty:
                 slot.n_tokens = meta.n_tokens
         return meta
@@ -166,11 +188,11 @@ class Durability:
                     await self.ownership.drop_copy(slot)
                     continue
                 version = self.archive.next_version()
-                tokens, ses1 = await self._read_state(slot)
+                snap = await self._snapshot(slot)
                 slot.dirty = False
                 self.pending.discard(key)
             try:
-                if await self.write(slot, tokens, ses1, version, lease) is not None:
+                if await self.write(slot, snap, version, lease) is not None:
                     saved += 1
             except OwnershipLost:
                 async with slot.lock:

@@ -28,7 +28,7 @@ from orchestrator.slots.leases import LeaseKeeper
 from orchestrator.slots.model import Slot
 from orchestrator.slots.persistence import SlotArchive
 from orchestrator.slots.residency import Residency
-from storage.base import SlotMeta
+from storage.base import SlotMeta, state_bytes, stored_bytes
 
 log = structlog.get_logger("slotserve.slots")
 
@@ -42,8 +42,8 @@ def take_meta(slot: Slot, meta: SlotMeta | None) -> None:
     """Know of ``slot`` what the store's ``meta`` says (None: nothing stored)."""
     slot.stored = meta is not None
     slot.n_tokens = meta.n_tokens if meta is not None else 0
-    slot.stored_bytes = meta.stored_size if meta is not None else 0
-    slot.raw_bytes = meta.raw_size if meta is not None else 0
+    slot.stored_bytes = stored_bytes(meta) if meta is not None else 0
+    slot.raw_bytes = state_bytes(meta) if meta is not None else 0
     slot.synced = stored_version(meta)
     if meta is not None:
         slot.partition = meta.partition

@@ -28,9 +28,9 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -38,11 +38,11 @@ from contract.errors import ErrorCode
 from orchestrator import metrics
 from orchestrator.service_error import ServiceError
 from orchestrator.tenants.principal import DEFAULT_TENANT
-from storage.base import SlotMeta, SlotStore
+from storage.base import ChunkRef, ChunkStore, SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError, StoreUnavailableError
 from storage.factory import open_store
 from storage.records import get_record, put_record
-from storage.slot_codec import load_slot, save_slot
+from storage.slot_codec import load_slot, save_chunks, save_slot
 from storage.timeouts import TimeoutStore
 
 if TYPE_CHECKING:
@@ -218,17 +218,70 @@ class SlotArchive:
         already stored.  ``STORE_UNAVAILABLE`` when the store fails; :class:`OwnershipLost`
         when ``lease`` no longer holds the slot's lease (nothing stored).
         """
+        save = save_slot(
+            self.store, slot_id, self.fingerprint(), tokens, ses1,
+            codec=self.codec, level=self.level, lease=lease, tenant=tenant, partition=partition,
+        )  # fmt: skip
+        return await self._ordered(slot_id, version, tenant, save)
+
+    async def _ordered(
+        self, slot_id: str, version: int, tenant: str, save: Coroutine[Any, Any, SlotMeta]
+    ) -> SlotMeta | None:
+        """Run ``save`` unless a newer snapshot than ``version`` is stored (then None, ``save`` closed)."""
         async with self._write_lock(slot_id):
             if version < self._written.get(slot_id, 0):
+                save.close()  # never awaited
                 return None
-            save = save_slot(
-                self.store, slot_id, self.fingerprint(), tokens, ses1,
-                codec=self.codec, level=self.level, lease=lease, tenant=tenant, partition=partition,
-            )  # fmt: skip
             meta = await self._call(save, slot_id)
             self._written[slot_id] = version
         metrics.SAVES.labels(tenant or DEFAULT_TENANT).inc()
         return meta
+
+    @property
+    def keeps_chunks(self) -> bool:
+        """Whether the store keeps KV chunks (:class:`storage.base.ChunkStore`): incremental states."""
+        return isinstance(self.store, ChunkStore)
+
+    async def has_chunks(self, keys: list[str]) -> list[int]:
+        """The stored size of each chunk of ``keys``, -1 where absent (touching them:
+        :meth:`storage.base.ChunkStore.has_chunks`)."""
+        self.check_up()
+        return await self._call(self.store.has_chunks(keys))  # type: ignore[attr-defined]
+
+    async def write_chunks(
+        self,
+        slot_id: str,
+        tokens: Sequence[int],
+        chunks: Sequence[ChunkRef],
+        new: dict[str, bytes],
+        rest: bytes,
+        version: int,
+        lease: str | None = None,
+        *,
+        tenant: str = "",
+        partition: str = "",
+    ) -> SlotMeta | None:
+        """:meth:`write` of an incremental state (:func:`storage.slot_codec.save_chunks`): the chunks ``new``
+        (key -> sealed record) first, then the metadata naming ``chunks`` with ``rest``.  Counts the bytes
+        written (``slotserve_state_bytes_written_total``)."""
+        save = save_chunks(
+            self.store, slot_id, self.fingerprint(), tokens, chunks, new, rest,
+            codec=self.codec, level=self.level, lease=lease, tenant=tenant, partition=partition,
+        )  # fmt: skip
+
+        async def counted() -> SlotMeta:
+            meta, written = await save
+            metrics.STATE_BYTES_WRITTEN.inc(written + meta.stored_size)  # the chunks written and the blob
+            return meta
+
+        return await self._ordered(slot_id, version, tenant, counted())
+
+    async def sweep_chunks(self, grace_s: float) -> int:
+        """Remove the KV chunks no stored slot names, untouched for ``grace_s`` s (0 without chunks)."""
+        if not self.keeps_chunks:
+            return 0
+        self.check_up()
+        return await self._call(self.store.sweep_chunks(grace_s))  # type: ignore[attr-defined]
 
     async def settled(self, slot_id: str) -> None:
         """Wait for a write of ``slot_id`` in flight to end."""

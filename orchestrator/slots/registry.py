@@ -30,6 +30,7 @@ alone (:func:`orchestrator.slots.model.slot_key`), never by a comparison of timi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -53,6 +54,10 @@ from orchestrator.slots.residency import Residency, uncancellable
 from orchestrator.slots.sequences import SequenceOps
 from orchestrator.tenants.principal import DEFAULT_TENANT
 from slotstate.ses1 import unpack_ses1
+
+CHUNK_GRACE_S = 600.0
+"""How long a KV chunk no stored slot names is kept after it was last written or found: far longer than
+a save takes from finding its chunks to committing the metadata that names them."""
 
 __all__ = ["MAX_SLOT_ID", "Slot", "SlotRegistry", "check_slot_id"]
 
@@ -162,12 +167,15 @@ class SlotRegistry:
 
     async def upkeep(self) -> None:
         """Park idle slots (``park_idle_s``, or a slot's own :meth:`keep_alive`) and, once a minute, purge
-        expired stored states."""
+        expired stored states and sweep the KV chunks no stored slot names (untouched for
+        :data:`CHUNK_GRACE_S`)."""
         if self.park_idle_s or any(s is not None and s.keep_alive_s is not None for s in self.residency.owner):
             await self.residency.park_idle(self.park_idle_s or None)
         if self.archive is not None and time.monotonic() - self._last_purge > 60:
             self._last_purge = time.monotonic()
             await self.archive.purge_expired()
+            with contextlib.suppress(ServiceError):
+                await self.archive.sweep_chunks(CHUNK_GRACE_S)
 
     # ------------------------------------------------------------------ lookup
 
@@ -278,7 +286,14 @@ class SlotRegistry:
     async def fill(self, slot: Slot, seq: int, load: bool) -> None:
         """Put ``slot``'s stored state (``load``) or nothing into the fresh sequence ``seq``."""
         if load and slot.stored and self.archive is not None:
-            got = await self.archive.load(slot.key)
+            try:
+                got = await self.archive.load(slot.key)
+            except ServiceError as exc:
+                if exc.code == ErrorCode.BAD_STATE:
+                    # refused (a damaged state, a KV chunk lost): answered BAD_STATE now; the slot's next
+                    # request starts from no state (a re-prefill) and its save replaces the stored one
+                    slot.stored = False
+                raise
             if got is not None:
                 meta, raw = got
                 ses1 = unpack_ses1(raw)

@@ -13,6 +13,9 @@
 * ``fork`` copies a sequence's tokens; ``erase``, ``context_shift`` and ``tokens`` act on them;
 * ``save_state`` returns a blob that encodes the tokens (``b"FAKE"`` + u32 count + i32 ids,
   little-endian) and ``restore_state`` refuses one whose tokens differ (``BAD_STATE``);
+* ``read_kv`` returns llama.cpp stream records (slotstate/kv_chunks.py) of one layer whose K and V rows
+  are the cells' token ids (int32), so a state assembled from them restores with ``restore_state``
+  (which reads the tokens back out of such a state);
 * a KV operation on a sequence that is generating answers ``SLOT_BUSY``, as the worker does;
 * :meth:`FakeEngine.restart` empties every sequence and bumps ``generation`` (a worker restart).
 
@@ -33,7 +36,14 @@ from pathlib import Path
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.model_facts import EngineRuntime, ModelInfo
-from orchestrator.engine_client.interface import EngineRequestError, GenerationJob, SequenceState, TokenOutput
+from orchestrator.engine_client.interface import (
+    EngineRequestError,
+    GenerationJob,
+    SequenceKV,
+    SequenceState,
+    TokenOutput,
+)
+from slotstate import seq_state
 
 VOCAB = 512
 EOG = VOCAB - 1
@@ -86,9 +96,29 @@ def state_blob(tokens: Sequence[int]) -> bytes:
     return b"FAKE" + struct.pack(f"<I{len(tokens)}i", len(tokens), *tokens)
 
 
+def kv_record(tokens: Sequence[int], p0: int, p1: int, seq: int) -> bytes:
+    """The fake KV record of positions ``[p0, p1)``: one layer, K and V rows one int32 token id each."""
+    cells = range(p0, min(p1, len(tokens)))
+    if not cells:
+        return struct.pack("<I", 0)
+    ids = struct.pack(f"<{len(cells)}i", *tokens[cells.start : cells.stop])
+    meta = b"".join(struct.pack("<iIi", p, 1, seq) for p in cells)
+    return struct.pack("<I", len(cells)) + meta + struct.pack("<II", 0, 1) + (struct.pack("<iQ", 0, 4) + ids) * 2
+
+
 def state_tokens(blob: bytes | memoryview) -> list[int] | None:
-    """The tokens a fake state encodes, or None for anything else."""
+    """The tokens a fake state encodes (``FAKE``, or a llama.cpp state of :func:`kv_record`'s records), or
+    None for anything else."""
     data = bytes(blob)
+    if data[:4] == struct.pack("<I", seq_state.IO_MAGIC):
+        try:
+            parsed = seq_state.parse(data)
+        except seq_state.BadStateError:
+            return None
+        if not parsed.data:
+            return []
+        _, off, size = parsed.data[0]
+        return list(struct.unpack_from(f"<{size // 4}i", data, off))
     if len(data) < 8 or data[:4] != b"FAKE":
         return None
     (n,) = struct.unpack_from("<I", data, 4)
@@ -234,6 +264,13 @@ class FakeEngine:
         """The tokens and the fake state of ``seq``."""
         toks = list(self._idle(seq, "save_state"))
         return SequenceState(toks, state_blob(toks), 0.0)
+
+    async def read_kv(self, seq: int, ranges: Sequence[proto.KVRange]) -> SequenceKV:
+        """The fake KV records (:func:`kv_record`) of ``ranges`` of the first KV cache (the fake has one)."""
+        toks = list(self._idle(seq, "read_kv"))
+        if any(r.cache != 0 for r in ranges):
+            raise EngineRequestError(ErrorCode.INVALID_REQUEST, "the fake model has one KV cache")
+        return SequenceKV(toks, [kv_record(toks, r.p0, r.p1, seq) for r in ranges], 0.0)
 
     def release_state(self, state: proto.Buffer) -> None:
         """Nothing to hand back: the fake's states are plain bytes."""

@@ -77,7 +77,9 @@ def test_parking_six_conversations_on_two_sequences(start_server, tmp_path) -> N
         # a parked conversation came back with its cache: only the new message was prefilled
         assert second[i]["cached_tokens"] == len(prompts[i]) + 8, i
     parked = [s for s in listing(srv).values() if s["place"] == "parked"]
-    assert parked and all(s["stored_bytes"] > 0 and s["state_bytes"] >= s["stored_bytes"] for s in parked)
+    assert parked and all(s["stored_bytes"] > 0 and s["state_bytes"] >= s["stored_bytes"] for s in parked), [
+        (s["stored_bytes"], s["state_bytes"]) for s in parked
+    ]
 
 
 def test_slot_api_on_parked_slots(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]

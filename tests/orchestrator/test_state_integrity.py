@@ -184,7 +184,13 @@ def test_bad_digest_values(server: ServerProc, saved: tuple[bytes, str]) -> None
 
 
 def test_damaged_blob_in_the_store(start_server: Callable[..., ServerProc], tmp_path: Path) -> None:
-    """A parked slot whose stored blob was damaged on disk gets BAD_STATE; the store's copy stays."""
+    """A parked slot whose stored state was damaged on disk (one bit of a KV chunk: the state is stored in
+    chunks, docs/operations.md "Incremental states") gets BAD_STATE; the store's copy stays; the client's
+    resend rebuilds the slot by a re-prefill."""
+    import asyncio
+
+    from orchestrator.slots.model import slot_key
+    from orchestrator.tenants.principal import DEFAULT_TENANT
     from storage.directory import DirectoryStore
 
     state_dir = tmp_path / "state"
@@ -193,16 +199,18 @@ def test_damaged_blob_in_the_store(start_server: Callable[..., ServerProc], tmp_
     _generate(srv, "other", "Say hi.")  # one sequence: "victim" is parked
     listed = {s["id"]: s for s in httpx.get(srv.url + "/slots", timeout=30).json()}
     assert listed["victim"]["place"] == "parked" and listed["victim"]["codec"] == "none"
-    path = DirectoryStore(state_dir).slot_dir("victim") / "slot.bin"
+    store = DirectoryStore(state_dir)
+    meta = asyncio.run(store.get_meta(slot_key(DEFAULT_TENANT, "victim")))
+    assert meta is not None and meta.chunks, "stored in KV chunks"
+    path = store.chunks.path(meta.chunks[-1].key)
     data = bytearray(path.read_bytes())
     data[-1000] ^= 0x01  # one bit of the last layer's V values (finite: only the checksum can tell)
     path.write_bytes(bytes(data))
-    r = httpx.post(
-        srv.url + "/api/v1/generate",
-        json={"prompt": "x", "max_new_tokens": 2, "id_slot": "victim"},
-        timeout=120,
-    )
+    body = {"prompt": "x", "max_new_tokens": 2, "id_slot": "victim"}
+    r = httpx.post(srv.url + "/api/v1/generate", json=body, timeout=120)
     assert r.status_code == 400 and r.json()["error_code"] == "BAD_STATE", r.text
     assert "checksum" in r.json()["error"]
     assert path.read_bytes() == bytes(data)  # nothing was overwritten
     assert _generate(srv, "other", "Say hi again.")["generated_text"]  # the server is fine
+    again = httpx.post(srv.url + "/api/v1/generate", json=body, timeout=120)
+    assert again.status_code == 200, again.text  # the resend: prefilled again

@@ -63,6 +63,7 @@ from orchestrator.web.body import decode_json_body
 from orchestrator.web.digest import check_repr_digest, repr_digest, wanted_digest
 from orchestrator.web.errors import COMPAT_ERROR_RESPONSES, ApiError
 from orchestrator.web.raw_body import BODY_POOL, BuffersResponse, lent_to_worker, read_body
+from storage.base import state_bytes, stored_bytes
 
 OCTET = "application/octet-stream"
 MAX_STATE_BYTES = 4 << 30
@@ -339,8 +340,8 @@ class SlotController(Controller):
                     "is_processing": False,
                     "n_tokens": meta.n_tokens,
                     "place": "parked",
-                    "stored_bytes": meta.stored_size,
-                    "state_bytes": meta.raw_size,
+                    "stored_bytes": stored_bytes(meta),
+                    "state_bytes": state_bytes(meta),
                     "codec": meta.codec,
                     "updated_at": meta.updated_at,
                 }

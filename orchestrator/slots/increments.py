@@ -1,0 +1,118 @@
+"""Incremental states: what a turn stores of a slot is the KV chunks its new tokens touched.
+
+A stored slot is the metadata naming its first KV cache's chunks in position order
+(:attr:`storage.base.SlotMeta.chunks`) plus the rest of the state (a sliding-window model's sliding
+cache, bounded by its window) and the chunks themselves, shared by key (:mod:`slotstate.kv_chunks`:
+the key covers the model, tenant, cache partition and token prefix).  :meth:`Increments.snapshot`
+plans a save: the ranges of the chunks (:func:`slotstate.kv_chunks.plan_ranges`, from the ranges of this
+node's last save of the slot and how many of its tokens are unchanged since), their keys, and which
+of them must be read from the engine (``llama_attn_seq_range_get``: those the store lacks); it reads
+those and the rest, and seals the new chunks for the store.
+
+A model whose state holds a recurrent part (recurrent, hybrid) is stored whole, as a store without
+chunks (:attr:`orchestrator.slots.persistence.SlotArchive.keeps_chunks`) stores every state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from contract.protocol import KVRange
+from orchestrator.engine_client.interface import EngineClient
+from orchestrator.slots.model import Slot
+from orchestrator.slots.persistence import SlotArchive
+from slotstate import kv_chunks
+from storage.base import ChunkRef, SlotMeta
+
+__all__ = ["ChunkedSnapshot", "Increments"]
+
+WHOLE = 2**31 - 1  # the end of a range that covers every position
+
+
+@dataclass
+class ChunkedSnapshot:
+    """A slot's state as a save stores it incrementally: its ``tokens``, ``chunks`` (in position order),
+    the ``new`` chunks the store lacks (key -> sealed record) and the ``rest`` of the state (the
+    one-stream state's bytes after the first KV cache's record)."""
+
+    tokens: list[int]
+    chunks: list[ChunkRef]
+    new: dict[str, bytes] = field(default_factory=dict)
+    rest: bytes = b""
+
+
+@dataclass
+class _Saved:
+    generation: int
+    tokens: list[int]
+    chunks: list[ChunkRef]
+
+
+class Increments:
+    """Plans and reads incremental saves (module docstring); remembers each slot's last save by this node."""
+
+    def __init__(self, engine: EngineClient, archive: SlotArchive, chunk_tokens: int = kv_chunks.CHUNK_TOKENS) -> None:
+        self.engine = engine
+        self.archive = archive
+        self.chunk_tokens = chunk_tokens
+        self.saved: dict[str, _Saved] = {}
+
+    def applies(self) -> bool:
+        """Whether states are stored incrementally: the store keeps chunks and the model's state is KV
+        caches only (``kv`` or ``iswa``)."""
+        info = self.engine.info
+        return self.archive.keeps_chunks and info is not None and info.memory.type in ("kv", "iswa")
+
+    def _scope(self, slot: Slot) -> bytes:
+        return "\0".join((self.archive.fingerprint(), slot.tenant, slot.partition)).encode()
+
+    async def snapshot(self, slot: Slot) -> ChunkedSnapshot | None:
+        """Read what a save of ``slot`` (resident, lock held) must store; None for an empty sequence (stored
+        whole: a state of no cells has no chunks); ``STORE_UNAVAILABLE`` when the store cannot say which
+        chunks it has."""
+        seq = slot.seq
+        assert seq is not None
+        info = self.engine.info
+        assert info is not None
+        tokens = await self.engine.tokens(seq)
+        if not tokens:
+            return None
+        last = self.saved.get(slot.key)
+        if last is not None and (slot.synced is None or slot.synced[0] != last.generation):
+            last = None  # the store holds another version than this node's last save
+        stored = [(c.p0, c.p1) for c in last.chunks] if last else []
+        same = _common_prefix(last.tokens, tokens) if last else 0
+        ranges = kv_chunks.plan_ranges(len(tokens), stored, same, self.chunk_tokens)
+        keys = kv_chunks.chunk_keys(self._scope(slot), tokens, ranges)
+        # every key is asked (and so touched: kept from the sweep until this commit), those of the last
+        # save too: a chunk lost from the store since is read again rather than named missing
+        sizes = await self.archive.has_chunks(keys) if keys else []
+        read = [i for i, size in enumerate(sizes) if size < 0]
+        want = [KVRange(0, *ranges[i]) for i in read]
+        want += [KVRange(c, 0, WHOLE) for c in range(1, info.memory.kv_caches)]
+        got = await self.engine.read_kv(seq, want) if want else None
+        if got is not None and got.tokens != tokens:
+            raise RuntimeError("the sequence changed while its state was read")  # the slot's lock forbids it
+        records = got.records if got is not None else []
+        new = {keys[i]: kv_chunks.seal(records[j], keys[i]) for j, i in enumerate(read)}
+        rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
+        for i in read:
+            sizes[i] = len(new[keys[i]])
+        chunks = [ChunkRef(p0, p1, k, size) for (p0, p1), k, size in zip(ranges, keys, sizes, strict=True)]
+        return ChunkedSnapshot(tokens, chunks, new, rest)
+
+    def stored(self, slot: Slot, snap: ChunkedSnapshot, meta: SlotMeta) -> None:
+        """Remember that ``snap`` of ``slot`` was stored as ``meta`` (the next save starts from it)."""
+        self.saved[slot.key] = _Saved(meta.generation, snap.tokens, snap.chunks)
+
+    def forget(self, key: str) -> None:
+        """Drop what is remembered of slot ``key`` (deleted)."""
+        self.saved.pop(key, None)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

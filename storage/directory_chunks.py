@@ -1,0 +1,109 @@
+"""KV chunks of the directory store (:class:`storage.base.ChunkStore`): one file per chunk.
+
+Layout: ``<namespace>/chunks/<first two hex digits>/<key>`` beside the slot directories of
+:class:`storage.directory.DirectoryStore` (whose listing skips it).  A chunk is written once: to
+``.tmp-<random>`` in its folder, fsynced (unless ``fsync=False``), then renamed to its key; a chunk
+already there is only touched (its mtime set to now).  The mtime is what the sweep's grace counts from.
+Blocking I/O; :class:`storage.directory.DirectoryStore` runs these in a thread.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from storage.base import validate_chunk_key
+
+__all__ = ["ChunkFiles"]
+
+_TMP_PREFIX = ".tmp-"
+
+
+class ChunkFiles:
+    """The chunk files under ``root`` (see module docstring)."""
+
+    def __init__(self, root: Path, fsync: bool = True) -> None:
+        self.root = root
+        self.fsync = fsync
+
+    def path(self, key: str) -> Path:
+        """The file of ``key`` (ValueError for a malformed key)."""
+        validate_chunk_key(key)
+        return self.root / key[:2] / key
+
+    def put(self, chunks: dict[str, bytes]) -> int:
+        """Write the chunks not present (touch the others); returns the bytes written."""
+        written, folders = 0, set()
+        for key, value in chunks.items():
+            path = self.path(key)
+            if self._touch(path) >= 0:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(value)
+                    f.flush()
+                    if self.fsync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            written += len(value)
+            folders.add(path.parent)
+        if self.fsync:
+            for folder in folders:
+                fd = os.open(folder, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        return written
+
+    @staticmethod
+    def _touch(path: Path) -> int:
+        """The file's size after setting its mtime to now, -1 when there is none."""
+        try:
+            os.utime(path)
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return -1
+
+    def has(self, keys: list[str]) -> list[int]:
+        """Each chunk's size, -1 where absent (touching those that are present)."""
+        return [self._touch(self.path(k)) for k in keys]
+
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """Each chunk's bytes, None where absent."""
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(self.path(key).read_bytes())
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    def sweep(self, named: Iterable[str], grace_s: float) -> int:
+        """Remove the chunks not in ``named`` untouched for ``grace_s`` seconds (and temp files as old);
+        returns how many chunks were removed."""
+        keep = set(named)
+        cutoff = time.time() - grace_s
+        removed = 0
+        try:
+            folders = [e for e in os.scandir(self.root) if e.is_dir()]
+        except FileNotFoundError:
+            return 0
+        for folder in folders:
+            for entry in os.scandir(folder.path):
+                try:
+                    if entry.name in keep or entry.stat().st_mtime >= cutoff:
+                        continue
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+                removed += not entry.name.startswith(_TMP_PREFIX)
+        return removed

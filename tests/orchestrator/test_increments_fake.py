@@ -1,0 +1,125 @@
+"""Incremental states in-process (fake engine, directory store): a turn stores the chunks its new tokens
+touched plus the metadata; slots with the same token prefix share chunks; a restart restores from the chunks;
+a chunk lost or damaged is refused (``BAD_STATE``), never restored wrong, and the resend rebuilds the slot.
+
+The fake engine's KV records carry each cell's token id as its K and V rows (tests/orchestrator/fake_engine.py),
+so a state assembled from wrong chunks restores other tokens, which the fake refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.service_error import ServiceError
+from tests.orchestrator.fake_world import World, greedy
+
+pytestmark = pytest.mark.asyncio
+
+CHUNK = 8  # positions per chunk in these tests (the default, 256, would make every test one chunk)
+SYSTEM = [(7 * i) % 500 + 1 for i in range(30)]  # a "system prompt" of 30 tokens
+
+
+def world(root: Path, **kw: object) -> World:
+    w = World(root, strict=True, **kw)  # type: ignore[arg-type]
+    assert w.registry.durability is not None
+    w.registry.durability.increments.chunk_tokens = CHUNK
+    return w
+
+
+def chunk_files(root: Path) -> dict[str, Path]:
+    return {p.name: p for p in root.rglob("chunks/*/*") if not p.name.startswith(".tmp-")}
+
+
+async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> None:
+    w = world(tmp_path / "state")
+    await w.registry.start()
+    try:
+        await w.gen("s", SYSTEM, n=2)  # 32 tokens: four full chunks
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.n_tokens == 32
+        assert [(c.p0, c.p1) for c in meta.chunks] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+        first = chunk_files(tmp_path)
+        assert set(first) == {c.key for c in meta.chunks}
+        ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]  # three new tokens, two generated
+        await w.gen("s", ids, n=2)
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.n_tokens == 37
+        assert [(c.p0, c.p1) for c in meta.chunks][-1] == (32, 37), "one partial chunk for the new tokens"
+        second = chunk_files(tmp_path)
+        assert set(first) < set(second) and len(second) == len(first) + 1, "only the new chunk written"
+        assert all(second[k].read_bytes() == first[k].read_bytes() for k in first), "old chunks untouched"
+        # a truncation: the ranges after the cut are written again (their tokens differ)
+        cut = [*SYSTEM[:20], 99, 98]
+        await w.gen("s", cut, n=2)
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == [*cut, *greedy(cut, 2)]
+        assert [(c.p0, c.p1) for c in meta.chunks] == [(0, 8), (8, 16), (16, 24)]
+        assert [c.key for c in meta.chunks[:2]] == [c.key for c in (await w.archive.lookup("s")).chunks[:2]]  # type: ignore[union-attr]
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_same_prefix_shares_chunks_and_a_restart_restores_them(tmp_path: Path) -> None:
+    w = world(tmp_path / "state")
+    await w.registry.start()
+    try:
+        await w.gen("a", [*SYSTEM, 1, 2], n=2)
+        await w.gen("b", [*SYSTEM, 3, 4], n=2)
+        a, b = await w.archive.lookup("a"), await w.archive.lookup("b")
+        assert a is not None and b is not None
+        shared = {c.key for c in a.chunks} & {c.key for c in b.chunks}
+        assert len(shared) == 3, "the 24 positions of whole chunks before the slots differ are stored once"
+        assert len(chunk_files(tmp_path)) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
+        want = list(a.tokens)
+    finally:
+        await w.registry.shutdown()
+    # another process on the same store: the slot is restored from its chunks and continues from them
+    w2 = world(tmp_path / "state", node="node-b")
+    await w2.registry.start()
+    try:
+        more = [*want, 5]
+        done = await w2.gen("a", more, n=2)
+        assert done.n_cached == len(want), "the restored state held every token"
+        assert w2.seq_tokens("a") == [*more, *greedy(more, 2)]
+    finally:
+        await w2.registry.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["lost", "flipped", "swapped"])
+async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(tmp_path: Path, damage: str) -> None:
+    w = world(tmp_path / "state")
+    await w.registry.start()
+    try:
+        await w.gen("s", SYSTEM, n=2)
+        await w.gen("t", [9, *SYSTEM[1:8], 77, *SYSTEM[9:]], n=2)  # another slot's chunks, to swap in
+        meta = await w.archive.lookup("s")
+        other = await w.archive.lookup("t")
+        assert meta is not None and other is not None
+    finally:
+        await w.registry.shutdown()
+    files = chunk_files(tmp_path)
+    victim = files[meta.chunks[1].key]
+    if damage == "lost":
+        victim.unlink()
+    elif damage == "flipped":
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0x10
+        victim.write_bytes(bytes(data))
+    else:
+        victim.write_bytes(files[other.chunks[1].key].read_bytes())  # sealed, whole, but other tokens
+    w2 = world(tmp_path / "state", node="node-b")
+    await w2.registry.start()
+    try:
+        ids = [*meta.tokens, 4]
+        with pytest.raises(ServiceError) as refused:
+            await w2.gen("s", ids, n=2)
+        assert refused.value.code == "BAD_STATE"
+        assert "chunk" in refused.value.message
+        done = await w2.gen("s", ids, n=2)  # the client resends: prefilled from nothing
+        assert done.n_cached == 0
+        assert w2.seq_tokens("s") == [*ids, *greedy(ids, 2)]
+        stored = await w2.archive.lookup("s")
+        assert stored is not None and stored.tokens == [*ids, *greedy(ids, 2)], "the rebuilt slot is stored"
+    finally:
+        await w2.registry.shutdown()
