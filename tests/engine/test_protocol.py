@@ -59,6 +59,7 @@ REQUESTS: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Status(14), []),
     (proto.Shutdown(15), []),
     (proto.CheckSampling(16, GRAMMAR_PARAMS), []),
+    (proto.ReadKV(17, 1, [proto.KVRange(0, 0, 256), proto.KVRange(1, 128, 256)]), []),
 ]
 REPLIES: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Starting(0, "loading_model", 0.25), []),
@@ -79,6 +80,7 @@ REPLIES: list[tuple[proto.Message, list[bytes]]] = [
     (proto.StateBlob(11, 1, [1, 2, 3], 0.5, proto.Tensor.raw(STATE)), [STATE]),
     (proto.StateRestored(12, 1, 3, 7.5), []),
     (proto.StateRestored(14, 2, 3, 7.5, 4096), []),
+    (proto.KVRecords(17, 1, [1, 2, 3], 0.5, [proto.Tensor.raw(STATE)]), [STATE]),
     (proto.FileSaved(13, 1, 3, 4096, 9.5), []),
     (proto.Classified(13, [4, 5], proto.Tensor.of(LOGITS, 0)), [LOGITS.tobytes()]),
     (proto.EngineState(14, [0]), []),
