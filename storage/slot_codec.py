@@ -93,25 +93,28 @@ async def save_slot(
     tokens = list(tokens)
     if ses1_tokens(ses1_blob) != tokens:
         raise BadStateError("the SES1 blob's tokens differ from the slot's tokens")
+    _check_codec(codec)
+    used, data, digest = await asyncio.to_thread(_encode, ses1_blob, codec, level)
+    raw_size = len(memoryview(ses1_blob).cast("B"))
+    meta = _meta(slot_id, fingerprint, tokens, used, level, raw_size, len(data), digest, tenant, partition)
+    return await store.put(meta, data, lease=lease)
+
+
+def _check_codec(codec: str) -> None:
     if codec not in (*codecs.CODECS, "auto", "best"):
         raise ValueError(f"unknown codec {codec!r}")
-    used, data, digest = await asyncio.to_thread(_encode, ses1_blob, codec, level)
-    meta = SlotMeta(
-        slot_id=slot_id,
-        model_fingerprint=fingerprint,
-        n_tokens=len(tokens),
-        tokens=tokens,
-        codec=used,
-        level=level,
-        raw_size=len(memoryview(ses1_blob).cast("B")),
-        stored_size=len(data),
-        created_at=0.0,
-        updated_at=0.0,
-        digest=digest,
-        tenant=tenant,
-        partition=partition,
-    )
-    return await store.put(meta, data, lease=lease)
+
+
+def _meta(
+    slot_id: str, fingerprint: str, tokens: list[int], codec: str, level: int, raw_size: int, stored_size: int,
+    digest: str, tenant: str, partition: str, chunks: Sequence[ChunkRef] = (),
+) -> SlotMeta:  # fmt: skip
+    """The metadata a save stores (the store fills in generation and times)."""
+    return SlotMeta(
+        slot_id=slot_id, model_fingerprint=fingerprint, n_tokens=len(tokens), tokens=tokens, codec=codec,
+        level=level, raw_size=raw_size, stored_size=stored_size, created_at=0.0, updated_at=0.0, digest=digest,
+        tenant=tenant, partition=partition, chunks=list(chunks),
+    )  # fmt: skip
 
 
 def manifest_digest(chunks: Sequence[ChunkRef], rest: bytes | bytearray | memoryview) -> str:
@@ -151,29 +154,13 @@ async def save_chunks(
     """
     if not isinstance(store, ChunkStore):
         raise ValueError("this store keeps no KV chunks")
-    if codec not in (*codecs.CODECS, "auto", "best"):
-        raise ValueError(f"unknown codec {codec!r}")
+    _check_codec(codec)
     written = await store.put_chunks(new) if new else 0
     used, data = "none", b""  # no rest (one KV cache): nothing to compress
     if len(rest):
         used, data, _ = await asyncio.to_thread(_encode, memoryview(rest), codec, level)
-    tokens = list(tokens)
-    meta = SlotMeta(
-        slot_id=slot_id,
-        model_fingerprint=fingerprint,
-        n_tokens=len(tokens),
-        tokens=tokens,
-        codec=used,
-        level=level,
-        raw_size=len(memoryview(rest).cast("B")),
-        stored_size=len(data),
-        created_at=0.0,
-        updated_at=0.0,
-        digest=manifest_digest(chunks, rest),
-        tenant=tenant,
-        partition=partition,
-        chunks=list(chunks),
-    )
+    raw_size, digest, ids = len(memoryview(rest).cast("B")), manifest_digest(chunks, rest), list(tokens)
+    meta = _meta(slot_id, fingerprint, ids, used, level, raw_size, len(data), digest, tenant, partition, chunks)
     return await store.put(meta, data, lease=lease), written
 
 
