@@ -1,18 +1,24 @@
-"""Incremental states in-process (fake engine, directory store): a turn stores the chunks its new tokens
-touched plus the metadata; slots with the same token prefix share chunks; a restart restores from the chunks;
-a chunk lost or damaged is refused (``BAD_STATE``), never restored wrong, and the resend rebuilds the slot.
+"""Incremental states in-process (fake engine; the directory store and a real redis-server the test run
+starts): a turn stores the chunks its new tokens touched plus the metadata; slots with the same token prefix
+share chunks; a restart restores from the chunks; a chunk lost or damaged is refused (``BAD_STATE``), never
+restored wrong, and the resend rebuilds the slot.
 
 The fake engine's KV records carry each cell's token id as its K and V rows (tests/orchestrator/fake_engine.py),
 so a state assembled from wrong chunks restores other tokens, which the fake refuses."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
 
 from orchestrator.service_error import ServiceError
-from tests.orchestrator.fake_world import World, greedy
+from storage.redis_store import RedisStore
+from tests.orchestrator.fake_world import CountingStore, World, greedy
 
 pytestmark = pytest.mark.asyncio
 
@@ -20,35 +26,73 @@ CHUNK = 8  # positions per chunk in these tests (the default, 256, would make ev
 SYSTEM = [(7 * i) % 500 + 1 for i in range(30)]  # a "system prompt" of 30 tokens
 
 
-def world(root: Path, **kw: object) -> World:
-    w = World(root, strict=True, **kw)  # type: ignore[arg-type]
-    assert w.registry.durability is not None
-    w.registry.durability.increments.chunk_tokens = CHUNK
-    return w
+class Store:
+    """One store of the test (a directory, or a prefix in the session's redis-server): builds nodes on it and
+    reads or damages its chunks behind its back."""
+
+    def __init__(self, root: Path, redis_url: str | None) -> None:
+        self.root = root
+        self.redis_url = redis_url
+        self.prefix = f"inc{uuid.uuid4().hex[:8]}:"
+        self.raw = Redis.from_url(redis_url) if redis_url else None
+
+    def world(self, **kw: object) -> World:
+        url = self.redis_url
+        store = RedisStore.from_url(url, prefix=self.prefix) if url else CountingStore(self.root)
+        w = World(self.root, strict=True, store=store, **kw)  # type: ignore[arg-type]
+        assert w.registry.durability is not None
+        w.registry.durability.increments.chunk_tokens = CHUNK
+        return w
+
+    def _key(self, key: str) -> bytes:
+        return self.prefix.encode() + b"chunk:" + key.encode()
+
+    async def chunks(self) -> dict[str, bytes]:
+        """Every stored chunk: key -> stored value."""
+        if self.raw is None:
+            return {p.name: p.read_bytes() for p in self.root.rglob("chunks/*/*") if not p.name.startswith(".tmp-")}
+        base = self._key("")
+        return {k[len(base) :].decode(): await self.raw.hget(k, "v") async for k in self.raw.scan_iter(base + b"*")}  # type: ignore[misc]
+
+    async def overwrite(self, key: str, value: bytes | None) -> None:
+        """Replace chunk ``key``'s value (None: remove the chunk)."""
+        if self.raw is not None:
+            await (self.raw.delete(self._key(key)) if value is None else self.raw.hset(self._key(key), "v", value))
+            return
+        path = next(self.root.rglob(f"chunks/*/{key}"))
+        if value is None:
+            path.unlink()
+        else:
+            path.write_bytes(value)
 
 
-def chunk_files(root: Path) -> dict[str, Path]:
-    return {p.name: p for p in root.rglob("chunks/*/*") if not p.name.startswith(".tmp-")}
+@pytest_asyncio.fixture(params=["directory", "redis"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
+    s = Store(tmp_path / "state", url)
+    yield s
+    if s.raw is not None:
+        await s.raw.aclose()
 
 
-async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> None:
-    w = world(tmp_path / "state")
+async def test_a_turn_writes_the_chunks_its_tokens_touched(store: Store) -> None:
+    w = store.world()
     await w.registry.start()
     try:
         await w.gen("s", SYSTEM, n=2)  # 32 tokens: four full chunks
         meta = await w.archive.lookup("s")
         assert meta is not None and meta.n_tokens == 32
         assert [(c.p0, c.p1) for c in meta.chunks] == [(0, 8), (8, 16), (16, 24), (24, 32)]
-        first = chunk_files(tmp_path)
+        first = await store.chunks()
         assert set(first) == {c.key for c in meta.chunks}
         ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]  # three new tokens, two generated
         await w.gen("s", ids, n=2)
         meta = await w.archive.lookup("s")
         assert meta is not None and meta.n_tokens == 37
         assert [(c.p0, c.p1) for c in meta.chunks][-1] == (32, 37), "one partial chunk for the new tokens"
-        second = chunk_files(tmp_path)
+        second = await store.chunks()
         assert set(first) < set(second) and len(second) == len(first) + 1, "only the new chunk written"
-        assert all(second[k].read_bytes() == first[k].read_bytes() for k in first), "old chunks untouched"
+        assert all(second[k] == first[k] for k in first), "old chunks untouched"
         # a truncation: the ranges after the cut are written again (their tokens differ)
         cut = [*SYSTEM[:20], 99, 98]
         await w.gen("s", cut, n=2)
@@ -60,8 +104,8 @@ async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> No
         await w.registry.shutdown()
 
 
-async def test_same_prefix_shares_chunks_and_a_restart_restores_them(tmp_path: Path) -> None:
-    w = world(tmp_path / "state")
+async def test_same_prefix_shares_chunks_and_a_restart_restores_them(store: Store) -> None:
+    w = store.world()
     await w.registry.start()
     try:
         await w.gen("a", [*SYSTEM, 1, 2], n=2)
@@ -70,12 +114,12 @@ async def test_same_prefix_shares_chunks_and_a_restart_restores_them(tmp_path: P
         assert a is not None and b is not None
         shared = {c.key for c in a.chunks} & {c.key for c in b.chunks}
         assert len(shared) == 3, "the 24 positions of whole chunks before the slots differ are stored once"
-        assert len(chunk_files(tmp_path)) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
+        assert len(await store.chunks()) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
         want = list(a.tokens)
     finally:
         await w.registry.shutdown()
     # another process on the same store: the slot is restored from its chunks and continues from them
-    w2 = world(tmp_path / "state", node="node-b")
+    w2 = store.world(node="node-b")
     await w2.registry.start()
     try:
         more = [*want, 5]
@@ -87,8 +131,8 @@ async def test_same_prefix_shares_chunks_and_a_restart_restores_them(tmp_path: P
 
 
 @pytest.mark.parametrize("damage", ["lost", "flipped", "swapped"])
-async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(tmp_path: Path, damage: str) -> None:
-    w = world(tmp_path / "state")
+async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(store: Store, damage: str) -> None:
+    w = store.world()
     await w.registry.start()
     try:
         await w.gen("s", SYSTEM, n=2)
@@ -98,17 +142,17 @@ async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(tmp_pa
         assert meta is not None and other is not None
     finally:
         await w.registry.shutdown()
-    files = chunk_files(tmp_path)
-    victim = files[meta.chunks[1].key]
+    values = await store.chunks()
+    victim = meta.chunks[1].key
     if damage == "lost":
-        victim.unlink()
+        await store.overwrite(victim, None)
     elif damage == "flipped":
-        data = bytearray(victim.read_bytes())
+        data = bytearray(values[victim])
         data[-3] ^= 0x10
-        victim.write_bytes(bytes(data))
+        await store.overwrite(victim, bytes(data))
     else:
-        victim.write_bytes(files[other.chunks[1].key].read_bytes())  # sealed, whole, but other tokens
-    w2 = world(tmp_path / "state", node="node-b")
+        await store.overwrite(victim, values[other.chunks[1].key])  # sealed, whole, but other tokens
+    w2 = store.world(node="node-b")
     await w2.registry.start()
     try:
         ids = [*meta.tokens, 4]
