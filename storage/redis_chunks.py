@@ -16,6 +16,7 @@ pipeline and script works on a Cluster as on one server.
 * :meth:`RedisChunks.get_chunks`: ``HSTRLEN`` of every key (one pipeline), then ``HGET v`` pipelined in
   batches of at most :data:`BATCH_BYTES`: a long restore is a few round trips, never one reply per
   chunk nor one reply of the whole state.
+* :meth:`RedisChunks.drop_chunks`: ``DEL`` of chunks a restore found damaged, one pipeline.
 * :meth:`RedisChunks.sweep_chunks`: the names of every stored manifest (:meth:`list_meta`), then a
   ``SCAN`` of the chunk keys; each one no manifest names is removed by a script that deletes it only
   if its ``t`` is older than the grace by the server's clock, checked and deleted in one atomic step.
@@ -149,6 +150,15 @@ class RedisChunks:
                     pipe.hget(rkeys[i], "v")
                 out += cast("list[bytes | None]", await pipe.execute())
         return out
+
+    async def drop_chunks(self, keys: list[str]) -> int:
+        """:meth:`storage.base.ChunkStore.drop_chunks`: ``DEL`` each chunk (one pipeline); how many there were."""
+        rkeys = [self.kv_chunk_key(k) for k in keys]
+        async with unavailable("drop_chunks"):
+            pipe = self.redis.pipeline(transaction=False)
+            for key in rkeys:
+                pipe.delete(key)
+            return sum(int(n) for n in await pipe.execute()) if rkeys else 0
 
     async def sweep_chunks(self, grace_s: float) -> int:
         """:meth:`storage.base.ChunkStore.sweep_chunks`: remove the chunks no stored slot's manifest names

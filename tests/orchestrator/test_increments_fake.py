@@ -167,3 +167,13 @@ async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(store:
         assert stored is not None and stored.tokens == [*ids, *greedy(ids, 2)], "the rebuilt slot is stored"
     finally:
         await w2.registry.shutdown()
+    # the rebuilt slot's stored state is whole: a damaged chunk under a key it names was written anew
+    w3 = store.world(node="node-c")
+    await w3.registry.start()
+    try:
+        more = [*stored.tokens, 5]
+        done = await w3.gen("s", more, n=2)
+        assert done.n_cached == len(stored.tokens), "restored from the store, every chunk sound"
+        assert w3.seq_tokens("s") == [*more, *greedy(more, 2)]
+    finally:
+        await w3.registry.shutdown()

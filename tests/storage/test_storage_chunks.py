@@ -193,6 +193,8 @@ async def test_a_damaged_chunk_is_refused(harness: StoreHarness, damage: str) ->
         await overwrite(harness, store, keys[1], await stored_value(harness, store, keys[0]))
     with pytest.raises(BadStateError, match="chunk"):
         await load_slot(store, "t/d", "fp")
+    assert await store.has_chunks(keys) == [len(new[keys[0]]), -1], "a damaged chunk is removed, a sound one kept"
+    assert await store.drop_chunks([keys[0], "9" * 32]) == 1
 
 
 async def test_a_gap_in_the_manifest_is_refused(harness: StoreHarness) -> None:
