@@ -100,8 +100,10 @@ def per_turn(args: argparse.Namespace, tmp: Path, store: str, durability: str, r
                     generate(client, srv.base, slot, ids, 2)
                     times.append(time.perf_counter() - t0)
                     commits.append(commit_s(client, srv.base) - c0)
-                    time.sleep(0.5)
-                    grew = written(client, srv.base) - before
+                    grew, deadline = 0.0, time.monotonic() + 30
+                    while not grew and time.monotonic() < deadline:  # the write-behind's save may take a while
+                        time.sleep(0.5)
+                        grew = written(client, srv.base) - before
                     sizes.append(grew if grew else stored_bytes(client, srv.base, slot))
                 out[n] = (statistics.median(times) * 1000, statistics.median(sizes), statistics.median(commits) * 1000)
                 ms, mb, cm = out[n][0], out[n][1] / 1e6, out[n][2]
