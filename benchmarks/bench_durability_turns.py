@@ -45,6 +45,18 @@ def written(client: httpx.Client, base: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def settled_written(client: httpx.Client, base: str) -> float:
+    """:func:`written` once it stopped growing for a second (a write-behind save in flight has ended: on a loaded
+    machine the first save of a long prefill takes seconds, and would be counted in the next turn's bytes)."""
+    last = written(client, base)
+    while True:
+        time.sleep(1.0)
+        now = written(client, base)
+        if now == last:
+            return now
+        last = now
+
+
 def commit_s(client: httpx.Client, base: str) -> float:
     """The strict commits' total time so far (``slotserve_durable_commit_seconds``' sum)."""
     m = COMMIT.search(client.get(base + "/metrics").text)
@@ -94,8 +106,8 @@ def per_turn(args: argparse.Namespace, tmp: Path, store: str, durability: str, r
                 times, sizes, commits = [], [], []
                 for _ in range(args.turns):
                     ids = [*slot_tokens(client, srv.base, slot), *turn]
-                    time.sleep(0.5)  # the write-behind's save of the turn before is done
-                    before, c0 = written(client, srv.base), commit_s(client, srv.base)
+                    before = settled_written(client, srv.base)  # the save of the state before is done
+                    c0 = commit_s(client, srv.base)
                     t0 = time.perf_counter()
                     generate(client, srv.base, slot, ids, 2)
                     times.append(time.perf_counter() - t0)

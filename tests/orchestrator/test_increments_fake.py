@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from orchestrator.service_error import ServiceError
 from storage.redis_store import RedisStore
 from tests.orchestrator.fake_engine import EOG
-from tests.orchestrator.fake_world import CountingStore, World, greedy
+from tests.orchestrator.fake_world import CountingStore, World, greedy, saved
 
 pytestmark = pytest.mark.asyncio
 
@@ -40,7 +40,8 @@ class Store:
     def world(self, **kw: object) -> World:
         url = self.redis_url
         store = RedisStore.from_url(url, prefix=self.prefix) if url else CountingStore(self.root)
-        w = World(self.root, strict=True, store=store, **kw)  # type: ignore[arg-type]
+        kw.setdefault("strict", True)
+        w = World(self.root, store=store, **kw)  # type: ignore[arg-type]
         assert w.registry.durability is not None
         w.registry.durability.increments.chunk_tokens = CHUNK
         return w
@@ -103,6 +104,34 @@ async def test_a_turn_writes_the_chunks_its_tokens_touched(store: Store) -> None
         assert [c.key for c in meta.chunks[:2]] == [c.key for c in (await w.archive.lookup("s")).chunks[:2]]  # type: ignore[union-attr]
     finally:
         await w.registry.shutdown()
+
+
+async def test_a_write_behind_turn_writes_only_its_chunk(store: Store) -> None:
+    """The write-behind's save (which asks the store before it takes the slot's lock) is incremental too: after
+    the first save, a turn writes one chunk of its new tokens, and a restart restores from the chunks."""
+    w = store.world(strict=False)
+    await w.registry.start()
+    try:
+        ids = [*SYSTEM, 1, 2]
+        await w.gen("s", ids, n=2)
+        await saved(w, "s")
+        first = await store.chunks()
+        ids = [*ids, *greedy(ids, 2), 3]
+        await w.gen("s", ids, n=2)
+        await saved(w, "s")
+        second = await store.chunks()
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == [*ids, *greedy(ids, 2)]
+        assert set(first) < set(second) and len(second) == len(first) + 1, "only the turn's chunk written"
+    finally:
+        await w.registry.shutdown()
+    w2 = store.world(node="node-b", strict=False)
+    await w2.registry.start()
+    try:
+        more = [*meta.tokens, 4]
+        assert (await w2.gen("s", more, n=2)).n_cached == len(meta.tokens)
+    finally:
+        await w2.registry.shutdown()
 
 
 async def test_a_system_prompt_shares_its_partial_chunk(store: Store) -> None:
