@@ -30,8 +30,6 @@ from storage.base import ChunkRef, SlotMeta
 
 __all__ = ["ChunkedSnapshot", "Increments"]
 
-WHOLE = 2**31 - 1  # the end of a range that covers every position
-
 
 @dataclass
 class ChunkedSnapshot:
@@ -81,16 +79,21 @@ class Increments:
         keys = [c.key for c in last.chunks]
         return dict(zip(keys, await self.archive.has_chunks(keys), strict=True))
 
-    async def snapshot(self, slot: Slot, known: dict[str, int] | None = None) -> ChunkedSnapshot | None:
+    async def snapshot(
+        self, slot: Slot, flush: bool = True, known: dict[str, int] | None = None
+    ) -> ChunkedSnapshot | None:
         """Read what a save of ``slot`` (resident, lock held) must store; None for an empty sequence (stored
-        whole: a state of no cells has no chunks).  ``known``: the chunks' sizes from :meth:`known` (no store
-        call here: a chunk not in it is read from the engine, and the store keeps it once); None: asked from
-        the store now (``STORE_UNAVAILABLE`` when the store cannot say which chunks it has)."""
+        whole: a state of no cells has no chunks).  ``flush`` False: the last generated token's pending write
+        (a decode step) is left alone and the snapshot holds the tokens whose KV is in the cache (one fewer: a
+        strict turn's commit, whose write-behind save then stores that token).  ``known``: the chunks' sizes
+        from :meth:`known` (no store call here: a chunk not in it is read from the engine, and the store keeps
+        it once); None: asked from the store now (``STORE_UNAVAILABLE`` when the store cannot say which chunks
+        it has)."""
         seq = slot.seq
         assert seq is not None
         info = self.engine.info
         assert info is not None
-        tokens = await self.engine.tokens(seq)
+        tokens = await self.engine.tokens(seq) if flush else (await self.engine.read_kv(seq, [])).tokens
         if not tokens:
             return None
         last = self.saved.get(slot.key)
@@ -109,10 +112,12 @@ class Increments:
             sizes = await self.archive.has_chunks(keys) if keys else []
         read = [i for i, size in enumerate(sizes) if size < 0]
         want = [KVRange(0, *ranges[i]) for i in read]
-        want += [KVRange(c, 0, WHOLE) for c in range(1, info.memory.kv_caches)]
+        want += [KVRange(c, 0, len(tokens)) for c in range(1, info.memory.kv_caches)]
         got = await self.engine.read_kv(seq, want) if want else None
-        if got is not None and got.tokens != tokens:
+        if got is not None and got.tokens[: len(tokens)] != tokens:
             raise RuntimeError("the sequence changed while its state was read")  # the slot's lock forbids it
+        # (another sequence's decode step may have written the pending token meanwhile: the ranges, all
+        # before it, read the same cells)
         records = got.records if got is not None else []
         new = {keys[i]: kv_chunks.seal(records[j], keys[i]) for j, i in enumerate(read)}
         rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
