@@ -275,6 +275,11 @@ class ChunkStore(Protocol):
         """Each key's value, None where it is not stored."""
         ...
 
+    async def drop_chunks(self, keys: list[str]) -> int:
+        """Remove the chunks ``keys`` (found damaged: a chunk is written once, so a damaged one would stay
+        damaged and be found by every later save of its key); returns how many were stored."""
+        ...
+
     async def sweep_chunks(self, grace_s: float) -> int:
         """Remove the chunks no stored slot names that were untouched for ``grace_s`` seconds; returns
         how many."""

@@ -351,6 +351,10 @@ class DirectoryStore:
         """See :meth:`storage.base.ChunkStore.get_chunks`."""
         return await self._run(self.chunks.get, keys)
 
+    async def drop_chunks(self, keys: list[str]) -> int:
+        """See :meth:`storage.base.ChunkStore.drop_chunks`."""
+        return await self._run(self.chunks.drop, keys)
+
     async def sweep_chunks(self, grace_s: float) -> int:
         """See :meth:`storage.base.ChunkStore.sweep_chunks` (the names: every listed slot's chunks)."""
 

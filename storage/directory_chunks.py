@@ -87,6 +87,17 @@ class ChunkFiles:
                 out.append(None)
         return out
 
+    def drop(self, keys: list[str]) -> int:
+        """Remove the chunks ``keys``; returns how many there were."""
+        removed = 0
+        for key in keys:
+            try:
+                self.path(key).unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
     def sweep(self, named: Iterable[str], grace_s: float) -> int:
         """Remove the chunks not in ``named`` untouched for ``grace_s`` seconds (and temp files as old);
         returns how many chunks were removed."""

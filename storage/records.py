@@ -24,7 +24,8 @@ from typing import cast
 from storage.base import SlotStore, validate_slot_id
 from storage.directory import DirectoryStore, safe_name
 from storage.errors import StoreUnavailableError
-from storage.redis_store import RedisStore, escape_tag, unavailable
+from storage.redis_store import RedisStore, escape_tag
+from storage.redis_url import unavailable
 
 __all__ = ["get_record", "put_record"]
 

@@ -7,6 +7,7 @@ Keys (``P`` = prefix, ``T`` = the slot id with ``%``, ``{`` and ``}`` percent-es
     P slot:{T}:blob:<gen>:<i>   chunk i (0-based) of generation <gen>'s blob, chunk_size bytes each
     P slot:{T}:tmp:<nonce>:<i>  chunks of a put in progress (expire after 10 min if never committed)
     P slot:{T}:lease            lease token (SET NX PX)
+    P chunk:K                   KV chunk K of incremental states, shared by slots (:mod:`storage.redis_chunks`)
 
 Atomic put: (1) the chunks are written, pipelined, to fresh ``tmp`` keys; (2) one Lua script checks
 they all exist and, for a fenced put (``lease=token``), that the lease key holds exactly that token
@@ -32,8 +33,6 @@ import asyncio
 import logging
 import random
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any, cast
 
 import msgspec
@@ -51,7 +50,8 @@ from storage.base import (
 )
 from storage.errors import BadStateError, LeaseLostError, StoreUnavailableError
 from storage.leases import check_ttl_ms, make_token, token_owner
-from storage.redis_url import Connection, connect
+from storage.redis_chunks import RedisChunks
+from storage.redis_url import UNAVAILABLE, Connection, connect, glob_escape, unavailable
 
 __all__ = ["RedisStore"]
 
@@ -61,17 +61,6 @@ _TMP_TTL_MS = 10 * 60 * 1000
 _OPTIMISTIC_READS = 4
 _LIST_BATCH = 256
 
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    rexc.ConnectionError,  # includes BusyLoadingError (AOF loading), MasterNotFoundError, auth errors
-    rexc.TimeoutError,
-    rexc.ClusterDownError,
-    rexc.TryAgainError,
-    rexc.RedisClusterException,
-    rexc.ReadOnlyError,  # failover in progress: we talk to a demoted master
-    rexc.OutOfMemoryError,
-    TimeoutError,
-    OSError,
-)
 
 # KEYS[1]=meta, KEYS[2]=lease, KEYS[3..n+2]=tmp chunks; ARGV: blob key base, body, n, ttl_ms, created,
 # fencing token ('' = unfenced)
@@ -150,27 +139,9 @@ def escape_tag(raw: bytes) -> bytes:
     return raw.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
 
 
-def _glob_escape(raw: bytes) -> bytes:
-    out = bytearray()
-    for b in raw:
-        if b in b"*?[]\\":
-            out += b"\\"
-        out.append(b)
-    return bytes(out)
-
-
-@asynccontextmanager
-async def unavailable(what: str) -> AsyncIterator[None]:
-    """Turn redis-py's connection and timeout errors inside the block into ``StoreUnavailableError``."""
-    try:
-        yield
-    except _UNAVAILABLE as exc:
-        raise StoreUnavailableError(f"redis unavailable during {what}: {exc!r}") from exc
-
-
-class RedisStore:
-    """Slot store on Redis; build it with :meth:`from_url`. See the module docstring for keys and
-    atomicity.
+class RedisStore(RedisChunks):
+    """Slot store on Redis, with KV chunks (:class:`storage.redis_chunks.RedisChunks`); build it with
+    :meth:`from_url`. See the module docstring for keys and atomicity.
 
     Args:
         conn: a :class:`storage.redis_url.Connection` (or use :meth:`from_url`).
@@ -294,7 +265,7 @@ class RedisStore:
                     keys=[base + b"meta", base + b"lease", *tmp_keys],
                     args=[base + b"blob:", encode_meta(body), n, self._ttl_ms, repr(created), lease or ""],
                 )
-            except _UNAVAILABLE:
+            except UNAVAILABLE:
                 raise  # cannot clean up now; the tmp keys expire by themselves
             except BaseException:
                 await self._drop_tmp(tmp_keys)
@@ -377,7 +348,7 @@ class RedisStore:
 
         Metas that vanish or are unreadable are skipped.
         """
-        pattern = _glob_escape(self._prefix) + b"slot:{*}:meta"
+        pattern = glob_escape(self._prefix) + b"slot:{*}:meta"
         out: list[SlotMeta] = []
         async with unavailable("list_meta"):
             keys = [k async for k in self.redis.scan_iter(match=pattern, count=1000)]

@@ -17,20 +17,57 @@ short retry policy, so an outage surfaces as an error within about ``socket_time
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from redis import exceptions as rexc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 
-__all__ = ["Connection", "RedisClient", "connect", "parse_hosts"]
+from storage.errors import StoreUnavailableError
+
+__all__ = ["UNAVAILABLE", "Connection", "RedisClient", "connect", "glob_escape", "parse_hosts", "unavailable"]
 
 RedisClient = Redis | RedisCluster
+
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    rexc.ConnectionError,  # includes BusyLoadingError (AOF loading), MasterNotFoundError, auth errors
+    rexc.TimeoutError,
+    rexc.ClusterDownError,
+    rexc.TryAgainError,
+    rexc.RedisClusterException,
+    rexc.ReadOnlyError,  # failover in progress: we talk to a demoted master
+    rexc.OutOfMemoryError,
+    TimeoutError,
+    OSError,
+)
+"""The redis-py and socket errors that mean "cannot reach Redis now" (:func:`unavailable`)."""
+
+
+@asynccontextmanager
+async def unavailable(what: str) -> AsyncIterator[None]:
+    """Turn redis-py's connection and timeout errors (:data:`UNAVAILABLE`) inside the block into
+    :class:`storage.errors.StoreUnavailableError`."""
+    try:
+        yield
+    except UNAVAILABLE as exc:
+        raise StoreUnavailableError(f"redis unavailable during {what}: {exc!r}") from exc
+
+
+def glob_escape(raw: bytes) -> bytes:
+    """``raw`` with the glob characters of ``SCAN ... MATCH`` (``*?[]\\``) backslash-escaped."""
+    out = bytearray()
+    for b in raw:
+        if b in b"*?[]\\":
+            out += b"\\"
+        out.append(b)
+    return bytes(out)
 
 
 @dataclass

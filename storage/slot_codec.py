@@ -164,6 +164,31 @@ async def save_chunks(
     return await store.put(meta, data, lease=lease), written
 
 
+def _chunk_record(slot_id: str, ref: ChunkRef, value: bytes) -> memoryview:
+    """The llama.cpp record in the stored ``value`` of chunk ``ref``; BadStateError when it is damaged, another
+    key's or holds other positions than its range."""
+    try:
+        record = kv_chunks.unseal(value, ref.key)
+        got = kv_chunks.parse_record(record).positions
+    except StateFormatError as exc:
+        raise BadStateError(f"slot {slot_id!r}: KV chunk {ref.key}: {exc}") from exc
+    if not np.array_equal(got, np.arange(ref.p0, ref.p1)):
+        raise BadStateError(f"slot {slot_id!r}: KV chunk {ref.key} holds other positions than {ref.p0}-{ref.p1}")
+    return record
+
+
+def _damaged(meta: SlotMeta, values: list[bytes | None]) -> list[str]:
+    """The keys of the stored chunks of ``meta`` whose values are damaged (:func:`_chunk_record`)."""
+    out = []
+    for ref, value in zip(meta.chunks, values, strict=True):
+        try:
+            if value is not None:
+                _chunk_record(meta.slot_id, ref, value)
+        except BadStateError:
+            out.append(ref.key)
+    return out
+
+
 def _assemble(meta: SlotMeta, rest: bytes, values: list[bytes | None]) -> bytes:
     """The SES1 blob of an incremental state from its rest and its chunks' stored values (checked)."""
     bounds = [(c.p0, c.p1) for c in meta.chunks]
@@ -173,16 +198,7 @@ def _assemble(meta: SlotMeta, rest: bytes, values: list[bytes | None]) -> bytes:
     for ref, value in zip(meta.chunks, values, strict=True):
         if value is None:
             raise BadStateError(f"slot {meta.slot_id!r}: KV chunk {ref.key} of positions {ref.p0}-{ref.p1} is missing")
-        try:
-            record = kv_chunks.unseal(value, ref.key)
-            got = kv_chunks.parse_record(record).positions
-        except StateFormatError as exc:
-            raise BadStateError(f"slot {meta.slot_id!r}: KV chunk {ref.key}: {exc}") from exc
-        if not np.array_equal(got, np.arange(ref.p0, ref.p1)):
-            raise BadStateError(
-                f"slot {meta.slot_id!r}: KV chunk {ref.key} holds other positions than {ref.p0}-{ref.p1}"
-            )
-        records.append(record)
+        records.append(_chunk_record(meta.slot_id, ref, value))
     try:
         joined = kv_chunks.join_records(records)
     except StateFormatError as exc:
@@ -219,7 +235,8 @@ async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[S
         BadStateError: damaged blob: corrupt compressed data, size mismatch, a checksum that differs
             from the metadata's :attr:`~storage.base.SlotMeta.digest`, invalid SES1 header, or tokens that
             differ from the metadata; for an incremental state also a KV chunk missing, damaged (its own
-            checksum) or holding other positions than its range.
+            checksum) or holding other positions than its range (a damaged chunk is removed from the store:
+            :meth:`storage.base.ChunkStore.drop_chunks`).
         StoreUnavailableError: the store is unreachable.
     """
     got = await store.get(slot_id)
@@ -233,5 +250,13 @@ async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[S
         if not isinstance(store, ChunkStore):
             raise BadStateError(f"slot {meta.slot_id!r} is stored in KV chunks, which this store does not keep")
         values = await store.get_chunks([c.key for c in meta.chunks])
-        raw = await asyncio.to_thread(_assemble, meta, raw, values)
+        try:
+            raw = await asyncio.to_thread(_assemble, meta, raw, values)
+        except BadStateError:
+            # a damaged chunk stays damaged (chunks are written once): removed, so the next save that names
+            # its key (the slot rebuilt by a re-prefill) writes it anew instead of finding it stored
+            damaged = await asyncio.to_thread(_damaged, meta, values)
+            if damaged:
+                await store.drop_chunks(damaged)
+            raise
     return meta, raw

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from storage.base import SlotMeta, SlotStore
 from storage.errors import StoreUnavailableError
@@ -24,8 +24,8 @@ T = TypeVar("T")
 class TimeoutStore:
     """``store`` with a deadline of ``timeout_s`` seconds per call (see module docstring).
 
-    ``put`` gets ``timeout_s`` plus one second per ``put_bytes_per_s`` bytes of blob, so large
-    states are not cut off on a healthy link.  Other attributes (``purge_expired``...) pass through.
+    ``put`` and ``put_chunks`` get ``timeout_s`` plus one second per ``put_bytes_per_s`` bytes written,
+    so large states are not cut off on a healthy link.  Other attributes (``purge_expired``...) pass through.
     """
 
     def __init__(self, store: SlotStore, timeout_s: float = 3.0, put_bytes_per_s: float = 50e6) -> None:
@@ -53,3 +53,10 @@ class TimeoutStore:
         """:meth:`SlotStore.put` (fenced by ``lease`` if given) with the size-scaled deadline."""
         timeout = self.timeout_s + memoryview(blob).nbytes / self.put_bytes_per_s
         return await self._deadline(self.inner.put(meta, blob, lease=lease), timeout, "put")
+
+    async def put_chunks(self, chunks: dict[str, bytes]) -> int:
+        """:meth:`storage.base.ChunkStore.put_chunks` with the size-scaled deadline (AttributeError for a
+        store without chunks)."""
+        put_chunks = self.inner.put_chunks  # type: ignore[attr-defined]
+        timeout = self.timeout_s + sum(len(v) for v in chunks.values()) / self.put_bytes_per_s
+        return cast(int, await self._deadline(put_chunks(chunks), timeout, "put_chunks"))

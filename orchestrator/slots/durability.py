@@ -118,10 +118,11 @@ class Durability:
         if slot.dirty or (slot.n_tokens and not slot.stored):
             await self.save(slot)
 
-    async def _snapshot(self, slot: Slot, flush: bool = True) -> Snapshot:
-        """What a save of ``slot`` (resident, lock held) stores: incremental where it applies."""
+    async def _snapshot(self, slot: Slot, flush: bool = True, known: dict[str, int] | None = None) -> Snapshot:
+        """What a save of ``slot`` (resident, lock held) stores: incremental where it applies (``flush`` and
+        ``known``: :meth:`Increments.snapshot`'s)."""
         if self.increments.applies():
-            snap = await self.increments.snapshot(slot, flush)
+            snap = await self.increments.snapshot(slot, flush, known)
             if snap is not None:
                 return snap
         return await self._read_state(slot)
@@ -184,6 +185,7 @@ class Durability:
                 continue
             if (slot.lock.locked() or slot.busy) and not wait_for_locks:
                 continue  # busy: its own end schedules it again
+            known = await self.increments.known(slot) if self.increments.applies() else None  # no store call locked
             async with slot.lock:  # held only to read the state: the write happens after
                 if not (slot.dirty and self.residency.is_resident(slot)):
                     self.pending.discard(key)
@@ -194,7 +196,7 @@ class Durability:
                     await self.ownership.drop_copy(slot)
                     continue
                 version = self.archive.next_version()
-                snap = await self._snapshot(slot)
+                snap = await self._snapshot(slot, known=known)
                 slot.dirty = False
                 self.pending.discard(key)
             try:

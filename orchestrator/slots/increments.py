@@ -8,7 +8,8 @@ plans a save: the ranges of the chunks (:func:`slotstate.kv_chunks.plan_ranges`,
 node's last save of the slot and how many of its tokens are unchanged since, cut at the end of the first
 chat message so that conversations sharing a system prompt share all of its KV), their keys, and which
 of them must be read from the engine (``llama_attn_seq_range_get``: those the store lacks); it reads
-those and the rest, and seals the new chunks for the store.
+those and the rest, and seals the new chunks for the store.  A save in the background asks the store
+first, without the slot's lock (:meth:`Increments.known`), so a stalled store never holds the slot.
 
 A model whose state holds a recurrent part (recurrent, hybrid) is stored whole, as a store without
 chunks (:attr:`orchestrator.slots.persistence.SlotArchive.keeps_chunks`) stores every state.
@@ -67,12 +68,27 @@ class Increments:
     def _scope(self, slot: Slot) -> bytes:
         return "\0".join((self.archive.fingerprint(), slot.tenant, slot.partition)).encode()
 
-    async def snapshot(self, slot: Slot, flush: bool = True) -> ChunkedSnapshot | None:
+    async def known(self, slot: Slot) -> dict[str, int]:
+        """The stored size (-1: absent) of each chunk of this node's last save or restore of ``slot``, asked from
+        the store, which touches them (kept from the sweep until the save commits): called without the slot's
+        lock, then given to :meth:`snapshot`.  Empty when this node knows no chunks of it;
+        ``STORE_UNAVAILABLE``."""
+        last = self.saved.get(slot.key)
+        if last is None or not last.chunks:
+            return {}
+        keys = [c.key for c in last.chunks]
+        return dict(zip(keys, await self.archive.has_chunks(keys), strict=True))
+
+    async def snapshot(
+        self, slot: Slot, flush: bool = True, known: dict[str, int] | None = None
+    ) -> ChunkedSnapshot | None:
         """Read what a save of ``slot`` (resident, lock held) must store; None for an empty sequence (stored
-        whole: a state of no cells has no chunks); ``STORE_UNAVAILABLE`` when the store cannot say which
-        chunks it has.  ``flush`` False: the last generated token's pending write (a decode step) is left
-        alone and the snapshot holds the tokens whose KV is in the cache (one fewer: a strict turn's
-        commit, whose write-behind save then stores that token)."""
+        whole: a state of no cells has no chunks).  ``flush`` False: the last generated token's pending write
+        (a decode step) is left alone and the snapshot holds the tokens whose KV is in the cache (one fewer: a
+        strict turn's commit, whose write-behind save then stores that token).  ``known``: the chunks' sizes
+        from :meth:`known` (no store call here: a chunk not in it is read from the engine, and the store keeps
+        it once); None: asked from the store now (``STORE_UNAVAILABLE`` when the store cannot say which chunks
+        it has)."""
         seq = slot.seq
         assert seq is not None
         info = self.engine.info
@@ -90,7 +106,10 @@ class Increments:
         keys = kv_chunks.chunk_keys(self._scope(slot), tokens, ranges)
         # every key is asked (and so touched: kept from the sweep until this commit), those of the last
         # save too: a chunk lost from the store since is read again rather than named missing
-        sizes = await self.archive.has_chunks(keys) if keys else []
+        if known is not None:
+            sizes = [known.get(k, -1) for k in keys]
+        else:
+            sizes = await self.archive.has_chunks(keys) if keys else []
         read = [i for i, size in enumerate(sizes) if size < 0]
         want = [KVRange(0, *ranges[i]) for i in read]
         want += [KVRange(c, 0, len(tokens)) for c in range(1, info.memory.kv_caches)]
@@ -110,6 +129,11 @@ class Increments:
     def stored(self, slot: Slot, snap: ChunkedSnapshot, meta: SlotMeta) -> None:
         """Remember that ``snap`` of ``slot`` was stored as ``meta`` (the next save starts from it)."""
         self.saved[slot.key] = _Saved(meta.generation, snap.tokens, snap.chunks)
+
+    def restored(self, slot: Slot, meta: SlotMeta) -> None:
+        """Remember that ``slot`` was restored from the store's ``meta`` (its next save starts from its chunks)."""
+        if meta.chunks:
+            self.saved[slot.key] = _Saved(meta.generation, list(meta.tokens), list(meta.chunks))
 
     def forget(self, key: str) -> None:
         """Drop what is remembered of slot ``key`` (deleted)."""

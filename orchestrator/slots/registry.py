@@ -299,6 +299,8 @@ class SlotRegistry:
                 ses1 = unpack_ses1(raw)
                 await self.engine.restore_state(seq, ses1.tokens, ses1.state)
                 take_meta(slot, meta)
+                if self.durability is not None:
+                    self.durability.increments.restored(slot, meta)
                 slot.dirty = False
                 metrics.RESTORES.labels(slot.tenant).inc()
                 return

@@ -1,6 +1,7 @@
-"""Incremental states in-process (fake engine, directory store): a turn stores the chunks its new tokens
-touched plus the metadata; slots with the same token prefix share chunks; a restart restores from the chunks;
-a chunk lost or damaged is refused (``BAD_STATE``), never restored wrong, and the resend rebuilds the slot.
+"""Incremental states in-process (fake engine; the directory store and a real redis-server the test run
+starts): a turn stores the chunks its new tokens touched plus the metadata; slots with the same token prefix
+share chunks; a restart restores from the chunks; a chunk lost or damaged is refused (``BAD_STATE``), never
+restored wrong, and the resend rebuilds the slot.
 
 The fake engine's KV records carry each cell's token id as its K and V rows (tests/orchestrator/fake_engine.py),
 so a state assembled from wrong chunks restores other tokens, which the fake refuses."""
@@ -8,14 +9,19 @@ so a state assembled from wrong chunks restores other tokens, which the fake ref
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
 
 from orchestrator.service_error import ServiceError
 from storage.base import SlotMeta
+from storage.redis_store import RedisStore
 from tests.orchestrator.fake_engine import EOG
-from tests.orchestrator.fake_world import World, greedy
+from tests.orchestrator.fake_world import CountingStore, World, greedy, saved
 
 pytestmark = pytest.mark.asyncio
 
@@ -23,11 +29,54 @@ CHUNK = 8  # positions per chunk in these tests (the default, 256, would make ev
 SYSTEM = [(7 * i) % 500 + 1 for i in range(30)]  # a "system prompt" of 30 tokens
 
 
-def world(root: Path, **kw: object) -> World:
-    w = World(root, strict=True, **kw)  # type: ignore[arg-type]
-    assert w.registry.durability is not None
-    w.registry.durability.increments.chunk_tokens = CHUNK
-    return w
+class Store:
+    """One store of the test (a directory, or a prefix in the session's redis-server): builds nodes on it and
+    reads or damages its chunks behind its back."""
+
+    def __init__(self, root: Path, redis_url: str | None) -> None:
+        self.root = root
+        self.redis_url = redis_url
+        self.prefix = f"inc{uuid.uuid4().hex[:8]}:"
+        self.raw = Redis.from_url(redis_url) if redis_url else None
+
+    def world(self, **kw: object) -> World:
+        url = self.redis_url
+        store = RedisStore.from_url(url, prefix=self.prefix) if url else CountingStore(self.root)
+        kw.setdefault("strict", True)
+        w = World(self.root, store=store, **kw)  # type: ignore[arg-type]
+        assert w.registry.durability is not None
+        w.registry.durability.increments.chunk_tokens = CHUNK
+        return w
+
+    def _key(self, key: str) -> bytes:
+        return self.prefix.encode() + b"chunk:" + key.encode()
+
+    async def chunks(self) -> dict[str, bytes]:
+        """Every stored chunk: key -> stored value."""
+        if self.raw is None:
+            return {p.name: p.read_bytes() for p in self.root.rglob("chunks/*/*") if not p.name.startswith(".tmp-")}
+        base = self._key("")
+        return {k[len(base) :].decode(): await self.raw.hget(k, "v") async for k in self.raw.scan_iter(base + b"*")}  # type: ignore[misc]
+
+    async def overwrite(self, key: str, value: bytes | None) -> None:
+        """Replace chunk ``key``'s value (None: remove the chunk)."""
+        if self.raw is not None:
+            await (self.raw.delete(self._key(key)) if value is None else self.raw.hset(self._key(key), "v", value))
+            return
+        path = next(self.root.rglob(f"chunks/*/{key}"))
+        if value is None:
+            path.unlink()
+        else:
+            path.write_bytes(value)
+
+
+@pytest_asyncio.fixture(params=["directory", "redis"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
+    s = Store(tmp_path / "state", url)
+    yield s
+    if s.raw is not None:
+        await s.raw.aclose()
 
 
 async def turn(w: World, slot: str, ids: list[int], n: int = 2) -> None:
@@ -48,14 +97,10 @@ async def settled(w: World, slot: str, n_tokens: int) -> SlotMeta | None:
     return meta
 
 
-def chunk_files(root: Path) -> dict[str, Path]:
-    return {p.name: p for p in root.rglob("chunks/*/*") if not p.name.startswith(".tmp-")}
-
-
-async def test_a_strict_commit_leaves_the_last_token_to_the_write_behind(tmp_path: Path) -> None:
+async def test_a_strict_commit_leaves_the_last_token_to_the_write_behind(store: Store) -> None:
     """The strict commit stores the tokens whose KV is in the cache: the last generated token's write
     (a decode step in the worker) is not waited for; the write-behind stores it soon after."""
-    w = world(tmp_path / "state")
+    w = store.world()
     await w.registry.start()
     try:
         await w.gen("s", SYSTEM, n=2)
@@ -71,15 +116,15 @@ async def test_a_strict_commit_leaves_the_last_token_to_the_write_behind(tmp_pat
         await w.registry.shutdown()
 
 
-async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> None:
-    w = world(tmp_path / "state")
+async def test_a_turn_writes_the_chunks_its_tokens_touched(store: Store) -> None:
+    w = store.world()
     await w.registry.start()
     try:
         await turn(w, "s", SYSTEM)  # 32 tokens: four full chunks
         meta = await w.archive.lookup("s")
         assert meta is not None and meta.n_tokens == 32
         assert [(c.p0, c.p1) for c in meta.chunks] == [(0, 8), (8, 16), (16, 24), (24, 32)]
-        first = chunk_files(tmp_path)
+        first = await store.chunks()
         assert set(first) >= {c.key for c in meta.chunks}
         ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]  # three new tokens, two generated
         await turn(w, "s", ids)
@@ -87,9 +132,9 @@ async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> No
         assert meta is not None and meta.n_tokens == 37
         # the commit's range (all but the last token) and the write-behind's (that token)
         assert [(c.p0, c.p1) for c in meta.chunks][-2:] == [(32, 36), (36, 37)], "partial chunks for the new tokens"
-        second = chunk_files(tmp_path)
+        second = await store.chunks()
         assert set(second) - set(first) == {c.key for c in meta.chunks[-2:]}, "only the new chunks written"
-        assert all(second[k].read_bytes() == first[k].read_bytes() for k in first), "old chunks untouched"
+        assert all(second[k] == first[k] for k in first), "old chunks untouched"
         # a truncation: the ranges after the cut are written again (their tokens differ)
         cut = [*SYSTEM[:20], 99, 98]
         await turn(w, "s", cut)
@@ -101,12 +146,40 @@ async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> No
         await w.registry.shutdown()
 
 
-async def test_a_system_prompt_shares_its_partial_chunk(tmp_path: Path) -> None:
+async def test_a_write_behind_turn_writes_only_its_chunk(store: Store) -> None:
+    """The write-behind's save (which asks the store before it takes the slot's lock) is incremental too: after
+    the first save, a turn writes one chunk of its new tokens, and a restart restores from the chunks."""
+    w = store.world(strict=False)
+    await w.registry.start()
+    try:
+        ids = [*SYSTEM, 1, 2]
+        await w.gen("s", ids, n=2)
+        await saved(w, "s")
+        first = await store.chunks()
+        ids = [*ids, *greedy(ids, 2), 3]
+        await w.gen("s", ids, n=2)
+        await saved(w, "s")
+        second = await store.chunks()
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == [*ids, *greedy(ids, 2)]
+        assert set(first) < set(second) and len(second) == len(first) + 1, "only the turn's chunk written"
+    finally:
+        await w.registry.shutdown()
+    w2 = store.world(node="node-b", strict=False)
+    await w2.registry.start()
+    try:
+        more = [*meta.tokens, 4]
+        assert (await w2.gen("s", more, n=2)).n_cached == len(meta.tokens)
+    finally:
+        await w2.registry.shutdown()
+
+
+async def test_a_system_prompt_shares_its_partial_chunk(store: Store) -> None:
     """Two conversations whose first message (a 29-token system prompt ending with the end-of-turn token,
     no multiple of the chunk size) is the same share its KV whole: [24, 29) is a range of its own in both
     manifests, also once their turns complete that chunk, and is stored once."""
     system = [*SYSTEM[:28], EOG]
-    w = world(tmp_path / "state")
+    w = store.world()
     await w.registry.start()
     try:
         await turn(w, "a", [*system, 1, 2])
@@ -120,13 +193,13 @@ async def test_a_system_prompt_shares_its_partial_chunk(tmp_path: Path) -> None:
         assert [(c.p0, c.p1) for c in a.chunks][:5] == [(0, 8), (8, 16), (16, 24), (24, 29), (29, 32)]
         shared = {c.key for c in a.chunks} & {c.key for c in b.chunks}
         assert shared == {c.key for c in a.chunks[:4]}, "all 29 positions of the system prompt stored once"
-        assert len(chunk_files(tmp_path)) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
+        assert len(await store.chunks()) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
     finally:
         await w.registry.shutdown()
 
 
-async def test_same_prefix_shares_chunks_and_a_restart_restores_them(tmp_path: Path) -> None:
-    w = world(tmp_path / "state")
+async def test_same_prefix_shares_chunks_and_a_restart_restores_them(store: Store) -> None:
+    w = store.world()
     await w.registry.start()
     try:
         await w.gen("a", [*SYSTEM, 1, 2], n=2)
@@ -135,12 +208,12 @@ async def test_same_prefix_shares_chunks_and_a_restart_restores_them(tmp_path: P
         assert a is not None and b is not None
         shared = {c.key for c in a.chunks} & {c.key for c in b.chunks}
         assert len(shared) == 3, "the 24 positions of whole chunks before the slots differ are stored once"
-        assert len(chunk_files(tmp_path)) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
+        assert len(await store.chunks()) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
         want = list(a.tokens)
     finally:
         await w.registry.shutdown()
     # another process on the same store: the slot is restored from its chunks and continues from them
-    w2 = world(tmp_path / "state", node="node-b")
+    w2 = store.world(node="node-b")
     await w2.registry.start()
     try:
         more = [*want, 5]
@@ -152,8 +225,8 @@ async def test_same_prefix_shares_chunks_and_a_restart_restores_them(tmp_path: P
 
 
 @pytest.mark.parametrize("damage", ["lost", "flipped", "swapped"])
-async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(tmp_path: Path, damage: str) -> None:
-    w = world(tmp_path / "state")
+async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(store: Store, damage: str) -> None:
+    w = store.world()
     await w.registry.start()
     try:
         await w.gen("s", SYSTEM, n=2)
@@ -163,17 +236,17 @@ async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(tmp_pa
         assert meta is not None and other is not None
     finally:
         await w.registry.shutdown()
-    files = chunk_files(tmp_path)
-    victim = files[meta.chunks[1].key]
+    values = await store.chunks()
+    victim = meta.chunks[1].key
     if damage == "lost":
-        victim.unlink()
+        await store.overwrite(victim, None)
     elif damage == "flipped":
-        data = bytearray(victim.read_bytes())
+        data = bytearray(values[victim])
         data[-3] ^= 0x10
-        victim.write_bytes(bytes(data))
+        await store.overwrite(victim, bytes(data))
     else:
-        victim.write_bytes(files[other.chunks[1].key].read_bytes())  # sealed, whole, but other tokens
-    w2 = world(tmp_path / "state", node="node-b")
+        await store.overwrite(victim, values[other.chunks[1].key])  # sealed, whole, but other tokens
+    w2 = store.world(node="node-b")
     await w2.registry.start()
     try:
         ids = [*meta.tokens, 4]
@@ -188,3 +261,13 @@ async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(tmp_pa
         assert stored is not None and stored.tokens == [*ids, *greedy(ids, 2)], "the rebuilt slot is stored"
     finally:
         await w2.registry.shutdown()
+    # the rebuilt slot's stored state is whole: a damaged chunk under a key it names was written anew
+    w3 = store.world(node="node-c")
+    await w3.registry.start()
+    try:
+        more = [*stored.tokens, 5]
+        done = await w3.gen("s", more, n=2)
+        assert done.n_cached == len(stored.tokens), "restored from the store, every chunk sound"
+        assert w3.seq_tokens("s") == [*more, *greedy(more, 2)]
+    finally:
+        await w3.registry.shutdown()

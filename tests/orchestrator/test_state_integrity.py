@@ -185,7 +185,8 @@ def test_bad_digest_values(server: ServerProc, saved: tuple[bytes, str]) -> None
 
 def test_damaged_blob_in_the_store(start_server: Callable[..., ServerProc], tmp_path: Path) -> None:
     """A parked slot whose stored state was damaged on disk (one bit of a KV chunk: the state is stored in
-    chunks, docs/operations.md "Incremental states") gets BAD_STATE; the store's copy stays; the client's
+    chunks, docs/operations.md "Incremental states") gets BAD_STATE; the damaged chunk is removed (written
+    once, it would be found stored by the next save of its key), the slot's metadata stays; the client's
     resend rebuilds the slot by a re-prefill."""
     import asyncio
 
@@ -210,7 +211,9 @@ def test_damaged_blob_in_the_store(start_server: Callable[..., ServerProc], tmp_
     r = httpx.post(srv.url + "/api/v1/generate", json=body, timeout=120)
     assert r.status_code == 400 and r.json()["error_code"] == "BAD_STATE", r.text
     assert "checksum" in r.json()["error"]
-    assert path.read_bytes() == bytes(data)  # nothing was overwritten
+    assert not path.exists(), "the damaged chunk is removed, never restored nor replaced by other bytes"
+    after = asyncio.run(store.get_meta(slot_key(DEFAULT_TENANT, "victim")))
+    assert after is not None and after.generation == meta.generation, "the slot's metadata is unchanged"
     assert _generate(srv, "other", "Say hi again.")["generated_text"]  # the server is fine
     again = httpx.post(srv.url + "/api/v1/generate", json=body, timeout=120)
     assert again.status_code == 200, again.text  # the resend: prefilled again
