@@ -213,13 +213,13 @@ class Batcher:
             job.cancelled = True
 
     def has_work(self) -> bool:
-        """Anything for :meth:`step` to do: commits, or a job to decode or to end.
+        """Anything for :meth:`step` to do: a job to decode or to end.  Pending commits alone are not:
+        each is written with the next step's batch or by :meth:`flush` when an operation on its
+        sequence needs it (a save of a strict turn does not wait for a decode step).
 
         The worker blocks on its inbox while this is false, so it never spins.
         """
-        return bool(self.commits) or any(
-            j.cancelled or ((j.last >= 0 or j.pending) and not self.held(j)) for j in self.jobs.values()
-        )
+        return any(j.cancelled or ((j.last >= 0 or j.pending) and not self.held(j)) for j in self.jobs.values())
 
     def flush(self, seq: int | None = None) -> None:
         """Write pending commits (of ``seq``, or all) to the KV cache now."""
