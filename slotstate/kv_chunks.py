@@ -74,7 +74,7 @@ def chunk_bounds(n_tokens: int, size: int = CHUNK_TOKENS) -> list[tuple[int, int
 
 
 def plan_ranges(
-    n_tokens: int, stored: Sequence[tuple[int, int]], n_same: int, size: int = CHUNK_TOKENS
+    n_tokens: int, stored: Sequence[tuple[int, int]], n_same: int, size: int = CHUNK_TOKENS, cut: int = 0
 ) -> list[tuple[int, int]]:
     """The ranges of the chunks that store ``n_tokens`` positions, given the ranges ``stored`` of the
     slot's stored state and ``n_same``, how many of its first tokens are unchanged since (their common
@@ -84,20 +84,34 @@ def plan_ranges(
     the multiples of ``size`` (a turn adds one range per chunk its new tokens touch).  A range that
     completes a chunk (ends at a multiple of ``size``) replaces the ranges it completes by the whole
     chunk, so a conversation's ranges are whole chunks but the last (shared by every conversation with
-    the same tokens: :func:`chunk_keys`) and each position is written at most twice."""
+    the same tokens: :func:`chunk_keys`) and each position is written at most twice.
+
+    ``cut`` (0: none), a position where conversations commonly part (the end of the first chat message,
+    the system prompt), is a boundary no range crosses: the chunk holding it is stored as the range
+    up to ``cut`` and the range after it, so conversations that share a system prompt of a length that is
+    no multiple of ``size`` share its last, partial chunk too."""
     kept: list[tuple[int, int]] = []
     for p0, p1 in stored:
         if p0 != (kept[-1][1] if kept else 0) or p1 > min(n_same, n_tokens):
             break
         kept.append((p0, p1))
     start = kept[-1][1] if kept else 0
-    starts = [start, *range(start - start % size + size, n_tokens, size)] if start < n_tokens else []
-    for p0 in starts:
+    starts = {start, *range(start - start % size + size, n_tokens, size)} if start < n_tokens else set()
+    if start < cut < n_tokens:
+        starts.add(cut)
+    for p0 in sorted(starts):
         p1 = min(p0 - p0 % size + size, n_tokens)
+        if p0 < cut < p1:
+            p1 = cut
         if p1 % size == 0 and p0 % size:
-            while kept and kept[-1][0] >= p1 - size:
+            lo = p1 - size
+            if lo < cut < p1:
+                lo = cut
+            while kept and kept[-1][0] >= lo:
                 kept.pop()
-            p0 = p1 - size
+            if kept and kept[-1][1] > lo:  # a range stored before the cut was known: merged whole
+                lo = kept.pop()[0]
+            p0 = lo
         kept.append((p0, p1))
     return kept
 

@@ -5,7 +5,8 @@ A stored slot is the metadata naming its first KV cache's chunks in position ord
 cache, bounded by its window) and the chunks themselves, shared by key (:mod:`slotstate.kv_chunks`:
 the key covers the model, tenant, cache partition and token prefix).  :meth:`Increments.snapshot`
 plans a save: the ranges of the chunks (:func:`slotstate.kv_chunks.plan_ranges`, from the ranges of this
-node's last save of the slot and how many of its tokens are unchanged since), their keys, and which
+node's last save of the slot and how many of its tokens are unchanged since, cut at the end of the first
+chat message so that conversations sharing a system prompt share all of its KV), their keys, and which
 of them must be read from the engine (``llama_attn_seq_range_get``: those the store lacks); it reads
 those and the rest, and seals the new chunks for the store.
 
@@ -16,6 +17,8 @@ chunks (:attr:`orchestrator.slots.persistence.SlotArchive.keeps_chunks`) stores 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from contract.protocol import KVRange
 from orchestrator.engine_client.interface import EngineClient
@@ -82,7 +85,8 @@ class Increments:
             last = None  # the store holds another version than this node's last save
         stored = [(c.p0, c.p1) for c in last.chunks] if last else []
         same = _common_prefix(last.tokens, tokens) if last else 0
-        ranges = kv_chunks.plan_ranges(len(tokens), stored, same, self.chunk_tokens)
+        cut = _first_message_end(tokens, info.eog_token_ids)
+        ranges = kv_chunks.plan_ranges(len(tokens), stored, same, self.chunk_tokens, cut)
         keys = kv_chunks.chunk_keys(self._scope(slot), tokens, ranges)
         # every key is asked (and so touched: kept from the sweep until this commit), those of the last
         # save too: a chunk lost from the store since is read again rather than named missing
@@ -112,6 +116,15 @@ class Increments:
     def forget(self, key: str) -> None:
         """Drop what is remembered of slot ``key`` (deleted)."""
         self.saved.pop(key, None)
+
+
+def _first_message_end(tokens: list[int], eog_token_ids: list[int]) -> int:
+    """The position after the first end-of-generation token of ``tokens`` (the end of the first chat
+    message, commonly the system prompt every conversation of a deployment starts with); 0 without one."""
+    if not eog_token_ids:
+        return 0
+    hits = np.flatnonzero(np.isin(np.asarray(tokens, dtype=np.int64), eog_token_ids))
+    return int(hits[0]) + 1 if len(hits) else 0
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.service_error import ServiceError
+from tests.orchestrator.fake_engine import EOG
 from tests.orchestrator.fake_world import World, greedy
 
 pytestmark = pytest.mark.asyncio
@@ -56,6 +57,30 @@ async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> No
         assert meta is not None and meta.tokens == [*cut, *greedy(cut, 2)]
         assert [(c.p0, c.p1) for c in meta.chunks] == [(0, 8), (8, 16), (16, 24)]
         assert [c.key for c in meta.chunks[:2]] == [c.key for c in (await w.archive.lookup("s")).chunks[:2]]  # type: ignore[union-attr]
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_a_system_prompt_shares_its_partial_chunk(tmp_path: Path) -> None:
+    """Two conversations whose first message (a 29-token system prompt ending with the end-of-turn token,
+    no multiple of the chunk size) is the same share its KV whole: [24, 29) is a range of its own in both
+    manifests, also once their turns complete that chunk, and is stored once."""
+    system = [*SYSTEM[:28], EOG]
+    w = world(tmp_path / "state")
+    await w.registry.start()
+    try:
+        await w.gen("a", [*system, 1, 2], n=2)
+        await w.gen("b", [*system, 3, 4, 5], n=2)
+        for key, more in (("a", [6]), ("b", [7, 8, 9])):
+            meta = await w.archive.lookup(key)
+            assert meta is not None
+            await w.gen(key, [*meta.tokens, *more], n=2)  # completes the chunk [24, 32)
+        a, b = await w.archive.lookup("a"), await w.archive.lookup("b")
+        assert a is not None and b is not None
+        assert [(c.p0, c.p1) for c in a.chunks][:5] == [(0, 8), (8, 16), (16, 24), (24, 29), (29, 32)]
+        shared = {c.key for c in a.chunks} & {c.key for c in b.chunks}
+        assert shared == {c.key for c in a.chunks[:4]}, "all 29 positions of the system prompt stored once"
+        assert len(chunk_files(tmp_path)) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
     finally:
         await w.registry.shutdown()
 

@@ -74,6 +74,34 @@ def test_plan_of_a_conversation() -> None:
         kv_chunks.chunk_bounds(10, 0)
 
 
+def test_plan_cut_at_the_first_message_end() -> None:
+    """A system prompt ending at 1,000 (no multiple of 256): the chunk holding its end is stored as
+    [768, 1000) and [1000, ...), also once a turn completes the chunk, so every conversation with that
+    prompt names the same [768, 1000) range; ranges stored before the cut was known merge whole."""
+    size, cut = 256, 1000
+    first = kv_chunks.plan_ranges(1010, [], 0, size, cut)
+    assert first == [(0, 256), (256, 512), (512, 768), (768, 1000), (1000, 1010)]
+    second = kv_chunks.plan_ranges(1030, first, 1010, size, cut)
+    assert second == [(0, 256), (256, 512), (512, 768), (768, 1000), (1000, 1024), (1024, 1030)]
+    assert kv_chunks.plan_ranges(1300, second, 1030, size, cut)[3:] == [
+        (768, 1000),
+        (1000, 1024),
+        (1024, 1280),
+        (1280, 1300),
+    ]
+    assert kv_chunks.plan_ranges(990, [], 0, size, cut)[-1] == (768, 990), "a cut past the tokens is none"
+    assert kv_chunks.plan_ranges(1030, first, 995, size, cut)[3:] == [(768, 1000), (1000, 1024), (1024, 1030)]
+    old = kv_chunks.plan_ranges(1010, [], 0, size)
+    assert kv_chunks.plan_ranges(1030, old, 1010, size, cut)[3:] == [(768, 1024), (1024, 1030)]
+    tokens = RNG.integers(0, 50_000, 1100).tolist()
+    a = kv_chunks.plan_ranges(1010, [], 0, size, cut)
+    b = kv_chunks.plan_ranges(1040, [], 0, size, cut)
+    other = tokens[:cut] + [7] * 100
+    ka = kv_chunks.chunk_keys(b"s", tokens, a)
+    kb = kv_chunks.chunk_keys(b"s", other, b)
+    assert ka[:4] == kb[:4] and ka[4] != kb[4], "the prompt's partial chunk is shared, the rest is not"
+
+
 def test_keys_follow_scope_prefix_and_bounds() -> None:
     tokens = RNG.integers(0, 50_000, 600).tolist()
     ranges = [(0, 256), (256, 512), (512, 600)]
