@@ -273,7 +273,11 @@ class KVRange(msgspec.Struct, array_like=True, frozen=True):
 
 class ReadKV(SeqRequest):
     """Read the KV of position ranges of the sequence (``llama_attn_seq_range_get``, libllama/llama-attn.h;
-    reply ``KVRecords``): per range llama.cpp's stream record of its cells (slotstate/kv_chunks.py)."""
+    reply ``KVRecords``): per range llama.cpp's stream record of its cells (slotstate/kv_chunks.py).
+
+    Unlike the other operations it leaves the pending last token unwritten (writing it is a decode step):
+    the reply's tokens are those whose KV is in the cache, as llama-server's slot save stores them.  No
+    ranges: only those tokens."""
 
     ranges: list[KVRange]
 

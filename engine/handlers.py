@@ -56,15 +56,18 @@ class EngineHandlers:
             proto.LoadFile: self.load_file,
         }
 
-    def check(self, msg: proto.SeqRequest, seq: int | None = None, writes: bool | None = None) -> None:
+    def check(
+        self, msg: proto.SeqRequest, seq: int | None = None, writes: bool | None = None, flush: bool = True
+    ) -> None:
         """Refuse a sequence that is not a slot's (``INVALID_REQUEST``) or, for a request that
-        writes, one a generation owns (``SLOT_BUSY``); then write its pending last token."""
+        writes, one a generation owns (``SLOT_BUSY``); then (``flush``) write its pending last token."""
         seq = msg.seq if seq is None else seq
         if not 0 <= seq < self.engine.config.n_slots:
             raise EngineError(ErrorCode.INVALID_REQUEST, f"no engine sequence {seq}")
         if (msg.writes if writes is None else writes) and self.batcher.busy(seq):
             raise EngineError(ErrorCode.SLOT_BUSY, f"sequence {seq} is generating")
-        self.batcher.flush(seq)
+        if flush:
+            self.batcher.flush(seq)
 
     def sequence(self, op: Callable[[Any], object]) -> Handler:
         """The handler of an operation on ``msg.seq`` that answers the sequence's tokens (``SeqTokens``)."""
@@ -105,8 +108,9 @@ class EngineHandlers:
             self.engine.release_state(blob)
 
     def read_kv(self, msg: proto.ReadKV, _: list[RecvBuffer]) -> None:
-        """The sequence's tokens and the KV records of ``msg.ranges`` (buffers 0..n-1)."""
-        self.check(msg)
+        """The tokens whose KV is in the sequence (its pending last token left unwritten) and the KV records
+        of ``msg.ranges`` (buffers 0..n-1)."""
+        self.check(msg, flush=False)
         t0 = time.perf_counter()
         records = read_ranges(self.engine.ctx, msg.seq, [(r.cache, r.p0, r.p1) for r in msg.ranges])
         t_ms = (time.perf_counter() - t0) * 1000

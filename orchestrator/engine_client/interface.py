@@ -302,8 +302,10 @@ class EngineClient(Protocol):
         ...
 
     async def read_kv(self, seq: int, ranges: Sequence[proto.KVRange]) -> SequenceKV:
-        """The tokens of ``seq`` and the KV record of each of ``ranges`` (``llama_attn_seq_range_get``:
-        only those cells are read), ``SLOT_BUSY`` while it generates."""
+        """The tokens whose KV is in ``seq`` and the KV record of each of ``ranges``
+        (``llama_attn_seq_range_get``: only those cells are read), ``SLOT_BUSY`` while it generates.
+        Unlike :meth:`tokens` it leaves the last generated token's pending write alone (a decode step):
+        the tokens are one fewer then, as llama-server's slot save stores them; no ranges: only them."""
         ...
 
     def release_state(self, state: proto.Buffer) -> None:

@@ -74,13 +74,18 @@ class Durability:
         that a crash could lose.  Nothing to do otherwise."""
         if not self.strict:
             return
-        t0 = time.perf_counter()
+        n_tokens, t0 = slot.n_tokens, time.perf_counter()
         try:
-            await self.save(slot)
+            meta = await self.save(slot, flush=False)
         except OwnershipLost:
             await self.ownership.drop_copy(slot)
             raise
         metrics.DURABLE_COMMIT_SECONDS.observe(time.perf_counter() - t0)
+        if meta is not None and meta.n_tokens < n_tokens:
+            # an incremental commit leaves the last generated token's write (a decode step) out of the
+            # turn: the next turn prefills it; the write-behind stores it soon, off the turn
+            slot.n_tokens = n_tokens
+            self.schedule(slot)
 
     async def _fence(self, slot: Slot) -> str | None:
         try:
@@ -89,13 +94,14 @@ class Durability:
             self.ownership.disown(slot)
             raise
 
-    async def save(self, slot: Slot) -> SlotMeta | None:
+    async def save(self, slot: Slot, flush: bool = True) -> SlotMeta | None:
         """Persist a resident slot (lock held by the caller) now; ``STORE_UNAVAILABLE`` if it
         cannot, ``SLOT_BUSY`` (:class:`OwnershipLost`: disowned, the caller drops the copy) if
-        it is not ours."""
+        it is not ours.  ``flush`` False: an incremental save leaves the last generated token's
+        pending write out (:meth:`Increments.snapshot`)."""
         lease = await self._fence(slot)
         version = self.archive.next_version()
-        snap = await self._snapshot(slot)
+        snap = await self._snapshot(slot, flush)
         slot.dirty = False  # from here; write marks it dirty again if the write fails
         return await self.write(slot, snap, version, lease)
 
@@ -112,10 +118,10 @@ class Durability:
         if slot.dirty or (slot.n_tokens and not slot.stored):
             await self.save(slot)
 
-    async def _snapshot(self, slot: Slot) -> Snapshot:
+    async def _snapshot(self, slot: Slot, flush: bool = True) -> Snapshot:
         """What a save of ``slot`` (resident, lock held) stores: incremental where it applies."""
         if self.increments.applies():
-            snap = await self.increments.snapshot(slot)
+            snap = await self.increments.snapshot(slot, flush)
             if snap is not None:
                 return snap
         return await self._read_state(slot)

@@ -29,8 +29,6 @@ from storage.base import ChunkRef, SlotMeta
 
 __all__ = ["ChunkedSnapshot", "Increments"]
 
-WHOLE = 2**31 - 1  # the end of a range that covers every position
-
 
 @dataclass
 class ChunkedSnapshot:
@@ -69,15 +67,17 @@ class Increments:
     def _scope(self, slot: Slot) -> bytes:
         return "\0".join((self.archive.fingerprint(), slot.tenant, slot.partition)).encode()
 
-    async def snapshot(self, slot: Slot) -> ChunkedSnapshot | None:
+    async def snapshot(self, slot: Slot, flush: bool = True) -> ChunkedSnapshot | None:
         """Read what a save of ``slot`` (resident, lock held) must store; None for an empty sequence (stored
         whole: a state of no cells has no chunks); ``STORE_UNAVAILABLE`` when the store cannot say which
-        chunks it has."""
+        chunks it has.  ``flush`` False: the last generated token's pending write (a decode step) is left
+        alone and the snapshot holds the tokens whose KV is in the cache (one fewer: a strict turn's
+        commit, whose write-behind save then stores that token)."""
         seq = slot.seq
         assert seq is not None
         info = self.engine.info
         assert info is not None
-        tokens = await self.engine.tokens(seq)
+        tokens = await self.engine.tokens(seq) if flush else (await self.engine.read_kv(seq, [])).tokens
         if not tokens:
             return None
         last = self.saved.get(slot.key)
@@ -93,10 +93,12 @@ class Increments:
         sizes = await self.archive.has_chunks(keys) if keys else []
         read = [i for i, size in enumerate(sizes) if size < 0]
         want = [KVRange(0, *ranges[i]) for i in read]
-        want += [KVRange(c, 0, WHOLE) for c in range(1, info.memory.kv_caches)]
+        want += [KVRange(c, 0, len(tokens)) for c in range(1, info.memory.kv_caches)]
         got = await self.engine.read_kv(seq, want) if want else None
-        if got is not None and got.tokens != tokens:
+        if got is not None and got.tokens[: len(tokens)] != tokens:
             raise RuntimeError("the sequence changed while its state was read")  # the slot's lock forbids it
+        # (another sequence's decode step may have written the pending token meanwhile: the ranges, all
+        # before it, read the same cells)
         records = got.records if got is not None else []
         try:  # sealing copies each record: their receive buffers then serve the next reads
             new = {keys[i]: kv_chunks.seal(records[j], keys[i]) for j, i in enumerate(read)}

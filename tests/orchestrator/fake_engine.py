@@ -16,6 +16,9 @@
 * ``read_kv`` returns llama.cpp stream records (slotstate/kv_chunks.py) of one layer whose K and V rows
   are the cells' token ids (int32), so a state assembled from them restores with ``restore_state``
   (which reads the tokens back out of such a state);
+* as the worker, it writes a generation's last token to the KV cache only when the next operation on
+  the sequence comes (:attr:`FakeEngine.pending`); ``read_kv`` leaves it pending and answers the
+  tokens without it;
 * a KV operation on a sequence that is generating answers ``SLOT_BUSY``, as the worker does;
 * :meth:`FakeEngine.restart` empties every sequence and bumps ``generation`` (a worker restart).
 
@@ -191,6 +194,7 @@ class FakeEngine:
         self.step_s = step_s
         self.seqs: dict[int, list[int]] = {}
         self.generating: dict[int, int] = {}  # seq -> request id
+        self.pending: set[int] = set()  # sequences whose last token is not written to the KV cache yet
         self.cancelled: set[int] = set()
         self.calls: list[tuple[str, int]] = []
         self.lent: list[object] = []  # every record read_kv returned (release_state must take each back)
@@ -206,10 +210,12 @@ class FakeEngine:
         """How many ``name`` operations were made."""
         return sum(1 for op, _ in self.calls if op == name)
 
-    def _idle(self, seq: int, name: str) -> list[int]:
+    def _idle(self, seq: int, name: str, flush: bool = True) -> list[int]:
         self.calls.append((name, seq))
         if seq in self.generating:
             raise EngineRequestError(ErrorCode.SLOT_BUSY, f"sequence {seq} is generating")
+        if flush:
+            self.pending.discard(seq)
         return self.seqs.setdefault(seq, [])
 
     async def start(self, timeout: float = 300.0) -> ModelInfo:
@@ -228,6 +234,7 @@ class FakeEngine:
     async def restart(self) -> None:
         """The worker died and came back: every sequence is empty, ``generation`` moves on."""
         self.seqs.clear()
+        self.pending.clear()
         self.generation += 1
         if self.on_restart is not None:
             await self.on_restart()
@@ -269,7 +276,9 @@ class FakeEngine:
 
     async def read_kv(self, seq: int, ranges: Sequence[proto.KVRange]) -> SequenceKV:
         """The fake KV records (:func:`kv_record`) of ``ranges`` of the first KV cache (the fake has one)."""
-        toks = list(self._idle(seq, "read_kv"))
+        toks = list(self._idle(seq, "read_kv", flush=False))
+        if seq in self.pending:
+            toks.pop()
         if any(r.cache != 0 for r in ranges):
             raise EngineRequestError(ErrorCode.INVALID_REQUEST, "the fake model has one KV cache")
         records = [kv_record(toks, r.p0, r.p1, seq) for r in ranges]
@@ -363,6 +372,8 @@ class FakeEngine:
                 reason = "stop_token"
                 break
         n_prompt = len(msg.input_ids)
+        if n:
+            self.pending.add(msg.seq)
         yield proto.Done(req, reason, n_prompt, n_cached, n_prompt - n_cached, n, 0.0, 0.0, "", len(toks))
 
     async def cancel(self, req: int) -> None:

@@ -2,7 +2,9 @@
 (docs/operations.md, "Durability").  Real engine, real model, a redis-server started by the test.
 
 * ``strict``: the turn was stored before it was answered: a restarted node (same node id, so it
-  takes its leases back) or a restarted worker continues from it, every time.
+  takes its leases back) or a restarted worker continues from it, every time.  An incremental commit
+  stores the tokens whose KV is in the cache, so the last generated token (written by the engine only
+  with the next operation on the sequence, as in llama-server) may be missing, never more.
 * ``write-behind``: a turn answered within the write delay may be lost, never more than that: the
   state found after the crash is the turn's or the one before it (never older, never empty), and a
   turn the store holds is never lost.
@@ -71,10 +73,12 @@ def test_strict_loses_no_answered_turn_to_kill_9(
             srv.stop(signal.SIGKILL)
             srv = serve(start_server, own_redis, "strict")
         for s, want in slot_ids.items():
-            assert tokens_of(srv, s) == want, f"round {round_}: slot {s} lost an answered turn"
+            got = tokens_of(srv, s)
+            assert got in (want, want[:-1]), f"round {round_}: slot {s} lost an answered turn"
     ids = slot_ids["s0"] + tokenize(srv.url, "\nWhy?")
+    held = len(tokens_of(srv, "s0"))
     out = gen(srv, "s0", ids)
-    assert out["cached_tokens"] == len(slot_ids["s0"]), "continued from the stored state"
+    assert out["cached_tokens"] == held >= len(slot_ids["s0"]) - 1, "continued from the stored state"
     commits = metric(srv, "slotserve_durable_commit_seconds_count")
     took = metric(srv, "slotserve_durable_commit_seconds_sum")
     assert commits >= 1

@@ -7,11 +7,13 @@ so a state assembled from wrong chunks restores other tokens, which the fake ref
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from orchestrator.service_error import ServiceError
+from storage.base import SlotMeta
 from tests.orchestrator.fake_engine import EOG
 from tests.orchestrator.fake_world import World, greedy
 
@@ -28,31 +30,69 @@ def world(root: Path, **kw: object) -> World:
     return w
 
 
+async def turn(w: World, slot: str, ids: list[int], n: int = 2) -> None:
+    """One strict turn, then its write-behind save of the last generated token (whose KV write the
+    strict commit does not wait for: :func:`test_a_strict_commit_leaves_the_last_token_to_the_write_behind`)."""
+    await w.gen(slot, ids, n=n)
+    assert w.registry.durability is not None
+    await w.registry.durability.flush(wait_for_locks=True)
+
+
+async def settled(w: World, slot: str, n_tokens: int) -> SlotMeta | None:
+    """The stored metadata of ``slot`` once it holds ``n_tokens`` tokens (or after 2 s: as it is then)."""
+    for _ in range(200):
+        meta = await w.archive.lookup(slot)
+        if meta is not None and meta.n_tokens == n_tokens:
+            break
+        await asyncio.sleep(0.01)
+    return meta
+
+
 def chunk_files(root: Path) -> dict[str, Path]:
     return {p.name: p for p in root.rglob("chunks/*/*") if not p.name.startswith(".tmp-")}
+
+
+async def test_a_strict_commit_leaves_the_last_token_to_the_write_behind(tmp_path: Path) -> None:
+    """The strict commit stores the tokens whose KV is in the cache: the last generated token's write
+    (a decode step in the worker) is not waited for; the write-behind stores it soon after."""
+    w = world(tmp_path / "state")
+    await w.registry.start()
+    try:
+        await w.gen("s", SYSTEM, n=2)
+        want = [*SYSTEM, *greedy(SYSTEM, 2)]
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == want[:-1], "answered once all but the last token were stored"
+        assert w.registry.slots["s"].n_tokens == len(want), "the slot still counts its pending token"
+        meta = await settled(w, "s", len(want))
+        assert meta is not None and meta.tokens == want, "the write-behind stored the last token"
+        assert [(c.p0, c.p1) for c in meta.chunks][-2:] == [(16, 24), (24, 32)], "[24, 31) completed by it"
+        assert not w.registry.slots["s"].dirty
+    finally:
+        await w.registry.shutdown()
 
 
 async def test_a_turn_writes_the_chunks_its_tokens_touched(tmp_path: Path) -> None:
     w = world(tmp_path / "state")
     await w.registry.start()
     try:
-        await w.gen("s", SYSTEM, n=2)  # 32 tokens: four full chunks
+        await turn(w, "s", SYSTEM)  # 32 tokens: four full chunks
         meta = await w.archive.lookup("s")
         assert meta is not None and meta.n_tokens == 32
         assert [(c.p0, c.p1) for c in meta.chunks] == [(0, 8), (8, 16), (16, 24), (24, 32)]
         first = chunk_files(tmp_path)
-        assert set(first) == {c.key for c in meta.chunks}
+        assert set(first) >= {c.key for c in meta.chunks}
         ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]  # three new tokens, two generated
-        await w.gen("s", ids, n=2)
+        await turn(w, "s", ids)
         meta = await w.archive.lookup("s")
         assert meta is not None and meta.n_tokens == 37
-        assert [(c.p0, c.p1) for c in meta.chunks][-1] == (32, 37), "one partial chunk for the new tokens"
+        # the commit's range (all but the last token) and the write-behind's (that token)
+        assert [(c.p0, c.p1) for c in meta.chunks][-2:] == [(32, 36), (36, 37)], "partial chunks for the new tokens"
         second = chunk_files(tmp_path)
-        assert set(first) < set(second) and len(second) == len(first) + 1, "only the new chunk written"
+        assert set(second) - set(first) == {c.key for c in meta.chunks[-2:]}, "only the new chunks written"
         assert all(second[k].read_bytes() == first[k].read_bytes() for k in first), "old chunks untouched"
         # a truncation: the ranges after the cut are written again (their tokens differ)
         cut = [*SYSTEM[:20], 99, 98]
-        await w.gen("s", cut, n=2)
+        await turn(w, "s", cut)
         meta = await w.archive.lookup("s")
         assert meta is not None and meta.tokens == [*cut, *greedy(cut, 2)]
         assert [(c.p0, c.p1) for c in meta.chunks] == [(0, 8), (8, 16), (16, 24)]
@@ -69,12 +109,12 @@ async def test_a_system_prompt_shares_its_partial_chunk(tmp_path: Path) -> None:
     w = world(tmp_path / "state")
     await w.registry.start()
     try:
-        await w.gen("a", [*system, 1, 2], n=2)
-        await w.gen("b", [*system, 3, 4, 5], n=2)
+        await turn(w, "a", [*system, 1, 2])
+        await turn(w, "b", [*system, 3, 4, 5])
         for key, more in (("a", [6]), ("b", [7, 8, 9])):
             meta = await w.archive.lookup(key)
             assert meta is not None
-            await w.gen(key, [*meta.tokens, *more], n=2)  # completes the chunk [24, 32)
+            await turn(w, key, [*meta.tokens, *more])  # completes the chunk [24, 32)
         a, b = await w.archive.lookup("a"), await w.archive.lookup("b")
         assert a is not None and b is not None
         assert [(c.p0, c.p1) for c in a.chunks][:5] == [(0, 8), (8, 16), (16, 24), (24, 29), (29, 32)]
@@ -144,7 +184,7 @@ async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(tmp_pa
         done = await w2.gen("s", ids, n=2)  # the client resends: prefilled from nothing
         assert done.n_cached == 0
         assert w2.seq_tokens("s") == [*ids, *greedy(ids, 2)]
-        stored = await w2.archive.lookup("s")
+        stored = await settled(w2, "s", len(ids) + 2)
         assert stored is not None and stored.tokens == [*ids, *greedy(ids, 2)], "the rebuilt slot is stored"
     finally:
         await w2.registry.shutdown()
