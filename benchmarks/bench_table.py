@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ import httpx
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
 from bench_preview import context, generate_sample, preview_sample, user_append
 from big_slot import big_slot
-from common import Quiet, median, step_tps, token_gaps
+from common import Quiet, load, machine, median, step_tps, token_gaps
 from engine_rows import in_process
 from servers import ServerProc, check, default_model, free_port, llama_server_cmd, settle, slotserve_cmd, stop_servers
 from streams import BANNED, measure_streams
@@ -78,21 +77,6 @@ class Table:
         print("-" * len(line))
         for r in self.rows:
             print(" | ".join(c.ljust(n) for c, n in zip(r, w, strict=True)))
-
-
-def machine() -> str:
-    """CPU model and core count of this machine (``/proc/cpuinfo``)."""
-    name = "unknown CPU"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name}, {os.cpu_count()} cores"
-
-
-def load() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 class Bench:

@@ -40,6 +40,22 @@ _SENTENCES = [s.strip() + "." for s in TEXT.split(". ") if s.strip()]
 TOPICS = ["lighthouses", "bridges", "canals", "windmills", "railways", "harbours", "observatories", "libraries"]
 
 
+def machine() -> str:
+    """CPU model and core count of this machine (``/proc/cpuinfo``)."""
+    name = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def load() -> str:
+    """The load average (1, 5, 15 min), printed beside every figure."""
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 # ----------------------------------------------------------------------------- CPU accounting
 
 

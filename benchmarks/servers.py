@@ -34,25 +34,27 @@ def slotserve_cmd(
     parallel: int,
     ctx_size: int,
     threads: int,
-    spare: int = 1,
+    spare: int | None = 1,
     model: Path | None = None,
     n_gpu_layers: int = 0,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """``slotserve serve`` of this checkout (``python -m orchestrator.cli`` with the benchmark's interpreter,
-    run from the checkout's root) on 127.0.0.1:``port`` with its embedded store in ``state_dir``."""
+    run from the checkout's root) on 127.0.0.1:``port`` with its embedded store in ``state_dir``
+    (``spare`` None: the server's default ``--spare``)."""
     cmd = [
         sys.executable, "-m", "orchestrator.cli",
         "serve",
         "--port", str(port),
         "--state-dir", str(state_dir),
         "--parallel", str(parallel),
-        "--spare", str(spare),
         "--ctx-size", str(ctx_size),
         "--threads", str(threads),
         "--n-gpu-layers", str(n_gpu_layers),
         "--log-level", "warning",
     ]  # fmt: skip
+    if spare is not None:
+        cmd += ["--spare", str(spare)]
     if model:
         cmd += ["--model", str(model)]
     return cmd + list(extra)

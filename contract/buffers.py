@@ -6,7 +6,11 @@ faulted in one by one on first touch (measured on the project's 2-core VM: a fre
 prints the save/restore figures this affects).  glibc serves such sizes with ``mmap`` and
 returns them to the kernel on ``free``, so every state would pay that again.  A
 :class:`BufferPool` keeps the buffers given back to it (up to ``keep`` of them, each at most
-``max_bytes``) and lends a view of one big enough.
+``max_bytes``) and lends a view of one big enough, and not much bigger: a state's buffer is not
+spent on a per-token frame, which would keep it and leave the next state to be allocated afresh.
+Memory is given back when idle: a kept buffer not lent again within ``idle_s`` seconds is freed
+(and glibc's heap trimmed, :func:`contract.heap.trim_heap`), so a server between conversations
+holds no state-sized buffer.
 
 The views start on a page boundary.  glibc puts a big ``malloc`` (a ``bytearray``'s memory) 16
 bytes into a page, and the kernel's copy into such a buffer from the page cache or a socket
@@ -21,13 +25,26 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
+from contract.heap import trim_heap
+
 T = TypeVar("T")
 
 PAGE = 4096
+
+MAX_KEPT_BYTES = 256 << 20
+"""Default ``max_bytes``: a buffer bigger than this (a long context's state) is freed when given back."""
+
+IDLE_S = 5.0
+"""Default ``idle_s``: seconds a kept buffer may wait to be lent again before it is freed."""
+
+FIT = 2
+"""A kept buffer is lent for ``n`` bytes only while it holds at most ``FIT * n`` (a state's buffer is
+not spent on a token's frame)."""
 
 
 class _Buffer(bytearray):
@@ -61,25 +78,39 @@ class BufferPool:
     lent again only once no other view of it is left: uvloop, for one, keeps views of a response
     body until the socket has taken all of it, after the ASGI ``send`` returned.  Memory held: at
     most ``keep`` buffers of at most ``max_bytes`` each free, and ``keep`` given back and still
-    viewed.
+    viewed; a free buffer is lent for ``n`` bytes only if it holds at most :data:`FIT` ``* n``, and
+    is freed once it waited ``idle_s`` seconds (by :meth:`release_idle`, which a timer thread calls
+    while anything is kept; ``idle_s`` None: kept until the pool goes).  ``clock``: seconds,
+    monotonic (tests give their own).
     """
 
-    def __init__(self, keep: int = 1, max_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        keep: int = 1,
+        max_bytes: int = MAX_KEPT_BYTES,
+        idle_s: float | None = IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.keep = keep
         self.max_bytes = max_bytes
-        self._free: list[_Buffer] = []
+        self.idle_s = idle_s
+        self._clock = clock
+        self._free: list[tuple[float, _Buffer]] = []  # (when it became free, buffer), biggest first
         self._returned: list[_Buffer] = []  # given back while a view of them may still be read
         self._lent: weakref.WeakValueDictionary[int, _Buffer] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
 
     def take(self, n: int) -> memoryview:
         """A writable view of ``n`` bytes (``uint8``)."""
         with self._lock:
             self._settle()
-            fits = [b for b in self._free if len(b) - PAGE >= n]
-            buf = min(fits, key=len) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
+            fits = [e for e in self._free if n <= len(e[1]) - PAGE <= FIT * n]
+            entry = min(fits, key=lambda e: len(e[1])) if fits else None
+            buf = None
+            if entry is not None:
+                self._free = [e for e in self._free if e is not entry]  # by identity: == compares bytes
+                buf = entry[1]
         if buf is None:
             buf = _Buffer(n + PAGE)
         with self._lock:
@@ -122,16 +153,51 @@ class BufferPool:
             del buf  # this frame's reference must not count as a view
             del self._returned[: max(len(self._returned) - self.keep, 0)]  # the oldest are left to be freed
             self._settle()
+            self._arm()
 
     def _settle(self) -> None:
         """Move the returned buffers that no view reaches any more (lock held) to the free ones."""
         busy: list[_Buffer] = []
+        now = self._clock()
         for b in self._returned:
             # the references: the list's, `b` and getrefcount's argument; a live view of b adds one
-            (self._free if sys.getrefcount(b) <= 3 else busy).append(b)
+            if sys.getrefcount(b) <= 3:
+                self._free.append((now, b))
+            else:
+                busy.append(b)
         self._returned = busy
-        self._free.sort(key=len, reverse=True)
+        self._free.sort(key=lambda e: len(e[1]), reverse=True)
         del self._free[self.keep :]  # keep the biggest ones
+
+    def release_idle(self) -> int:
+        """Free the kept buffers that waited ``idle_s`` seconds or more; then, if any was freed, trim
+        glibc's heap (:func:`contract.heap.trim_heap`).  Returns the bytes freed."""
+        with self._lock:
+            self._settle()
+            if self.idle_s is None:
+                return 0
+            now = self._clock()
+            old = [e for e in self._free if now - e[0] >= self.idle_s]
+            self._free = [e for e in self._free if now - e[0] < self.idle_s]
+            freed = sum(len(b) for _, b in old)
+            del old
+        if freed:
+            trim_heap()
+        return freed
+
+    def _arm(self) -> None:
+        """Start the idle timer (lock held) if memory is kept and none runs."""
+        if self.idle_s is None or self._timer is not None or not (self._free or self._returned):
+            return
+        self._timer = threading.Timer(self.idle_s, self._on_timer)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _on_timer(self) -> None:
+        self.release_idle()
+        with self._lock:
+            self._timer = None
+            self._arm()
 
     def drop(self, view: object) -> None:
         """Forget a lent view without reusing its memory (something may still read it)."""
@@ -144,4 +210,4 @@ class BufferPool:
     def held_bytes(self) -> int:
         """Bytes of the buffers kept for reuse (what they can lend; each holds a page more, for the alignment)."""
         with self._lock:
-            return sum(len(b) - PAGE for b in self._free)
+            return sum(len(b) - PAGE for _, b in self._free)

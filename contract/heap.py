@@ -16,7 +16,9 @@ blocks up to :data:`MMAP_THRESHOLD` come from the heap, whose freed pages are re
 mapped, and ``M_TRIM_THRESHOLD`` so that up to :data:`TRIM_THRESHOLD` of free memory at the
 heap's top stays mapped.  The cost: a process keeps up to that much freed memory.  Larger
 blocks (a whole slot state, tens of MB) are still mapped and unmapped, and are pooled where
-they recur (:mod:`contract.buffers`).
+they recur (:mod:`contract.buffers`).  Once a process goes idle, :func:`trim_heap` gives the
+heap's free pages back (``malloc_trim(3)``): what a turn's arrays and KV records left is not held
+between conversations.
 """
 
 from __future__ import annotations
@@ -37,14 +39,19 @@ _M_TRIM_THRESHOLD = -1  # malloc.h
 _M_MMAP_THRESHOLD = -3
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
 def keep_heap_mapped() -> bool:
     """Set glibc's mmap and trim thresholds (see the module docstring) for this process; ``False``
     (and nothing changed) where the C library is not glibc or refuses them."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -52,3 +59,17 @@ def keep_heap_mapped() -> bool:
     if not done:
         log.info("mallopt refused the heap thresholds: per-token arrays may be mapped afresh each step")
     return done
+
+
+def trim_heap() -> bool:
+    """Give the free pages of glibc's heaps back to the kernel (``malloc_trim(0)``, ``malloc.h``): every
+    arena's free memory, not only the top's beyond :data:`TRIM_THRESHOLD`.  Thread-safe; it walks the
+    heap and the pages it gives back fault in again when reused, so callers do it when idle, not per
+    token.  Returns
+    whether memory was released (``False`` also where the C library is not glibc)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))

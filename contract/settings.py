@@ -84,8 +84,10 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     n_ctx: Annotated[int, Positive, Flag("context window per slot, tokens", "--ctx-size", "-c")] = 4096
     n_slots: Annotated[int, Positive, Flag("slots resident in the engine at once", "--parallel", "-np")] = 4
     n_spare: Annotated[
-        int, NonNegative, Flag("spare engine sequences (KV streams of n_ctx cells) for concurrent previews", "--spare")
-    ] = 2
+        int,
+        NonNegative,
+        Flag("spare engine sequences (KV streams of n_ctx cells) for previews and n > 1 choices", "--spare"),
+    ] = 1
     n_threads: Annotated[int, Positive, Flag("llama.cpp threads", "--threads", "-t", default_text="CPU count")] = (
         msgspec.field(default_factory=default_threads)
     )

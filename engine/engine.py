@@ -133,12 +133,9 @@ class Engine:
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
-        # seq -> its current state (one-stream form), kept until the sequence changes so that saving
-        # an unchanged sequence again reads nothing; dropped copies go back to state_pool (contract/buffers.py)
-        self.states: dict[int, State] = {}
-        self._raw: dict[int, State] = {}  # the pool buffer behind each kept state
+        # where states are read (save_state) and slot files land (engine/state_file.py); no state is kept
+        # once its reader gave it back: the pool lets go of idle memory itself (contract/buffers.py)
         self.state_pool = BufferPool(keep=1)
-        self.lent: set[int] = set()  # ids of state buffers a thread other than the loop's still reads
         self.spare_free = list(range(config.n_slots, n_seq))
         self.embeddings_on = False
         self.fingerprint = file_fingerprint(model.path, cp.type_k, cp.type_v)
@@ -195,7 +192,6 @@ class Engine:
         targets: list[RowTarget] = []
         ordered = sorted(entries, key=lambda e: e.seq)
         for e in ordered:
-            self._drop_state(e.seq)
             e.batch_start = i
             n = len(e.tokens)
             for j, tok in enumerate(e.tokens):
@@ -322,7 +318,6 @@ class Engine:
     def _cut(self, seq: int, n: int) -> int:
         """``seq_rm(seq, n, -1)`` mirrored in the cell map and the token list; the whole sequence erased
         where llama.cpp refuses (a recurrent state).  Returns the tokens kept."""
-        self._drop_state(seq)
         if not llama.llama_memory_seq_rm(self.mem, seq, n, -1):
             self.erase(seq)
             return 0
@@ -331,8 +326,7 @@ class Engine:
         return n
 
     def erase(self, seq: int) -> None:
-        """Drop every cell of ``seq`` (and any copy of its state)."""
-        self._drop_state(seq)
+        """Drop every cell of ``seq``."""
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
@@ -366,7 +360,7 @@ class Engine:
             cached[head_p : head_p + n] = cached[head_c : head_c + n]
             head_c += n
             head_p += n
-        return self._cut(seq, head_p) if head_p > n_past else n_past  # _cut forgets the kept state copy
+        return self._cut(seq, head_p) if head_p > n_past else n_past
 
     def fork(self, src: int, dst: int) -> None:
         """Copy of ``src`` into ``dst`` (``seq_cp`` across streams: llama.cpp copies the stream's K/V
@@ -408,7 +402,6 @@ class Engine:
                 else "this model's KV cache cannot shift positions"
             )
             raise EngineError(ErrorCode.INVALID_REQUEST, reason)
-        self._drop_state(seq)
         llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
         llama.llama_memory_seq_add(self.mem, seq, n_keep + n_discard, -1, -n_discard)
         native.lib.llama_attn_memory_update(self.ctx)  # the K-shift now: a state read next must hold it
@@ -419,44 +412,24 @@ class Engine:
 
     # ------------------------------------------------------------------ states
 
-    def _drop_state(self, seq: int) -> None:
-        """Forget the copy of ``seq``'s state (it changed); its memory serves the next read, unless
-        it is lent (:meth:`lend_state`): then it is freed once its reader lets go of it."""
-        self.states.pop(seq, None)
-        raw = self._raw.pop(seq, None)
-        if raw is not None:
-            if id(_owner_of(raw)) in self.lent:
-                self.state_pool.drop(raw)
-            else:
-                self.state_pool.give(raw)
-
-    def lend_state(self, seq: int) -> tuple[list[int], State]:
-        """:meth:`save_state` for a reader on another thread: the buffer is not reused for another
-        read until :meth:`end_lend` (which that thread may call), even if ``seq`` changes meanwhile."""
-        tokens, state = self.save_state(seq)
-        self.lent.add(id(_owner_of(state)))
-        return tokens, state
-
-    def end_lend(self, state: State) -> None:
-        """The reader of a state from :meth:`lend_state` is done with it (thread-safe)."""
-        self.lent.discard(id(_owner_of(state)))
-
     def save_state(self, seq: int) -> tuple[list[int], State]:
         """``(tokens, state)`` of ``seq``: its llama.cpp sequence state in the one-stream form
-        (``u32 magic | i32 seq | u32 1 | record``, :mod:`slotstate.seq_state`).
+        (``u32 magic | i32 seq | u32 1 | record``, :mod:`slotstate.seq_state`), read now.
 
-        Read with ``llama_state_seq_get_data`` into a pooled buffer and turned into the one-stream
-        form in place (the 12 header bytes are written just before the sequence's record; the
-        state is a view of the buffer, nothing copied).  Kept until ``seq`` changes, so saving an
-        unchanged sequence again reads nothing; callers must not modify it nor keep it past the
-        sequence's next change.  Raises ``EngineError(INTERNAL)`` when llama.cpp's read fails.
+        Read with ``llama_state_seq_get_data`` into a buffer of :attr:`state_pool` and turned into the
+        one-stream form in place (the 12 header bytes are written just before the sequence's record;
+        the state is a view of the buffer, nothing copied).  The caller owns it (it stays as read
+        whatever the sequence does next, and may be read on another thread) and hands it back with
+        :meth:`release_state` once written out; one never handed back is freed with its last view.
+        The engine keeps no copy.  Raises ``EngineError(INTERNAL)`` when llama.cpp's read fails.
         """
-        state = self.states.get(seq)
-        if state is None:
-            raw, state = read_state(self.ctx, seq, self.state_pool.take, self.state_pool.give, self.shape)
-            self.states[seq] = state
-            self._raw[seq] = raw
+        _, state = read_state(self.ctx, seq, self.state_pool.take, self.state_pool.give, self.shape)
         return list(self.tokens.get(seq, ())), state
+
+    def release_state(self, state: State) -> None:
+        """Hand back a state from :meth:`save_state` that nothing reads any more: its memory serves the
+        next read, or is freed once the pool finds it idle (thread-safe: a slot-file writer calls it)."""
+        self.state_pool.give(state)
 
     def restore_state(
         self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview, check_values: bool = False
@@ -554,7 +527,8 @@ class Engine:
             self._check_decode(s - 1, 0, seed[:2])
         self._check_decode(s, 0, toks)
         _, state = self.save_state(s)
-        own = bytearray(state)  # restore_state erases s, and with it the kept copy `state` views
+        own = bytearray(state)  # a copy of its own: the state's memory goes back to the pool
+        self.release_state(state)
         self.layout = seq_state.parse(own, shape=self.shape).layout
         self.restore_state(s, toks, own)
         self._check_decode(s, len(toks), seed[:1])
@@ -626,10 +600,3 @@ def read_state(
 _MAX_STREAMS = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
 _COUNT = [ctypes.c_uint32(n) for n in range(_MAX_STREAMS + 1)]
 _ZEROS = (ctypes.c_char * (4 * _MAX_STREAMS))()
-
-
-def _owner_of(view: object) -> object:
-    """The object a (chain of) memoryview(s) views."""
-    while isinstance(view, memoryview):
-        view = view.obj
-    return view

@@ -102,7 +102,10 @@ class EngineHandlers:
         t0 = time.perf_counter()
         tokens, blob = self.engine.save_state(msg.seq)
         t_ms = (time.perf_counter() - t0) * 1000
-        self.send(proto.StateBlob(msg.req, msg.seq, tokens, t_ms, proto.Tensor.raw(blob)), [blob])
+        try:
+            self.send(proto.StateBlob(msg.req, msg.seq, tokens, t_ms, proto.Tensor.raw(blob)), [blob])
+        finally:  # sent whole (or the peer is gone): no copy is kept (engine/engine.py, save_state)
+            self.engine.release_state(blob)
 
     def read_kv(self, msg: proto.ReadKV, _: list[RecvBuffer]) -> None:
         """The tokens whose KV is in the sequence (its pending last token left unwritten) and the KV records
@@ -131,7 +134,7 @@ class EngineHandlers:
         (:func:`engine.state_file.write_slot_file`), which answers when the file is in place."""
         self.check(msg)
         t0 = time.perf_counter()
-        tokens, state = self.engine.lend_state(msg.seq)
+        tokens, state = self.engine.save_state(msg.seq)
 
         def write() -> None:
             reply: proto.Message
@@ -141,7 +144,7 @@ class EngineHandlers:
             except EngineError as exc:
                 reply = proto.Error(msg.req, exc.code, exc.message)
             finally:
-                self.engine.end_lend(state)
+                self.engine.release_state(state)
             self.send(reply, ())
 
         # not a daemon: a worker asked to stop still finishes the file (and renames it) first

@@ -6,8 +6,8 @@ reads ``--slot-save-path/FILENAME`` with ``llama_state_seq_save_file`` /
 When the worker shares the orchestrator's file system (it spawned the worker), the worker
 does the same, so a slot's tens of MB never cross the worker's socket:
 
-* :func:`write_slot_file` writes the sequence's state (the copy the engine keeps, or one read
-  from the KV cache, lent by :meth:`engine.engine.Engine.lend_state`) beside the target and
+* :func:`write_slot_file` writes the sequence's state (read from the KV cache by
+  :meth:`engine.engine.Engine.save_state`, handed back once written) beside the target and
   renames it over it, on a thread of its own: a file write can take far longer than a decode
   step (ext4 throttles a writer of tens of MB of dirty pages), and the decode loop must not
   wait for it.

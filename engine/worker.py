@@ -31,7 +31,7 @@ from contract import settings
 from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.framing import RecvBuffer, parse_address
-from contract.heap import keep_heap_mapped
+from contract.heap import keep_heap_mapped, trim_heap
 from contract.settings import SPLIT_MODES, EngineSettings
 from engine import backend
 from engine.batcher import Batcher
@@ -51,6 +51,9 @@ def _die_with_parent() -> None:
     except OSError:
         pass
 
+
+IDLE_TRIM_S = 5.0
+"""Seconds without a request or a generation after which the worker trims its heap (contract/heap.py)."""
 
 Inbound = tuple[proto.Request, list[RecvBuffer]]
 """A request and its raw buffers, as the reader thread queues them."""
@@ -104,13 +107,19 @@ class Worker:
             info.classifier_labels = eng.labels
         self.send(proto.Ready(0, info, eng.model.pieces))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
+        worked = False  # since the heap was last trimmed
         while self.running:
             block = not self.has_work()
             item: Inbound | Literal[False] | None  # False: the inbox is empty
             try:
-                item = self.inbox.get(block=block)
+                item = self.inbox.get(block=block, timeout=IDLE_TRIM_S if block and worked else None)
             except queue.Empty:
                 item = False
+                if block:  # idle for IDLE_TRIM_S: give back what the last requests left on the heap
+                    trim_heap()
+                    worked = False
+                    continue
+            worked = True
             while item is not False:
                 if item is None:
                     return

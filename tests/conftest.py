@@ -131,6 +131,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
         [
             "--parallel",
             "4",
+            "--spare",
+            "2",  # two spares (not the default one): n = 2 choices and two previews at once
             "--ctx-size",
             "2048",
             "--threads",

@@ -407,7 +407,8 @@ class WorkerClient:
         return SequenceKV(reply.tokens, [t.take(bufs) for t in reply.records], reply.t_ms)
 
     def release_state(self, state: proto.Buffer) -> None:
-        """Give the receive buffer of a :meth:`save_state` reply back to the frame reader's pool."""
+        """Give the receive buffer of a :meth:`save_state` reply's state, or of a :meth:`read_kv` record,
+        back to the frame reader's pool."""
         RECEIVE_POOL.give(state)
 
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:

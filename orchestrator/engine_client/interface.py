@@ -309,9 +309,9 @@ class EngineClient(Protocol):
         ...
 
     def release_state(self, state: proto.Buffer) -> None:
-        """Hand back the buffer a :meth:`save_state` reply's ``state`` arrived in, once nothing reads it
-        any more: the client may receive the next state into it.  Anything else is left alone, and a
-        state never handed back is simply freed."""
+        """Hand back the buffer a :meth:`save_state` reply's ``state`` (or one of a :meth:`read_kv` reply's
+        ``records``) arrived in, once nothing reads it any more: the client may receive the next state
+        into it.  Anything else is left alone, and a state never handed back is simply freed."""
         ...
 
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:

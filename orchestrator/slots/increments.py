@@ -119,8 +119,12 @@ class Increments:
         # (another sequence's decode step may have written the pending token meanwhile: the ranges, all
         # before it, read the same cells)
         records = got.records if got is not None else []
-        new = {keys[i]: kv_chunks.seal(records[j], keys[i]) for j, i in enumerate(read)}
-        rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
+        try:  # sealing copies each record: their receive buffers then serve the next reads
+            new = {keys[i]: kv_chunks.seal(records[j], keys[i]) for j, i in enumerate(read)}
+            rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
+        finally:
+            for r in records:
+                self.engine.release_state(r)
         for i in read:
             sizes[i] = len(new[keys[i]])
         chunks = [ChunkRef(p0, p1, k, size) for (p0, p1), k, size in zip(ranges, keys, sizes, strict=True)]

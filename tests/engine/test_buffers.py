@@ -1,10 +1,13 @@
-"""BufferPool: lent views have the asked size, memory given back is reused, nothing read is reused."""
+"""BufferPool: lent views have the asked size, memory given back is reused, nothing read is reused, a
+state's buffer is not spent on a small request, and memory kept idle is freed."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from contract.buffers import PAGE, BufferPool
+from contract.buffers import FIT, PAGE, BufferPool
 
 
 def test_given_back_memory_is_reused_and_kept_within_bounds() -> None:
@@ -73,3 +76,55 @@ def test_a_buffer_still_viewed_is_not_reused_and_one_never_given_back_is_freed()
     gone = pool.take(64)
     del gone  # never given back: nothing keeps it
     assert len(pool._lent) == 0
+
+
+def test_a_big_buffer_is_not_lent_for_a_much_smaller_request() -> None:
+    """A state's buffer (46 MB at 2,000 tokens) must not go to a token's frame (~2 MB), which would keep
+    it while the next state is allocated afresh; a state of about the same size takes it."""
+    pool = BufferPool(keep=2, idle_s=None)
+    state = pool.take(46_000_000)
+    kept = id(state.obj)  # (an id: a reference would count as a view still read)
+    pool.give(state)
+    token = pool.take(2_200_000)
+    assert id(token.obj) != kept and pool.held_bytes == 46_000_000, "the state's buffer stays kept"
+    pool.give(token)
+    assert pool.held_bytes == 46_000_000 + 2_200_000
+    small = pool.take(46_000_000 // FIT + 1)  # just within FIT of it: lent
+    assert id(small.obj) == kept
+    pool.give(small)
+
+
+def test_kept_memory_is_freed_after_idle_s() -> None:
+    now = [100.0]
+    pool = BufferPool(keep=2, idle_s=5.0, clock=lambda: now[0])
+    a, b = pool.take(1000), pool.take(3000)
+    pool.give(a)  # free since t=100
+    now[0] = 103.0
+    pool.give(b)  # free since t=103
+    assert pool.held_bytes == 4000
+    now[0] = 104.9
+    assert pool.release_idle() == 0 and pool.held_bytes == 4000
+    now[0] = 105.0
+    assert pool.release_idle() == 1000 + PAGE and pool.held_bytes == 3000, "only the one idle 5 s is freed"
+    again = pool.take(2000)  # lent again: its idle time starts anew when given back
+    now[0] = 109.0
+    pool.give(again)
+    now[0] = 113.0
+    assert pool.release_idle() == 0 and pool.held_bytes == 3000
+    now[0] = 114.0
+    assert pool.release_idle() == 3000 + PAGE and pool.held_bytes == 0
+
+
+def test_idle_memory_is_freed_without_any_further_call() -> None:
+    """The pool's own timer frees what waits ``idle_s``: a server between conversations keeps nothing."""
+    pool = BufferPool(keep=1, idle_s=0.05)
+    pool.give(pool.take(1 << 20))
+    deadline = time.monotonic() + 30  # a bound for a loaded machine, not a speed check
+    while pool.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.held_bytes == 0
+    pool.give(pool.take(1 << 20))  # the timer starts again for memory kept later
+    deadline = time.monotonic() + 30
+    while pool.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.held_bytes == 0

@@ -22,11 +22,11 @@ from tests.engine.test_state_io import decode_together
 
 def save_seq_file(engine, seq: int, path: Path) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """What the worker's ``SaveFile`` does (on its writer thread): ``(n_tokens, bytes written)``."""
-    tokens, state = engine.lend_state(seq)
+    tokens, state = engine.save_state(seq)
     try:
         return len(tokens), write_slot_file(path, tokens, state)
     finally:
-        engine.end_lend(state)
+        engine.release_state(state)
 
 
 def logits_finite(engine, seq: int, ids: list[int]) -> bool:  # type: ignore[no-untyped-def]
@@ -145,19 +145,16 @@ def test_a_file_of_several_kv_streams_goes_the_general_way(runner: Runner, engin
     assert same_kv(llama_state(engine.ctx, 2), bytearray(state))
 
 
-def test_a_lent_state_is_not_reused_while_its_writer_reads_it(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
-    """The worker writes a slot file on another thread: the state it lends must keep its bytes even
-    when the sequence changes meanwhile (a changed sequence's dropped copy serves the next read)."""
+def test_a_state_being_written_is_not_reused_while_its_writer_reads_it(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
+    """The worker writes a slot file on another thread: the state it read must keep its bytes even when
+    the sequence changes and other states are read meanwhile, until the writer hands it back."""
     decode_together(runner, model, n=4)
-    tokens, lent = engine.lend_state(1)
+    tokens, lent = engine.save_state(1)
     kept = bytes(lent)
-    engine.truncate(1, len(tokens) - 2)  # seq 1 changes: its copy is dropped
-    engine.save_state(2)  # the next read takes memory from the pool
-    engine.save_state(1)
-    assert bytes(lent) == kept, "the lent buffer was not written over"
-    engine.end_lend(lent)
-    tokens2, unlent = engine.save_state(2)
-    size = memoryview(unlent).nbytes
-    del unlent  # the pool reuses a buffer once no view of it is left
-    engine.truncate(2, len(tokens2) - 1)  # not lent: its memory goes back to the pool
+    engine.truncate(1, len(tokens) - 2)  # seq 1 changes
+    engine.release_state(engine.save_state(2)[1])  # other reads take memory from the pool
+    engine.release_state(engine.save_state(1)[1])
+    assert bytes(lent) == kept, "the state being written was not written over"
+    size = memoryview(lent).nbytes
+    engine.release_state(lent)  # written: its memory serves the next read
     assert engine.state_pool.held_bytes >= size

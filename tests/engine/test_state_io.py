@@ -7,6 +7,8 @@ reads (``tests.engine.enginekit.llama_state``) as the reference.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from contract.buffers import BufferPool
@@ -140,24 +142,33 @@ def test_parking_after_concurrent_decoding_continues_as_running_alone(runner: Ru
         assert_attention_close(x, y, f"restored token {k}")
 
 
-def test_a_changed_sequence_is_read_into_the_memory_of_its_old_state(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]
-    """A state copy dropped when its sequence changes is reused by the next read, written whole:
-    the read equals llama.cpp's, whatever the old bytes were."""
+def test_the_engine_keeps_no_copy_of_a_state_and_a_handed_back_one_serves_the_next_read(  # type: ignore[no-untyped-def]
+    runner: Runner, engine, model
+) -> None:
+    """A state read is the caller's alone: dropped without being handed back, its memory is freed (the
+    engine kept no copy of it); handed back, the next read is written into it, whole: the read equals
+    llama.cpp's, whatever the old bytes were; and kept memory is freed once idle."""
     decode_together(runner, model, n=4)
-    engine.state_pool = BufferPool(keep=1)  # empty (the engine fixture is shared)
+    now = [0.0]
+    engine.state_pool = BufferPool(keep=1, clock=lambda: now[0])  # empty (the engine fixture is shared)
     _, first = engine.save_state(0)
+    gone = weakref.ref(first.obj)
     size = len(first)
     del first
-    assert engine.state_pool.held_bytes == 0
-    runner.submit(0, [int(t) for t in model.tokenize(" More.", False, False)], max_new_tokens=2, ignore_eos=True)
-    runner.run()  # seq 0 now holds the short prompt + 2 tokens: its old copy went back to the pool
-    assert size <= engine.state_pool.held_bytes < size + 4 * engine.n_stream  # (with the empty streams' records)
-    _, second = engine.save_state(0)
-    assert len(second) < size
+    assert gone() is None, "the engine kept the state's memory"
+    _, again = engine.save_state(1)
+    assert engine.save_state(1)[1] is not again, "every save reads the sequence now"
+    n_again = len(again)
+    engine.release_state(again)
+    assert engine.state_pool.held_bytes >= n_again
+    engine.truncate(1, engine.seq_len(1) - 1)  # seq 1 changes: a state one cell smaller
+    _, second = engine.save_state(1)
+    assert len(second) < n_again and size > 0
     assert engine.state_pool.held_bytes == 0, "the next read took the kept memory"
-    assert bytes(second) == llama_state(engine.ctx, 0)
-    _, blob = engine.save_state(1)
-    assert engine.save_state(1)[1] is blob, "an unchanged sequence is not read again"
+    assert bytes(second) == llama_state(engine.ctx, 1)
+    engine.release_state(second)
+    now[0] += engine.state_pool.idle_s or 0.0
+    assert engine.state_pool.release_idle() > 0 and engine.state_pool.held_bytes == 0, "idle memory is freed"
 
 
 def test_an_empty_sequence_state_restores(runner: Runner, engine, model) -> None:  # type: ignore[no-untyped-def]

@@ -197,6 +197,8 @@ class FakeEngine:
         self.pending: set[int] = set()  # sequences whose last token is not written to the KV cache yet
         self.cancelled: set[int] = set()
         self.calls: list[tuple[str, int]] = []
+        self.lent: list[object] = []  # every record read_kv returned (release_state must take each back)
+        self.released: list[object] = []  # what release_state was handed
         self.on_restart: Callable[[], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
 
@@ -279,10 +281,13 @@ class FakeEngine:
             toks.pop()
         if any(r.cache != 0 for r in ranges):
             raise EngineRequestError(ErrorCode.INVALID_REQUEST, "the fake model has one KV cache")
-        return SequenceKV(toks, [kv_record(toks, r.p0, r.p1, seq) for r in ranges], 0.0)
+        records = [kv_record(toks, r.p0, r.p1, seq) for r in ranges]
+        self.lent += records
+        return SequenceKV(toks, records, 0.0)
 
     def release_state(self, state: proto.Buffer) -> None:
-        """Nothing to hand back: the fake's states are plain bytes."""
+        """Record what is handed back (:attr:`released`; the fake's states are plain bytes)."""
+        self.released.append(state)
 
     async def restore_state(self, seq: int, tokens: Sequence[int], state: proto.Buffer) -> float:
         """Replace ``seq``; ``BAD_STATE`` (sequence unchanged) unless ``state`` encodes ``tokens``."""

@@ -22,7 +22,7 @@ WINDOW = 128
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     work = tmp_path_factory.mktemp("ctxshift")
-    s = ServerProc(["--context-shift", "--ctx-size", str(WINDOW), "--parallel", "1", "--threads", "2",
+    s = ServerProc(["--context-shift", "--ctx-size", str(WINDOW), "--parallel", "1", "--spare", "2", "--threads", "2",
                     "--state-dir", str(work / "state")], work)  # fmt: skip
     s.start()
     yield s

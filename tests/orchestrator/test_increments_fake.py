@@ -271,3 +271,19 @@ async def test_a_lost_or_damaged_chunk_is_refused_and_the_resend_rebuilds(store:
         assert w3.seq_tokens("s") == [*more, *greedy(more, 2)]
     finally:
         await w3.registry.shutdown()
+
+
+async def test_the_kv_records_read_for_a_save_are_handed_back(store: Store) -> None:
+    """Each record ``read_kv`` returned goes back to the engine client once sealed (its receive buffer
+    then serves the next read instead of being allocated afresh)."""
+    w = store.world()
+    await w.registry.start()
+    try:
+        await w.gen("s", SYSTEM, n=2)
+        await w.gen("s", [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11], n=2)
+        lent = w.engine.lent
+        assert len(lent) >= 5, "both turns read records"
+        released = {id(b) for b in w.engine.released}
+        assert all(id(r) in released for r in lent), "a record was not handed back"
+    finally:
+        await w.registry.shutdown()
