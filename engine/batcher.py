@@ -214,8 +214,9 @@ class Batcher:
 
     def has_work(self) -> bool:
         """Anything for :meth:`step` to do: a job to decode or to end.  Pending commits alone are not:
-        each is written with the next step's batch or by :meth:`flush` when an operation on its
-        sequence needs it (a save of a strict turn does not wait for a decode step).
+        each is written with the next step's batch, by :meth:`flush` when an operation on its sequence
+        needs it, or by the idle worker shortly after (``engine.worker.COMMIT_DELAY_S``), so that a
+        strict turn's save, which does not wait for them, comes first.
 
         The worker blocks on its inbox while this is false, so it never spins.
         """

@@ -55,6 +55,12 @@ def _die_with_parent() -> None:
 IDLE_TRIM_S = 5.0
 """Seconds without a request or a generation after which the worker trims its heap (contract/heap.py)."""
 
+COMMIT_DELAY_S = 0.05
+"""Seconds an idle worker waits after a generation before writing its last token to the KV cache (a
+decode step of its own): long enough for the strict commit's read of the state, which does not wait for
+it (``ReadKV``), to come first; a request that comes later finds it written.  A new generation on the
+sequence writes it at once (``Batcher.submit``), another's step batches it."""
+
 Inbound = tuple[proto.Request, list[RecvBuffer]]
 """A request and its raw buffers, as the reader thread queues them."""
 
@@ -110,11 +116,16 @@ class Worker:
         worked = False  # since the heap was last trimmed
         while self.running:
             block = not self.has_work()
+            commits = block and self.batcher is not None and bool(self.batcher.commits)
             item: Inbound | Literal[False] | None  # False: the inbox is empty
             try:
-                item = self.inbox.get(block=block, timeout=IDLE_TRIM_S if block and worked else None)
+                wait = COMMIT_DELAY_S if commits else IDLE_TRIM_S if block and worked else None
+                item = self.inbox.get(block=block, timeout=wait)
             except queue.Empty:
                 item = False
+                if commits and self.batcher is not None:  # idle since a generation ended: its last token
+                    self.batcher.flush()
+                    continue
                 if block:  # idle for IDLE_TRIM_S: give back what the last requests left on the heap
                     trim_heap()
                     worked = False

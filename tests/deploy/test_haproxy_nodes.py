@@ -80,7 +80,9 @@ def test_through_the_proxy_no_conversation_meets_slot_busy_and_a_dead_nodes_move
                   f" (lease {LEASE_MS} ms, health checks every 1 s, down after 2)")  # fmt: skip
             out = r.json()
             prefix = len(ids) - len(tokenize(proxy.url, "\nMore?"))
-            assert out["cached_tokens"] == prefix, "continued from its stored state"
+            # the state its strict turn stored: all of it, or all but the last generated token if the node
+            # died before its write-behind stored that one (docs/operations.md, "Incremental states")
+            assert out["cached_tokens"] in (prefix - 1, prefix), "continued from its stored state"
             fresh = generate(survivor.url, f"fresh-{slot}", ids).json()
             assert_same_greedy(fresh, out)
         for slot in staying:

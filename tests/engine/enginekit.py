@@ -95,8 +95,11 @@ class Runner:
         return req
 
     def run(self) -> None:
+        """Step until no job is left, then write the generations' last tokens (as the worker does when
+        the next operation on a sequence comes: the tests read the engine's sequences next)."""
         while self.batcher.has_work():
             self.batcher.step()
+        self.batcher.flush()
 
     def generate(self, seq: int, ids: list[int], **kw: object) -> Result:
         req = self.submit(seq, ids, **kw)  # type: ignore[arg-type]
