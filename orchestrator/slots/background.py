@@ -70,9 +70,14 @@ async def every(period_s: float, step: Callable[[], Awaitable[object]], what: st
 
 
 async def stop(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel ``tasks`` and wait for them to end."""
+    """Cancel ``tasks`` and wait for them to end, cancelling a task again while it goes on: on Python 3.11
+    ``asyncio.wait_for`` (the store calls' deadline) loses a cancellation that comes as its call finishes
+    (CPython bpo-42130), and the task would then wait for its next wake-up forever."""
     for t in tasks:
         t.cancel()
     for t in tasks:
+        while not t.done():
+            await asyncio.wait({t}, timeout=0.5)
+            t.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
