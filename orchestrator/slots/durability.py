@@ -82,8 +82,8 @@ class Durability:
             raise
         metrics.DURABLE_COMMIT_SECONDS.observe(time.perf_counter() - t0)
         if meta is not None and meta.n_tokens < n_tokens:
-            # an incremental commit leaves the last generated token's write (a decode step) out of the
-            # turn: the next turn prefills it; the write-behind stores it soon, off the turn
+            # an incremental commit leaves the last generated token's write (a decode step the idle
+            # worker makes 50 ms later) out of the turn; the write-behind stores that token, off the turn
             slot.n_tokens = n_tokens
             self.schedule(slot)
 
