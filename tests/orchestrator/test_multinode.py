@@ -61,6 +61,17 @@ def stored(redis: RedisServer, slot: str, prefix: str = "mn:") -> tuple[int, lis
     return asyncio.run(read())
 
 
+def until_stored(redis: RedisServer, slot: str, want: list[int], timeout_s: float = 30.0) -> None:
+    """Wait until the slot's stored tokens are ``want``: a strict commit stores all but the last
+    generated token, whose KV write is pending; the write-behind it schedules stores that token
+    ``--write-delay-ms`` later (docs/operations.md, "Incremental states")."""
+    deadline = time.monotonic() + timeout_s
+    while (got := stored(redis, slot)) is None or got[1] != want:
+        assert got is None or got[1] == want[: len(got[1])], "the store holds another conversation"
+        assert time.monotonic() < deadline, f"stored {None if got is None else len(got[1])} of {len(want)} tokens"
+        time.sleep(0.05)
+
+
 def park(srv: ServerProc, prompt: list[int]) -> None:
     """Park the node's resident conversation (its one sequence goes to a filler conversation)."""
     gen(srv, f"filler-{time.monotonic_ns()}", prompt, n=1)
@@ -177,7 +188,9 @@ def test_kill_9_of_the_owner_moves_the_conversation_with_every_answered_turn(
         f"\ntakeover after kill -9: the other node accepted the conversation {sent - t0:.2f} s after the kill"
         f" ({refusals} x 409 first; lease {LEASE_MS} ms); that turn answered {time.monotonic() - t0:.2f} s after it"
     )
-    assert out["cached_tokens"] == len(ids), "every answered turn was in the store"
+    # The strict commit stores every answered token but the last generated one, whose KV write was
+    # pending (its write-behind may not have run before the kill): the new owner re-prefills at most it.
+    assert out["cached_tokens"] in (len(ids), len(ids) - 1), "every answered turn was in the store"
     assert_same_greedy(reference(b, follow), out)
 
 
@@ -201,7 +214,7 @@ def test_a_paused_owner_cannot_overwrite_the_new_owner(
         out_b, _, _ = until_served(b, "pause", follow)  # once a's lease lapsed: b continues from turn 1
         assert out_b["cached_tokens"] == len(ids)
         b_ids = follow + toks(out_b)
-        assert stored(own_redis, "pause")[1] == b_ids  # type: ignore[index]
+        until_stored(own_redis, "pause", b_ids)  # b's commit, then its write-behind of the last token
     finally:
         os.kill(a.proc.pid, signal.SIGCONT)
     while metric(a, "slotserve_stale_writes_refused_total") < 1:  # a's late write-behind runs, and is refused
@@ -215,4 +228,4 @@ def test_a_paused_owner_cannot_overwrite_the_new_owner(
     out = gen(a, "pause", again)
     assert out["cached_tokens"] == len(b_ids)
     assert_same_greedy(reference(a, again), out)
-    assert stored(own_redis, "pause")[1] == again + toks(out)  # type: ignore[index]
+    until_stored(own_redis, "pause", again + toks(out))
