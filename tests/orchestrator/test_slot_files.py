@@ -89,7 +89,8 @@ def test_a_slot_file_restores_and_continues_alike(server: ServerProc) -> None:
 
 def test_bad_slot_files_are_refused_and_change_nothing(server: ServerProc, tmp_path: Path) -> None:
     complete(server, 0, PROMPT, 4)
-    post(server, "/slots/0?action=save", {"filename": "good.bin"})
+    n_good = post(server, "/slots/0?action=save", {"filename": "good.bin"})["n_saved"]
+    post(server, "/slots/0?action=erase", {})  # its sequence free for new-slot (no store to park in)
     data = (tmp_path / "slots" / "good.bin").read_bytes()
     (tmp_path / "slots" / "cut.bin").write_bytes(data[:-64])
     (tmp_path / "slots" / "junk.bin").write_bytes(b"not a slot file")
@@ -106,9 +107,9 @@ def test_bad_slot_files_are_refused_and_change_nothing(server: ServerProc, tmp_p
     assert post(server, "/slots/1?action=tokens", {})["tokens"] == before
     assert complete(server, 1, before, 2)["timings"]["prompt_n"] <= 1, "slot 1 kept its cells"
     restored = post(server, "/slots/new-slot?action=restore", {"filename": "good.bin"})  # the same cells, good
-    assert restored["n_restored"] == len(post(server, "/slots/0?action=tokens", {})["tokens"])
+    assert restored["n_restored"] == n_good
     post(server, "/slots/new-slot?action=erase", {})
     slots = httpx.get(server.url + "/slots", timeout=30).json()
     assert all(str(s["id"]) != "new-slot" for s in slots), "a refused restore creates no slot"
-    err = post(server, "/slots/0?action=save", {"filename": "../escape.bin"}, 400)
+    err = post(server, "/slots/1?action=save", {"filename": "../escape.bin"}, 400)
     assert err["error_code"] == "INVALID_REQUEST"
