@@ -31,7 +31,7 @@
 
 namespace {
 
-constexpr size_t ATTN_FILE_WINDOW = 1u << 20; // file pieces are read through this much memory
+constexpr size_t ATTN_FILE_WINDOW = 256u << 10; // file pieces are read through this much memory (within L2)
 constexpr size_t ATTN_CHECK_BLOCK = 64u << 10; // tested, then written, while in cache
 
 // the K/V values of one tensor tested for NaN/infinity: a value is non-finite exactly when all its
@@ -42,14 +42,18 @@ struct attn_value_check {
     uint8_t  carry[4] = {0, 0, 0, 0}; // an element split between two spans
     size_t   n_carry = 0;
 
+    // whether any of the n words at p is non-finite: (w & mask) + its lowest bit carries into the word's top bit
+    // exactly when every bit of mask is set (mask is the exponent, just below the top bit); one AND, ADD and OR
+    // per word in the word's own width, which the compiler vectorizes
     template <typename W> static bool any_nonfinite(const uint8_t * p, size_t n, W mask) {
-        unsigned hit = 0;
+        const W low = (W) (mask & (W) (~mask + 1));
+        W acc = 0;
         for (size_t i = 0; i < n; ++i) {
             W w;
             memcpy(&w, p + i * sizeof(W), sizeof(W));
-            hit |= (W) (w & mask) == mask;
+            acc |= (W) ((W) (w & mask) + low);
         }
-        return hit != 0;
+        return (acc >> (8 * sizeof(W) - 1)) != 0;
     }
 
     bool words_bad(const uint8_t * p, size_t n_words) const {
