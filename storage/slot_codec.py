@@ -249,7 +249,7 @@ async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[S
     if meta.chunks:
         if not isinstance(store, ChunkStore):
             raise BadStateError(f"slot {meta.slot_id!r} is stored in KV chunks, which this store does not keep")
-        values = await store.get_chunks([c.key for c in meta.chunks])
+        values = await store.get_chunks([c.key for c in meta.chunks], sum(c.size for c in meta.chunks))
         try:
             raw = await asyncio.to_thread(_assemble, meta, raw, values)
         except BadStateError:
