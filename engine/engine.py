@@ -44,6 +44,7 @@ from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
 from engine.cellmap import CellMap, CellMapError
 from engine.memory import UnsupportedMemoryError, memory_of
 from engine.model import Model, file_fingerprint
+from engine.state_read import StateSource, read_into
 from slotstate import seq_state
 
 State = bytearray | memoryview
@@ -438,19 +439,36 @@ class Engine:
 
         ``blob`` is a sequence state as ``llama_state_seq_get_data`` writes it, of one stream or of
         several (llama-server's ``-np N``: one record per slot, all but one empty); it is read in
-        place, never copied.  It is parsed and checked against this engine's layout (with
-        ``check_values`` its float K/V values must also be finite:
-        :func:`slotstate.seq_state.check_finite`) before llama.cpp sees it, then given to
-        ``llama_attn_state_seq_set_data`` as pieces with this engine's stream count.  Raises
-        ``EngineError(BAD_STATE)`` for a blob this engine cannot take and
-        ``EngineError(CONTEXT_OVERFLOW)`` for more tokens than the context window (``n_ctx``).
+        place, never copied.  It is parsed and checked against this engine's layout before llama.cpp
+        sees it, then restored by :meth:`restore_parsed`.  Raises ``EngineError(BAD_STATE)`` for a blob
+        this engine cannot take and ``EngineError(CONTEXT_OVERFLOW)`` for more tokens than the
+        context window (``n_ctx``).
         """
         try:
             parsed = seq_state.parse(blob, self.layout)
-            if check_values:
-                seq_state.check_finite(blob, parsed)
         except seq_state.BadStateError as exc:
             raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
+        self.restore_parsed(seq, tokens, parsed, StateSource.memory(blob), check_values)
+
+    def restore_parsed(
+        self,
+        seq: int,
+        tokens: Sequence[int],
+        parsed: seq_state.ParsedState,
+        src: StateSource,
+        check_values: bool = False,
+    ) -> None:
+        """Replace ``seq`` with ``tokens`` and the state ``parsed`` (checked against :attr:`layout` by
+        :func:`slotstate.seq_state.parse` or ``parse_file``), whose bytes are in ``src``
+        (:func:`engine.state_read.read_into`: one pass, from memory or through a small buffer from a file).
+
+        With ``check_values`` its float K/V values must be finite: a sequence holding no cells is
+        restored while libllama tests them (a refusal leaves it empty, as it was); one holding cells
+        has them tested first (:func:`slotstate.seq_state.check_finite`, ``src`` in memory only), so
+        that a refusal leaves it as it was.  Raises ``EngineError(BAD_STATE)`` for a state whose
+        positions, tokens or values this engine cannot take, ``EngineError(CONTEXT_OVERFLOW)`` for
+        more tokens than ``n_ctx``; ``seq`` is untouched on refusal.
+        """
         n = len(tokens)
         if n > self.config.n_ctx:
             raise EngineError(ErrorCode.CONTEXT_OVERFLOW, f"state of {n} tokens exceeds n_ctx {self.config.n_ctx}")
@@ -458,26 +476,24 @@ class Engine:
         ids = np.asarray(tokens, dtype=np.int64)
         if n and (ids.min() < 0 or ids.max() >= self.model.n_vocab):
             raise EngineError(ErrorCode.BAD_STATE, "state tokens outside the vocabulary")
+        if check_values and self.tokens.get(seq):  # cells to keep on a refusal: the values are tested first
+            if src.blob is None:
+                raise EngineError(ErrorCode.INTERNAL, "a file's values are tested before a restore only from memory")
+            try:
+                seq_state.check_finite(src.blob, parsed)
+            except seq_state.BadStateError as exc:
+                raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
+            check_values = False
         self.erase(seq)
         if not n:
             return
-        if self.n_stream > _MAX_STREAMS:
-            raise EngineError(ErrorCode.INTERNAL, f"{self.n_stream} KV streams is more than llama.cpp allows")
-        data = np.frombuffer(memoryview(blob).cast("B"), dtype=np.uint8)
-        base = data.ctypes.data
-        pieces = [(base, 8)]  # io magic, source sequence
-        for start, end in parsed.records:  # each KV cache: this engine's stream count, the record, empty streams
-            pieces += [(ctypes.addressof(_COUNT[self.n_stream]), 4), (base + start, end - start)]
-            pieces.append((ctypes.addressof(_ZEROS), 4 * (self.n_stream - 1)))
-        pieces.append((base + parsed.tail[0], parsed.tail[1] - parsed.tail[0]))  # the recurrent part as it is
-        ptrs = (ctypes.c_void_p * len(pieces))(*(p for p, _ in pieces))
-        sizes = (ctypes.c_size_t * len(pieces))(*(size for _, size in pieces))
-        want = sum(size for _, size in pieces)
-        got = native.lib.llama_attn_state_seq_set_data(self.ctx, ptrs, sizes, len(pieces), seq)
-        del data
-        if got != want:
+        try:
+            refused = read_into(self.ctx, seq, parsed, src, self.n_stream, check_values)
+        except ValueError as exc:
+            raise EngineError(ErrorCode.INTERNAL, str(exc)) from exc
+        if refused:
             self.erase(seq)
-            raise EngineError(ErrorCode.BAD_STATE, "llama.cpp refused the sequence state")
+            raise EngineError(ErrorCode.BAD_STATE, refused)
         if self.shape.n_caches:
             cells = seq_cells(self.ctx, seq, 0, n)
             if cells.min() < 0:
@@ -595,8 +611,3 @@ def read_state(
     except EngineError:
         release(raw)
         raise
-
-
-_MAX_STREAMS = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
-_COUNT = [ctypes.c_uint32(n) for n in range(_MAX_STREAMS + 1)]
-_ZEROS = (ctypes.c_char * (4 * _MAX_STREAMS))()

@@ -15,7 +15,7 @@ import ctypes
 
 import llama_cpp
 
-ATTN_ABI = 3  # LLAMA_ATTN_ABI of libllama/llama-attn.h
+ATTN_ABI = 4  # LLAMA_ATTN_ABI of libllama/llama-attn.h
 PER_LAYER = 0  # enum llama_attn_format
 MEAN = 1
 GGML_TYPE_F32 = 0
@@ -50,6 +50,14 @@ class AttnRow(ctypes.Structure):
         ("type", ctypes.c_int32),
         ("stream", ctypes.c_int32),
     ]
+
+
+class StatePiece(ctypes.Structure):
+    """``struct llama_attn_state_piece`` (libllama/llama-attn.h): ``size`` bytes of a sequence state at the
+    address ``data``, or, when ``data`` is NULL, of the file ``llama_attn_state_seq_read`` reads, from its
+    byte ``offset``."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("offset", ctypes.c_int64), ("size", ctypes.c_uint64)]
 
 
 _SIGNATURES: dict[str, tuple[list[object], object]] = {
@@ -87,8 +95,17 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
         ],
         ctypes.c_int64,
     ),
-    "llama_attn_state_seq_set_data": (
-        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+    "llama_attn_state_seq_read": (
+        [
+            ctypes.c_void_p,
+            ctypes.POINTER(StatePiece),
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.c_bool,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+        ],
         ctypes.c_size_t,
     ),
 }

@@ -11,16 +11,18 @@ does the same, so a slot's tens of MB never cross the worker's socket:
   renames it over it, on a thread of its own: a file write can take far longer than a decode
   step (ext4 throttles a writer of tens of MB of dirty pages), and the decode loop must not
   wait for it.
-* :func:`load_seq_file` reads the file once, into a page-aligned buffer of the engine's
-  ``state_pool`` (~6 ms for 46 MB on the project's 2-core VM, ~30 into an unaligned
-  ``bytearray``: :mod:`contract.buffers`), and restores that
-  buffer as the API's restore does (:meth:`engine.engine.Engine.restore_state`: every header
-  field and the length checked, the K/V values tested for NaN/infinity, then
-  ``llama_state_seq_set_data``).  llama.cpp never reads the file itself: its
-  ``llama_state_seq_load_file`` aborts the process on a file cut short, and leaves what it
-  loaded in the cache before anything could test it (a NaN even in a free cell poisons every
-  later decode: masked cells' V is multiplied by weight 0, and NaN * 0 is NaN).  A state of
-  several KV streams (llama-server ``-np N`` without ``--kv-unified``) is taken as it is.
+* :func:`load_seq_file` parses the file's header, token record and the state's structure (a memory
+  map: the K/V data is not read), then has libllama read the state's records straight from the file
+  through a 256 KiB buffer, testing each block of K/V values for NaN/infinity while it is in cache before
+  it goes into the KV cache (:mod:`engine.state_read`): one pass over the file, as llama.cpp's
+  ``llama_state_seq_load_file`` reads it.  A sequence that holds cells is loaded the way the API's
+  restore is (:meth:`engine.engine.Engine.restore_state`): the file read once into a page-aligned
+  buffer of the engine's ``state_pool`` and its values tested before anything is written, so that a
+  refusal leaves its cells as they were.  llama.cpp never reads the file itself: its
+  ``llama_state_seq_load_file`` aborts the process on a file cut short, and writes what it loads into
+  the cache without testing it (a NaN even in a free cell poisons every later decode: masked cells' V
+  is multiplied by weight 0, and NaN * 0 is NaN).  A state of several KV streams (llama-server ``-np N``
+  without ``--kv-unified``) is taken as it is.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from pathlib import Path
 
 from contract.errors import ErrorCode
 from engine.engine import Engine, EngineError
+from engine.state_read import StateSource
 from slotstate import seq_state
-from slotstate.ggsq import read_seq_file, write_seq_file
+from slotstate.ggsq import read_seq_file, read_seq_head, write_seq_file
 
 
 def write_slot_file(path: Path, tokens: list[int], state: bytes | bytearray | memoryview) -> int:
@@ -53,28 +56,32 @@ def write_slot_file(path: Path, tokens: list[int], state: bytes | bytearray | me
 
 def load_seq_file(engine: Engine, seq: int, path: Path) -> tuple[int, int, float]:
     """Replace ``seq`` with the slot file ``path`` (llama-server's or ours); ``(n_tokens, file
-    bytes, ms)``.  ``seq`` is untouched on failure.
+    bytes, ms)``.  ``seq`` is untouched on failure (an empty one stays empty).
 
-    The file is read once, into a buffer of the engine's ``state_pool`` (see the module
-    docstring), and put in place by :meth:`engine.engine.Engine.restore_state`, its K/V values
-    tested first.  Raises ``EngineError(INVALID_REQUEST)`` for a missing file or a directory, and
-    ``EngineError(BAD_STATE)`` for a file this engine cannot take: not ``ggsq``, another model's
-    or KV type's state, cut short or padded, or holding NaN/infinite K/V values; also what
-    :meth:`engine.engine.Engine.restore_state` raises.
+    See the module docstring for how the file is read.  Raises ``EngineError(INVALID_REQUEST)`` for a
+    missing file or a directory, and ``EngineError(BAD_STATE)`` for a file this engine cannot take:
+    not ``ggsq``, another model's or KV type's state, cut short or padded, or holding NaN/infinite
+    K/V values; also what :meth:`engine.engine.Engine.restore_parsed` raises.
     """
     t0 = time.perf_counter()
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            parsed = engine.state_pool.fill(lambda take: read_seq_file(f, take))
-        try:  # a file of llama-server -np N holds a record per KV stream: restore_state takes that form too
-            engine.restore_state(seq, parsed.tokens, memoryview(parsed.state), check_values=True)
-        finally:
-            engine.state_pool.give(parsed.state)
+            if engine.tokens.get(seq):  # cells to keep on a refusal: the values are tested before the restore
+                parsed = engine.state_pool.fill(lambda take: read_seq_file(f, take))
+                try:
+                    engine.restore_state(seq, parsed.tokens, memoryview(parsed.state), check_values=True)
+                finally:
+                    engine.state_pool.give(parsed.state)
+                return len(parsed.tokens), size, (time.perf_counter() - t0) * 1000
+            tokens, _ = read_seq_head(f)
+            start = f.tell()
+            state = seq_state.parse_file(f, start, engine.layout)
+            engine.restore_parsed(seq, tokens, state, StateSource(fd=f.fileno(), start=start), check_values=True)
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise EngineError(ErrorCode.INVALID_REQUEST, f"no saved slot file {path.name!r}") from exc
     except seq_state.BadStateError as exc:
         raise EngineError(ErrorCode.BAD_STATE, f"Unable to restore slot: {exc}") from exc
     except OSError as exc:
         raise EngineError(ErrorCode.INTERNAL, f"could not read the slot file {path.name!r}: {exc}") from exc
-    return len(parsed.tokens), size, (time.perf_counter() - t0) * 1000
+    return len(tokens), size, (time.perf_counter() - t0) * 1000

@@ -45,6 +45,7 @@ NEW_FILES = {
     "llama-attn-graph.cpp": "src",
     "llama-attn-capture.cpp": "src",
     "llama-attn-kv.cpp": "src",
+    "llama-attn-state.cpp": "src",
 }
 # what slotserve does not use: the multimodal library, tests, examples and tools (llama-server is
 # built on its own when a benchmark needs it: --source)

@@ -2,8 +2,9 @@
 //
 // Copied into llama.cpp's include/ by slotserve's set-up (libllama/README.md); implemented in
 // src/llama-attn-graph.cpp (the nodes), src/llama-attn-capture.cpp (the copy to host and this API's
-// capture functions) and src/llama-attn-kv.cpp (cells and sequence states).  Nothing here changes
-// what llama.cpp computes: a context that never calls llama_attn_init runs exactly as upstream.
+// capture functions), src/llama-attn-kv.cpp (cells and position ranges) and src/llama-attn-state.cpp (restoring
+// sequence states).  Nothing here changes what llama.cpp computes: a context that never calls llama_attn_init
+// runs exactly as upstream.
 //
 // Per llama_decode the caller names the batch tokens whose attention it wants (llama_attn_set_rows);
 // while the graph of each ubatch is built, every attention layer adds a few nodes that gather those
@@ -21,7 +22,7 @@ extern "C" {
 #endif
 
 // ABI of this header; slotserve refuses a libllama whose llama_attn_abi() differs.
-#define LLAMA_ATTN_ABI 3
+#define LLAMA_ATTN_ABI 4
 
 enum llama_attn_format {
     LLAMA_ATTN_PER_LAYER = 0, // [n_layer_sel, n_head, n_kv] per row and KV cache
@@ -109,12 +110,30 @@ LLAMA_API int32_t llama_attn_seq_cells(struct llama_context * ctx, int32_t cache
 LLAMA_API int64_t llama_attn_seq_range_get(struct llama_context * ctx, int32_t cache, llama_seq_id seq_id, llama_pos p0,
                                            llama_pos p1, uint8_t * dst, size_t size);
 
-// llama_state_seq_set_data of the n_pieces pieces of memory read in order as one buffer, without joining
-// them: a state whose stream counts differ from this context's (slotserve keeps a sequence's state as one
-// stream, a context with one KV stream per sequence reads one record per stream) is given as pieces with
-// its counts rewritten and empty records added.  Returns the bytes read, 0 on failure (as upstream).
-LLAMA_API size_t llama_attn_state_seq_set_data(struct llama_context * ctx, const uint8_t * const * pieces,
-                                               const size_t * sizes, int32_t n_pieces, llama_seq_id seq_id);
+// One piece of a sequence state for llama_attn_state_seq_read: `size` bytes at `data`, or, when data is NULL,
+// `size` bytes of the file llama_attn_state_seq_read is given, from its byte `offset`.
+struct llama_attn_state_piece {
+    const void * data;
+    int64_t      offset;
+    uint64_t     size;
+};
+
+// llama_state_seq_set_data of the n_pieces pieces read in order as one state, without joining them: a state whose
+// stream counts differ from this context's (slotserve keeps a sequence's state as one stream, a context with one KV
+// stream per sequence reads one record per stream) is given as pieces with its counts rewritten and empty records
+// added, and a slot file's records as pieces of the file open as `fd` (read with pread through a 256 KiB buffer, as
+// llama_state_seq_load_file reads through a buffer of one tensor's bytes; fd < 0: memory pieces only).  Each K/V
+// block is written into the KV cache as soon as it is read (src/llama-kv-cache.cpp state_read_data's layout).  With
+// check_values, each block of F32/F16/BF16 K and V values (a KV cache's cache_*k_l<il>/cache_*v_l<il> tensors) is
+// tested for NaN and infinity (all exponent bits set) before it is written, while it is in cache; quantized types
+// and a recurrent memory's tensors are not tested.  Returns the bytes read, or 0 on failure with why in err (at
+// most err_size bytes, NUL-terminated; "the state's K cache of layer 3 holds NaN or infinite values" for a value
+// refused).  On a failure inside a KV cache's record llama.cpp removes the sequence from that cache and zeroes
+// the K/V it wrote (llama_kv_cache::state_clear), so no refused value stays in any cell; what an earlier KV cache
+// of the same state took (a sliding-window model has two) stays until the caller removes the sequence.
+LLAMA_API size_t llama_attn_state_seq_read(struct llama_context * ctx, const struct llama_attn_state_piece * pieces,
+                                           int32_t n_pieces, int32_t fd, llama_seq_id seq_id, bool check_values,
+                                           char * err, size_t err_size);
 
 #ifdef __cplusplus
 }

@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 
 from contract.errors import ErrorCode
+from engine.capture import seq_cells
 from engine.engine import BatchEntry, EngineError
 from engine.state_file import load_seq_file, write_slot_file
+from engine.state_read import StateSource
 from slotstate import seq_state
-from slotstate.ggsq import pack_seq_file
+from slotstate.ggsq import pack_seq_file, read_seq_head, unpack_seq_file
 from tests.conftest import CHAT
+from tests.damaged_files import poisoned
 from tests.engine.enginekit import Runner, llama_state, same_kv
 from tests.engine.test_state_io import decode_together
 
@@ -41,19 +44,6 @@ def logits_finite(engine, seq: int, ids: list[int]) -> bool:  # type: ignore[no-
     return finite
 
 
-def poisoned(data: bytes, record: int) -> bytes:
-    """A ggsq file whose K/V record ``record`` (0..2*n_layer-1) holds an f16 NaN."""
-    n_words = struct.unpack_from("<I", data, 8)[0]
-    start = 12 + 4 * n_words - 8  # the state's KV part, with 8 bytes in front as a state has them
-    blob = bytearray(data[start:])
-    blob[:8] = struct.pack("<Ii", seq_state.IO_MAGIC, 0)
-    ggml_type, off, size = seq_state.parse(blob).data[record]
-    assert ggml_type == 1, "an F16 cache"
-    out = bytearray(data)
-    struct.pack_into("<H", out, start + off + size // 2 // 2 * 2, 0x7E00)
-    return bytes(out)
-
-
 def test_a_saved_file_is_llama_cpps_and_loads_back_alike(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """After concurrent decoding (cells interleaved): the file equals llama.cpp's format of the
     state, loads into another sequence byte for byte (K/V) and continues greedily alike."""
@@ -64,14 +54,17 @@ def test_a_saved_file_is_llama_cpps_and_loads_back_alike(runner: Runner, engine,
     assert (n, size) == (len(tokens), path.stat().st_size)
     assert path.read_bytes() == pack_seq_file(tokens, bytes(state))
     assert not list(tmp_path.glob(".*.tmp")), "the file is written beside the target and renamed"
-    n2, size2, _ = load_seq_file(engine, 3, path)
-    assert (n2, size2) == (len(tokens), size)
-    assert engine.tokens[3] == tokens
-    assert same_kv(llama_state(engine.ctx, 3), llama_state(engine.ctx, 1))
+    engine.erase(2)  # seq 2 is loaded empty (in one pass), seq 3 holding cells (its values tested first)
+    for seq in (2, 3):
+        n2, size2, _ = load_seq_file(engine, seq, path)
+        assert (n2, size2) == (len(tokens), size)
+        assert engine.tokens[seq] == tokens
+        assert same_kv(llama_state(engine.ctx, seq), llama_state(engine.ctx, 1))
     a = runner.generate(1, tokens, max_new_tokens=8, ignore_eos=True)
-    b = runner.generate(3, tokens, max_new_tokens=8, ignore_eos=True)
-    assert b.done is not None and b.done.n_cached == len(tokens) - 1, "the loaded cells are used"
-    assert a.tokens == b.tokens
+    for seq in (2, 3):
+        b = runner.generate(seq, tokens, max_new_tokens=8, ignore_eos=True)
+        assert b.done is not None and b.done.n_cached == len(tokens) - 1, "the loaded cells are used"
+        assert a.tokens == b.tokens
 
 
 @pytest.mark.parametrize("record", [0, 29, 30, 59], ids=["K0", "K29", "V0", "V29"])
@@ -97,6 +90,61 @@ def test_a_file_with_nan_values_is_refused_and_leaves_nothing_behind(
     assert logits_finite(engine, 3, ids[:20]), "no NaN left in the cache's cells"
     load_seq_file(engine, 2, good)  # the same cells take a good file afterwards
     assert engine.tokens[2] == engine.tokens[0]
+
+
+@pytest.mark.parametrize("record", [0, 29, 30, 59], ids=["K0", "K29", "V0", "V29"])
+@pytest.mark.parametrize("source", ["file", "memory"])
+def test_nan_values_are_refused_while_an_empty_sequence_is_read(
+    runner: Runner, engine, model, tmp_path: Path, record: int, source: str
+) -> None:  # type: ignore[no-untyped-def]
+    """An empty sequence takes a slot file (read from the file) or a received state (from memory) in one
+    pass, libllama testing each block of values before it writes it: a NaN is refused naming its layer and
+    K/V, the sequence stays empty, what was written before it is zeroed (decodes in the same KV stream
+    stay finite), and the same cells take a good state afterwards."""
+    ids = model.tokenize(CHAT.format("Tell me about owls."), False, True)
+    runner.generate(0, ids, max_new_tokens=4)
+    runner.batcher.flush()
+    good = tmp_path / "good.bin"
+    save_seq_file(engine, 0, good)
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(poisoned(good.read_bytes(), record))
+    assert not engine.tokens.get(2)
+    with pytest.raises(EngineError) as err:
+        if source == "file":
+            load_seq_file(engine, 2, bad)
+        else:
+            parsed = unpack_seq_file(bad.read_bytes())
+            engine.restore_state(2, parsed.tokens, parsed.state, check_values=True)
+    n_layer = len(engine.layout.caches[0].layers)
+    what, layer = ("K", record) if record < n_layer else ("V", record - n_layer)
+    assert err.value.code == ErrorCode.BAD_STATE
+    assert err.value.message.endswith(seq_state.nonfinite_message(what, layer)), err.value.message
+    assert not engine.tokens.get(2) and seq_cells(engine.ctx, 2, 0, len(engine.tokens[0])).max() < 0
+    assert logits_finite(engine, 2, ids[:20]), "no value of the refused state left in the stream's cells"
+    load_seq_file(engine, 2, good)
+    assert engine.tokens[2] == engine.tokens[0]
+    assert same_kv(llama_state(engine.ctx, 2), llama_state(engine.ctx, 0))
+
+
+def test_a_file_cut_short_while_it_is_read_is_refused(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A file that loses its end after its structure was parsed (written over meanwhile) is refused when
+    libllama's read meets its end, and the sequence stays empty; llama.cpp's own loader would abort."""
+    ids = model.tokenize(CHAT.format("Count to ten."), False, True)
+    runner.generate(0, ids, max_new_tokens=3)
+    runner.batcher.flush()
+    good = tmp_path / "good.bin"
+    save_seq_file(engine, 0, good)
+    with open(good, "rb") as f:
+        tokens, _ = read_seq_head(f)
+        start = f.tell()
+        parsed = seq_state.parse_file(f, start, engine.layout)
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(good.read_bytes()[:-5000])
+    with open(cut, "rb") as f, pytest.raises(EngineError) as err:
+        engine.restore_parsed(1, tokens, parsed, StateSource(fd=f.fileno(), start=start), check_values=True)
+    assert err.value.code == ErrorCode.BAD_STATE and "ended inside" in err.value.message
+    assert not engine.tokens.get(1) and seq_cells(engine.ctx, 1, 0, len(tokens)).max() < 0
+    assert logits_finite(engine, 1, ids[:20])
 
 
 def test_damaged_and_missing_files_are_refused(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import CHAT, ROOT, ServerProc
+from tests.damaged_files import poisoned
 from tests.redis_server import free_port
 
 PROMPT = CHAT.format("Write a short poem about the sea.")
@@ -88,18 +89,27 @@ def test_a_slot_file_restores_and_continues_alike(server: ServerProc) -> None:
 
 def test_bad_slot_files_are_refused_and_change_nothing(server: ServerProc, tmp_path: Path) -> None:
     complete(server, 0, PROMPT, 4)
-    post(server, "/slots/0?action=save", {"filename": "good.bin"})
+    n_good = post(server, "/slots/0?action=save", {"filename": "good.bin"})["n_saved"]
+    post(server, "/slots/0?action=erase", {})  # its sequence free for new-slot (no store to park in)
     data = (tmp_path / "slots" / "good.bin").read_bytes()
     (tmp_path / "slots" / "cut.bin").write_bytes(data[:-64])
     (tmp_path / "slots" / "junk.bin").write_bytes(b"not a slot file")
+    (tmp_path / "slots" / "nan.bin").write_bytes(poisoned(data, -1))  # a NaN in the last layer's V
     complete(server, 1, CHAT.format("Count to ten."), 3)
     before = post(server, "/slots/1?action=tokens", {})["tokens"]
-    for name, code in (("cut.bin", "BAD_STATE"), ("junk.bin", "BAD_STATE"), ("missing.bin", "INVALID_REQUEST")):
+    bad = (("cut.bin", "BAD_STATE"), ("junk.bin", "BAD_STATE"), ("nan.bin", "BAD_STATE"),
+           ("missing.bin", "INVALID_REQUEST"))  # fmt: skip
+    for name, code in bad:  # slot 1 holds cells (tested before it changes), new-slot none (tested as written)
         for slot in ("1", "new-slot"):
             err = post(server, f"/slots/{slot}?action=restore", {"filename": name}, 400)
             assert err["error_code"] == code, (name, err)
+            assert name != "nan.bin" or "NaN" in err["error"]["message"], err
     assert post(server, "/slots/1?action=tokens", {})["tokens"] == before
+    assert complete(server, 1, before, 2)["timings"]["prompt_n"] <= 1, "slot 1 kept its cells"
+    restored = post(server, "/slots/new-slot?action=restore", {"filename": "good.bin"})  # the same cells, good
+    assert restored["n_restored"] == n_good
+    post(server, "/slots/new-slot?action=erase", {})
     slots = httpx.get(server.url + "/slots", timeout=30).json()
     assert all(str(s["id"]) != "new-slot" for s in slots), "a refused restore creates no slot"
-    err = post(server, "/slots/0?action=save", {"filename": "../escape.bin"}, 400)
+    err = post(server, "/slots/1?action=save", {"filename": "../escape.bin"}, 400)
     assert err["error_code"] == "INVALID_REQUEST"
