@@ -210,7 +210,7 @@ class RegionLender:
         with self._lock:
             self.lent_bytes += nbytes
         weakref.finalize(owner, self._returned, start, nbytes)
-        base = memoryview(owner)
+        base = memoryview(owner)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
         del owner  # the views alone keep the range
         return [base[o - start : o - start + n] for o, n in spans]
 

@@ -1,7 +1,8 @@
 """Engine worker process: owns the model and context, runs the decode loop, serves one orchestrator.
 
 Entry point: ``python -m engine.worker --connect unix:/path.sock --settings JSON``
-(the orchestrator spawns it and listens; the settings are :class:`contract.settings.EngineSettings`)
+(the orchestrator spawns it and listens; the settings are :class:`contract.settings.EngineSettings`;
+``--shm-fd N``: the shared region, inherited, tokens' tensors go through: :mod:`contract.shm`)
 or ``--listen tcp:HOST:PORT --model PATH ...`` to run it standalone.  A reader thread
 turns incoming frames into a queue; the main thread applies requests between decode
 steps (:class:`Worker` dispatches them by type) and steps the

@@ -12,8 +12,6 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 
-import numpy as np
-
 from contract import protocol as proto
 from contract.settings import EngineSettings
 from contract.shm import ALIGN
@@ -69,11 +67,12 @@ async def _collect_rows(stream: GenerationStream) -> Rows:
     return _rows(await _collect(stream))
 
 
+def _bytes(b: bytes | None) -> bytes | None:
+    return bytes(b) if b is not None else None
+
+
 def _rows(tokens: list[TokenOutput]) -> Rows:
-    return [
-        (t.token.token_id, *(bytes(b) if b is not None else None for b in (t.attention, t.hidden, t.positions)))
-        for t in tokens
-    ]
+    return [(t.token.token_id, _bytes(t.attention), _bytes(t.hidden), _bytes(t.positions)) for t in tokens]
 
 
 async def _settled(c: WorkerClient) -> proto.EngineState:
@@ -130,7 +129,7 @@ def test_several_streams_at_once_and_one_that_stops_reading() -> None:
         assert state.inline_frames == 0
         held = state.shm_bytes - state.shm_free  # what the stalled stream holds: its window
         assert first.token.attention is not None
-        n_layers, n_heads, n_ctx = first.token.attention.shape
+        n_layers, n_heads, _ = first.token.attention.shape
         largest = first.nbytes + c.window * n_layers * n_heads * 4 + 2 * ALIGN  # a token is a position longer
         assert first.nbytes * c.window <= held <= c.window * largest
         del first
@@ -143,7 +142,7 @@ def test_several_streams_at_once_and_one_that_stops_reading() -> None:
 
 def test_a_full_region_falls_back_to_the_socket() -> None:
     """A region that holds about one token: the decode loop never waits for room, the rest go inline."""
-    reference: list[Rows] = []
+    reference: list[list[Rows]] = []
     run(0, lambda c: _store(reference, _one_by_one(c)))
 
     async def test(c: WorkerClient) -> None:
@@ -158,7 +157,7 @@ def test_a_full_region_falls_back_to_the_socket() -> None:
     run(256 << 10, test)
 
 
-async def _store(into: list[Rows], rows: Awaitable[list[Rows]]) -> None:
+async def _store(into: list[list[Rows]], rows: Awaitable[list[Rows]]) -> None:
     into.append(await rows)
 
 
