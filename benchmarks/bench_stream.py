@@ -23,7 +23,9 @@ server reps reuse slot 0's KV prefix (``cached`` column), which is the same for 
 
 Per path the CPU time each process (client, orchestrator, worker) spends between the first
 and last token is reported per token, and ``cores`` = all of it / decode wall time, which
-shows where time goes.  On a shared machine other jobs distort everything (a 2-thread
+shows where time goes; ``written`` is what each server process passed to ``write``/``send`` per token
+(``wchar``, /proc/<pid>/io: its sockets to the client and between the two processes).  On a shared
+machine other jobs distort everything (a 2-thread
 llama.cpp decode slows down many times when a core is taken), so the load of processes
 outside the benchmark is measured per rep (``other``) and a rep is redone while it exceeds
 ``--max-other`` cores.
@@ -274,7 +276,10 @@ def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int],
     return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"))
 
 
-def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int]) -> list[Phase]:
+def bench_server(
+    ids: list[int], args: argparse.Namespace, shape: tuple[int, int], extra: list[str], suffix: str = ""
+) -> list[Phase]:
+    """The server's paths, ``extra`` flags given to ``slotserve serve``, ``suffix`` added to each path's name."""
     import httpx
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
@@ -288,14 +293,15 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
         spare=args.spare,
         model=args.model,
         n_gpu_layers=args.n_gpu_layers,
+        extra=extra,
     )
     srv = ServerProc("orchestrator", cmd, port, tmp / "server.log")
     ws_url = f"ws://127.0.0.1:{srv.port}/api/extra/generate/stream/ws"
     sse_url = srv.base + "/api/extra/generate/stream"
     ws_modes = ["default", "none"] if args.ws_compression == "both" else [args.ws_compression]
     label = {"default": "WS binary (deflate offered)", "none": "WS binary (no compression)"}
-    phases = {f"ws:{m}": Phase(label[m]) for m in ws_modes}
-    phases["sse"] = Phase("SSE base64")
+    phases = {f"ws:{m}": Phase(label[m] + suffix) for m in ws_modes}
+    phases["sse"] = Phase("SSE base64" + suffix)
     try:
         up = srv.wait_ready(httpx)
         print(f"  server up on :{srv.port} in {up:.1f}s (worker pid {srv.worker_pid})")
@@ -336,7 +342,7 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     )
     print()
     hdr = f"{'path':30} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>6} {'other':>5} {'redo':>4}"
-    hdr += "   decode CPU ms/token: client / orch / worker = cores"
+    hdr += "   decode CPU ms/token: client / orch / worker = cores   written KB/token: orch / worker"
     print(hdr)
     print("-" * len(hdr))
     for p in phases:
@@ -351,8 +357,13 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
         def cores(rep: Rep) -> float:
             return sum(v for k, v in rep.cpu.items() if k.startswith("decode:")) / rep.t_decode
 
+        def written(k: str, p: Phase = p) -> str:
+            if not p.reps or "written:" + k not in p.reps[0].cpu:
+                return "-"
+            return f"{statistics.median(rep.cpu['written:' + k] / (rep.n - 1) / 1000 for rep in p.reps):.1f}"
+
         cpu = " / ".join(per_tok(k) for k in ("client", "orchestrator", "worker"))
-        cpu += f" = {p.med(cores):.2f}"
+        cpu += f" = {p.med(cores):.2f}   " + " / ".join(written(k) for k in ("orchestrator", "worker"))
         print(
             f"{p.name:30} {p.tps:12.1f} {min(tps):7.1f}..{max(tps):<7.1f} {p.med(lambda r: r.t_prefill) * 1000:8.1f} "
             f"{'-' if cached is None else cached:>6} {p.med(lambda r: r.cpu['other']):5.2f} {p.discarded:4}   {cpu}"
@@ -381,6 +392,11 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     for p in server:
         if p.name.startswith("WS"):
             print(f"  {p.name + ' / SSE':38} {p.tps / sse.tps:6.3f}")
+    by_name = {p.name: p for p in server}
+    for p in server:  # --shm both: the same path through the shared region and through the socket
+        other = by_name.get(p.name.replace(" [shm]", " [socket]"))
+        if other is not None and other is not p and p.reps and other.reps:
+            print(f"  {p.name + ' / [socket]':38} {p.tps / other.tps:6.3f}")
     ws = [p for p in server if p.name.startswith("WS")]
     best = max(ws, key=lambda p: p.tps)
     goal = ws[0].tps / raw.tps
@@ -406,6 +422,13 @@ def main() -> int:
         default="both",
         help="websockets client: default (offers permessage-deflate, like browsers), none, or both",
     )
+    ap.add_argument(
+        "--shm",
+        choices=["on", "off", "both"],
+        default="on",
+        help="the worker's tensors through the shared region (the server's default), its socket"
+        " (--stream-shm-bytes 0), or both, one server after the other",
+    )
     add_gpu_args(ap)
     add_idle_args(ap)
     ap.add_argument("--keep-log", action="store_true", help="keep the server log")
@@ -422,7 +445,11 @@ def main() -> int:
     model.close()
     del model
     print("[2/2] server: WS and SSE clients (interleaved)")
-    server = bench_server(ids, args, shape)
+    server = []
+    if args.shm in ("on", "both"):
+        server += bench_server(ids, args, shape, [], " [shm]" if args.shm == "both" else "")
+    if args.shm in ("off", "both"):
+        server += bench_server(ids, args, shape, ["--stream-shm-bytes", "0"], " [socket]")
     report(args, ids, raw, cap, server)
     return 0
 
