@@ -10,12 +10,13 @@ pickled).  With ``flags`` :data:`FLAG_SHARED` (a worker to the orchestrator that
 buffers are in the shared region instead (:mod:`contract.shm`) and the frame carries only where::
 
     u32 meta_len | u16 n_bufs | u16 flags(1) | (u64 offset, u64 length)[n_bufs] | meta (msgpack)
-  The worker reads frames from a blocking socket (:func:`recv_frame`); the
-orchestrator's end is :class:`FrameStream`, an ``asyncio.BufferedProtocol``:
-``asyncio.StreamReader`` would copy every byte three times (into its growing buffer, out
-with ``readexactly``, then the memmove of ``del buffer[:n]``) and move a state of tens of MB
-in 64 KiB steps; here small frames land in one reused staging buffer and a large raw buffer
-straight in the ``bytearray`` the caller receives, so a state is copied once, by the kernel.
+
+The worker reads frames from a blocking socket (:func:`recv_frame`); the orchestrator's end is
+:class:`FrameStream`, an ``asyncio.BufferedProtocol``: ``asyncio.StreamReader`` would copy every
+byte three times (into its growing buffer, out with ``readexactly``, then the memmove of
+``del buffer[:n]``) and move a state of tens of MB in 64 KiB steps; here small frames land in one
+reused staging buffer and a large raw buffer straight in the ``bytearray`` the caller receives, so a
+state is copied once, by the kernel.
 
 A message describes each of its buffers with a :class:`Tensor` (index, dtype, shape).
 This module knows nothing of the messages themselves; it moves bytes.
