@@ -23,9 +23,7 @@ server reps reuse slot 0's KV prefix (``cached`` column), which is the same for 
 
 Per path the CPU time each process (client, orchestrator, worker) spends between the first
 and last token is reported per token, and ``cores`` = all of it / decode wall time, which
-shows where time goes; ``written`` is what each server process passed to ``write``/``send`` per token
-(``wchar``, /proc/<pid>/io: its sockets to the client and between the two processes).  On a shared
-machine other jobs distort everything (a 2-thread
+shows where time goes.  On a shared machine other jobs distort everything (a 2-thread
 llama.cpp decode slows down many times when a core is taken), so the load of processes
 outside the benchmark is measured per rep (``other``) and a rep is redone while it exceeds
 ``--max-other`` cores.
@@ -342,7 +340,7 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     )
     print()
     hdr = f"{'path':30} {'decode tok/s':>12} {'min..max':>15} {'ttft ms':>8} {'cached':>6} {'other':>5} {'redo':>4}"
-    hdr += "   decode CPU ms/token: client / orch / worker = cores   written KB/token: orch / worker"
+    hdr += "   decode CPU ms/token: client / orch / worker = cores"
     print(hdr)
     print("-" * len(hdr))
     for p in phases:
@@ -357,13 +355,8 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
         def cores(rep: Rep) -> float:
             return sum(v for k, v in rep.cpu.items() if k.startswith("decode:")) / rep.t_decode
 
-        def written(k: str, p: Phase = p) -> str:
-            if not p.reps or "written:" + k not in p.reps[0].cpu:
-                return "-"
-            return f"{statistics.median(rep.cpu['written:' + k] / (rep.n - 1) / 1000 for rep in p.reps):.1f}"
-
         cpu = " / ".join(per_tok(k) for k in ("client", "orchestrator", "worker"))
-        cpu += f" = {p.med(cores):.2f}   " + " / ".join(written(k) for k in ("orchestrator", "worker"))
+        cpu += f" = {p.med(cores):.2f}"
         print(
             f"{p.name:30} {p.tps:12.1f} {min(tps):7.1f}..{max(tps):<7.1f} {p.med(lambda r: r.t_prefill) * 1000:8.1f} "
             f"{'-' if cached is None else cached:>6} {p.med(lambda r: r.cpu['other']):5.2f} {p.discarded:4}   {cpu}"

@@ -66,16 +66,6 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def proc_written(pid: int) -> int:
-    """Bytes ``pid`` has passed to ``write``/``send`` system calls (sockets and pipes included): ``wchar`` of
-    ``/proc/<pid>/io`` (proc(5))."""
-    with open(f"/proc/{pid}/io") as f:
-        for line in f:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    return 0
-
-
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -136,10 +126,8 @@ class CpuMeter:
         for name, pid in self.pids.items():
             try:
                 out[name] = proc_cpu(pid)
-                out["_io:" + name] = proc_written(pid)
             except OSError:  # exited
                 out[name] = self.t0.get(name, 0.0)
-                out["_io:" + name] = self.t0.get("_io:" + name, 0.0)
         return out
 
     def start(self) -> None:
@@ -149,7 +137,7 @@ class CpuMeter:
     def stop(self) -> dict[str, float]:
         """CPU seconds per process, plus ``other``: cores used by every other process meanwhile."""
         t1 = self._now()
-        d = {k: t1[k] - self.t0[k] for k in t1 if not k.startswith("_io:")}
+        d = {k: t1[k] - self.t0[k] for k in t1}
         ours = sum(v for k, v in d.items() if not k.startswith("_"))
         wall, system, steal = d.pop("_wall"), d.pop("_system"), d.pop("_steal")
         d["other"] = max(0.0, (system - ours) / wall) if wall > 0 else 0.0
@@ -159,8 +147,6 @@ class CpuMeter:
             for k in a:
                 if not k.startswith("_"):
                     d["decode:" + k] = b[k] - a[k]
-                elif k.startswith("_io:"):  # bytes written between first and last token
-                    d["written:" + k[4:]] = b[k] - a[k]
         return d
 
 
