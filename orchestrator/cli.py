@@ -15,6 +15,7 @@ from orchestrator.config import Settings
 from orchestrator.engine_client.launch import WorkerOptions
 from orchestrator.web.logfilter import uvicorn_log_config
 from orchestrator.web.read_limits import limited_protocol
+from orchestrator.web.ws_frames import ZeroCopyWebSocketProtocol
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         # uvicorn's sans-I/O websockets protocol stops reading the socket after each message until the
         # app takes it, so a socket that ws.Inbox stops reading holds one message at most (the legacy
         # "websockets" protocol would queue ws_max_queue, 32, of up to ws_max_size each).
-        ws="websockets-sansio",
+        # (orchestrator/web/ws_frames.py: that protocol, writing attention frames without its serializer's copies)
+        ws=ZeroCopyWebSocketProtocol,
         timeout_graceful_shutdown=30,
         # Attention frames are float32 noise to deflate (ratio ~0.96 at ~27 ms per 540 KB frame):
         # never negotiate permessage-deflate, whatever the client offers.

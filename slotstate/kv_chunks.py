@@ -154,18 +154,24 @@ def parse_record(record: bytes | bytearray | memoryview) -> RangeRecord:
     return RangeRecord(view, n, positions, layout, data)
 
 
-def join_records(records: Sequence[bytes | bytearray | memoryview]) -> bytearray:
+def join_records(
+    records: Sequence[bytes | bytearray | memoryview],
+    before: bytes | bytearray | memoryview = b"",
+    after: bytes | bytearray | memoryview = b"",
+) -> bytearray:
     """The stream record of the union of consecutive ranges' records (``records`` in position order):
     ``u32 n`` (their cells' sum), the cells' metadata in order, and per layer the K rows and V rows (or,
     transposed, each embedding row's elements) of every record in order.  Records of no cells are
-    skipped; none with cells gives the empty record ``u32 0``.
+    skipped; none with cells gives the empty record ``u32 0``.  ``before`` and ``after``: bytes written
+    before and after the record in the same buffer (a state's headers and its other parts), so a caller
+    that frames the record copies no state-sized buffer again.
 
     Raises :class:`BadStateError` when a record is malformed, the records' layouts differ (another
     model, KV type or attention mode), or their positions do not ascend.
     """
     parts = [p for p in (parse_record(r) for r in records) if p.n_cells]
     if not parts:
-        return bytearray(struct.pack("<I", 0))
+        return bytearray(b"".join((before, struct.pack("<I", 0), after)))
     layout = parts[0].layout
     assert layout is not None
     if any(p.layout != layout for p in parts[1:]):
@@ -178,10 +184,13 @@ def join_records(records: Sequence[bytes | bytearray | memoryview]) -> bytearray
     meta = 12 * n
     size = 4 + meta + 8 + sum(len(p.view) - 4 - 12 * p.n_cells - 8 for p in parts)
     size -= (len(parts) - 1) * n_layer * 24  # each layer's two 12-byte headers once, not per record
-    out = bytearray(size)
+    base = len(before)
+    out = bytearray(base + size + len(after))
+    out[:base] = before
+    out[base + size :] = after
     dst = np.frombuffer(out, dtype=np.uint8)
-    struct.pack_into("<I", out, 0, n)
-    off = 4
+    struct.pack_into("<I", out, base, n)
+    off = base + 4
     for p in parts:
         dst[off : off + 12 * p.n_cells] = np.frombuffer(p.view, dtype=np.uint8, count=12 * p.n_cells, offset=4)
         off += 12 * p.n_cells
@@ -212,8 +221,8 @@ def join_records(records: Sequence[bytes | bytearray | memoryview]) -> bytearray
                 dst[at : at + length] = np.frombuffer(p.view, dtype=np.uint8, count=length, offset=o)
                 at += length
         off += total
-    if off != size:
-        raise BadStateError(f"joined KV record is {off} bytes, expected {size}")
+    if off != base + size:
+        raise BadStateError(f"joined KV record is {off - base} bytes, expected {size}")
     return out
 
 

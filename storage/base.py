@@ -271,8 +271,9 @@ class ChunkStore(Protocol):
         sweep for its grace)."""
         ...
 
-    async def get_chunks(self, keys: list[str]) -> list[bytes | None]:
-        """Each key's value, None where it is not stored."""
+    async def get_chunks(self, keys: list[str], nbytes: int = 0) -> list[bytes | None]:
+        """Each key's value, None where it is not stored.  ``nbytes``: the chunks' total stored size when
+        the caller knows it (a manifest's :attr:`ChunkRef.size`), so a deadline can scale with it."""
         ...
 
     async def drop_chunks(self, keys: list[str]) -> int:

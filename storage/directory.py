@@ -347,7 +347,7 @@ class DirectoryStore:
         """See :meth:`storage.base.ChunkStore.has_chunks`."""
         return await self._run(self.chunks.has, keys)
 
-    async def get_chunks(self, keys: list[str]) -> list[bytes | None]:
+    async def get_chunks(self, keys: list[str], nbytes: int = 0) -> list[bytes | None]:
         """See :meth:`storage.base.ChunkStore.get_chunks`."""
         return await self._run(self.chunks.get, keys)
 

@@ -132,7 +132,7 @@ class RedisChunks:
                 pipe.eval(_TOUCH, 1, key, self._ttl_ms)
             return [int(n) for n in await pipe.execute()] if rkeys else []
 
-    async def get_chunks(self, keys: list[str]) -> list[bytes | None]:
+    async def get_chunks(self, keys: list[str], nbytes: int = 0) -> list[bytes | None]:
         """:meth:`storage.base.ChunkStore.get_chunks`: each chunk's value, None where absent; read in
         pipelined batches of at most :data:`BATCH_BYTES` (their sizes asked first, in one pipeline)."""
         rkeys = [self.kv_chunk_key(k) for k in keys]

@@ -25,7 +25,7 @@ from slotstate import codec as codecs
 from slotstate import kv_chunks
 from slotstate.errors import BadStateError as StateFormatError
 from slotstate.seq_state import IO_MAGIC
-from slotstate.ses1 import pack_ses1, ses1_tokens
+from slotstate.ses1 import ses1_header, ses1_tokens
 from storage.base import ChunkRef, ChunkStore, SlotMeta, SlotStore
 from storage.errors import BadStateError, FingerprintMismatchError
 
@@ -189,7 +189,7 @@ def _damaged(meta: SlotMeta, values: list[bytes | None]) -> list[str]:
     return out
 
 
-def _assemble(meta: SlotMeta, rest: bytes, values: list[bytes | None]) -> bytes:
+def _assemble(meta: SlotMeta, rest: bytes, values: list[bytes | None]) -> bytearray:
     """The SES1 blob of an incremental state from its rest and its chunks' stored values (checked)."""
     bounds = [(c.p0, c.p1) for c in meta.chunks]
     if [b[0] for b in bounds] != [0, *(b[1] for b in bounds[:-1])] or bounds[-1][1] != meta.n_tokens:
@@ -199,12 +199,11 @@ def _assemble(meta: SlotMeta, rest: bytes, values: list[bytes | None]) -> bytes:
         if value is None:
             raise BadStateError(f"slot {meta.slot_id!r}: KV chunk {ref.key} of positions {ref.p0}-{ref.p1} is missing")
         records.append(_chunk_record(meta.slot_id, ref, value))
-    try:
-        joined = kv_chunks.join_records(records)
+    head = ses1_header(meta.tokens) + struct.pack("<IiI", IO_MAGIC, 0, 1)
+    try:  # the SES1 blob written once: headers, the joined record, the rest
+        return kv_chunks.join_records(records, before=head, after=rest)
     except StateFormatError as exc:
         raise BadStateError(f"slot {meta.slot_id!r}: {exc}") from exc
-    state = struct.pack("<IiI", IO_MAGIC, 0, 1) + joined + rest
-    return pack_ses1(meta.tokens, state)
 
 
 def _decode_checked(meta: SlotMeta, data: bytes) -> bytes:
@@ -223,7 +222,7 @@ def _decode_checked(meta: SlotMeta, data: bytes) -> bytes:
     return raw
 
 
-async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[SlotMeta, bytes] | None:
+async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[SlotMeta, bytes | bytearray] | None:
     """Fetch, verify and decompress a slot's state.
 
     Returns:
@@ -249,9 +248,9 @@ async def load_slot(store: SlotStore, slot_id: str, fingerprint: str) -> tuple[S
     if meta.chunks:
         if not isinstance(store, ChunkStore):
             raise BadStateError(f"slot {meta.slot_id!r} is stored in KV chunks, which this store does not keep")
-        values = await store.get_chunks([c.key for c in meta.chunks])
+        values = await store.get_chunks([c.key for c in meta.chunks], sum(c.size for c in meta.chunks))
         try:
-            raw = await asyncio.to_thread(_assemble, meta, raw, values)
+            return meta, await asyncio.to_thread(_assemble, meta, raw, values)
         except BadStateError:
             # a damaged chunk stays damaged (chunks are written once): removed, so the next save that names
             # its key (the slot rebuilt by a re-prefill) writes it anew instead of finding it stored

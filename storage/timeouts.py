@@ -24,14 +24,15 @@ T = TypeVar("T")
 class TimeoutStore:
     """``store`` with a deadline of ``timeout_s`` seconds per call (see module docstring).
 
-    ``put`` and ``put_chunks`` get ``timeout_s`` plus one second per ``put_bytes_per_s`` bytes written,
-    so large states are not cut off on a healthy link.  Other attributes (``purge_expired``...) pass through.
+    ``put``, ``put_chunks`` and ``get_chunks`` get ``timeout_s`` plus one second per ``bytes_per_s`` bytes
+    written or read, so large states are not cut off on a healthy link.  Other attributes
+    (``purge_expired``...) pass through.
     """
 
-    def __init__(self, store: SlotStore, timeout_s: float = 3.0, put_bytes_per_s: float = 50e6) -> None:
+    def __init__(self, store: SlotStore, timeout_s: float = 3.0, bytes_per_s: float = 50e6) -> None:
         self.inner = store
         self.timeout_s = timeout_s
-        self.put_bytes_per_s = put_bytes_per_s
+        self.bytes_per_s = bytes_per_s
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
@@ -51,12 +52,19 @@ class TimeoutStore:
 
     async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
         """:meth:`SlotStore.put` (fenced by ``lease`` if given) with the size-scaled deadline."""
-        timeout = self.timeout_s + memoryview(blob).nbytes / self.put_bytes_per_s
+        timeout = self.timeout_s + memoryview(blob).nbytes / self.bytes_per_s
         return await self._deadline(self.inner.put(meta, blob, lease=lease), timeout, "put")
 
     async def put_chunks(self, chunks: dict[str, bytes]) -> int:
         """:meth:`storage.base.ChunkStore.put_chunks` with the size-scaled deadline (AttributeError for a
         store without chunks)."""
         put_chunks = self.inner.put_chunks  # type: ignore[attr-defined]
-        timeout = self.timeout_s + sum(len(v) for v in chunks.values()) / self.put_bytes_per_s
+        timeout = self.timeout_s + sum(len(v) for v in chunks.values()) / self.bytes_per_s
         return cast(int, await self._deadline(put_chunks(chunks), timeout, "put_chunks"))
+
+    async def get_chunks(self, keys: list[str], nbytes: int = 0) -> list[bytes | None]:
+        """:meth:`storage.base.ChunkStore.get_chunks` with the deadline scaled by ``nbytes``, the chunks' stored
+        size (AttributeError for a store without chunks)."""
+        get_chunks = self.inner.get_chunks  # type: ignore[attr-defined]
+        timeout = self.timeout_s + nbytes / self.bytes_per_s
+        return cast("list[bytes | None]", await self._deadline(get_chunks(keys, nbytes), timeout, "get_chunks"))

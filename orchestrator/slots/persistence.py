@@ -288,7 +288,7 @@ class SlotArchive:
         async with self._write_lock(slot_id):
             pass
 
-    async def load(self, slot_id: str) -> tuple[SlotMeta, bytes] | None:
+    async def load(self, slot_id: str) -> tuple[SlotMeta, bytes | bytearray] | None:
         """``(meta, ses1_blob)`` of a stored slot, checked (None if not stored or expired).
 
         ``BAD_STATE`` for another model's or a damaged state, ``STORE_UNAVAILABLE``.

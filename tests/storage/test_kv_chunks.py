@@ -44,6 +44,9 @@ def test_joined_chunks_are_the_whole_record(v_trans: int) -> None:
     assert bytes(kv_chunks.join_records(parts)) == whole
     assert bytes(kv_chunks.join_records([*parts[:1], struct.pack("<I", 0), *parts[1:]])) == whole, "empty skipped"
     assert bytes(kv_chunks.join_records([])) == struct.pack("<I", 0)
+    framed = kv_chunks.join_records(parts, before=b"head", after=b"the rest")
+    assert bytes(framed) == b"head" + whole + b"the rest", "one buffer: what comes before, the record, what after"
+    assert bytes(kv_chunks.join_records([], before=b"h", after=b"t")) == b"h" + struct.pack("<I", 0) + b"t"
     with pytest.raises(BadStateError, match="ascend"):
         kv_chunks.join_records([parts[1], parts[0]])
     other = record(0, 10, 1 - v_trans, kv)
