@@ -12,12 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from contract import protocol as proto
 from contract import settings
 from contract.framing import FrameStream
 from contract.settings import EngineSettings
 from contract.shm import MIN_REGION_BYTES, RegionLender, SharedRegion
 from orchestrator.engine_client.interface import EngineDeadError
+
+log = structlog.get_logger("slotserve.engine")
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,12 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[FrameStream] = loop.create_future()
 
-        region = SharedRegion.create(self.options.shm_bytes) if self.options.shm_bytes > 0 else None
+        region = None
+        if self.options.shm_bytes > 0:
+            try:
+                region = SharedRegion.create(self.options.shm_bytes)
+            except OSError as exc:  # no memfd here (a seccomp profile, an old kernel): tokens go inline
+                log.warning("no shared memory for the engine worker's tokens", error=str(exc))
         lender = self.region = RegionLender(region) if region is not None else None
 
         class Accept(FrameStream):
