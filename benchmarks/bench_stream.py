@@ -274,7 +274,10 @@ def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int],
     return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"))
 
 
-def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int]) -> list[Phase]:
+def bench_server(
+    ids: list[int], args: argparse.Namespace, shape: tuple[int, int], extra: list[str], suffix: str = ""
+) -> list[Phase]:
+    """The server's paths, ``extra`` flags given to ``slotserve serve``, ``suffix`` added to each path's name."""
     import httpx
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
@@ -288,14 +291,15 @@ def bench_server(ids: list[int], args: argparse.Namespace, shape: tuple[int, int
         spare=args.spare,
         model=args.model,
         n_gpu_layers=args.n_gpu_layers,
+        extra=extra,
     )
     srv = ServerProc("orchestrator", cmd, port, tmp / "server.log")
     ws_url = f"ws://127.0.0.1:{srv.port}/api/extra/generate/stream/ws"
     sse_url = srv.base + "/api/extra/generate/stream"
     ws_modes = ["default", "none"] if args.ws_compression == "both" else [args.ws_compression]
     label = {"default": "WS binary (deflate offered)", "none": "WS binary (no compression)"}
-    phases = {f"ws:{m}": Phase(label[m]) for m in ws_modes}
-    phases["sse"] = Phase("SSE base64")
+    phases = {f"ws:{m}": Phase(label[m] + suffix) for m in ws_modes}
+    phases["sse"] = Phase("SSE base64" + suffix)
     try:
         up = srv.wait_ready(httpx)
         print(f"  server up on :{srv.port} in {up:.1f}s (worker pid {srv.worker_pid})")
@@ -381,6 +385,11 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     for p in server:
         if p.name.startswith("WS"):
             print(f"  {p.name + ' / SSE':38} {p.tps / sse.tps:6.3f}")
+    by_name = {p.name: p for p in server}
+    for p in server:  # --shm both: the same path through the shared region and through the socket
+        other = by_name.get(p.name.replace(" [shm]", " [socket]"))
+        if other is not None and other is not p and p.reps and other.reps:
+            print(f"  {p.name + ' / [socket]':38} {p.tps / other.tps:6.3f}")
     ws = [p for p in server if p.name.startswith("WS")]
     best = max(ws, key=lambda p: p.tps)
     goal = ws[0].tps / raw.tps
@@ -406,6 +415,13 @@ def main() -> int:
         default="both",
         help="websockets client: default (offers permessage-deflate, like browsers), none, or both",
     )
+    ap.add_argument(
+        "--shm",
+        choices=["on", "off", "both"],
+        default="on",
+        help="the worker's tensors through the shared region (the server's default), its socket"
+        " (--stream-shm-bytes 0), or both, one server after the other",
+    )
     add_gpu_args(ap)
     add_idle_args(ap)
     ap.add_argument("--keep-log", action="store_true", help="keep the server log")
@@ -422,7 +438,11 @@ def main() -> int:
     model.close()
     del model
     print("[2/2] server: WS and SSE clients (interleaved)")
-    server = bench_server(ids, args, shape)
+    server = []
+    if args.shm in ("on", "both"):
+        server += bench_server(ids, args, shape, [], " [shm]" if args.shm == "both" else "")
+    if args.shm in ("off", "both"):
+        server += bench_server(ids, args, shape, ["--stream-shm-bytes", "0"], " [socket]")
     report(args, ids, raw, cap, server)
     return 0
 

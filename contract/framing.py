@@ -3,15 +3,20 @@
 A frame is one msgpack-encoded message (:mod:`contract.protocol`) followed by the raw byte
 buffers it describes (little-endian)::
 
-    u32 meta_len | u16 n_bufs | u16 flags(0) | u64 buf_len[n_bufs] | meta (msgpack) | buf_0 ... buf_{n-1}
+    u32 meta_len | u16 n_bufs | u16 flags | u64 buf_len[n_bufs] | meta (msgpack) | buf_0 ... buf_{n-1}
 
 Buffers are written with a gathered ``sendmsg`` (never copied, never base64, never
-pickled).  The worker reads frames from a blocking socket (:func:`recv_frame`); the
-orchestrator's end is :class:`FrameStream`, an ``asyncio.BufferedProtocol``:
-``asyncio.StreamReader`` would copy every byte three times (into its growing buffer, out
-with ``readexactly``, then the memmove of ``del buffer[:n]``) and move a state of tens of MB
-in 64 KiB steps; here small frames land in one reused staging buffer and a large raw buffer
-straight in the ``bytearray`` the caller receives, so a state is copied once, by the kernel.
+pickled).  With ``flags`` :data:`FLAG_SHARED` (a worker to the orchestrator that spawned it) the
+buffers are in the shared region instead (:mod:`contract.shm`) and the frame carries only where::
+
+    u32 meta_len | u16 n_bufs | u16 flags(1) | (u64 offset, u64 length)[n_bufs] | meta (msgpack)
+
+The worker reads frames from a blocking socket (:func:`recv_frame`); the orchestrator's end is
+:class:`FrameStream`, an ``asyncio.BufferedProtocol``: ``asyncio.StreamReader`` would copy every
+byte three times (into its growing buffer, out with ``readexactly``, then the memmove of
+``del buffer[:n]``) and move a state of tens of MB in 64 KiB steps; here small frames land in one
+reused staging buffer and a large raw buffer straight in the ``bytearray`` the caller receives, so a
+state is copied once, by the kernel.
 
 A message describes each of its buffers with a :class:`Tensor` (index, dtype, shape).
 This module knows nothing of the messages themselves; it moves bytes.
@@ -25,7 +30,7 @@ import math
 import socket
 import struct
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 
@@ -35,6 +40,8 @@ _HEAD = struct.Struct("<IHH")
 _LEN = struct.Struct("<Q")
 MAX_META_BYTES = 64 << 20
 MAX_BUF_BYTES = 8 << 30
+FLAG_SHARED = 1
+"""Frame flag: the buffers are ``(offset, length)`` ranges of the shared region (:mod:`contract.shm`)."""
 POOLED_BYTES = 1 << 20
 """Buffers this big or bigger are received into a :class:`contract.buffers.BufferPool`'s memory."""
 
@@ -114,6 +121,12 @@ def frame_chunks(meta: bytes, buffers: Sequence[Buffer] = ()) -> list[Buffer]:
     return [head, meta, *views]
 
 
+def shared_frame_chunks(meta: bytes, spans: Sequence[tuple[int, int]]) -> list[Buffer]:
+    """The frame of encoded ``meta`` whose buffers are ``(offset, length)`` ranges of the shared region."""
+    table = b"".join(_LEN.pack(o) + _LEN.pack(n) for o, n in spans)
+    return [_HEAD.pack(len(meta), len(spans), FLAG_SHARED) + table, meta]
+
+
 def send_chunks(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
     """Write byte chunks to a blocking socket (gathered write; a partial write goes on without copying)."""
     views = [memoryview(c).cast("B") for c in chunks]
@@ -154,7 +167,9 @@ def recv_frame(
     With a ``pool``, buffers of at least :data:`POOLED_BYTES` are views lent by it (give them back
     once handled); the others are new ``bytearray`` s.
     """
-    meta_len, n_bufs, _ = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    meta_len, n_bufs, flags = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    if flags:
+        raise ProtocolError(f"frame flags {flags:#x}: only the orchestrator reads shared buffers")
     lens = [_LEN.unpack(_recv_exact(sock, 8))[0] for _ in range(n_bufs)]
     _check_sizes(meta_len, lens)
     meta = _recv_exact(sock, meta_len)
@@ -178,12 +193,21 @@ the worker): memory already mapped and page-aligned (:mod:`contract.buffers`), i
 such a buffer may give it back (``RECEIVE_POOL.give``); one never given back is simply freed."""
 
 
+class Lender(Protocol):
+    """Where a stream's :data:`FLAG_SHARED` buffers come from (:class:`contract.shm.RegionLender`)."""
+
+    def lend(self, spans: Sequence[tuple[int, int]]) -> Sequence[memoryview]:
+        """A view of each ``(offset, length)``; ValueError when one is outside the region."""
+        ...
+
+
 class FrameStream(asyncio.BufferedProtocol):
     """Both directions of one worker connection.
 
     ``await read_frame()`` returns ``(meta, buffers)`` in arrival order (``meta`` is the
     encoded message, each buffer a ``bytearray`` of exactly its announced length, or for
-    :data:`POOLED_BYTES` or more a view lent by :data:`RECEIVE_POOL`) and raises
+    :data:`POOLED_BYTES` or more a view lent by :data:`RECEIVE_POOL`; in a :data:`FLAG_SHARED` frame, views
+    lent by ``region``, :mod:`contract.shm`) and raises
     :class:`ProtocolError` once the peer has closed the stream or sent a malformed frame (the
     transport is then closed).  ``write(chunks)`` + ``await drain()`` send, with the
     transport's flow control.
@@ -198,6 +222,8 @@ class FrameStream(asyncio.BufferedProtocol):
         self._filled = 0  # bytes in self._parts[self._part]
         self._part = -1  # which part is being filled (-1: waiting for a frame header)
         self._direct: memoryview | None = None  # the part received in place
+        self._shared: list[RecvBuffer] = []  # the current frame's buffers lent from the shared region
+        self.region: Lender | None = None  # set by whoever shares a region with the peer (contract.shm)
         self._frames: collections.deque[Frame] = collections.deque()
         self._error: ProtocolError | None = None
         self._readable = asyncio.Event()
@@ -251,16 +277,24 @@ class FrameStream(asyncio.BufferedProtocol):
             if self._part < 0:
                 if self._have - pos < _HEAD.size:
                     break
-                meta_len, n_bufs, _ = _HEAD.unpack_from(self._staging, pos)
+                meta_len, n_bufs, flags = _HEAD.unpack_from(self._staging, pos)
                 if n_bufs > MAX_BUFS:
                     raise ProtocolError(f"frame announces {n_bufs} buffers (at most {MAX_BUFS})")
-                head = _HEAD.size + _LEN.size * n_bufs
+                if flags & ~FLAG_SHARED or (flags and self.region is None):
+                    raise ProtocolError(f"frame flags {flags:#x} on a stream without a shared region")
+                n_words = n_bufs * (2 if flags else 1)
+                head = _HEAD.size + _LEN.size * n_words
                 if self._have - pos < head:
                     break
-                lens = [_LEN.unpack_from(self._staging, pos + _HEAD.size + _LEN.size * i)[0] for i in range(n_bufs)]
-                _check_sizes(meta_len, lens)
+                words = [_LEN.unpack_from(self._staging, pos + _HEAD.size + _LEN.size * i)[0] for i in range(n_words)]
                 pos += head
-                self._parts = [bytearray(meta_len), *(_receive_buffer(n) for n in lens)]
+                if flags:
+                    _check_sizes(meta_len, ())
+                    self._parts = [bytearray(meta_len)]
+                    self._shared = self._lend(list(zip(words[::2], words[1::2], strict=True)))
+                else:
+                    _check_sizes(meta_len, words)
+                    self._parts = [bytearray(meta_len), *(_receive_buffer(n) for n in words)]
                 self._part, self._filled = 0, 0
                 self._skip_empty()
                 continue
@@ -289,9 +323,17 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._part == len(self._parts):
             meta, *bufs = self._parts
             assert isinstance(meta, bytearray)  # the meta part is always received into a bytearray
-            self._frames.append((meta, bufs))
+            self._frames.append((meta, bufs + self._shared))
+            self._shared = []
             self._readable.set()
             self._parts, self._part = [], -1
+
+    def _lend(self, spans: list[tuple[int, int]]) -> list[RecvBuffer]:
+        assert self.region is not None
+        try:
+            return list(self.region.lend(spans))
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from exc
 
     def _fail(self, exc: ProtocolError) -> None:
         if self._error is None:

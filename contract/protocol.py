@@ -36,6 +36,7 @@ from contract.framing import (
     frame_chunks,
     recv_frame,
     send_chunks,
+    shared_frame_chunks,
 )
 from contract.model_facts import ModelInfo
 
@@ -338,6 +339,14 @@ class Shutdown(Message):
     """Write pending tokens, answer ``Stopped`` and exit."""
 
 
+class Release(Message):
+    """The orchestrator holds no view of the shared region's ranges at ``offsets`` any more (each the first
+    offset of a ``FLAG_SHARED`` frame's buffers, :mod:`contract.shm`): the worker may reuse them.  No reply;
+    an offset not in use is ignored."""
+
+    offsets: list[NonNegInt]
+
+
 # ----------------------------------------------------------------------------- worker -> orchestrator
 
 StartStage = Literal["loading_model", "creating_context", "self_check"]
@@ -507,9 +516,15 @@ class SamplingChecked(Message):
 
 
 class EngineState(Message):
-    """``generating``: sequences with an active generation."""
+    """``generating``: sequences with an active generation.  The shared region (:mod:`contract.shm`;
+    all 0 without one): ``shm_bytes`` its size, ``shm_free`` its bytes not in use, ``shm_frames`` the token
+    frames whose tensors went through it and ``inline_frames`` those that found no room there."""
 
     generating: list[int]
+    shm_bytes: int = 0
+    shm_free: int = 0
+    shm_frames: int = 0
+    inline_frames: int = 0
 
 
 class Stopped(Message):
@@ -520,6 +535,7 @@ Request = (
     Generate
     | Cancel
     | Ack
+    | Release
     | Tokenize
     | Detokenize
     | Tokens
@@ -565,6 +581,11 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 def encode_frame(msg: Message, buffers: Sequence[Buffer] = ()) -> list[Buffer]:
     """The frame of ``msg`` and its raw ``buffers`` as byte chunks (for ``writelines``)."""
     return frame_chunks(_encoder.encode(msg), buffers)
+
+
+def encode_shared_frame(msg: Message, spans: Sequence[tuple[int, int]]) -> list[Buffer]:
+    """The frame of ``msg`` whose buffers are ``(offset, length)`` ranges of the shared region (:mod:`contract.shm`)."""
+    return shared_frame_chunks(_encoder.encode(msg), spans)
 
 
 def send_frame(sock: socket.socket, msg: Message, buffers: Sequence[Buffer] = ()) -> None:

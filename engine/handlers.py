@@ -17,6 +17,7 @@ from typing import Any
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.framing import RecvBuffer
+from contract.shm import RegionWriter
 from engine.batcher import Batcher
 from engine.engine import Engine, EngineError
 from engine.kv_range import read_ranges
@@ -29,10 +30,12 @@ Handler = Callable[[Any, list[RecvBuffer]], None]
 class EngineHandlers:
     """Answers generation and KV-sequence requests on one :class:`Engine` through its :class:`Batcher`."""
 
-    def __init__(self, engine: Engine, batcher: Batcher, send: Send) -> None:
+    def __init__(self, engine: Engine, batcher: Batcher, send: Send, shared: RegionWriter | None = None) -> None:
+        """``shared``: the region token tensors go through (:mod:`contract.shm`), reported by ``Status``."""
         self.engine = engine
         self.batcher = batcher
         self.send = send
+        self.shared = shared
 
     def table(self) -> dict[type, Handler]:
         """Request type -> handler."""
@@ -80,9 +83,11 @@ class EngineHandlers:
         return handle
 
     def status(self, msg: proto.Status, _: list[RecvBuffer]) -> None:
-        """Which sequences generate."""
+        """Which sequences generate, and the shared region's use."""
         busy = sorted({j.seq for j in self.batcher.jobs.values() if not j.fork})
-        self.send(proto.EngineState(msg.req, busy), ())
+        w = self.shared
+        shm = (w.region.size, w.ranges.free_bytes, w.shared, w.inline) if w is not None else (0, 0, 0, 0)
+        self.send(proto.EngineState(msg.req, busy, *shm), ())
 
     def check_sampling(self, msg: proto.CheckSampling, _: list[RecvBuffer]) -> None:
         """Build ``msg.params``' sampler chain and free it (``INVALID_GRAMMAR`` when it cannot be built)."""

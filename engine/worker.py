@@ -1,7 +1,8 @@
 """Engine worker process: owns the model and context, runs the decode loop, serves one orchestrator.
 
 Entry point: ``python -m engine.worker --connect unix:/path.sock --settings JSON``
-(the orchestrator spawns it and listens; the settings are :class:`contract.settings.EngineSettings`)
+(the orchestrator spawns it and listens; the settings are :class:`contract.settings.EngineSettings`;
+``--shm-fd N``: the shared region, inherited, tokens' tensors go through: :mod:`contract.shm`)
 or ``--listen tcp:HOST:PORT --model PATH ...`` to run it standalone.  A reader thread
 turns incoming frames into a queue; the main thread applies requests between decode
 steps (:class:`Worker` dispatches them by type) and steps the
@@ -30,9 +31,10 @@ from contract import protocol as proto
 from contract import settings
 from contract.buffers import BufferPool
 from contract.errors import ErrorCode
-from contract.framing import RecvBuffer, parse_address
+from contract.framing import RecvBuffer, parse_address, send_chunks
 from contract.heap import keep_heap_mapped, trim_heap
 from contract.settings import SPLIT_MODES, EngineSettings
+from contract.shm import RegionWriter, SharedRegion
 from engine import backend
 from engine.batcher import Batcher
 from engine.classifier import Classifier
@@ -73,9 +75,12 @@ class Worker:
     everything but ``Classify``; anything else gets ``Error(INVALID_REQUEST)``.
     """
 
-    def __init__(self, engine: Engine | Classifier, sock: socket.socket) -> None:
+    def __init__(self, engine: Engine | Classifier, sock: socket.socket, shared: SharedRegion | None = None) -> None:
+        """``shared``: the region its orchestrator mapped too (``--shm-fd``): tokens' tensors go through it
+        (:mod:`contract.shm`), inline when it has no room."""
         self.engine = engine
         self.sock = sock
+        self.shared = RegionWriter(shared) if shared is not None else None
         self.inbox: queue.Queue[Inbound | None] = queue.Queue()  # None: the peer is gone
         self.pool = BufferPool(keep=1)  # restore-state blobs land in memory already mapped
         self.running = True
@@ -88,19 +93,31 @@ class Worker:
         }
         if isinstance(engine, Engine):
             self.batcher = Batcher(engine, self.send)
-            self.handlers |= EngineHandlers(engine, self.batcher, self.send).table()
+            self.handlers |= EngineHandlers(engine, self.batcher, self.send, self.shared).table()
         else:
             self.handlers[proto.Classify] = self._classify
 
     def send(self, msg: proto.Message, buffers: Sequence[proto.Buffer] = ()) -> None:
-        """Write one reply frame, whole (thread-safe: a slot-file writer thread answers too)."""
+        """Write one reply frame, whole (thread-safe: a slot-file writer thread answers too).  A token's
+        tensors go through the shared region when there is one with room (:mod:`contract.shm`)."""
         with self.send_lock:
-            proto.send_frame(self.sock, msg, buffers)
+            spans = None
+            if self.shared is not None and buffers and isinstance(msg, proto.Token):
+                spans = self.shared.place([memoryview(b) for b in buffers])
+            if spans is not None:
+                send_chunks(self.sock, proto.encode_shared_frame(msg, spans))
+            else:
+                proto.send_frame(self.sock, msg, buffers)
 
     def _read(self) -> None:
         try:
             while True:
-                self.inbox.put(proto.recv_request(self.sock, self.pool))
+                msg, bufs = proto.recv_request(self.sock, self.pool)
+                if isinstance(msg, proto.Release):  # frees room at once, whatever the decode loop does
+                    if self.shared is not None:
+                        self.shared.release(msg.offsets)
+                    continue
+                self.inbox.put((msg, bufs))
         except (proto.ProtocolError, OSError) as exc:
             log.info("worker input closed: %s", exc)
         self.inbox.put(None)
@@ -195,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--connect", help="unix:/path or tcp:host:port of the orchestrator")
     where.add_argument("--listen", help="unix:/path or tcp:host:port to accept one orchestrator on")
     p.add_argument("--settings", type=settings.decode, default=None, help="the engine settings as JSON, whole")
+    p.add_argument(
+        "--shm-fd", type=int, default=None, help="descriptor of the shared region the spawning orchestrator mapped"
+    )
     settings.add_arguments(p.add_argument_group("engine"))
     return p
 
@@ -243,8 +263,9 @@ def run_worker_process(argv: list[str] | None = None) -> int:
         engine = start_engine(
             config, lambda stage, fraction=0.0: proto.send_frame(sock, proto.Starting(0, stage, fraction))
         )
+        shared = SharedRegion.attach(args.shm_fd) if args.shm_fd is not None else None
         try:
-            Worker(engine, sock).serve()
+            Worker(engine, sock, shared).serve()
         finally:
             engine.close()
             engine.model.close()

@@ -60,7 +60,9 @@ RESPONSE_LOG_FIELDS: tuple[ResponseExtractorField, ...] = ("status_code",)
 
 def build_services(settings: Settings) -> Services:
     """Create (not start) the long-lived objects."""
-    engine = WorkerClient(settings.worker, window=settings.stream_window, window_bytes=settings.stream_window_bytes)
+    engine = WorkerClient(
+        settings.engine_worker, window=settings.stream_window, window_bytes=settings.stream_window_bytes
+    )
     archive = leases = None
     if settings.persist:
 

@@ -9,6 +9,7 @@ flag. The engine's settings ride along in :attr:`Settings.worker`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -16,6 +17,7 @@ import msgspec
 
 from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
 from contract.settings import EngineSettings, Flag, NonNegative, Positive
+from contract.shm import region_size
 from orchestrator.engine_client.launch import WorkerOptions
 from orchestrator.web.read_limits import ReadLimits
 
@@ -254,6 +256,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             metavar="BYTES",
         ),
     ] = WINDOW_BYTES
+    stream_shm_bytes: Annotated[
+        Annotated[int, NonNegative] | None,
+        Flag(
+            "size of the shared memory region tokens' attention and hidden states travel through from the engine"
+            " worker (default: --stream-window-bytes x the engine's sequences, at least 64 MiB; 0: none, over"
+            " the worker's socket)",
+            "--stream-shm-bytes",
+            metavar="BYTES",
+        ),
+    ] = None
     classifier_model: Annotated[
         str | None,
         Flag("classifier GGUF (pooling rank) served by POST /classify", "--classifier-model", metavar="PATH"),
@@ -328,6 +340,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return ReadLimits(self.max_header_bytes, self.header_timeout_s, self.body_timeout_s)
 
     @property
+    def engine_worker(self) -> WorkerOptions:
+        """The generation worker's options with its shared region's size (``stream_shm_bytes``, else
+        :func:`contract.shm.region_size` of the stream window and the engine's sequences)."""
+        size = self.stream_shm_bytes
+        if size is None:
+            size = region_size(self.stream_window_bytes, self.worker.engine.n_seq_max)
+        return dataclasses.replace(self.worker, shm_bytes=size)
+
+    @property
     def embedder(self) -> WorkerOptions | None:
         """The embeddings worker's options (``--embeddings``): the served model pooled, with the
         first worker's threads and repacking."""
@@ -335,7 +356,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             return None
         engine = self.worker.engine
         return WorkerOptions(
-            EngineSettings(model=engine.model, n_threads=engine.n_threads, repack=engine.repack, embedder=True)
+            EngineSettings(model=engine.model, n_threads=engine.n_threads, repack=engine.repack, embedder=True),
+            shm_bytes=0,
         )
 
     @property
@@ -347,5 +369,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return WorkerOptions(
             EngineSettings(
                 model=self.classifier_model, n_threads=engine.n_threads, repack=engine.repack, classifier=True
-            )
+            ),
+            shm_bytes=0,
         )

@@ -12,10 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from contract import protocol as proto
 from contract import settings
 from contract.framing import FrameStream
 from contract.settings import EngineSettings
+from contract.shm import MIN_REGION_BYTES, RegionLender, SharedRegion
 from orchestrator.engine_client.interface import EngineDeadError
+
+log = structlog.get_logger("slotserve.engine")
 
 
 @dataclass(frozen=True)
@@ -25,13 +31,15 @@ class WorkerOptions:
     ``connect``: ``tcp:host:port`` of a standalone worker instead of spawning one (which
     then runs with its own settings); ``extra_env``: added to a spawned worker's
     environment; ``python``: the interpreter that runs it (e.g. another venv's, with a
-    GPU build of llama.cpp).
+    GPU build of llama.cpp).  ``shm_bytes``: size of the region a spawned worker's token tensors
+    travel through (:mod:`contract.shm`, ``--stream-shm-bytes``); 0: none, they cross the socket.
     """
 
     engine: EngineSettings = field(default_factory=EngineSettings)
     connect: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = field(default_factory=lambda: os.environ.get("SLOTSERVE_WORKER_PYTHON", sys.executable))
+    shm_bytes: int = MIN_REGION_BYTES
 
     @property
     def shares_files(self) -> bool:
@@ -39,9 +47,20 @@ class WorkerOptions:
         ``connect``): slot files are then read and written by the worker itself."""
         return self.connect is None
 
-    def argv(self, address: str) -> list[str]:
-        """Command line for a spawned worker that connects back to ``address``."""
-        return [self.python, "-m", "engine.worker", "--connect", address, "--settings", settings.encode(self.engine)]
+    def argv(self, address: str, shm_fd: int | None = None) -> list[str]:
+        """Command line for a spawned worker that connects back to ``address`` (and maps the shared
+        region of descriptor ``shm_fd``, which it inherits)."""
+        shm = ["--shm-fd", str(shm_fd)] if shm_fd is not None else []
+        return [
+            self.python,
+            "-m",
+            "engine.worker",
+            "--connect",
+            address,
+            "--settings",
+            settings.encode(self.engine),
+            *shm,
+        ]
 
 
 class EngineStartError(EngineDeadError):
@@ -76,6 +95,7 @@ class WorkerProcess:
         self.options = options
         self.proc: asyncio.subprocess.Process | None = None
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self.region: RegionLender | None = None  # the shared region of this worker (contract.shm)
 
     @property
     def pid(self) -> int | None:
@@ -90,19 +110,40 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[FrameStream] = loop.create_future()
 
+        region = None
+        if self.options.shm_bytes > 0:
+            try:
+                region = SharedRegion.create(self.options.shm_bytes)
+            except OSError as exc:  # no memfd here (a seccomp profile, an old kernel): tokens go inline
+                log.warning("no shared memory for the engine worker's tokens", error=str(exc))
+        lender = self.region = RegionLender(region) if region is not None else None
+
         class Accept(FrameStream):
             def connection_made(self, transport: asyncio.BaseTransport) -> None:
                 super().connection_made(transport)
                 if accepted.done():  # only the first connection is the worker's
                     transport.close()
                 else:
+                    self.region = lender
+                    if lender is not None:
+                        lender.release = self.release
                     accepted.set_result(self)
+
+            def release(self, offsets: list[int]) -> None:
+                with contextlib.suppress(proto.ProtocolError):  # the worker is gone, and its region with it
+                    self.write(proto.encode_frame(proto.Release(0, offsets)))
 
         server = await loop.create_unix_server(Accept, path=path)
         env = {**os.environ, **self.options.extra_env}
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = await asyncio.create_subprocess_exec(*self.options.argv(f"unix:{path}"), env=env)
+        fds = [region.fd] if region is not None and region.fd is not None else []
+        try:
+            argv = self.options.argv(f"unix:{path}", fds[0] if fds else None)
+            self.proc = await asyncio.create_subprocess_exec(*argv, env=env, pass_fds=fds)
+        finally:
+            if region is not None:
+                region.close_fd()  # the worker has its own copy; the mapping stays
         try:
             waited: list[asyncio.Future[Any]] = [accepted, asyncio.ensure_future(self.proc.wait())]
             done, _ = await asyncio.wait(

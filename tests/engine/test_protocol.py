@@ -44,6 +44,7 @@ REQUESTS: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Generate(2, -1, "preview", [5], PARAMS, proto.CaptureOptions(), append=[7, 8]), []),
     (proto.Cancel(3, 1), []),
     (proto.Ack(3, 1, 5), []),
+    (proto.Release(3, [0, 4096]), []),
     (proto.Tokenize(4, "héllo <|im_end|>", True, False), []),
     (proto.Detokenize(5, [1, 2, 3]), []),
     (proto.Tokens(6, 0), []),
@@ -84,6 +85,7 @@ REPLIES: list[tuple[proto.Message, list[bytes]]] = [
     (proto.FileSaved(13, 1, 3, 4096, 9.5), []),
     (proto.Classified(13, [4, 5], proto.Tensor.of(LOGITS, 0)), [LOGITS.tobytes()]),
     (proto.EngineState(14, [0]), []),
+    (proto.EngineState(14, [0], 1 << 26, 1 << 25, 7, 1), []),
     (proto.Stopped(15), []),
     (proto.SamplingChecked(16), []),
 ]
