@@ -17,7 +17,6 @@ import msgspec
 
 from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
 from contract.settings import EngineSettings, Flag, NonNegative, Positive
-from contract.shm import region_size
 from orchestrator.engine_client.launch import WorkerOptions
 from orchestrator.web.read_limits import ReadLimits
 
@@ -257,15 +256,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         ),
     ] = WINDOW_BYTES
     stream_shm_bytes: Annotated[
-        Annotated[int, NonNegative] | None,
+        int,
+        NonNegative,
         Flag(
-            "size of the shared memory region tokens' attention and hidden states travel through from the engine"
-            " worker (default: --stream-window-bytes x the engine's sequences, at least 64 MiB; 0: none, over"
-            " the worker's socket)",
+            "size of a shared memory region tokens' attention and hidden states travel through from the engine"
+            " worker (0, the default: none, over the worker's socket; a region needs --stream-window-bytes x the"
+            " engine's sequences, at least 64 MiB)",
             "--stream-shm-bytes",
             metavar="BYTES",
         ),
-    ] = None
+    ] = 0
     classifier_model: Annotated[
         str | None,
         Flag("classifier GGUF (pooling rank) served by POST /classify", "--classifier-model", metavar="PATH"),
@@ -341,12 +341,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     @property
     def engine_worker(self) -> WorkerOptions:
-        """The generation worker's options with its shared region's size (``stream_shm_bytes``, else
-        :func:`contract.shm.region_size` of the stream window and the engine's sequences)."""
-        size = self.stream_shm_bytes
-        if size is None:
-            size = region_size(self.stream_window_bytes, self.worker.engine.n_seq_max)
-        return dataclasses.replace(self.worker, shm_bytes=size)
+        """The generation worker's options with its shared region's size (``stream_shm_bytes``; 0: none).
+        Off by default: on the project's 2-core VM the region measured slower than the socket (docs/benchmarks.md,
+        "Shared memory"); :func:`contract.shm.region_size` is the size a region needs."""
+        return dataclasses.replace(self.worker, shm_bytes=self.stream_shm_bytes)
 
     @property
     def embedder(self) -> WorkerOptions | None:

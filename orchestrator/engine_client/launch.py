@@ -18,7 +18,7 @@ from contract import protocol as proto
 from contract import settings
 from contract.framing import FrameStream
 from contract.settings import EngineSettings
-from contract.shm import MIN_REGION_BYTES, RegionLender, SharedRegion
+from contract.shm import RegionLender, SharedRegion
 from orchestrator.engine_client.interface import EngineDeadError
 
 log = structlog.get_logger("slotserve.engine")
@@ -39,7 +39,7 @@ class WorkerOptions:
     connect: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = field(default_factory=lambda: os.environ.get("SLOTSERVE_WORKER_PYTHON", sys.executable))
-    shm_bytes: int = MIN_REGION_BYTES
+    shm_bytes: int = 0
 
     @property
     def shares_files(self) -> bool:

@@ -45,7 +45,7 @@ def _served(tmp_path: Path, args: list[str]) -> dict[str, Any]:
 
 
 def test_every_transport_gets_the_same_bytes_through_shared_memory(tmp_path: Path) -> None:
-    shared = _served(tmp_path, [])
+    shared = _served(tmp_path, ["--stream-shm-bytes", str(64 << 20)])
     inline = _served(tmp_path, ["--stream-shm-bytes", "0"])
     for kind in ("json", "topk", "sse", "ws"):
         assert len(shared[kind]) == 6, kind
