@@ -13,7 +13,10 @@ are appended for the next turn, so the next prompt extends the cached one on bot
 Per turn two loads, interleaved across the servers (turn t of each server, then turn t + 1): the first
 conversation alone, then all of them together. A turn's tok/s is its generated tokens over its wall time,
 from the first request's send to the last stream's end: prefill of the appended tokens, decode, and what
-the server does before it answers the last token (the strict durable commit among it). Printed: each
+the server does before it answers the last token (the strict durable commit among it). Each timed turn waits
+``--pause`` s first, so no server's write-behind save of an earlier turn runs inside another's timed turn.
+Printed beside: the prompt tokens each server evaluated per request (``timings.prompt_n``), which shows
+whether its cache held the conversation. Printed: each
 server's median tok/s per load, strict / write-behind, and each slotserve / llama-server.
 
     .venv/bin/python benchmarks/bench_turn_throughput.py --llama-server PATH [--convs 4] [--prompt 1900]
@@ -35,8 +38,10 @@ from servers import ServerProc, check, default_model, free_port, llama_server_cm
 from streams import BANNED
 
 
-async def turn(client: httpx.AsyncClient, base: str, slot: int, ids: list[int], new: int) -> list[int]:
-    """One streamed ``/completion`` of ``new`` tokens on ``id_slot`` ``slot``; the generated token ids."""
+async def turn(client: httpx.AsyncClient, base: str, slot: int, ids: list[int], new: int) -> tuple[list[int], int]:
+    """One streamed ``/completion`` of ``new`` tokens on ``id_slot`` ``slot``: the generated token ids, and the
+    prompt tokens the server evaluated (the last event's ``timings.prompt_n``, llama-server's field; -1 if
+    absent): what its cache did not hold."""
     body = {
         "prompt": ids,
         "n_predict": new,
@@ -49,6 +54,7 @@ async def turn(client: httpx.AsyncClient, base: str, slot: int, ids: list[int], 
         "return_tokens": True,
     }
     out: list[int] = []
+    evaluated = -1
     async with client.stream("POST", base + "/completion", json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
@@ -57,21 +63,25 @@ async def turn(client: httpx.AsyncClient, base: str, slot: int, ids: list[int], 
             if "error" in ev:
                 raise RuntimeError(f"{base}: {ev}")
             out += ev.get("tokens") or []
+            evaluated = int((ev.get("timings") or {}).get("prompt_n", evaluated))
     if len(out) != new:
         raise RuntimeError(f"{base}: {len(out)} tokens generated, asked {new}")
-    return out
+    return out, evaluated
 
 
-async def run_turn(base: str, convs: list[list[int]], which: list[int], append: list[int], new: int) -> float:
-    """Turn of the conversations ``which`` at once (each extended in place); tok/s of the turn."""
+async def run_turn(
+    base: str, convs: list[list[int]], which: list[int], append: list[int], new: int
+) -> tuple[float, list[int]]:
+    """Turn of the conversations ``which`` at once (each extended in place): tok/s of the turn, and the prompt
+    tokens each request evaluated (see :func:`turn`)."""
     async with httpx.AsyncClient(timeout=600) as client:
         prompts = {i: convs[i] + append for i in which}
         t0 = time.perf_counter()
         got = await asyncio.gather(*(turn(client, base, i, prompts[i], new) for i in which))
         dt = time.perf_counter() - t0
-    for i, gen in zip(which, got, strict=True):
+    for i, (gen, _) in zip(which, got, strict=True):
         convs[i] = prompts[i] + gen
-    return len(which) * new / dt
+    return len(which) * new / dt, [n for _, n in got]
 
 
 def main() -> int:
@@ -84,6 +94,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=5, help="measured turns per load")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx-size", type=int, default=4096, help="context per slot")
+    ap.add_argument("--pause", type=float, default=1.0, help="s before each timed turn (write-behinds settle)")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
     model = args.model or default_model()
@@ -118,18 +129,23 @@ def main() -> int:
         for srv in servers:  # the untimed first turn: each conversation prefilled
             asyncio.run(run_turn(srv.base, convs[srv.name], every, [], args.new))
         rates: dict[tuple[str, int], list[float]] = {}
+        evaluated: dict[str, list[int]] = {}
         for t in range(args.turns):
             for srv in servers:
                 for which in ([0], every):
-                    tps = asyncio.run(run_turn(srv.base, convs[srv.name], which, append, args.new))
+                    time.sleep(args.pause)  # the servers' write-behind saves of the turn before are done
+                    tps, n = asyncio.run(run_turn(srv.base, convs[srv.name], which, append, args.new))
                     rates.setdefault((srv.name, len(which)), []).append(tps)
+                    evaluated.setdefault(srv.name, []).extend(n)
             print(f"  turn {t + 1}/{args.turns} done ({load()})")
         ctx = len(convs[servers[0].name][0])
         print(f"\nload after: {load()}; context at the end: {ctx} tokens")
         print(f"{'server':24} {'x1 tok/s':>9} {'x' + str(args.convs) + ' tok/s':>9}   (medians of {args.turns} turns)")
         med = {k: statistics.median(v) for k, v in rates.items()}
         for srv in servers:
-            print(f"{srv.name:24} {med[(srv.name, 1)]:9.1f} {med[(srv.name, args.convs)]:9.1f}")
+            ev = sorted(set(evaluated[srv.name]))
+            print(f"{srv.name:24} {med[(srv.name, 1)]:9.1f} {med[(srv.name, args.convs)]:9.1f}"
+                  f"   prompt tokens evaluated per request: {ev if len(ev) < 6 else (ev[0], ev[-1])}")  # fmt: skip
         for n in (1, args.convs):
             strict, behind = med[("slotserve strict", n)], med[("slotserve write-behind", n)]
             line = f"x{n}: strict / write-behind {strict / behind:.3f}"
