@@ -67,12 +67,9 @@ def test_a_saved_file_is_llama_cpps_and_loads_back_alike(runner: Runner, engine,
         assert a.tokens == b.tokens
 
 
-@pytest.mark.parametrize("record", [0, 29, 30, 59], ids=["K0", "K29", "V0", "V29"])
-def test_a_file_with_nan_values_is_refused_and_leaves_nothing_behind(
-    runner: Runner, engine, model, tmp_path: Path, record: int
-) -> None:  # type: ignore[no-untyped-def]
-    """The values are tested after llama.cpp loaded them; the refused cells are zeroed, so no later
-    decode of any sequence meets the NaN (a masked cell's V is still multiplied by its 0 weight)."""
+def saved_and_poisoned(runner: Runner, engine, model, tmp_path: Path, record: int) -> tuple[list[int], Path, Path]:  # type: ignore[no-untyped-def]
+    """Sequence 0 holding a short chat, saved as ``good.bin``, and ``bad.bin``: the same file with a NaN in
+    state record ``record`` (K of layers 0-29, then V); the chat's token ids and both paths."""
     ids = model.tokenize(CHAT.format("Tell me about owls."), False, True)
     runner.generate(0, ids, max_new_tokens=4)
     runner.batcher.flush()
@@ -80,6 +77,16 @@ def test_a_file_with_nan_values_is_refused_and_leaves_nothing_behind(
     save_seq_file(engine, 0, good)
     bad = tmp_path / "bad.bin"
     bad.write_bytes(poisoned(good.read_bytes(), record))
+    return ids, good, bad
+
+
+@pytest.mark.parametrize("record", [0, 29, 30, 59], ids=["K0", "K29", "V0", "V29"])
+def test_a_file_with_nan_values_is_refused_and_leaves_nothing_behind(
+    runner: Runner, engine, model, tmp_path: Path, record: int
+) -> None:  # type: ignore[no-untyped-def]
+    """The values are tested after llama.cpp loaded them; the refused cells are zeroed, so no later
+    decode of any sequence meets the NaN (a masked cell's V is still multiplied by its 0 weight)."""
+    ids, good, bad = saved_and_poisoned(runner, engine, model, tmp_path, record)
     runner.generate(2, ids[:9], max_new_tokens=2)
     runner.batcher.flush()
     before = engine.tokens[2], llama_state(engine.ctx, 2)
@@ -101,13 +108,7 @@ def test_nan_values_are_refused_while_an_empty_sequence_is_read(
     pass, libllama testing each block of values before it writes it: a NaN is refused naming its layer and
     K/V, the sequence stays empty, what was written before it is zeroed (decodes in the same KV stream
     stay finite), and the same cells take a good state afterwards."""
-    ids = model.tokenize(CHAT.format("Tell me about owls."), False, True)
-    runner.generate(0, ids, max_new_tokens=4)
-    runner.batcher.flush()
-    good = tmp_path / "good.bin"
-    save_seq_file(engine, 0, good)
-    bad = tmp_path / "bad.bin"
-    bad.write_bytes(poisoned(good.read_bytes(), record))
+    ids, good, bad = saved_and_poisoned(runner, engine, model, tmp_path, record)
     assert not engine.tokens.get(2)
     with pytest.raises(EngineError) as err:
         if source == "file":
