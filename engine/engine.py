@@ -313,24 +313,40 @@ class Engine:
             return self.seq_len(seq)
         if n > 0 and self.can_keep(seq, n):
             return self._cut(seq, n)
-        self.erase(seq)
+        self.erase(seq, release=False)  # prefilled again at once
         return 0
 
     def _cut(self, seq: int, n: int) -> int:
         """``seq_rm(seq, n, -1)`` mirrored in the cell map and the token list; the whole sequence erased
         where llama.cpp refuses (a recurrent state).  Returns the tokens kept."""
         if not llama.llama_memory_seq_rm(self.mem, seq, n, -1):
-            self.erase(seq)
+            self.erase(seq, release=False)
             return 0
         self.cellmap.truncate(seq, n)
         del self.tokens[seq][n:]
         return n
 
-    def erase(self, seq: int) -> None:
-        """Drop every cell of ``seq``."""
+    def erase(self, seq: int, release: bool = True) -> None:
+        """Drop every cell of ``seq``; with ``release`` (where nothing refills it at once) give its KV
+        stream's memory back too (:meth:`release`)."""
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
+        if release:
+            self.release(seq)
+
+    def release(self, seq: int) -> int:
+        """Give the host memory of ``seq``'s KV stream back to the kernel while ``seq`` holds no cells
+        (``llama_attn_kv_seq_release``, libllama/llama-attn.h: llama.cpp allocates and clears every stream
+        when the context is made; the pages read back as zeros and are allocated again as cells are
+        written, so resident KV follows the tokens held, not ``n_ctx``).  Returns the bytes given back: 0
+        for a sequence holding cells, a KV cache in GPU memory, a recurrent state."""
+        return max(0, int(native.lib.llama_attn_kv_seq_release(self.ctx, seq)))
+
+    def release_empty(self) -> int:
+        """:meth:`release` of every sequence holding no cells (after the start-up self-check, and by the idle
+        worker: a K-shift writes the K of every stream, empty or not); returns the bytes given back."""
+        return sum(self.release(s) for s in range(self.n_stream) if not self.tokens.get(s))
 
     def reuse_chunks(self, seq: int, ids: Sequence[int], n_past: int, min_chunk: int) -> int:
         """llama-server's cache reuse (``n_cache_reuse``, ``tools/server/server-context.cpp``): after the
@@ -368,7 +384,7 @@ class Engine:
         buffers, cell for cell, so ``dst``'s cells are ``src``'s; done now rather than at the next
         decode, so that ``dst``'s state can be read at once; a recurrent state is copied when ``dst``
         first decodes)."""
-        self.erase(dst)
+        self.erase(dst, release=False)
         if self.seq_len(src):
             llama.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
             native.lib.llama_attn_memory_update(self.ctx)
@@ -406,6 +422,7 @@ class Engine:
         llama.llama_memory_seq_rm(self.mem, seq, n_keep, n_keep + n_discard)
         llama.llama_memory_seq_add(self.mem, seq, n_keep + n_discard, -1, -n_discard)
         native.lib.llama_attn_memory_update(self.ctx)  # the K-shift now: a state read next must hold it
+        self.release_empty()  # the K-shift wrote the K of every stream, the empty ones too
         self.cellmap.shift(seq, n_keep, n_discard)
         toks = self.tokens[seq]
         del toks[n_keep : n_keep + n_discard]
@@ -484,7 +501,7 @@ class Engine:
             except seq_state.BadStateError as exc:
                 raise EngineError(ErrorCode.BAD_STATE, str(exc)) from exc
             check_values = False
-        self.erase(seq)
+        self.erase(seq, release=not n)
         if not n:
             return
         try:
@@ -551,6 +568,7 @@ class Engine:
         self.erase(s)
         if s > 0:
             self.erase(s - 1)
+        self.released_at_start = self.release_empty()  # every stream was cleared, so resident, at creation
         self.self_check_ms = (time.perf_counter() - t0) * 1000
 
     def _check_decode(self, seq: int, pos0: int, toks: list[int]) -> None:

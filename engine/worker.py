@@ -144,6 +144,8 @@ class Worker:
                     self.batcher.flush()
                     continue
                 if block:  # idle for IDLE_TRIM_S: give back what the last requests left on the heap
+                    if isinstance(self.engine, Engine):  # and the KV pages of empty streams a K-shift wrote
+                        self.engine.release_empty()
                     trim_heap()
                     worked = False
                     continue

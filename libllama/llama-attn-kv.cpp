@@ -1,6 +1,7 @@
 // slotserve: reading one sequence's KV cache (llama-attn.h).  One reason to patch: the KV cache's host-side
 // cell metadata and the KV of a position range of one sequence (llama.cpp reads whole sequences only:
-// llama_state_seq_get_data).  Restoring a state: llama-attn-state.cpp.
+// llama_state_seq_get_data), and giving an empty sequence's KV stream back to the kernel (llama.cpp allocates
+// and clears every stream when the context is made).  Restoring a state: llama-attn-state.cpp.
 //
 // Copied into llama.cpp's src/ by slotserve's set-up.  Nothing here is called by llama.cpp itself.
 
@@ -16,10 +17,17 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <set>
 #include <stdexcept>
 #include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 const llama_kv_cache * attn_kv_cache_of(const llama_context * ctx, int32_t cache) {
     llama_memory_i * mem = ctx->get_memory();
@@ -76,6 +84,20 @@ int32_t llama_attn_seq_cells(llama_context * ctx, int32_t cache, llama_seq_id se
 
 namespace {
 
+// layer il's V tensor (all streams) of `kv`, taken from a view (llama_kv_cache has get_k_storage only); nullptr for
+// an MLA cache, which has no V tensors (llama_kv_cache's constructor: has_v)
+ggml_tensor * attn_v_storage(const llama_kv_cache * kv, const llama_hparams & hp, ggml_context * gctx, uint32_t il) {
+    if (hp.is_mla()) {
+        return nullptr;
+    }
+    llama_kv_cache::slot_info sinfo;
+    sinfo.s0 = sinfo.s1 = 0;
+    sinfo.strm = {0};
+    sinfo.idxs = {{0}};
+    ggml_tensor * view = kv->get_v(gctx, (int32_t) il, 1, sinfo);
+    return view->view_src ? view->view_src : view;
+}
+
 // what llama_attn_seq_range_get writes, measured before anything is copied
 struct attn_range_plan {
     std::vector<uint32_t> cells;                       // the range's cells, in position order
@@ -124,20 +146,11 @@ bool attn_range_plan_make(llama_context * ctx, int32_t cache, const llama_kv_cac
                         (kv->has_cell_ext() ? sizeof(llama_kv_cell_ext) : 0);
     plan.size += n * meta + 2 * sizeof(uint32_t); // cells, v_trans, n_layer
     plan.layer_ids = kv->get_layer_ids();
-    llama_kv_cache::slot_info sinfo;
-    sinfo.s0 = sinfo.s1 = 0;
-    sinfo.strm = {0};
-    sinfo.idxs = {{0}};
     for (const uint32_t il : plan.layer_ids) {
         ggml_tensor * k = kv->get_k_storage((int32_t) il);
         plan.k.push_back(k);
         plan.size += sizeof(int32_t) + sizeof(uint64_t) + n * ggml_row_size(k->type, hp.n_embd_k_gqa(il));
-        ggml_tensor * v = nullptr;
-        if (!hp.is_mla()) { // an MLA cache has no V tensors (llama_kv_cache's constructor: has_v)
-            ggml_tensor * view = kv->get_v(gctx, (int32_t) il, 1, sinfo);
-            v = view->view_src ? view->view_src : view;
-        }
-        plan.v.push_back(v);
+        plan.v.push_back(attn_v_storage(kv, hp, gctx, il));
     }
     return true;
 }
@@ -244,4 +257,66 @@ int64_t llama_attn_seq_range_get(llama_context * ctx, int32_t cache, llama_seq_i
         LLAMA_LOG_ERROR("%s: %s\n", __func__, err.what());
         return -1;
     }
+}
+
+int64_t llama_attn_kv_seq_release(llama_context * ctx, llama_seq_id seq_id) {
+    if (!ctx || seq_id < 0 || (uint32_t) seq_id >= ctx->get_cparams().n_seq_max) {
+        return -1;
+    }
+#if defined(__linux__)
+    llama_synchronize(ctx);
+    ctx->memory_update(false); // a pending stream copy out of this stream reads it first
+    const llama_hparams & hp = ctx->get_model().hparams;
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    const ggml_backend_buffer_type_t cpu = ggml_backend_cpu_buffer_type();
+    std::set<std::pair<uintptr_t, uintptr_t>> ranges; // page-aligned [begin, end), once each (shared layers)
+    std::vector<const llama_kv_cache *> caches;
+    for (int32_t c = 0; c < ATTN_MAX_CACHES; ++c) {
+        const llama_kv_cache * kv = attn_kv_cache_of(ctx, c);
+        if (kv && (kv->get_n_stream() < 2 || kv->get_cells(seq_id).get_used() > 0)) {
+            return 0; // one stream shared by every sequence (kv_unified), or cells to keep in some cache
+        }
+        if (kv) {
+            caches.push_back(kv);
+        }
+    }
+    try {
+        for (const llama_kv_cache * kv : caches) {
+            const uint32_t strm = kv->get_stream(seq_id);
+            const ggml_init_params ip = {ggml_tensor_overhead() * (kv->get_layer_ids().size() + 1), nullptr, true};
+            ggml_context_ptr gctx(ggml_init(ip));
+            std::vector<const ggml_tensor *> tensors;
+            for (const uint32_t il : kv->get_layer_ids()) {
+                tensors.push_back(kv->get_k_storage((int32_t) il));
+                tensors.push_back(attn_v_storage(kv, hp, gctx.get(), il));
+            }
+            for (const ggml_tensor * t : tensors) {
+                if (!t || !t->buffer || !t->data || ggml_backend_buffer_get_type(t->buffer) != cpu) {
+                    continue; // device memory (CUDA), pinned host memory, or no buffer
+                }
+                const uintptr_t b = (uintptr_t) t->data + (uintptr_t) strm * t->nb[2];
+                const uintptr_t begin = (b + page - 1) / page * page;
+                const uintptr_t end = (b + t->nb[2]) / page * page;
+                if (end > begin) {
+                    ranges.emplace(begin, end);
+                }
+            }
+        }
+    } catch (const std::exception & err) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, err.what());
+        return -1;
+    }
+    int64_t released = 0;
+    for (const auto & [begin, end] : ranges) {
+        if (madvise((void *) begin, end - begin, MADV_DONTNEED) == 0) {
+            released += (int64_t) (end - begin);
+        } else {
+            LLAMA_LOG_WARN("%s: madvise(MADV_DONTNEED) of %zu bytes failed: %s\n", __func__, (size_t) (end - begin),
+                           strerror(errno));
+        }
+    }
+    return released;
+#else
+    return 0;
+#endif
 }
