@@ -3,7 +3,8 @@
 
 Three servers run at once (idle ones cost no CPU): slotserve ``--parallel 4 --ctx-size C`` twice (strict, the
 default, and write-behind; each with its own embedded store) and, with ``--llama-server PATH``, ``llama-server -np
-4 -c 4C`` with its defaults. Each server gets the same ``--convs`` conversations (default 4), each of
+4 -c 4C`` with its defaults (``--llama-args``, repeatable: one llama-server per value, with those extra
+arguments, e.g. ``-fa off``). Each server gets the same ``--convs`` conversations (default 4), each of
 ``--prompt`` tokens (default 1,900; different from their first tokens on), prefilled by an untimed first turn.
 Then ``--turns`` measured turns: every conversation appends a user message (~10 tokens) and generates
 ``--new`` tokens (default 48, greedy, ``ignore_eos``), streamed: ``POST /completion`` with the whole
@@ -19,7 +20,8 @@ Printed beside: the prompt tokens each server evaluated per request (``timings.p
 whether its cache held the conversation. Printed: each
 server's median tok/s per load, strict / write-behind, and each slotserve / llama-server.
 
-    .venv/bin/python benchmarks/bench_turn_throughput.py --llama-server PATH [--convs 4] [--prompt 1900]
+    .venv/bin/python benchmarks/bench_turn_throughput.py --llama-server PATH [--llama-args "" --llama-args "-fa off"]
+        [--convs 4] [--prompt 1900]
         [--new 48] [--turns 5] [--threads 2] [--ctx-size 4096]
 """
 
@@ -87,6 +89,12 @@ async def run_turn(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (no llama rows without)")
+    ap.add_argument(
+        "--llama-args",
+        action="append",
+        default=None,
+        help="extra llama-server arguments (e.g. '-fa off'); repeat to compare several llama-servers",
+    )
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=1900, help="tokens per conversation before the first turn")
@@ -110,13 +118,15 @@ def main() -> int:
                 model=model, extra=["--durability", name],
             )  # fmt: skip
             servers.append(ServerProc(f"slotserve {name}", cmd, port, tmp / f"{name}.log"))
-        if args.llama_server:
+        llamas: list[str] = []
+        for k, extra in enumerate((args.llama_args or [""]) if args.llama_server else []):
             port = free_port()
             cmd = llama_server_cmd(
                 args.llama_server, model, port, parallel=args.convs, ctx_size=args.ctx_size, threads=args.threads,
-                n_gpu_layers=0, slot_dir=tmp / "llama-slots",
+                n_gpu_layers=0, slot_dir=tmp / f"llama-slots-{k}", extra=extra,
             )  # fmt: skip
-            servers.append(ServerProc("llama-server", cmd, port, tmp / "llama.log"))
+            llamas.append("llama-server" + (f" {extra}" if extra else ""))
+            servers.append(ServerProc(llamas[-1], cmd, port, tmp / f"llama-{k}.log"))
         for srv in servers:
             srv.wait_ready(httpx)
         with httpx.Client(timeout=60) as client:
@@ -149,11 +159,9 @@ def main() -> int:
         for n in (1, args.convs):
             strict, behind = med[("slotserve strict", n)], med[("slotserve write-behind", n)]
             line = f"x{n}: strict / write-behind {strict / behind:.3f}"
-            if args.llama_server:
-                llama = med[("llama-server", n)]
-                line += (
-                    f"; strict / llama-server {strict / llama:.3f}; write-behind / llama-server {behind / llama:.3f}"
-                )
+            for name in llamas:
+                llama = med[(name, n)]
+                line += f"; strict / {name} {strict / llama:.3f}; write-behind / {name} {behind / llama:.3f}"
             print(line)
     finally:
         stop_servers(servers, tmp, args.keep_logs)

@@ -36,15 +36,6 @@ import numpy as np
 ALIGN = 64
 """Ranges start on this boundary (bytes): a cache line, and every dtype's alignment."""
 
-MIN_REGION_BYTES = 64 << 20
-"""Default and least useful region size (bytes) a spawned worker gets (``--stream-shm-bytes``)."""
-
-
-def region_size(window_bytes: int, n_streams: int) -> int:
-    """Default region size in bytes: every stream's flow-control window (``window_bytes``, :mod:`contract.flow`)
-    at once, at least :data:`MIN_REGION_BYTES`."""
-    return max(MIN_REGION_BYTES, window_bytes * max(1, n_streams))
-
 
 def _aligned(n: int) -> int:
     return max(ALIGN, -(-n // ALIGN) * ALIGN)

@@ -343,7 +343,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def engine_worker(self) -> WorkerOptions:
         """The generation worker's options with its shared region's size (``stream_shm_bytes``; 0: none).
         Off by default: on the project's 2-core VM the region measured slower than the socket (docs/benchmarks.md,
-        "Shared memory"); :func:`contract.shm.region_size` is the size a region needs."""
+        "Shared memory"); docs/operations.md says the size a region needs."""
         return dataclasses.replace(self.worker, shm_bytes=self.stream_shm_bytes)
 
     @property

@@ -14,7 +14,7 @@ import pytest
 
 from contract import protocol as proto
 from contract.framing import FrameStream, ProtocolError, frame_chunks, recv_frame, shared_frame_chunks
-from contract.shm import ALIGN, RangeAllocator, RegionLender, RegionWriter, SharedRegion, region_size
+from contract.shm import ALIGN, RangeAllocator, RegionLender, RegionWriter, SharedRegion
 
 
 def test_allocator_frees_out_of_order_and_merges() -> None:
@@ -73,11 +73,6 @@ def test_allocator_random_workload_keeps_its_books() -> None:
     for off in list(live):
         a.free(off)
     assert a.free_bytes == 1 << 16 and a.alloc(1 << 16) == 0
-
-
-def test_region_size_follows_the_window() -> None:
-    assert region_size(16 << 20, 5) == 80 << 20
-    assert region_size(0, 5) == 64 << 20 == region_size(1 << 20, 0)
 
 
 def test_writer_places_buffers_and_falls_back_when_full() -> None:
