@@ -38,9 +38,9 @@ class AttnRow(ctypes.Structure):
     Host memory of ``type`` (``GGML_TYPE_F32``/``F16``): layer ``k``'s ``[n_head, n_kv]`` values start at
     ``layers[k]`` (heads ``nb_head`` bytes apart, a head's ``n_kv`` values contiguous); ``nb_layer`` is the
     bytes from one layer to the next when every layer is at one stride (``layers[k] == data + k * nb_layer``),
-    0 when not (a decode step's rows read in place from each layer's graph output: ``in_place`` 1).  Valid until the next
-    ``llama_attn_set_rows``/``llama_decode``/``llama_attn_memory_update``; ``n_kv`` counts KV cells of the
-    row's stream.
+    0 when not (a decode step's rows read in place from each layer's graph output: ``in_place`` 1).  Valid
+    until the next ``llama_attn_set_rows``/``llama_decode``/``llama_attn_memory_update``; ``n_kv`` counts KV
+    cells of the row's stream.
     """
 
     _fields_ = [
