@@ -1,6 +1,6 @@
 """The capture's cost in process: decode step time without attention and with full per-layer attention
-(and, where the engine has it, aggregated), on one sequence of the default model, at a few context
-sizes; optionally beside another checkout of slotserve run with its own interpreter (for example the
+in float32 and float16 (and, where the engine has it, aggregated), on one sequence of the default model,
+at a few context sizes; optionally beside another checkout of slotserve run with its own interpreter (for example the
 last commit before the patched libllama, whose capture read the rows through llama.cpp's eval
 callback), in the same run.
 
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("none", "full", "aggregated")
+MODES = ("none", "full", "full16", "aggregated")
 
 
 def measure(contexts: list[int], new: int, reps: int, threads: int) -> dict[str, dict[str, float]]:
@@ -41,6 +41,7 @@ def measure(contexts: list[int], new: int, reps: int, threads: int) -> dict[str,
     caps = {
         "none": CaptureOptions(),
         "full": CaptureOptions(attention=True),
+        "full16": CaptureOptions(attention=True, dtype="float16"),
         "aggregated": CaptureOptions(attention=True, format="aggregated"),
     }
     words = ("the slot keeps its context and the model pays attention to every word of it " * 400).split()
@@ -95,14 +96,19 @@ def main() -> int:
             return 1
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"machine: {os.cpu_count()} cores; {a.threads} threads; {a.new} new tokens x {a.reps} reps")
-    print("| checkout | context | decode ms/token: none / full / aggregated | full / none | aggregated / none |")
-    print("|---|---|---|---|---|")
+    print(
+        "| checkout | context | decode ms/token: "
+        + " / ".join(MODES)
+        + " | "
+        + " | ".join(f"none / {m}" for m in MODES[1:])
+        + " |"
+    )
+    print("|---|---|---|" + "---|" * (len(MODES) - 1))
     for name, res in results.items():
         for n, ms in res.items():
-            agg = ms.get("aggregated")
-            cells = f"{ms['none']:.2f} / {ms['full']:.2f} / " + (f"{agg:.2f}" if agg else "-")
-            ratio_agg = f"{ms['none'] / agg:.3f}" if agg else "-"
-            print(f"| {name} | {n} | {cells} | {ms['none'] / ms['full']:.3f} | {ratio_agg} |")
+            cells = " / ".join(f"{ms[m]:.2f}" if m in ms else "-" for m in MODES)
+            ratios = " | ".join(f"{ms['none'] / ms[m]:.3f}" if m in ms else "-" for m in MODES[1:])
+            print(f"| {name} | {n} | {cells} | {ratios} |")
     return 0
 
 

@@ -6,7 +6,10 @@ tokens named before ``llama_decode`` (with flash attention on: recompute them fo
 only, softmax(Q·Kᵀ·scale + mask) with the same soft-capping, ALiBi and sinks) and reduce them as
 asked: every selected layer and head (``per_layer``) or their mean (``aggregated``), in float32
 or float16.  The result is one output tensor per KV cache, read once per ubatch; no eval
-callback, one graph per decode.
+callback, one graph per decode.  A decode step (one token per KV stream, ``per_layer``) has no
+gather in the graph: each layer's post-softmax tensor is an output, read in place on a CPU backend
+(``llama_attn_row.layers``, valid until the next decode), so :meth:`AttentionCapture.collect` reads
+it through numpy views and gathers each layer once, straight into the row it hands on.
 
 Rows come indexed by KV cell of the token's sequence's stream.  Clients want them by input
 position (``attention[i]`` belongs to ``input_ids[i]``), so :meth:`AttentionCapture.collect`
@@ -172,7 +175,10 @@ class AttentionCapture:
         with the layers of every KV cache in ascending order (``per_layer``), or their sum ``[n]``
         (``aggregated``).  ``cells``: the global KV cache's cells of positions ``0..n-1`` (the mirror's);
         a sliding-window cache's come from llama.cpp's cell metadata (``llama_attn_seq_cells``), which
-        holds only the recent positions: the row is 0 where it holds none."""
+        holds only the recent positions: the row is 0 where it holds none.
+
+        The row's memory (llama.cpp's, valid until the next decode) is read through numpy views and each
+        layer is gathered once, straight into the returned array."""
         fmt, _, layers = self._format
         out: np.ndarray | None = None
         for cache in range(max(1, self.n_caches)):
@@ -184,23 +190,22 @@ class AttentionCapture:
             if status != 0:
                 raise CaptureError(f"llama.cpp did not capture attention row {i}")
             r = self._row
-            dtype = _DTYPES[r.type]
-            n = r.n_layer * r.n_head * r.n_kv
-            src = np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(r.data), dtype=dtype)
-            src = src.reshape(r.n_layer, r.n_head, r.n_kv)
             if len(cells) and (cells.min() < -cache or cells.max() >= r.n_kv):
                 raise CellMapError(f"row {i}: cells outside the {r.n_kv} cells of its KV view")
-            part = _gather(src, cells) if not cache else _gather_held(src, cells)
+            src = _row_views(r)
             if fmt == native.MEAN:
-                out = part[0, 0] if out is None else out + part[0, 0]
-                continue
-            mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
-            if len(mine) == len(layers):
-                out = part
+                part = np.empty(len(cells), dtype=src[0].dtype)
+                _gather(src[0][0], cells, part)
+                out = part if out is None else out + part
                 continue
             if out is None:
-                out = np.zeros((len(layers), r.n_head, len(cells)), dtype=dtype)
-            out[mine] = part
+                out = np.empty((len(layers), r.n_head, len(cells)), dtype=src[0].dtype)  # every layer is one cache's
+            mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
+            if isinstance(src, np.ndarray) and len(mine) == len(layers):
+                _gather(src, cells, out)
+                continue
+            for j, k in enumerate(mine):
+                _gather(src[j], cells, out[k])
         if out is None:
             raise CaptureError(f"attention row {i} has no layer in any KV cache")
         return out
@@ -214,20 +219,44 @@ class AttentionCapture:
             )
 
 
-def _gather(src: np.ndarray, cells: np.ndarray) -> np.ndarray:
-    """``src[..., cells]`` as a new array; a slice copy when the cells are one ascending run."""
+def _row_views(r: native.AttnRow) -> np.ndarray | list[np.ndarray]:
+    """Numpy views (no copy) over a captured row's memory: one ``[n_layer, n_head, n_kv]`` array when its
+    layers are one stride apart (``nb_layer``), else one ``[n_head, n_kv]`` array per layer (a decode
+    step's rows read in place from each layer's graph output)."""
+    dtype = np.dtype(_DTYPES[r.type])
+    n_head, n_kv, es = int(r.n_head), int(r.n_kv), dtype.itemsize
+    layer_bytes = (n_head - 1) * r.nb_head + n_kv * es
+    if r.nb_layer > 0:
+        span = (r.n_layer - 1) * r.nb_layer + layer_bytes
+        buf = (ctypes.c_char * span).from_address(r.data)
+        return np.ndarray((r.n_layer, n_head, n_kv), dtype, buf, strides=(r.nb_layer, r.nb_head, es))
+    return [
+        np.ndarray(
+            (n_head, n_kv), dtype, (ctypes.c_char * layer_bytes).from_address(r.layers[k]), strides=(r.nb_head, es)
+        )
+        for k in range(r.n_layer)
+    ]
+
+
+def _gather(src: np.ndarray, cells: np.ndarray, out: np.ndarray) -> None:
+    """``out[...] = src[..., cells]``, 0 where a cell is -1 (a position a sliding-window KV cache no longer
+    holds); one slice copy when the cells are one ascending run.  ``out``: ``src``'s shape with ``len(cells)``
+    last, C-contiguous."""
     n = len(cells)
-    if n and int(cells[-1]) - int(cells[0]) == n - 1 and (n == 1 or bool(np.all(cells[1:] > cells[:-1]))):
-        return src[..., int(cells[0]) : int(cells[0]) + n].copy()
-    return np.take(src, cells, axis=-1)
-
-
-def _gather_held(src: np.ndarray, cells: np.ndarray) -> np.ndarray:
-    """``src[..., cells]`` with 0 where ``cells`` is -1 (a position the KV cache no longer holds)."""
+    if (
+        n
+        and int(cells[0]) >= 0
+        and int(cells[-1]) - int(cells[0]) == n - 1
+        and (n == 1 or bool(np.all(cells[1:] > cells[:-1])))
+    ):
+        np.copyto(out, src[..., int(cells[0]) : int(cells[0]) + n])
+        return
     held = cells >= 0
-    out = np.take(src, np.where(held, cells, 0), axis=-1)
+    if bool(held.all()):
+        np.take(src, cells, axis=-1, out=out, mode="clip")
+        return
+    np.take(src, np.where(held, cells, 0), axis=-1, out=out, mode="clip")
     out[..., ~held] = 0
-    return out
 
 
 def seq_cells(ctx: int, seq: int, p0: int, n: int, cache: int = 0) -> np.ndarray:

@@ -35,9 +35,12 @@ class PatchMissingError(RuntimeError):
 class AttnRow(ctypes.Structure):
     """``struct llama_attn_row`` (libllama/llama-attn.h): one captured row in one KV cache.
 
-    ``data`` is host memory of ``type`` (``GGML_TYPE_F32``/``F16``) holding ``[n_layer, n_head, n_kv]``
-    with strides ``nb_layer``/``nb_head`` bytes (a head's ``n_kv`` values contiguous), valid until
-    the next ``llama_attn_set_rows``/``llama_decode``; ``n_kv`` counts KV cells of the row's stream.
+    Host memory of ``type`` (``GGML_TYPE_F32``/``F16``): layer ``k``'s ``[n_head, n_kv]`` values start at
+    ``layers[k]`` (heads ``nb_head`` bytes apart, a head's ``n_kv`` values contiguous); ``nb_layer`` is the
+    bytes from one layer to the next when every layer is at one stride (``layers[k] == data + k * nb_layer``),
+    0 when not (a decode step's rows read in place from each layer's graph output: ``in_place`` 1).  Valid
+    until the next ``llama_attn_set_rows``/``llama_decode``/``llama_attn_memory_update``; ``n_kv`` counts KV
+    cells of the row's stream.
     """
 
     _fields_ = [
@@ -49,6 +52,8 @@ class AttnRow(ctypes.Structure):
         ("nb_head", ctypes.c_int64),
         ("type", ctypes.c_int32),
         ("stream", ctypes.c_int32),
+        ("layers", ctypes.POINTER(ctypes.c_void_p)),
+        ("in_place", ctypes.c_int32),
     ]
 
 
@@ -77,6 +82,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     ),
     "llama_attn_n_captured": ([ctypes.c_void_p], ctypes.c_int32),
     "llama_attn_set_stable": ([ctypes.c_void_p, ctypes.c_bool], ctypes.c_int32),
+    "llama_attn_set_in_place": ([ctypes.c_void_p, ctypes.c_bool], ctypes.c_int32),
     "llama_attn_host_buffer": ([ctypes.c_void_p], ctypes.c_char_p),
     "llama_attn_cuda_graphs": ([ctypes.c_void_p], ctypes.c_int32),
     "llama_attn_seq_cells": (

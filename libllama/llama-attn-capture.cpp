@@ -6,7 +6,9 @@
 // destructor.  The rows are copied with ggml_backend_tensor_get_async into a buffer of the device's host
 // buffer type (pinned memory on CUDA, as llama.cpp's own logits buffer: llama_context::output_reserve),
 // so the copy is a true asynchronous DMA queued behind the ubatch's compute; llama_attn_get_row reads them
-// after llama_synchronize, the synchronisation that reading logits also waits for.
+// after llama_synchronize, the synchronisation that reading logits also waits for.  Decode steps (one token per
+// stream, per-layer format) are not copied when their outputs are in host memory (a CPU backend) and their
+// ubatch is the decode's last: llama_attn_get_row points into the graph's own output tensors.
 
 #include "llama-attn-impl.h"
 #include "llama-attn-hooks.h"
@@ -45,9 +47,59 @@ bool attn_reserve(ggml_backend_buffer_ptr & buf, ggml_backend_buffer_type_t buft
     return buf != nullptr;
 }
 
+// plan.inplace: each selected layer's output [n_kv, 1, n_head, n_stream] of cache c; slot s's rows of layer k
+// start at layer k's data + s * n_head * n_kv elements.  In place where the outputs are in host memory and this is
+// the decode's last ubatch (a graph output is never overwritten by later nodes of its graph: ggml-alloc.c
+// ggml_gallocr_free_node; the next compute on the context's buffers is the next llama_decode), else one
+// asynchronous copy per layer into u.buf[c] (layer k at k * its bytes).  Returns false when no host memory is left.
+bool attn_extract_layers(attn_ubatch_rows & u, ggml_backend_sched_t sched, const llm_graph_input_attn_cap * inp,
+                         int c, bool last, ggml_backend_buffer_type_t & host_buft) {
+    const auto & outs = inp->layer_out[c];
+    const size_t nb   = ggml_nbytes(outs[0]);
+    const bool in_place = last && std::all_of(outs.begin(), outs.end(), [](const ggml_tensor * t) {
+        return t->data && t->buffer && ggml_backend_buffer_is_host(t->buffer);
+    });
+    std::vector<const uint8_t *> base(outs.size());
+    if (in_place) {
+        for (size_t k = 0; k < outs.size(); ++k) {
+            base[k] = (const uint8_t *) outs[k]->data;
+        }
+        host_buft = ggml_backend_buffer_get_type(outs[0]->buffer);
+    } else {
+        ggml_backend_t backend = ggml_backend_sched_get_tensor_backend(sched, outs[0]);
+        GGML_ASSERT(backend != nullptr);
+        if (!attn_reserve(u.buf[c], attn_host_buft(backend), nb * outs.size())) {
+            return false;
+        }
+        host_buft = ggml_backend_buffer_get_type(u.buf[c].get());
+        auto * dst = (uint8_t *) ggml_backend_buffer_get_base(u.buf[c].get());
+        for (size_t k = 0; k < outs.size(); ++k) {
+            base[k] = dst + k * nb;
+            ggml_backend_tensor_get_async(ggml_backend_sched_get_tensor_backend(sched, outs[k]), outs[k], dst + k * nb, 0, nb);
+        }
+    }
+    const size_t nb_slot = nb / (size_t) inp->plan.n_stream;
+    const size_t n_layer = outs.size();
+    u.ptr[c].resize((size_t) u.n_slots * n_layer);
+    for (int32_t slot = 0; slot < u.n_slots; ++slot) {
+        for (size_t k = 0; k < n_layer; ++k) {
+            u.ptr[c][slot * n_layer + k] = base[k] + slot * nb_slot;
+        }
+    }
+    u.nb_layer[c] = n_layer > 1 ? base[1] - base[0] : (int64_t) nb;
+    for (size_t k = 1; k < n_layer; ++k) {
+        if (base[k] - base[k - 1] != u.nb_layer[c]) {
+            u.nb_layer[c] = 0;
+        }
+    }
+    u.size[c]     = nb * n_layer;
+    u.in_place[c] = in_place;
+    return true;
+}
+
 } // namespace
 
-void llama_attn_cap_extract(llama_attn_cap * cap, ggml_backend_sched_t sched, const llm_graph_result * res) {
+void llama_attn_cap_extract(llama_attn_cap * cap, ggml_backend_sched_t sched, const llm_graph_result * res, bool last) {
     if (!cap || !res) {
         return;
     }
@@ -79,6 +131,18 @@ void llama_attn_cap_extract(llama_attn_cap * cap, ggml_backend_sched_t sched, co
     for (int c = 0; c < ATTN_MAX_CACHES; ++c) {
         ggml_tensor * t = inp->out[c];
         u.size[c] = 0;
+        u.n_kv[c]    = inp->n_kv[c];
+        u.n_head[c]  = (int32_t) inp->n_head[c];
+        u.n_layer[c] = cap->n_sel[c];
+        u.in_place[c] = false;
+        if (inp->plan.inplace) {
+            if (inp->n_done[c] == cap->n_sel[c] && inp->n_done[c] > 0 &&
+                !attn_extract_layers(u, sched, inp, c, last, cap->host_buft)) {
+                cap->n_captured = -1;
+                return;
+            }
+            continue;
+        }
         if (!t || inp->n_done[c] != cap->n_sel[c]) {
             continue;
         }
@@ -90,11 +154,18 @@ void llama_attn_cap_extract(llama_attn_cap * cap, ggml_backend_sched_t sched, co
             return;
         }
         cap->host_buft = ggml_backend_buffer_get_type(u.buf[c].get());
-        u.n_kv[c]    = inp->n_kv[c];
-        u.n_head[c]  = (int32_t) inp->n_head[c];
-        u.n_layer[c] = cap->n_sel[c];
         u.size[c]    = ggml_nbytes(t);
         ggml_backend_tensor_get_async(backend, t, ggml_backend_buffer_get_base(u.buf[c].get()), 0, u.size[c]);
+        // [n_kv, n_head, n_layer, n_slots] (PER_LAYER) or [n_kv, n_slots] (MEAN: one "layer")
+        const int32_t n_layer = u.format == LLAMA_ATTN_MEAN ? 1 : u.n_layer[c];
+        u.nb_layer[c] = (int64_t) u.size[c] / u.n_slots / n_layer;
+        const auto * base = (const uint8_t *) ggml_backend_buffer_get_base(u.buf[c].get());
+        u.ptr[c].resize((size_t) u.n_slots * n_layer);
+        for (int32_t slot = 0; slot < u.n_slots; ++slot) {
+            for (int32_t k = 0; k < n_layer; ++k) {
+                u.ptr[c][(size_t) slot * n_layer + k] = base + ((size_t) slot * n_layer + k) * u.nb_layer[c];
+            }
+        }
     }
     for (int32_t slot = 0; slot < u.n_slots; ++slot) {
         const int32_t b = inp->plan.batch[slot];
@@ -231,11 +302,12 @@ int32_t llama_attn_get_row(llama_context * ctx, int32_t i, int32_t cache, llama_
     row->n_layer  = mean ? 1 : u.n_layer[cache];
     row->n_head   = mean ? 1 : u.n_head[cache];
     row->nb_head  = es * n_kv;
-    row->nb_layer = es * n_kv * row->n_head;
+    row->nb_layer = u.nb_layer[cache];
     row->type     = u.type;
     row->stream   = slot / u.n_q;
-    row->data     = (const uint8_t *) ggml_backend_buffer_get_base(u.buf[cache].get()) +
-                    (size_t) slot * row->nb_layer * row->n_layer;
+    row->layers   = u.ptr[cache].data() + (size_t) slot * row->n_layer;
+    row->data     = row->layers[0];
+    row->in_place = u.in_place[cache];
     return 0;
 }
 
@@ -252,6 +324,18 @@ int32_t llama_attn_set_stable(llama_context * ctx, bool stable) {
     if (cap->stable != stable) {
         cap->stable = stable;
         cap->serial++; // graphs built before have the other shape
+    }
+    return 0;
+}
+
+int32_t llama_attn_set_in_place(llama_context * ctx, bool in_place) {
+    llama_attn_cap * cap = attn_cap_of(ctx);
+    if (!cap) {
+        return -1;
+    }
+    if (cap->in_place != in_place) {
+        cap->in_place = in_place;
+        cap->serial++; // graphs built before read the rows the other way
     }
     return 0;
 }

@@ -13,6 +13,10 @@
 //               (flash attention: kq recomputed for those rows only:
 //                softmax(get_rows(q) * K^T * scale + get_rows(mask)) with soft-capping and sinks)
 //   PER_LAYER:  out[n_kv, n_head, n_layer_sel, n_slots] <- rows  (ggml_set_inplace, one per layer)
+//   PER_LAYER, one token per stream (decode steps: n_tps == 1, so n_q == 1 and rows are every stream's):
+//               no gather and no set: each selected layer's rows tensor (kq itself with flash attention off)
+//               is a graph output [n_kv, 1, n_head, n_stream] (cast to F16 if asked: one op), read in
+//               place after the ubatch when it is in host memory (llama-attn-capture.cpp)
 //   MEAN:       acc += rows;  out = sum over heads(acc) / (n_layer_sel_total * n_head)  [n_kv, n_slots]
 // and out (cast to F16 if asked) is a graph output, copied to host after the ubatch (llama-attn-capture.cpp).
 //
@@ -37,6 +41,7 @@ void attn_make_plan(const llama_attn_cap & cap, bool kv_unified, const llama_uba
     p.n_stream = kv_unified ? 1 : std::max<int32_t>(1, (int32_t) ub.n_seqs_unq);
     p.n_tps    = (int32_t) ub.n_tokens / p.n_stream;
     p.n_q      = 0;
+    p.inplace  = false;
     p.row.clear();
     p.batch.clear();
     if ((cap.rows.empty() && !cap.stable) || !ub.data || ub.data->batch_idxs.size() != ub.n_tokens || p.n_tps == 0 ||
@@ -54,11 +59,15 @@ void attn_make_plan(const llama_attn_cap & cap, bool kv_unified, const llama_uba
             p.n_q = std::max(p.n_q, ++count[j / p.n_tps]);
         }
     }
+    // a decode step (one token per stream): each layer's post-softmax tensor holds exactly the slots' rows
+    p.inplace = cap.in_place && cap.format == LLAMA_ATTN_PER_LAYER && p.n_tps == 1;
     if (p.n_q == 0) {
         if (cap.stable) { // the same nodes as a capturing ubatch: one row per stream, read by nobody
             p.n_q = 1;
             p.row.assign((size_t) p.n_stream, 0);
             p.batch.assign((size_t) p.n_stream, -1);
+        } else {
+            p.inplace = false;
         }
         return;
     }
@@ -78,7 +87,7 @@ void attn_make_plan(const llama_attn_cap & cap, bool kv_unified, const llama_uba
 void llm_graph_input_attn_cap::set_input(const llama_ubatch * ubatch) {
     attn_plan now;
     attn_make_plan(*cap, kv_unified, *ubatch, now);
-    if (now.n_q != plan.n_q || now.n_stream != plan.n_stream) {
+    if (now.n_q != plan.n_q || now.n_stream != plan.n_stream || now.inplace != plan.inplace) {
         failed = true; // cannot happen: can_reuse compared the same plan
         return;
     }
@@ -108,7 +117,7 @@ bool llm_graph_input_attn_cap::can_reuse(const llm_graph_params & params) {
     }
     attn_plan now;
     attn_make_plan(*cap, kv_unified, params.ubatch, now);
-    return now.n_q == plan.n_q && now.n_stream == plan.n_stream;
+    return now.n_q == plan.n_q && now.n_stream == plan.n_stream && now.inplace == plan.inplace;
 }
 
 ggml_tensor * llm_graph_input_attn_cap::get_idx_h(ggml_context * ctx, int64_t n_head) {
@@ -224,14 +233,28 @@ void llama_attn_cap_layer(const llm_graph_context & g, ggml_tensor * q, ggml_ten
         return;
     }
     ggml_context * ctx0 = g.ctx0;
-    ggml_tensor * rows = kq ? ggml_get_rows(ctx0, kq, inp->get_idx_h(ctx0, n_head))
-                            : attn_recompute_rows(g, inp, q, k, kq_mask, sinks, kq_scale);
+    ggml_tensor * rows = kq && inp->plan.inplace ? kq
+                         : kq                    ? ggml_get_rows(ctx0, kq, inp->get_idx_h(ctx0, n_head))
+                                                 : attn_recompute_rows(g, inp, q, k, kq_mask, sinks, kq_scale);
     const int64_t n_kv = rows->ne[0];
     if (inp->n_done[c] == 0) {
         inp->n_kv[c]   = n_kv;
         inp->n_head[c] = n_head;
     } else if (inp->n_kv[c] != n_kv || inp->n_head[c] != n_head) {
         inp->failed = true; // layers of one cache must agree (heads that vary by layer are not supported)
+        return;
+    }
+    if (inp->plan.inplace) { // rows is [n_kv, 1, n_head, n_stream], contiguous: it is the output, no gather, no set
+        ggml_tensor * t = rows;
+        if (cap->type == GGML_TYPE_F16) {
+            t = ggml_cast(ctx0, rows, GGML_TYPE_F16);
+            ggml_set_name(t, "attn_cap_out");
+        }
+        ggml_set_output(t);
+        ggml_build_forward_expand(g.gf, t);
+        inp->layer_out[c].push_back(t);
+        inp->n_done[c]++;
+        inp->n_captured++;
         return;
     }
     if (cap->format == LLAMA_ATTN_MEAN) {

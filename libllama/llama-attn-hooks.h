@@ -17,7 +17,9 @@ void llama_attn_cap_layer(const llm_graph_context & gctx, ggml_tensor * q, ggml_
                           ggml_tensor * kq, ggml_tensor * sinks, float kq_scale, int il);
 
 // From llama_context::decode, after each ubatch's graph was computed: copy its capture outputs to host.
-void llama_attn_cap_extract(llama_attn_cap * cap, ggml_backend_sched_t sched, const llm_graph_result * res);
+// last: no other ubatch of this llama_decode follows, so nothing computes in the graph's buffers before the
+// next llama_decode (outputs in host memory are then read in place instead of copied).
+void llama_attn_cap_extract(llama_attn_cap * cap, ggml_backend_sched_t sched, const llm_graph_result * res, bool last);
 
 // From llama_context::~llama_context.
 void llama_attn_cap_free(llama_attn_cap * cap);

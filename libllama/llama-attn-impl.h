@@ -27,8 +27,12 @@ struct attn_ubatch_rows {
     int64_t n_kv[ATTN_MAX_CACHES]    = {0, 0};
     int32_t n_head[ATTN_MAX_CACHES]  = {0, 0};
     int32_t n_layer[ATTN_MAX_CACHES] = {0, 0};
-    size_t  size[ATTN_MAX_CACHES]    = {0, 0}; // bytes of this ubatch's rows in buf (0: none)
+    size_t  size[ATTN_MAX_CACHES]    = {0, 0}; // bytes of this ubatch's rows (0: none)
     ggml_backend_buffer_ptr buf[ATTN_MAX_CACHES];
+    // [n_slots * n_layer]: where each slot's layer starts (in buf, or in place in a graph output's host memory)
+    std::vector<const void *> ptr[ATTN_MAX_CACHES];
+    int64_t nb_layer[ATTN_MAX_CACHES] = {0, 0}; // bytes between two layers of a slot, 0 when not one stride
+    bool in_place[ATTN_MAX_CACHES] = {false, false}; // ptr points into the graph's output tensors
 };
 
 struct llama_attn_cap {
@@ -48,6 +52,8 @@ struct llama_attn_cap {
 
     // llama_attn_set_stable: every ubatch gets the capture's nodes (one row per stream when none is asked)
     bool stable = false;
+    // llama_attn_set_in_place: decode steps' rows are each layer's post-softmax tensor (else gathered as for prefill)
+    bool in_place = true;
 
     // llama_attn_set_rows
     std::vector<int32_t> rows;     // batch indices in the caller's order
@@ -66,6 +72,7 @@ struct attn_plan {
     int32_t n_stream = 1;
     int32_t n_tps    = 0;
     int32_t n_q      = 0;
+    bool    inplace  = false;   // PER_LAYER with one token per stream: each layer's post-softmax tensor is the output
     std::vector<int32_t> row;   // [n_stream*n_q]: row within the stream
     std::vector<int32_t> batch; // [n_stream*n_q]: batch index, -1 for a repeated row or a row nobody asked
 };
@@ -98,6 +105,7 @@ public:
     // per KV cache: the running sum (MEAN) or set chain (PER_LAYER), then the finished output
     ggml_tensor * acc[ATTN_MAX_CACHES] = {nullptr, nullptr};
     ggml_tensor * out[ATTN_MAX_CACHES] = {nullptr, nullptr};
+    std::vector<ggml_tensor *> layer_out[ATTN_MAX_CACHES]; // plan.inplace: per selected layer [n_kv, 1, n_head, n_stream]
     int64_t n_kv[ATTN_MAX_CACHES]      = {0, 0};
     int64_t n_head[ATTN_MAX_CACHES]    = {0, 0};
     int32_t n_done[ATTN_MAX_CACHES]    = {0, 0};

@@ -11,7 +11,8 @@
 // tokens' post-softmax rows (or, with flash attention, recompute them for those tokens only:
 // softmax(Q K^T * scale + mask) with the main path's soft-capping, ALiBi and sinks) and reduce them
 // as llama_attn_set_format asks; the result is one output tensor per KV cache, copied to host memory
-// once per ubatch.  Rows are indexed by KV *cell* of the token's sequence's stream (its own KV stream
+// once per ubatch (for a decode step in the per-layer format, each layer's post-softmax tensor itself,
+// read in place on a CPU backend).  Rows are indexed by KV *cell* of the token's sequence's stream (its own KV stream
 // when kv_unified is false); llama_attn_seq_cells maps positions to cells.
 #pragma once
 
@@ -29,15 +30,24 @@ enum llama_attn_format {
     LLAMA_ATTN_MEAN      = 1, // [n_kv]: sum over the selected layers and heads / (n_layer_sel_total * n_head)
 };
 
+// A captured row: per layer k, n_head rows of n_kv elements at layers[k] (head h at layers[k] + h * nb_head).
+// The memory is host memory owned by the context: a buffer the rows were copied into, or, for a decode step
+// (one token per stream, LLAMA_ATTN_PER_LAYER) whose graph outputs are in host memory (CPU backend), those
+// output tensors themselves, read in place.  Valid until the next llama_attn_set_rows, llama_decode,
+// llama_encode or llama_attn_memory_update (anything that computes a graph on the context): copy or consume
+// it before.
 struct llama_attn_row {
-    const void * data;       // host memory, valid until the next llama_attn_set_rows / llama_decode
+    const void * data;       // layers[0]
     int64_t      n_kv;       // cells of the row (the KV view of its ubatch; cells past the sequence are 0)
     int32_t      n_layer;    // layers of this KV cache in the row (1 for LLAMA_ATTN_MEAN)
     int32_t      n_head;     // heads per layer (1 for LLAMA_ATTN_MEAN)
-    int64_t      nb_layer;   // bytes between two layers
+    int64_t      nb_layer;   // bytes from one layer to the next when every layer is at one stride (layers[k] ==
+                             // data + k * nb_layer), 0 when not (layers in place are wherever the graph put them)
     int64_t      nb_head;    // bytes between two heads
     int32_t      type;       // GGML_TYPE_F32 or GGML_TYPE_F16; elements of a head's row are contiguous
     int32_t      stream;     // the KV stream the cells belong to
+    const void * const * layers; // [n_layer]: where each layer's rows start (owned by the context, valid as data)
+    int32_t      in_place;   // 1: the memory is the graph's own output tensors (a decode step on a host backend), 0: a copy
 };
 
 LLAMA_API int32_t llama_attn_abi(void);
@@ -76,6 +86,12 @@ LLAMA_API int32_t llama_attn_get_row(struct llama_context * ctx, int32_t i, int3
 // reuses it (and a CUDA backend keeps its CUDA graph).  Costs those nodes' work on every ubatch.
 // Returns 0, or -1 before llama_attn_init.
 LLAMA_API int32_t llama_attn_set_stable(struct llama_context * ctx, bool stable);
+
+// Decode steps read in place (default true): a ubatch with one token per KV stream, in LLAMA_ATTN_PER_LAYER, takes
+// each selected layer's post-softmax tensor ([n_kv, 1, n_head, n_stream]; with flash attention the recomputed rows)
+// as its output, with no gather and no copy into one tensor; false: those ubatches gather their rows as prefill
+// chunks do (the same values, more copies: a reference for comparisons).  Returns 0, or -1 before llama_attn_init.
+LLAMA_API int32_t llama_attn_set_in_place(struct llama_context * ctx, bool in_place);
 
 // The name of the host buffer type the last captured rows were copied into ("CUDA_Host": pinned memory;
 // "CPU": pageable), or NULL before the first copy.
