@@ -79,7 +79,9 @@ def main() -> int:
     print(f"{machine()}; {model.name}; a {args.tokens}-token conversation, store: {args.store}")
     print(f"load before: {load()}")
     redis = RedisServer(tmp / "redis", extra_args=["--appendonly", "no"]) if args.store == "redis" else None
-    extra = ["--redis-url", redis.url, "--key-prefix", "bench-resume:"] if redis else []
+    # one --node-id across the restarts: the new process is the same node and takes its leases back at once (a
+    # node of another id waits for the killed one's leases to lapse: docs/operations.md, multi-node ownership)
+    extra = ["--redis-url", redis.url, "--key-prefix", "bench-resume:", "--node-id", "bench-resume"] if redis else []
     servers: list[ServerProc] = []
 
     def start(n: int) -> ServerProc:
