@@ -11,6 +11,8 @@ conversation).  Beside it, on the same server:
 
 * **resident**: the same kind of turn once the slot is in the KV cache again (the turn's own prefill and
   first token: what a resume adds is the difference);
+* with ``--warm``, before the resume, one 16-token request on slot 1 (then erased), so the resume is not the new
+  server's first request: what a first request costs apart from the restore;
 * **cold**: slot 1, a prompt of the same length that shares no prefix with the conversation (another
   prompt variant: no stored KV chunk of slot 0 applies), so all of it is prefilled; slot 1 is erased after
   each rep.
@@ -71,6 +73,9 @@ def main() -> int:
     ap.add_argument("--store", choices=("dir", "redis"), default="dir")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx-size", type=int, default=4608, help="context per slot (room for the turns)")
+    ap.add_argument(
+        "--warm", action="store_true", help="before the resume, one short request on slot 1 (the new server's first)"
+    )
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
@@ -112,6 +117,9 @@ def main() -> int:
                 srv.proc.send_signal(signal.SIGKILL)
                 srv.proc.wait()
                 srv = start(rep + 1)
+                if args.warm:  # what a new server's first request costs, apart from the restore
+                    first_token(client, srv.base, 1, cold[:16])
+                    check(client.post(srv.base + "/slots/1", params={"action": "erase"}), "erase slot 1")
                 for name in ("resume", "resident"):
                     conv += append
                     ms, t, n = first_token(client, srv.base, 0, conv)
