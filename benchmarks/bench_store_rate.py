@@ -34,12 +34,13 @@ from tests.redis_server import RedisServer
 
 
 async def timed(
-    reps: int, prepare: Callable[[], Awaitable[object]], run: Callable[[], Awaitable[object]]
+    reps: int, run: Callable[[], Awaitable[object]], prepare: Callable[[], Awaitable[object]] | None = None
 ) -> list[float]:
-    """Seconds of each of ``reps`` awaits of ``run()``, each after an untimed ``prepare()``."""
+    """Seconds of each of ``reps`` awaits of ``run()``, each after an untimed ``prepare()`` when given."""
     out = []
     for _ in range(reps):
-        await prepare()
+        if prepare:
+            await prepare()
         t0 = time.perf_counter()
         await run()
         out.append(time.perf_counter() - t0)
@@ -51,9 +52,6 @@ async def rates(store: RedisStore | DirectoryStore, chunks: dict[str, bytes], re
     keys = list(chunks)
     total = sum(len(v) for v in chunks.values())
 
-    async def nothing() -> None:
-        return None
-
     async def drop() -> None:
         await store.drop_chunks(keys)
 
@@ -62,8 +60,8 @@ async def rates(store: RedisStore | DirectoryStore, chunks: dict[str, bytes], re
         if any(g is None or len(g) != len(chunks[k]) for k, g in zip(keys, got, strict=True)):
             raise RuntimeError("a chunk came back missing or of another size")
 
-    out = {"put": await timed(reps, drop, lambda: store.put_chunks(chunks))}
-    out["get"] = await timed(reps, nothing, get)
+    out = {"put": await timed(reps, lambda: store.put_chunks(chunks), prepare=drop)}
+    out["get"] = await timed(reps, get)
     await drop()
     return out
 

@@ -252,11 +252,10 @@ def _gather(src: np.ndarray, cells: np.ndarray, out: np.ndarray) -> None:
         np.copyto(out, src[..., int(cells[0]) : int(cells[0]) + n])
         return
     held = cells >= 0
-    if bool(held.all()):
-        np.take(src, cells, axis=-1, out=out, mode="clip")
-        return
-    np.take(src, np.where(held, cells, 0), axis=-1, out=out, mode="clip")
-    out[..., ~held] = 0
+    every = bool(held.all())
+    np.take(src, cells if every else np.where(held, cells, 0), axis=-1, out=out, mode="clip")
+    if not every:
+        out[..., ~held] = 0
 
 
 def seq_cells(ctx: int, seq: int, p0: int, n: int, cache: int = 0) -> np.ndarray:
