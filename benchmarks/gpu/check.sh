@@ -27,7 +27,7 @@ PART=48M                            # model parts: under 64 MiB with the checkou
 # Python packages slotserve needs that the device image lacks (cp312 wheels; torch, numpy, httpx are there)
 WHEELS="litestar litestar-htmx msgspec multipart polyfactory faker rich rich-click structlog redis zstandard uvicorn
   httptools websockets watchfiles python-dotenv sniffio prometheus-client xxhash http-sf jinja2 markupsafe gguf
-  pyyaml click anyio h11 typing-extensions"
+  pyyaml click anyio h11 typing-extensions diskcache"
 
 step() { printf '== %s\n' "$*"; }
 bytes() { if [ -e "$1" ]; then du -sb "$1" | cut -f1; else echo 0; fi; }
