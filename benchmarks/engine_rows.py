@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import common
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
+import numpy as np
 from common import Quiet, build_prompt, model_tokenizer, step_tps
 from servers import default_model
 
@@ -118,8 +124,6 @@ def reference(args: argparse.Namespace, add: Add, model: Model) -> None:
     if missing:
         add("attention vs transformers eager fp32", f"skipped: {', '.join(missing)} not installed")
         return
-    from tests.engine.hf_reference import generated_rows_vs_reference, load_reference, reference_forward
-
     prompt = model.tokenize(CHAT.format("What is the capital of France?"), False, True)
     res = {}
     for kv in ("f16", "f32"):
@@ -135,13 +139,40 @@ def reference(args: argparse.Namespace, add: Add, model: Model) -> None:
             finally:
                 eng.close()
     ref = res["f32 KV, flash attention off"]
-    att, _ = reference_forward(load_reference(model.path), prompt + ref.tokens)
-    for name, r in res.items():
-        if r.tokens != ref.tokens:
+    same = {name: r for name, r in res.items() if r.tokens == ref.tokens}
+    stats = reference_stats(model.path, prompt + ref.tokens, len(prompt), [r.attention for r in same.values()])
+    for name in res:
+        if name not in same:
             add(f"attention vs transformers eager fp32 ({name})", "greedy tokens differ from the reference run's")
             continue
-        corr, mad = generated_rows_vs_reference(r.attention, att, len(prompt))
+        corr, mad = stats[list(same).index(name)]
         add(
             f"attention vs transformers eager fp32 ({name}, {len(prompt)}-token prompt, 8 tokens)",
             f"min per-head corr {corr:.4f}, worst head mean abs diff {mad:.4f}",
         )
+
+
+def reference_stats(
+    model_path: Path | str, ids: list[int], n_prompt: int, runs: list[list[np.ndarray]]
+) -> list[tuple[float, float]]:
+    """``generated_rows_vs_reference``'s ``(corr, mad)`` of each run's attention rows, from
+    ``hf_reference_child.py`` in a child process: torch must not load beside llama.cpp (it aborts or
+    crashes on the GPU machine)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    arrays: dict[str, np.ndarray] = {
+        "model": np.array(str(model_path)),
+        "ids": np.array(ids, dtype=np.int64),
+        "n_prompt": np.array(n_prompt),
+        "n_runs": np.array(len(runs)),
+    }
+    for i, rows in enumerate(runs):
+        for k, row in enumerate(rows):
+            arrays[f"rows_{i}_{k}"] = np.asarray(row)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
+        np.savez(src, **arrays)
+        child = Path(__file__).with_name("hf_reference_child.py")
+        subprocess.run([sys.executable, str(child), str(src), str(dst)], check=True, env=env, cwd=root)
+        with np.load(dst) as out:
+            return [(float(c), float(m)) for c, m in zip(out["corr"], out["mad"], strict=True)]
