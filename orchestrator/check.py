@@ -23,6 +23,7 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from rich.console import Console
@@ -67,14 +68,28 @@ async def generate(engine: EngineClient, seq: int, ids: list[int], n: int) -> li
     return out
 
 
-def _head_stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """``(min per-head correlation, mean abs diff)`` of two ``[L, H, n]`` attention tensors."""
+class HeadStats(NamedTuple):
+    """How two ``[L, H, n]`` attention tensors differ: ``corr`` the minimum over heads of the Pearson correlation
+    of their rows, ``mad`` the mean absolute difference over everything, ``worst`` the ``(layer, head)`` of that
+    minimum and ``worst_max`` the largest absolute difference in that head's row (a head whose row is nearly
+    flat can lose correlation to rounding alone; this says where to look)."""
+
+    corr: float
+    mad: float
+    worst: tuple[int, int]
+    worst_max: float
+
+
+def _head_stats(a: np.ndarray, b: np.ndarray) -> HeadStats:
+    """:class:`HeadStats` of two ``[L, H, n]`` float attention tensors of one shape."""
     x = a.reshape(-1, a.shape[-1]).astype(np.float64)
     y = b.reshape(-1, b.shape[-1]).astype(np.float64)
     xc, yc = x - x.mean(axis=1, keepdims=True), y - y.mean(axis=1, keepdims=True)
     denom = np.sqrt((xc * xc).sum(axis=1) * (yc * yc).sum(axis=1))
     corr = np.where(denom > 0, (xc * yc).sum(axis=1) / np.where(denom > 0, denom, 1), 1.0)
-    return float(corr.min()), float(np.abs(x - y).mean())
+    i = int(corr.argmin())
+    layer, head = divmod(i, a.shape[1])
+    return HeadStats(float(corr[i]), float(np.abs(x - y).mean()), (layer, head), float(np.abs(x[i] - y[i]).max()))
 
 
 class Report:
@@ -155,11 +170,12 @@ async def _check_attention(engine: EngineClient, report: Report, fresh_seq: int,
         f"{len(gen)} tokens in {ms:.0f} ms {text!r}; rows finite {finite}, "
         f"sum to {'at most ' if sinks else ''}1 {sums_ok}",
     )
-    worst_corr, worst_mad, tokens_ok = 1.0, 0.0, True
+    worst, worst_mad, tokens_ok = HeadStats(1.0, 0.0, (0, 0), 0.0), 0.0, True
     for k, g in enumerate(gen):
         fresh = (await generate(engine, fresh_seq, prompt + [x.token for x in gen[:k]], 1))[0]
-        corr, mad = _head_stats(g.attention, fresh.attention)
-        worst_corr, worst_mad = min(worst_corr, corr), max(worst_mad, mad)
+        stats = _head_stats(g.attention, fresh.attention)
+        worst = min(worst, stats, key=lambda s: s.corr)
+        worst_mad = max(worst_mad, stats.mad)
         if fresh.token != g.token:
             near = dict(g.top).get(fresh.token)
             tokens_ok &= near is not None and g.logprob - near <= NEAR_TIE_NATS
@@ -169,9 +185,10 @@ async def _check_attention(engine: EngineClient, report: Report, fresh_seq: int,
     report.line(tokens_ok, "recomputed tokens", "fresh prefills choose the generated tokens" if tokens_ok else
                 "a fresh prefill chose another token, not a near-tie")  # fmt: skip
     report.line(
-        worst_corr >= MIN_HEAD_CORRELATION and worst_mad <= MAX_MEAN_ABS_DIFF,
+        worst.corr >= MIN_HEAD_CORRELATION and worst_mad <= MAX_MEAN_ABS_DIFF,
         "recomputed attention",
-        f"min per-head correlation {worst_corr:.4f} (>= {MIN_HEAD_CORRELATION}), "
+        f"min per-head correlation {worst.corr:.4f} (>= {MIN_HEAD_CORRELATION}; layer {worst.worst[0]} head "
+        f"{worst.worst[1]}, largest abs diff there {worst.worst_max:.5f}), "
         f"worst mean abs diff {worst_mad:.5f} (<= {MAX_MEAN_ABS_DIFF})",
     )
 

@@ -53,7 +53,7 @@ dry_run() {
   step "device call 2: join the model; pip install --no-index --target /tmp/site .gpu/p2/whl/*.whl"
   step "device call 2: slotserve check --model M --n-gpu-layers 99 > $LOG/check.log"
   step "device call 2: benchmarks/bench_table.py --n-gpu-layers 99 --threads 16 --llama-server $WORK/build/bin/llama-server --growth 500,4000 --json $LOG/bench.json"
-  step "device call 2: benchmarks/gpu/report.py -> \$OUT/gpu-check.json, \$OUT/gpu-check.md (+ check.log, bench.log)"
+  step "device call 2: benchmarks/gpu/report.py -> \$OUT/gpu-check.json, \$OUT/gpu-check.md (+ check.log, bench.log, server-logs.tgz)"
 }
 
 prepare() {
@@ -122,7 +122,10 @@ run_there() {
   step "run: bench_table beside llama-server"
   python3 benchmarks/bench_table.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" \
     --llama-server "$WORK/build/bin/llama-server" --prompts 500,4000 --stream-prompt 2000 --big 2000 \
-    --growth 500,4000 --wait-idle 0 --json "$LOG/bench.json" > "$LOG/bench.log" 2>&1 || echo "bench_table rc=$?"
+    --growth 500,4000 --wait-idle 0 --keep-logs --json "$LOG/bench.json" > "$LOG/bench.log" 2>&1 || echo "bench_table rc=$?"
+  # the servers' own logs (the worker's t_prefill_ms per request, llama-server's timings), not their slot files
+  logs=$(sed -n 's/^logs in //p' "$LOG/bench.log" | tail -1)
+  [ -n "$logs" ] && tar czf "$OUT/server-logs.tgz" -C "$logs" $(cd "$logs" && ls ./*.log) || true
   python3 benchmarks/gpu/report.py "$LOG" --json "$OUT/gpu-check.json" > "$OUT/gpu-check.md"
   cp "$LOG/check.log" "$LOG/bench.log" "$OUT/"
   cat "$OUT/gpu-check.md"
