@@ -17,7 +17,11 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
+from contract.errors import ErrorCode
+from contract.protocol import KVRange
+from orchestrator.engine_client.interface import EngineRequestError
 from orchestrator.service_error import ServiceError
+from orchestrator.slots.increments import READ_GROUP
 from storage.base import SlotMeta
 from storage.redis_store import RedisStore
 from tests.orchestrator.fake_engine import EOG
@@ -285,5 +289,44 @@ async def test_the_kv_records_read_for_a_save_are_handed_back(store: Store) -> N
         assert len(lent) >= 5, "both turns read records"
         released = {id(b) for b in w.engine.released}
         assert all(id(r) in released for r in lent), "a record was not handed back"
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_a_long_save_reads_in_groups_and_an_error_hands_every_record_back(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save reads its chunks :data:`READ_GROUP` ranges at a time (the next read in flight while the last
+    is sealed); a read that fails midway fails the commit, commits nothing, and every record read before it
+    (or in flight with it) goes back to the engine client; the next turn stores the whole state."""
+    w = store.world()
+    await w.registry.start()
+    try:
+        ids = [(11 * i) % 400 + 1 for i in range(8 * CHUNK - 3)]  # eight chunks once the turn is done
+        engine, read_kv = w.engine, w.engine.read_kv
+        groups: list[int] = []
+
+        async def failing(seq: int, ranges: list[KVRange]) -> object:
+            if ranges:
+                groups.append(len(ranges))
+                if len(groups) == 3:
+                    raise EngineRequestError(ErrorCode.INTERNAL, "the worker failed a read")
+            return await read_kv(seq, ranges)
+
+        monkeypatch.setattr(engine, "read_kv", failing)
+        with pytest.raises(EngineRequestError, match="failed a read"):
+            await w.gen("s", ids, n=2)
+        assert groups[:2] == [READ_GROUP, READ_GROUP], "read in groups"
+        assert await w.archive.lookup("s") is None, "nothing committed"
+        released = {id(b) for b in engine.released}
+        assert engine.lent and all(id(r) in released for r in engine.lent), "a record was not handed back"
+
+        monkeypatch.setattr(engine, "read_kv", read_kv)
+        more = [*ids, *greedy(ids, 2), 5]
+        await turn(w, "s", more)
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == [*more, *greedy(more, 2)]
+        assert (meta.chunks[0].p0, meta.chunks[0].p1) == (0, CHUNK) and meta.chunks[-1].p1 == len(meta.tokens)
+        assert all(id(r) in {id(b) for b in engine.released} for r in engine.lent)
     finally:
         await w.registry.shutdown()
