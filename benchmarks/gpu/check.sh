@@ -14,7 +14,8 @@
 # What runs: `slotserve check --n-gpu-layers 99`; benchmarks/bench_table.py with --n-gpu-layers 99 beside llama-server
 # (one stream at 500 and 4,000 tokens with no / aggregated / full attention, four conversations of 2,000 tokens, a
 # 2,000-token save and restore, and in process the attention against transformers' eager reference with flash
-# attention on and off); benchmarks/gpu/report.py joins them into one JSON and one markdown table.
+# attention on and off); benchmarks/bench_stream.py at 4,000 tokens with the worker's tensors through the shared
+# region and through its socket; benchmarks/gpu/report.py joins them into one JSON and one markdown table.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -53,6 +54,7 @@ dry_run() {
   step "device call 2: join the model; pip install --no-index --target /tmp/site .gpu/p2/whl/*.whl"
   step "device call 2: slotserve check --model M --n-gpu-layers 99 > $LOG/check.log"
   step "device call 2: benchmarks/bench_table.py --n-gpu-layers 99 --threads 16 --llama-server $WORK/build/bin/llama-server --growth 500,4000 --json $LOG/bench.json"
+  step "device call 2: benchmarks/bench_stream.py --shm both --ctx 4000 (the shared region against the socket) > \$LOG/stream.log"
   step "device call 2: benchmarks/gpu/report.py -> \$OUT/gpu-check.json, \$OUT/gpu-check.md (+ check.log, bench.log, server-logs.tgz)"
 }
 
@@ -126,8 +128,12 @@ run_there() {
   # the servers' own logs (the worker's t_prefill_ms per request, llama-server's timings), not their slot files
   logs=$(sed -n 's/^logs in //p' "$LOG/bench.log" | tail -1)
   [ -n "$logs" ] && tar czf "$OUT/server-logs.tgz" -C "$logs" $(cd "$logs" && ls ./*.log) || true
+  step "run: the worker's tensors through the shared region and through its socket, 4,000 tokens"
+  python3 benchmarks/bench_stream.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --ctx 4000 --n-ctx 4352 \
+    --new 128 --reps 3 --shm both --ws-compression none --wait-idle 0 --retries 0 > "$LOG/stream.log" 2>&1 \
+    || echo "bench_stream rc=$?"
   python3 benchmarks/gpu/report.py "$LOG" --json "$OUT/gpu-check.json" > "$OUT/gpu-check.md"
-  cp "$LOG/check.log" "$LOG/bench.log" "$OUT/"
+  cp "$LOG/check.log" "$LOG/bench.log" "$LOG/stream.log" "$OUT/"
   cat "$OUT/gpu-check.md"
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import struct
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,7 +17,7 @@ from slotstate.ses1 import unpack_ses1
 from storage import redis_chunks
 from storage.base import ChunkRef, ChunkStore
 from storage.directory import DirectoryStore
-from storage.errors import BadStateError, LeaseLostError
+from storage.errors import BadStateError, LeaseLostError, StoreUnavailableError
 from storage.redis_store import RedisStore
 from storage.slot_codec import load_slot, save_chunks
 
@@ -206,3 +207,29 @@ async def test_a_gap_in_the_manifest_is_refused(harness: StoreHarness) -> None:
     await save_chunks(store, "t/g", "fp", tokens, gap, new, b"", codec="none")
     with pytest.raises(BadStateError, match="cover"):
         await load_slot(store, "t/g", "fp")
+
+
+async def test_a_failed_chunk_write_raises_and_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory store writes a put's new chunks in parallel: one that fails makes the put raise
+    StoreUnavailableError, leaves no ``.tmp-`` file, and the others are complete files or absent (never torn)."""
+    store = DirectoryStore(str(tmp_path))
+    replace = os.replace
+
+    def failing(src: str, dst: Path) -> None:
+        if str(dst).endswith(KEYS[2]):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    values = {k: bytes([i]) * (1000 + i) for i, k in enumerate(KEYS)}
+    with pytest.raises(StoreUnavailableError, match="No space"):
+        await store.put_chunks(values)
+    monkeypatch.setattr(os, "replace", replace)
+    left = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+    assert not [n for n in left if n.startswith(".tmp-")], left
+    got = await store.get_chunks(KEYS)
+    assert got[2] is None and all(g is None or g == values[k] for g, k in zip(got, KEYS, strict=True))
+    assert await store.put_chunks(values) == sum(len(v) for k, v in values.items() if got[KEYS.index(k)] is None)
+    assert await store.get_chunks(KEYS) == [values[k] for k in KEYS]
