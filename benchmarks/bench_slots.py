@@ -56,11 +56,11 @@ from common import (
     prefix_len,
 )
 from progress import progress_bar
-from servers import ServerProc, check, default_model, free_port, llama_server_cmd, settle, slotserve_cmd, stop_servers
+from servers import ServerProc, default_model, free_port, llama_server_cmd, settle, slotserve_cmd, stop_servers
 from streams import (
-    BANNED,
     Run,
     measure_streams,
+    model_shape,
 )
 
 # ----------------------------------------------------------------------------- driver
@@ -129,9 +129,7 @@ def main() -> int:
             print(f"{srv.name} ready on :{srv.port} in {srv.wait_ready(httpx):.1f}s", flush=True)
 
         sync = httpx.Client(timeout=None)
-        info = check(sync.get(ss.base + "/api/v1/model"), "model info")
-        shape = (info["num_layers"], info["num_attention_heads"])
-        BANNED[:] = info["eog_token_ids"]
+        shape = model_shape(sync, ss.base)
         tok = http_tokenizer(sync, ss.base)
         prompts = [build_prompt(tok, args.prompt, variant=i + 1) for i in range(max(counts))]
         pids: dict[str, int] = {}

@@ -49,7 +49,7 @@ from big_slot import big_slot
 from common import Quiet, load, machine, median, step_tps, token_gaps
 from engine_rows import in_process
 from servers import ServerProc, check, default_model, free_port, llama_server_cmd, settle, slotserve_cmd, stop_servers
-from streams import BANNED, measure_streams
+from streams import measure_streams, model_shape
 
 OCTET = "application/octet-stream"
 
@@ -88,9 +88,7 @@ class Bench:
         self.args, self.ss, self.ls, self.quiet, self.table = args, ss, ls, quiet, table
         self.tmp, self.httpx = tmp, httpx
         self.client = httpx.Client(timeout=None)
-        info = check(self.client.get(ss.base + "/api/v1/model"), "model info")
-        self.shape = (info["num_layers"], info["num_attention_heads"])
-        BANNED[:] = info["eog_token_ids"]
+        self.shape = model_shape(self.client, ss.base)
         self.tok = common.http_tokenizer(self.client, ss.base)
 
     def timed(self, fn, label: str, warm: bool = False, once: bool = False):  # type: ignore[no-untyped-def]

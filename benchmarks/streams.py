@@ -5,8 +5,10 @@ how the aggregate rate is measured)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
 import httpx
@@ -15,6 +17,7 @@ from common import (
     sse_events,
     ws_token_frames,
 )
+from servers import check
 
 # ----------------------------------------------------------------------------- one run of N streams
 
@@ -47,6 +50,14 @@ class Run:
         return n / (b - a)
 
     @property
+    def longest_gap(self) -> float:
+        """The longest interval (s) between two consecutive tokens of any one stream, both inside the
+        window (the stall a stream's reader sees while every stream decodes)."""
+        a, b = self.window
+        gaps = [y - x for s in self.streams for x, y in itertools.pairwise(s.times) if a <= x and y <= b]
+        return max(gaps, default=float("nan"))
+
+    @property
     def ttft(self) -> float:
         return max(s.times[0] - s.t_send for s in self.streams)
 
@@ -59,11 +70,14 @@ class Run:
 
 
 class Marks:
-    """Marks the CPU meter when every stream has its first token and when the first stream ends."""
+    """Marks the CPU meter when every stream has its first token and when the first stream ends (the
+    :attr:`Run.window`), and sets :attr:`decoding` and :attr:`ending` then (for work run beside the streams)."""
 
     def __init__(self, quiet: Quiet, n_streams: int, n_new: int) -> None:
         self.quiet, self.n, self.new = quiet, n_streams, n_new
         self.started = self.ended = 0
+        self.decoding = asyncio.Event()
+        self.ending = asyncio.Event()
 
     def token(self, s: Stream) -> None:
         s.times.append(time.perf_counter())
@@ -71,15 +85,25 @@ class Marks:
             self.started += 1
             if self.started == self.n:
                 self.quiet.meter.mark("first")
+                self.decoding.set()
         if len(s.times) == self.new:
             self.ended += 1
             if self.ended == 1:
                 self.quiet.meter.mark("last")
+                self.ending.set()
 
 
 BANNED: list[int] = []
 """The model's end-of-generation tokens: llama-server's ``ignore_eos`` bans them (logit bias -inf),
 slotserve's only does not stop on them, so slotserve requests ban them explicitly (same load)."""
+
+
+def model_shape(client: httpx.Client, base: str) -> tuple[int, int]:
+    """``(layers, attention heads)`` of a slotserve's model (``GET /api/v1/model``); sets :data:`BANNED` to
+    its end-of-generation tokens."""
+    info = check(client.get(base + "/api/v1/model"), "model info")
+    BANNED[:] = info["eog_token_ids"]
+    return info["num_layers"], info["num_attention_heads"]
 
 
 def slotserve_body(ids: list[int], slot: int, new: int, attention: bool) -> dict:
@@ -202,17 +226,33 @@ async def run_streams(
         return Run(list(await asyncio.gather(*coros)))
 
 
+Beside = Callable[[Marks], Coroutine[None, None, None]]
+"""Work run beside the streams on their event loop (``beside(marks)``): it may wait for ``marks.decoding`` and
+should return soon after ``marks.ending`` is set (both are set when the streams end, in any case)."""
+
+
+async def _beside(streams: Awaitable[Run], beside: Beside, marks: Marks) -> Run:
+    side = asyncio.create_task(beside(marks))
+    try:
+        return await streams
+    finally:
+        marks.decoding.set()
+        marks.ending.set()
+        await side
+
+
 def measure_streams(
     quiet: Quiet, kind: str, base: str, prompts: list[list[int]], n: int, new: int, shape: tuple[int, int],
-    label: str, warm: bool,
+    label: str, warm: bool, beside: Beside | None = None,
 ) -> tuple[Run, dict[str, float]]:  # fmt: skip
-    """:func:`run_streams` through :meth:`Quiet.run` (idle machine, CPU marks); checks every stream got ``new``
-    tokens. Returns ``(run, cpu)``."""
+    """:func:`run_streams` through :meth:`Quiet.run` (idle machine, CPU marks), with ``beside`` (if any) running
+    on the same event loop (see :data:`Beside`); checks every stream got ``new`` tokens. Returns ``(run, cpu)``."""
     box: list[Marks] = []
 
     def go() -> Run:
         box[:] = [Marks(quiet, n, new)]
-        return asyncio.run(run_streams(kind, base, prompts, n, new, shape, box[0]))
+        streams = run_streams(kind, base, prompts, n, new, shape, box[0])
+        return asyncio.run(_beside(streams, beside, box[0]) if beside else streams)
 
     run, cpu = quiet.run(go, label, warm=warm)
     for i, s in enumerate(run.streams):
