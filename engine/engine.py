@@ -42,6 +42,7 @@ from contract.settings import FLASH_ATTN_TYPES, EngineSettings
 from engine import backend, native
 from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
 from engine.cellmap import CellMap, CellMapError
+from engine.kv_release import ReleaseSchedule
 from engine.memory import UnsupportedMemoryError, memory_of
 from engine.model import Model, file_fingerprint
 from engine.state_read import StateSource, read_into
@@ -134,6 +135,7 @@ class Engine:
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
         self.tokens: dict[int, list[int]] = {}
+        self.releases = ReleaseSchedule()  # emptied streams given back a few seconds later (engine/kv_release.py)
         # where states are read (save_state) and slot files land (engine/state_file.py); no state is kept
         # once its reader gave it back: the pool lets go of idle memory itself (contract/buffers.py)
         self.state_pool = BufferPool(keep=1)
@@ -328,12 +330,17 @@ class Engine:
 
     def erase(self, seq: int, release: bool = True) -> None:
         """Drop every cell of ``seq``; with ``release`` (where nothing refills it at once) give its KV
-        stream's memory back too (:meth:`release`)."""
+        stream's memory back a few seconds later if it is still empty then (:meth:`release_due`)."""
         llama.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.cellmap.remove(seq)
         self.tokens.pop(seq, None)
         if release:
-            self.release(seq)
+            self.releases.schedule(seq)
+
+    def release_due(self) -> int:
+        """:meth:`release` of the erased sequences whose delay has passed and that hold no cells
+        (:mod:`engine.kv_release`: the worker's loop calls this); returns the bytes given back."""
+        return sum(self.release(s) for s in self.releases.due() if not self.tokens.get(s))
 
     def release(self, seq: int) -> int:
         """Give the host memory of ``seq``'s KV stream back to the kernel while ``seq`` holds no cells
@@ -346,6 +353,7 @@ class Engine:
     def release_empty(self) -> int:
         """:meth:`release` of every sequence holding no cells (after the start-up self-check, and by the idle
         worker: a K-shift writes the K of every stream, empty or not); returns the bytes given back."""
+        self.releases.clear()
         return sum(self.release(s) for s in range(self.n_stream) if not self.tokens.get(s))
 
     def reuse_chunks(self, seq: int, ids: Sequence[int], n_past: int, min_chunk: int) -> int:

@@ -134,18 +134,25 @@ class Worker:
         while self.running:
             block = not self.has_work()
             commits = block and self.batcher is not None and bool(self.batcher.commits)
+            gen = self.engine if isinstance(self.engine, Engine) else None  # a classifier has no KV streams
             item: Inbound | Literal[False] | None  # False: the inbox is empty
             try:
                 wait = COMMIT_DELAY_S if commits else IDLE_TRIM_S if block and worked else None
+                due_in = gen.releases.next_in() if gen is not None and block else None
+                if due_in is not None:  # wake for an emptied stream's release (engine/kv_release.py)
+                    wait = due_in if wait is None else min(wait, due_in)
                 item = self.inbox.get(block=block, timeout=wait)
             except queue.Empty:
                 item = False
+                if gen is not None and gen.releases.next_in() == 0:
+                    gen.release_due()
+                    continue
                 if commits and self.batcher is not None:  # idle since a generation ended: its last token
                     self.batcher.flush()
                     continue
                 if block:  # idle for IDLE_TRIM_S: give back what the last requests left on the heap
-                    if isinstance(self.engine, Engine):  # and the KV pages of empty streams a K-shift wrote
-                        self.engine.release_empty()
+                    if gen is not None:  # and the KV pages of empty streams a K-shift wrote
+                        gen.release_empty()
                     trim_heap()
                     worked = False
                     continue
@@ -160,6 +167,8 @@ class Worker:
                     item = False
             if self.running and self.batcher is not None and self.batcher.has_work():
                 self.batcher.step()
+            if gen is not None and not block:  # busy: emptied streams are given back on time too
+                gen.release_due()
 
     def has_work(self) -> bool:
         """True while generations are active (a classifier answers each request at once)."""

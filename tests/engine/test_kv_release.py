@@ -8,8 +8,10 @@ with flash attention off (V transposed) and on, and on a Gemma-3-shaped sliding-
 caches): the bytes given back and the process's resident anonymous memory dropping by them, a sequence
 holding cells left exactly as it was, generations over released streams equal token for token and row
 for row to generations over streams that still hold stale K/V, a stream copy pending from a sequence
-applied before its stream is released, and a context shift (whose K-shift writes the K of every stream)
-followed by a release of the streams it wrote.
+applied before its stream is released, a context shift (whose K-shift writes the K of every stream)
+followed by a release of the streams it wrote, a restore into a released stream equal byte for byte and
+in its continuation, taking back only what it writes, and an erased stream kept resident for
+``engine.kv_release.RELEASE_DELAY_S`` (a restore then writes into its resident pages) and given back after.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import pytest
 from contract.settings import EngineSettings
 from engine import native
 from engine.engine import Engine, read_state
+from engine.kv_release import ReleaseSchedule
 from engine.model import Model
+from engine.state_file import load_seq_file, write_slot_file
+from slotstate import seq_state
 from tests.engine.enginekit import Result, Runner, llama_state, same_kv
 from tests.tiny_models import build_tiny_gguf
 
@@ -170,6 +175,39 @@ def test_a_context_shift_gives_back_what_its_k_shift_wrote(runner: Runner, promp
     assert shifted().tokens == kept.tokens
 
 
+def test_a_restore_into_a_released_stream(runner: Runner, prompt: list[int], tmp_path: Path) -> None:
+    """A slot file (one pass from the file) and a state in memory restored into streams given back first hold
+    the saved K/V byte for byte and continue token for token as the saved sequence does; the restore takes
+    back the pages it writes, not the stream: with V by rows (flash attention) about the state's K/V, with V
+    transposed at most its K and the stream's V range (each embedding row of V is written)."""
+    eng = runner.engine
+    size = stream_bytes(eng, 0, prompt)
+    short = prompt[:100]  # about 5 % of a stream's cells
+    first = runner.generate(0, short, max_new_tokens=3, ignore_eos=True)
+    tokens, state = eng.save_state(0)
+    want = bytes(state)
+    write_slot_file(tmp_path / "slot.bin", tokens, state)
+    eng.release_state(state)
+    kv_bytes = sum(n for _, _, n in seq_state.parse(want).data)
+    for s in (1, 2):
+        eng.fork(0, s)  # every page of the stream written, then given back
+        eng.erase(s)
+    assert eng.release(1) > 0 and eng.release(2) > 0
+    before = rss_anon()
+    assert load_seq_file(eng, 1, tmp_path / "slot.bin")[0] == len(tokens)
+    grew = rss_anon() - before
+    eng.restore_state(2, tokens, want, check_values=True)
+    bound = kv_bytes if eng.config.flash_attn == "on" else kv_bytes // 2 + size // 2
+    assert grew <= bound + (1 << 20), (grew, bound)
+    for s in (1, 2):
+        assert eng.tokens[s] == tokens and same_kv(llama_state(eng.ctx, s), want)
+    longer = [*short, *first.tokens]
+    cont = [runner.generate(s, longer, max_new_tokens=8, ignore_eos=True) for s in (0, 1, 2)]
+    assert all(c.done is not None and c.done.n_cached > 0 for c in cont)
+    assert_same(cont[:1], cont[1:2])
+    assert_same(cont[:1], cont[2:])
+
+
 def test_sliding_window_model_releases_both_caches(tmp_path: Path) -> None:
     """Gemma-3-shaped (a global and a sliding-window KV cache): a stream copied whole is given back, a
     sequence with cells keeps them, and a generation over a released stream equals one over a stale one."""
@@ -200,3 +238,37 @@ def test_sliding_window_model_releases_both_caches(tmp_path: Path) -> None:
     finally:
         eng.close()
         model.close()
+
+
+def test_an_erased_stream_stays_resident_for_the_release_delay(runner: Runner, prompt: list[int]) -> None:
+    """An erase gives the stream back only the release delay later, and only if it is still empty: a restore
+    before that writes into resident pages (the memory does not grow by the state), one after the delay
+    takes the pages back (it grows by about the state's K/V); both restore the same K/V."""
+    eng = runner.engine
+    now = [0.0]
+    eng.releases = ReleaseSchedule(delay_s=5.0, clock=lambda: now[0])
+    try:
+        runner.generate(0, prompt * 4, max_new_tokens=2, ignore_eos=True)
+        tokens, state = eng.save_state(0)
+        want = bytes(state)
+        eng.release_state(state)
+        kv_bytes = sum(n for _, _, n in seq_state.parse(want).data)
+        eng.erase(0)
+        assert eng.release_due() == 0 and eng.releases.next_in() == 5.0, "not at once"
+        before = rss_anon()
+        eng.restore_state(0, tokens, want, check_values=True)
+        assert rss_anon() - before < kv_bytes // 4, (rss_anon() - before, kv_bytes)
+        now[0] = 6.0
+        assert eng.release_due() == 0, "due, but the sequence holds cells again: kept"
+        eng.erase(0)
+        now[0] = 10.0
+        assert eng.release_due() == 0 and eng.releases.next_in() == 1.0, "a later erase moved the release on"
+        now[0] = 11.0
+        assert eng.release_due() >= kv_bytes // 2
+        before = rss_anon()
+        eng.restore_state(0, tokens, want, check_values=True)
+        assert rss_anon() - before >= kv_bytes // 2, (rss_anon() - before, kv_bytes)
+        assert eng.tokens[0] == tokens and same_kv(llama_state(eng.ctx, 0), want)
+    finally:
+        eng.releases = ReleaseSchedule()
+        eng.erase(0)
