@@ -131,10 +131,10 @@ class Worker:
         self.send(proto.Ready(0, info, eng.model.pieces))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
         worked = False  # since the heap was last trimmed
+        gen = eng if isinstance(eng, Engine) else None  # a classifier has no KV streams
         while self.running:
             block = not self.has_work()
             commits = block and self.batcher is not None and bool(self.batcher.commits)
-            gen = self.engine if isinstance(self.engine, Engine) else None  # a classifier has no KV streams
             item: Inbound | Literal[False] | None  # False: the inbox is empty
             try:
                 wait = COMMIT_DELAY_S if commits else IDLE_TRIM_S if block and worked else None

@@ -54,7 +54,7 @@ from storage.base import (
     now,
     validate_slot_id,
 )
-from storage.directory_chunks import ChunkFiles
+from storage.directory_chunks import ChunkFiles, fsync_dir
 from storage.errors import BadStateError, LeaseLostError, StoreUnavailableError
 from storage.leases import LeaseTable
 
@@ -81,14 +81,6 @@ def safe_name(raw: bytes) -> str:
     if len(name) > _MAX_NAME:
         name = "h_" + hashlib.sha256(raw).hexdigest()
     return name
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
@@ -226,7 +218,7 @@ class DirectoryStore:
                 tmp.unlink(missing_ok=True)
                 raise
         if self.fsync:
-            _fsync_dir(sdir)
+            fsync_dir(sdir)
         return stored
 
     def _remove(self, slot_id: str, lease: str | None = None) -> bool:

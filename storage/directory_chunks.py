@@ -21,10 +21,19 @@ from pathlib import Path
 
 from storage.base import validate_chunk_key
 
-__all__ = ["ChunkFiles"]
+__all__ = ["ChunkFiles", "fsync_dir"]
 
 _TMP_PREFIX = ".tmp-"
 WRITERS = 8  # threads writing one put's new chunks
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync(2) the directory ``path``, so the renames into it survive a power loss. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ChunkFiles:
@@ -52,11 +61,7 @@ class ChunkFiles:
             written = sum(self._write(path, value) for path, value in todo)
         if self.fsync:
             for folder in {path.parent for path, _ in todo}:
-                fd = os.open(folder, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_dir(folder)
         return written
 
     def _write(self, path: Path, value: bytes) -> int:
