@@ -3,7 +3,9 @@
 The engine has ``--parallel`` sequences and there may be more conversations.  A slot
 that needs a sequence takes a free one, else the least recently used idle slot is
 parked (:meth:`Residency.park`, saved to the store and erased) and its sequence taken;
-when every sequence serves a request, the newcomer waits in a bounded FIFO
+of several free sequences the one freed last is taken (:meth:`Residency._free_seq`), whose KV
+stream the worker still holds in memory for a few seconds (``engine/kv_release.py``); when every
+sequence serves a request, the newcomer waits in a bounded FIFO
 (:class:`orchestrator.slots.admission.AdmissionQueue`): the next request to finish parks its
 slot and hands its sequence to the head of the queue, so equal clients take turns.
 
@@ -15,6 +17,7 @@ store: the registry hands it how to park a slot and how to fill a fresh sequence
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -70,6 +73,8 @@ class Residency:
         self.can_park = parking is not None
         self.queue: AdmissionQueue[Slot] = queue if queue is not None else AdmissionQueue(0, 0.0)  # none: 429 at once
         self.owner: list[Slot | None] = [None] * n_seqs
+        self._freed_at: list[int] = [0] * n_seqs  # when each sequence was last freed (0: never held)
+        self._clock = itertools.count(1)
         self._alloc = asyncio.Lock()
         self.limits: TenantLimits | None = None  # --tenant-resident (orchestrator/tenants/limits.py)
 
@@ -251,18 +256,34 @@ class Residency:
         self.grant_free()
 
     def _free_seq(self) -> int | None:
+        """The free sequence (no owner, or a stale one from before a worker restart) freed last, None when
+        every one has an owner.
+
+        The worker gives an erased sequence's KV stream back to the kernel a few seconds after the erase
+        (``engine/kv_release.py``); until then writing into it costs no page faults.  So the sequence a
+        park or an erase just emptied is taken before one emptied long ago (a 46 MB restore: ~15 ms into
+        resident pages, ~50 ms into given-back ones on a 2-core CPU; docs/benchmarks.md).  Sequences
+        never held are taken lowest first.
+        """
         gen = self.engine.generation
+        best: int | None = None
         for i, s in enumerate(self.owner):
-            if s is None or s.engine_generation != gen or s.seq != i:
-                if s is not None and s.seq == i:
+            if s is not None and s.engine_generation == gen and s.seq == i:
+                continue
+            if s is not None:  # held before the worker restarted: its cells are gone
+                if s.seq == i:
                     s.seq = None
                 self.owner[i] = None
-                return i
-        return None
+                self._freed_at[i] = 0
+            if best is None or self._freed_at[i] > self._freed_at[best]:
+                best = i
+        return best
 
     def release_seq(self, slot: Slot) -> None:
+        """Free ``slot``'s sequence (if it still holds one) and remember when (:meth:`_free_seq`)."""
         if slot.seq is not None and 0 <= slot.seq < self.n_seqs and self.owner[slot.seq] is slot:
             self.owner[slot.seq] = None
+            self._freed_at[slot.seq] = next(self._clock)
         slot.seq = None
 
     async def _evict(self) -> int:
@@ -316,6 +337,7 @@ class Residency:
                 if not s.stored:
                     s.n_tokens = 0
         self.owner = self.owner[:n_seqs] + [None] * (n_seqs - len(self.owner))
+        self._freed_at = self._freed_at[:n_seqs] + [0] * (n_seqs - len(self._freed_at))
         self.n_seqs = n_seqs
         self.grant_free()
 
@@ -327,4 +349,5 @@ class Residency:
                 if not s.stored:
                     s.n_tokens = 0
             self.owner[i] = None
+            self._freed_at[i] = 0  # a new worker: every stream is given back, none is warmer
         self.grant_free()

@@ -20,6 +20,7 @@ from orchestrator.engine_client.interface import GenerationJob
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.service import RunControl
 from orchestrator.service_error import ServiceError
+from orchestrator.tenants.principal import DEFAULT_TENANT
 from orchestrator.web.errors import from_exception
 from tests.orchestrator.fake_engine import FakeEngine, state_blob
 from tests.orchestrator.fake_world import PROMPT, FlakyStore, World, greedy, request, saved, wait_for
@@ -55,6 +56,43 @@ async def test_eviction_parks_the_least_recently_used_idle_slot(world: World) ->
     assert not world.leases.holds("a") and world.leases.holds("c"), "a parked slot's lease is released"
     meta = await world.archive.lookup("a")
     assert meta is not None and meta.tokens == a_tokens
+
+
+async def put(w: World, name: str, tokens: list[int], tenant: str = DEFAULT_TENANT) -> int:
+    """Restore ``tokens`` into ``tenant``'s slot ``name`` (made if new); the sequence it took."""
+    created = w.registry.find(name, tenant) is None
+    async with w.registry.use(name, tenant=tenant, resident=False) as slot:
+        await w.registry.kv.restore(slot, tokens, state_blob(tokens), created=created)
+        assert slot.seq is not None
+        return slot.seq
+
+
+async def test_a_free_sequence_is_taken_freed_last_first(tmp_path: Path) -> None:
+    """Of several free sequences a restore takes the one a park or an erase emptied last (its KV stream
+    is still resident in the worker, engine/kv_release.py), not the lowest; never-held ones lowest first.
+    The slot parked to free it, another tenant's, comes back from the store intact."""
+    w = World(tmp_path / "state", n_seqs=4)
+    await w.registry.start()
+    reg = w.registry
+    try:
+        assert [
+            await put(w, name, [*PROMPT, i], "alice" if name == "c" else DEFAULT_TENANT)
+            for i, name in enumerate("abcd")
+        ] == [0, 1, 2, 3], "never-held sequences: lowest first"
+        async with reg.use("a", resident=False) as a:  # emptied first
+            await reg.forget(a)
+        async with reg.use("c", tenant="alice", resident=False) as c:  # parked last
+            await reg.residency.park(c)
+        assert reg.residency.owner[0] is None and reg.residency.owner[2] is None
+        assert await put(w, "x", [5, 6], "bob") == 2, "the sequence freed last (alice's parked slot's), not 0"
+        assert w.engine.seqs[2] == [5, 6], "bob's restore replaced every cell"
+        assert await put(w, "y", [7]) == 0
+        async with reg.use("x", tenant="bob", resident=False) as x:
+            await reg.forget(x)
+        async with reg.use("c", tenant="alice") as c:  # alice's slot back from the store, into 2 again
+            assert c.seq == 2 and w.engine.seqs[2] == [*PROMPT, 2]
+    finally:
+        await reg.shutdown()
 
 
 async def test_park_idle_parks_only_slots_idle_long_enough(world: World) -> None:
