@@ -5,8 +5,10 @@ Big bodies are moved with ``http.client`` (the standard library's client, one ke
 client's own cost is part of every API figure, and httpx's is several times the server's for tens of MB
 (measured: ~160 ms to download 46 MB, vs ~35 ms with ``http.client``). The floor row moves the same
 number of bytes through a server that does nothing else (``http_floor.py``: the same Litestar + uvicorn
-stack), with the same client.  Both servers run with their default flags (flash attention ``auto``,
-V stored by rows), so their slot files hold the same KV layout.
+stack), with the same client.  Both servers run with their default flags (flash attention ``auto``), so
+on a CPU their slot files do not hold the same KV layout: slotserve's ``auto`` is off there
+(``engine/backend.py``: V transposed, scattered one element per cell on a restore), llama-server's on (V by
+rows).  ``bench_file_restore.py`` compares slot-file restores layout for layout.
 """
 
 from __future__ import annotations
