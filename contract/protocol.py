@@ -36,7 +36,6 @@ from contract.framing import (
     frame_chunks,
     recv_frame,
     send_chunks,
-    shared_frame_chunks,
 )
 from contract.model_facts import ModelInfo
 
@@ -583,9 +582,9 @@ def encode_frame(msg: Message, buffers: Sequence[Buffer] = ()) -> list[Buffer]:
     return frame_chunks(_encoder.encode(msg), buffers)
 
 
-def encode_shared_frame(msg: Message, spans: Sequence[tuple[int, int]]) -> list[Buffer]:
-    """The frame of ``msg`` whose buffers are ``(offset, length)`` ranges of the shared region (:mod:`contract.shm`)."""
-    return shared_frame_chunks(_encoder.encode(msg), spans)
+def encode_meta(msg: Message) -> bytes:
+    """``msg`` as a frame's msgpack header (:func:`contract.framing.frame_chunks` adds its buffers)."""
+    return _encoder.encode(msg)
 
 
 def send_frame(sock: socket.socket, msg: Message, buffers: Sequence[Buffer] = ()) -> None:

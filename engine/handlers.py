@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
@@ -23,7 +23,15 @@ from engine.engine import Engine, EngineError
 from engine.kv_range import read_ranges
 from engine.state_file import load_seq_file, write_slot_file
 
-Send = Callable[[proto.Message, Sequence[proto.Buffer]], None]
+
+class Send(Protocol):
+    """Writes one reply frame (:meth:`engine.worker.Worker.send`); ``done`` is called once its buffers are written."""
+
+    def __call__(
+        self, msg: proto.Message, buffers: Sequence[proto.Buffer], done: Callable[[], None] | None = None
+    ) -> None: ...
+
+
 Handler = Callable[[Any, list[RecvBuffer]], None]
 
 
@@ -107,10 +115,10 @@ class EngineHandlers:
         t0 = time.perf_counter()
         tokens, blob = self.engine.save_state(msg.seq)
         t_ms = (time.perf_counter() - t0) * 1000
-        try:
-            self.send(proto.StateBlob(msg.req, msg.seq, tokens, t_ms, proto.Tensor.raw(blob)), [blob])
-        finally:  # sent whole (or the peer is gone): no copy is kept (engine/engine.py, save_state)
-            self.engine.release_state(blob)
+        # written by the worker's writer thread while the others decode; no copy is kept once it is
+        # written or dropped (engine/engine.py, save_state)
+        reply = proto.StateBlob(msg.req, msg.seq, tokens, t_ms, proto.Tensor.raw(blob))
+        self.send(reply, [blob], lambda: self.engine.release_state(blob))
 
     def read_kv(self, msg: proto.ReadKV, _: list[RecvBuffer]) -> None:
         """The tokens whose KV is in the sequence (its pending last token left unwritten) and the KV records

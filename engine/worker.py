@@ -31,7 +31,7 @@ from contract import protocol as proto
 from contract import settings
 from contract.buffers import BufferPool
 from contract.errors import ErrorCode
-from contract.framing import RecvBuffer, parse_address, send_chunks
+from contract.framing import RecvBuffer, parse_address
 from contract.heap import keep_heap_mapped, trim_heap
 from contract.settings import SPLIT_MODES, EngineSettings
 from contract.shm import RegionWriter, SharedRegion
@@ -42,6 +42,7 @@ from engine.engine import Engine, EngineError
 from engine.handlers import EngineHandlers, Handler
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info
+from engine.outbox import Outbox
 
 log = logging.getLogger("slotserve.worker")
 
@@ -81,10 +82,10 @@ class Worker:
         self.engine = engine
         self.sock = sock
         self.shared = RegionWriter(shared) if shared is not None else None
+        self.outbox = Outbox(sock, self.shared)
         self.inbox: queue.Queue[Inbound | None] = queue.Queue()  # None: the peer is gone
         self.pool = BufferPool(keep=1)  # restore-state blobs land in memory already mapped
         self.running = True
-        self.send_lock = threading.Lock()
         self.batcher: Batcher | None = None
         self.handlers: dict[type, Handler] = {
             proto.Tokenize: self._tokenize,
@@ -97,17 +98,12 @@ class Worker:
         else:
             self.handlers[proto.Classify] = self._classify
 
-    def send(self, msg: proto.Message, buffers: Sequence[proto.Buffer] = ()) -> None:
-        """Write one reply frame, whole (thread-safe: a slot-file writer thread answers too).  A token's
-        tensors go through the shared region when there is one with room (:mod:`contract.shm`)."""
-        with self.send_lock:
-            spans = None
-            if self.shared is not None and buffers and isinstance(msg, proto.Token):
-                spans = self.shared.place([memoryview(b) for b in buffers])
-            if spans is not None:
-                send_chunks(self.sock, proto.encode_shared_frame(msg, spans))
-            else:
-                proto.send_frame(self.sock, msg, buffers)
+    def send(
+        self, msg: proto.Message, buffers: Sequence[proto.Buffer] = (), done: Callable[[], None] | None = None
+    ) -> None:
+        """Write one reply frame, whole, in order (thread-safe: a slot-file writer thread answers too); bulk
+        buffers on the writer thread, ``done`` called once they are written (:class:`engine.outbox.Outbox`)."""
+        self.outbox.send(msg, buffers, done)
 
     def _read(self) -> None:
         try:
@@ -130,8 +126,13 @@ class Worker:
             info.classifier_labels = eng.labels
         self.send(proto.Ready(0, info, eng.model.pieces))
         threading.Thread(target=self._read, name="worker-reader", daemon=True).start()
+        try:
+            self._loop(eng if isinstance(eng, Engine) else None)  # a classifier has no KV streams
+        finally:  # what is queued (a shutdown's ``Stopped``) is written before the socket closes
+            self.outbox.close()
+
+    def _loop(self, gen: Engine | None) -> None:
         worked = False  # since the heap was last trimmed
-        gen = eng if isinstance(eng, Engine) else None  # a classifier has no KV streams
         while self.running:
             block = not self.has_work()
             commits = block and self.batcher is not None and bool(self.batcher.commits)
