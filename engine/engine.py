@@ -340,21 +340,25 @@ class Engine:
     def release_due(self) -> int:
         """:meth:`release` of the erased sequences whose delay has passed and that hold no cells
         (:mod:`engine.kv_release`: the worker's loop calls this); returns the bytes given back."""
-        return sum(self.release(s) for s in self.releases.due() if not self.tokens.get(s))
+        return self.release(*(s for s in self.releases.due() if not self.tokens.get(s)))
 
-    def release(self, seq: int) -> int:
-        """Give the host memory of ``seq``'s KV stream back to the kernel while ``seq`` holds no cells
-        (``llama_attn_kv_seq_release``, libllama/llama-attn.h: llama.cpp allocates and clears every stream
+    def release(self, *seqs: int) -> int:
+        """Give the host memory of the KV streams of ``seqs`` (sequence ids in ``[0, n_stream)``) back to the
+        kernel, each while its sequence holds no cells, in one call and one backend synchronization
+        (``llama_attn_kv_seqs_release``, libllama/llama-attn.h: llama.cpp allocates and clears every stream
         when the context is made; the pages read back as zeros and are allocated again as cells are
         written, so resident KV follows the tokens held, not ``n_ctx``).  Returns the bytes given back: 0
-        for a sequence holding cells, a KV cache in GPU memory, a recurrent state."""
-        return max(0, int(native.lib.llama_attn_kv_seq_release(self.ctx, seq)))
+        for no sequence, for sequences holding cells, a KV cache in GPU memory, a recurrent state."""
+        if not seqs:
+            return 0
+        ids = (ctypes.c_int32 * len(seqs))(*seqs)
+        return max(0, int(native.lib.llama_attn_kv_seqs_release(self.ctx, ids, len(seqs))))
 
     def release_empty(self) -> int:
         """:meth:`release` of every sequence holding no cells (after the start-up self-check, and by the idle
         worker: a K-shift writes the K of every stream, empty or not); returns the bytes given back."""
         self.releases.clear()
-        return sum(self.release(s) for s in range(self.n_stream) if not self.tokens.get(s))
+        return self.release(*(s for s in range(self.n_stream) if not self.tokens.get(s)))
 
     def reuse_chunks(self, seq: int, ids: Sequence[int], n_past: int, min_chunk: int) -> int:
         """llama-server's cache reuse (``n_cache_reuse``, ``tools/server/server-context.cpp``): after the

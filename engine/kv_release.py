@@ -1,6 +1,6 @@
 """When an emptied sequence's KV stream is given back to the kernel (``Engine.release``).
 
-Giving a stream's pages back (``llama_attn_kv_seq_release``, libllama/llama-attn.h) makes the next write into
+Giving a stream's pages back (``llama_attn_kv_seqs_release``, libllama/llama-attn.h) makes the next write into
 them fault a page in, zero-filled by the kernel, per 4 KiB: a restore of 46 MB into a given-back stream takes
 3-4x one into resident pages (docs/benchmarks.md), and ``MADV_POPULATE_WRITE`` beforehand saves only the
 fault's trap, not the zeroing.  The commonest restores come right after a stream empties: a slot parked to

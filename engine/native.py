@@ -15,7 +15,7 @@ import ctypes
 
 import llama_cpp
 
-ATTN_ABI = 5  # LLAMA_ATTN_ABI of libllama/llama-attn.h
+ATTN_ABI = 6  # LLAMA_ATTN_ABI of libllama/llama-attn.h
 PER_LAYER = 0  # enum llama_attn_format
 MEAN = 1
 GGML_TYPE_F32 = 0
@@ -101,7 +101,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
         ],
         ctypes.c_int64,
     ),
-    "llama_attn_kv_seq_release": ([ctypes.c_void_p, ctypes.c_int32], ctypes.c_int64),
+    "llama_attn_kv_seqs_release": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32], ctypes.c_int64),
     "llama_attn_state_seq_read": (
         [
             ctypes.c_void_p,

@@ -28,6 +28,20 @@ llama_attn_cap * attn_cap_of(const llama_context * ctx) {
     return ctx ? ctx->get_cparams().attn_cap : nullptr;
 }
 
+// llama_attn_set_stable, llama_attn_set_in_place: set one of the capture's graph-shaping flags; a change bumps the
+// serial, so graphs built before (of the other shape, reading the rows the other way) are not reused
+int32_t attn_set_flag(llama_context * ctx, bool llama_attn_cap::*flag, bool value) {
+    llama_attn_cap * cap = attn_cap_of(ctx);
+    if (!cap) {
+        return -1;
+    }
+    if (cap->*flag != value) {
+        cap->*flag = value;
+        cap->serial++;
+    }
+    return 0;
+}
+
 // the host buffer type of the backend that computed t: its device's (pinned) host buffer type, else CPU memory
 ggml_backend_buffer_type_t attn_host_buft(ggml_backend_t backend) {
     ggml_backend_dev_t dev = backend ? ggml_backend_get_device(backend) : nullptr;
@@ -45,6 +59,18 @@ bool attn_reserve(ggml_backend_buffer_ptr & buf, ggml_backend_buffer_type_t buft
         buf.reset(ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), size));
     }
     return buf != nullptr;
+}
+
+// u.ptr[c] ([n_slots * n_layer], slot-major) of rows whose layer k starts at layer[k] and whose slots are slot_stride
+// bytes apart in every layer: the one layout both the gathered and the in-place rows are read through
+void attn_fill_ptr(attn_ubatch_rows & u, int c, const std::vector<const uint8_t *> & layer, size_t slot_stride) {
+    const size_t n_layer = layer.size();
+    u.ptr[c].resize((size_t) u.n_slots * n_layer);
+    for (size_t slot = 0; slot < (size_t) u.n_slots; ++slot) {
+        for (size_t k = 0; k < n_layer; ++k) {
+            u.ptr[c][slot * n_layer + k] = layer[k] + slot * slot_stride;
+        }
+    }
 }
 
 // plan.inplace: each selected layer's output [n_kv, 1, n_head, n_stream] of cache c; slot s's rows of layer k
@@ -66,26 +92,23 @@ bool attn_extract_layers(attn_ubatch_rows & u, ggml_backend_sched_t sched, const
         }
         host_buft = ggml_backend_buffer_get_type(outs[0]->buffer);
     } else {
-        ggml_backend_t backend = ggml_backend_sched_get_tensor_backend(sched, outs[0]);
-        GGML_ASSERT(backend != nullptr);
-        if (!attn_reserve(u.buf[c], attn_host_buft(backend), nb * outs.size())) {
-            return false;
-        }
-        host_buft = ggml_backend_buffer_get_type(u.buf[c].get());
-        auto * dst = (uint8_t *) ggml_backend_buffer_get_base(u.buf[c].get());
+        uint8_t * dst = nullptr;
         for (size_t k = 0; k < outs.size(); ++k) {
+            ggml_backend_t backend = ggml_backend_sched_get_tensor_backend(sched, outs[k]);
+            GGML_ASSERT(backend != nullptr);
+            if (k == 0) { // the buffer is of the first layer's device's host buffer type
+                if (!attn_reserve(u.buf[c], attn_host_buft(backend), nb * outs.size())) {
+                    return false;
+                }
+                host_buft = ggml_backend_buffer_get_type(u.buf[c].get());
+                dst       = (uint8_t *) ggml_backend_buffer_get_base(u.buf[c].get());
+            }
             base[k] = dst + k * nb;
-            ggml_backend_tensor_get_async(ggml_backend_sched_get_tensor_backend(sched, outs[k]), outs[k], dst + k * nb, 0, nb);
+            ggml_backend_tensor_get_async(backend, outs[k], dst + k * nb, 0, nb);
         }
     }
-    const size_t nb_slot = nb / (size_t) inp->plan.n_stream;
     const size_t n_layer = outs.size();
-    u.ptr[c].resize((size_t) u.n_slots * n_layer);
-    for (int32_t slot = 0; slot < u.n_slots; ++slot) {
-        for (size_t k = 0; k < n_layer; ++k) {
-            u.ptr[c][slot * n_layer + k] = base[k] + slot * nb_slot;
-        }
-    }
+    attn_fill_ptr(u, c, base, nb / (size_t) inp->plan.n_stream);
     u.nb_layer[c] = n_layer > 1 ? base[1] - base[0] : (int64_t) nb;
     for (size_t k = 1; k < n_layer; ++k) {
         if (base[k] - base[k - 1] != u.nb_layer[c]) {
@@ -160,12 +183,11 @@ void llama_attn_cap_extract(llama_attn_cap * cap, ggml_backend_sched_t sched, co
         const int32_t n_layer = u.format == LLAMA_ATTN_MEAN ? 1 : u.n_layer[c];
         u.nb_layer[c] = (int64_t) u.size[c] / u.n_slots / n_layer;
         const auto * base = (const uint8_t *) ggml_backend_buffer_get_base(u.buf[c].get());
-        u.ptr[c].resize((size_t) u.n_slots * n_layer);
-        for (int32_t slot = 0; slot < u.n_slots; ++slot) {
-            for (int32_t k = 0; k < n_layer; ++k) {
-                u.ptr[c][(size_t) slot * n_layer + k] = base + ((size_t) slot * n_layer + k) * u.nb_layer[c];
-            }
+        std::vector<const uint8_t *> layer((size_t) n_layer);
+        for (int32_t k = 0; k < n_layer; ++k) {
+            layer[k] = base + (size_t) k * (size_t) u.nb_layer[c];
         }
+        attn_fill_ptr(u, c, layer, (size_t) n_layer * (size_t) u.nb_layer[c]);
     }
     for (int32_t slot = 0; slot < u.n_slots; ++slot) {
         const int32_t b = inp->plan.batch[slot];
@@ -317,27 +339,11 @@ int32_t llama_attn_n_captured(const llama_context * ctx) {
 }
 
 int32_t llama_attn_set_stable(llama_context * ctx, bool stable) {
-    llama_attn_cap * cap = attn_cap_of(ctx);
-    if (!cap) {
-        return -1;
-    }
-    if (cap->stable != stable) {
-        cap->stable = stable;
-        cap->serial++; // graphs built before have the other shape
-    }
-    return 0;
+    return attn_set_flag(ctx, &llama_attn_cap::stable, stable);
 }
 
 int32_t llama_attn_set_in_place(llama_context * ctx, bool in_place) {
-    llama_attn_cap * cap = attn_cap_of(ctx);
-    if (!cap) {
-        return -1;
-    }
-    if (cap->in_place != in_place) {
-        cap->in_place = in_place;
-        cap->serial++; // graphs built before read the rows the other way
-    }
-    return 0;
+    return attn_set_flag(ctx, &llama_attn_cap::in_place, in_place);
 }
 
 const char * llama_attn_host_buffer(const llama_context * ctx) {

@@ -259,13 +259,20 @@ int64_t llama_attn_seq_range_get(llama_context * ctx, int32_t cache, llama_seq_i
     }
 }
 
-int64_t llama_attn_kv_seq_release(llama_context * ctx, llama_seq_id seq_id) {
-    if (!ctx || seq_id < 0 || (uint32_t) seq_id >= ctx->get_cparams().n_seq_max) {
+int64_t llama_attn_kv_seqs_release(llama_context * ctx, const llama_seq_id * seq_ids, int32_t n_seq_ids) {
+    if (!ctx || n_seq_ids < 0 || (n_seq_ids > 0 && !seq_ids)) {
+        return -1;
+    }
+    const uint32_t n_seq_max = ctx->get_cparams().n_seq_max;
+    if (std::any_of(seq_ids, seq_ids + n_seq_ids, [n_seq_max](llama_seq_id s) { return s < 0 || (uint32_t) s >= n_seq_max; })) {
         return -1;
     }
 #if defined(__linux__)
-    llama_synchronize(ctx);
-    ctx->memory_update(false); // a pending stream copy out of this stream reads it first
+    if (n_seq_ids == 0) {
+        return 0;
+    }
+    llama_synchronize(ctx); // once for every sequence
+    ctx->memory_update(false); // a pending stream copy out of one of these streams reads it first
     const llama_hparams & hp = ctx->get_model().hparams;
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
     const ggml_backend_buffer_type_t cpu = ggml_backend_cpu_buffer_type();
@@ -273,16 +280,26 @@ int64_t llama_attn_kv_seq_release(llama_context * ctx, llama_seq_id seq_id) {
     std::vector<const llama_kv_cache *> caches;
     for (int32_t c = 0; c < ATTN_MAX_CACHES; ++c) {
         const llama_kv_cache * kv = attn_kv_cache_of(ctx, c);
-        if (kv && (kv->get_n_stream() < 2 || kv->get_cells(seq_id).get_used() > 0)) {
-            return 0; // one stream shared by every sequence (kv_unified), or cells to keep in some cache
+        if (kv && kv->get_n_stream() < 2) {
+            return 0; // one stream shared by every sequence (kv_unified)
         }
         if (kv) {
             caches.push_back(kv);
         }
     }
+    // the sequences holding no cells in any KV cache (the others keep their streams)
+    std::vector<llama_seq_id> empty;
+    for (int32_t i = 0; i < n_seq_ids; ++i) {
+        const llama_seq_id s = seq_ids[i];
+        if (std::none_of(caches.begin(), caches.end(), [s](const llama_kv_cache * kv) { return kv->get_cells(s).get_used() > 0; })) {
+            empty.push_back(s);
+        }
+    }
+    if (empty.empty()) {
+        return 0;
+    }
     try {
         for (const llama_kv_cache * kv : caches) {
-            const uint32_t strm = kv->get_stream(seq_id);
             const ggml_init_params ip = {ggml_tensor_overhead() * (kv->get_layer_ids().size() + 1), nullptr, true};
             ggml_context_ptr gctx(ggml_init(ip));
             std::vector<const ggml_tensor *> tensors;
@@ -294,11 +311,13 @@ int64_t llama_attn_kv_seq_release(llama_context * ctx, llama_seq_id seq_id) {
                 if (!t || !t->buffer || !t->data || ggml_backend_buffer_get_type(t->buffer) != cpu) {
                     continue; // device memory (CUDA), pinned host memory, or no buffer
                 }
-                const uintptr_t b = (uintptr_t) t->data + (uintptr_t) strm * t->nb[2];
-                const uintptr_t begin = (b + page - 1) / page * page;
-                const uintptr_t end = (b + t->nb[2]) / page * page;
-                if (end > begin) {
-                    ranges.emplace(begin, end);
+                for (const llama_seq_id s : empty) {
+                    const uintptr_t b = (uintptr_t) t->data + (uintptr_t) kv->get_stream(s) * t->nb[2];
+                    const uintptr_t begin = (b + page - 1) / page * page;
+                    const uintptr_t end = (b + t->nb[2]) / page * page;
+                    if (end > begin) {
+                        ranges.emplace(begin, end);
+                    }
                 }
             }
         }

@@ -23,7 +23,7 @@ extern "C" {
 #endif
 
 // ABI of this header; slotserve refuses a libllama whose llama_attn_abi() differs.
-#define LLAMA_ATTN_ABI 5
+#define LLAMA_ATTN_ABI 6
 
 enum llama_attn_format {
     LLAMA_ATTN_PER_LAYER = 0, // [n_layer_sel, n_head, n_kv] per row and KV cache
@@ -126,19 +126,22 @@ LLAMA_API int32_t llama_attn_seq_cells(struct llama_context * ctx, int32_t cache
 LLAMA_API int64_t llama_attn_seq_range_get(struct llama_context * ctx, int32_t cache, llama_seq_id seq_id, llama_pos p0,
                                            llama_pos p1, uint8_t * dst, size_t size);
 
-// Give the memory of seq_id's KV stream back to the kernel while the sequence holds no cells.  llama.cpp allocates every
-// stream of every layer's K and V tensor ([n_embd_gqa, kv_size, n_stream]: a stream is the outermost dimension, one
-// range of nb[2] bytes at stream * nb[2]) when the context is made and clears the whole buffer
-// (src/llama-kv-cache.cpp, llama_kv_cache's constructor: ggml_backend_buffer_clear(buf, 0)), so every page of
-// every stream is resident from the start.  This applies the context's pending KV updates (a stream copy, a K-shift:
-// llama_attn_memory_update), then, for every KV cache of the memory (two for a sliding-window model), gives the
-// page-aligned interior of the stream's range of each layer's K and V tensor back with madvise(MADV_DONTNEED)
-// (Linux madvise(2): private anonymous memory reads back as zeros, what the clear wrote, and is allocated again
-// page by page as cells are written).  Returns the bytes given back (resident or not), 0 where it does nothing:
-// the sequence holds cells in some KV cache, a cache is unified (kv_unified: one stream for every sequence), a
-// tensor is not in the CPU buffer type's memory (a GPU, pinned host memory), a non-Linux build; -1 for a bad
-// argument.  A context that shares another context's KV cells (cparams.ctx_other) must not call it.
-LLAMA_API int64_t llama_attn_kv_seq_release(struct llama_context * ctx, llama_seq_id seq_id);
+// Give the memory of the KV streams of the n_seq_ids sequences at seq_ids back to the kernel, each while its sequence
+// holds no cells.  llama.cpp allocates every stream of every layer's K and V tensor ([n_embd_gqa, kv_size, n_stream]:
+// a stream is the outermost dimension, one range of nb[2] bytes at stream * nb[2]) when the context is made and
+// clears the whole buffer (src/llama-kv-cache.cpp, llama_kv_cache's constructor: ggml_backend_buffer_clear(buf, 0)),
+// so every page of every stream is resident from the start.  This synchronizes once and applies the context's
+// pending KV updates (a stream copy, a K-shift: llama_attn_memory_update), then, for every KV cache of the memory
+// (two for a sliding-window model) and every listed sequence holding no cells in any of them, gives the page-aligned
+// interior of its stream's range of each layer's K and V tensor back with madvise(MADV_DONTNEED) (Linux madvise(2):
+// private anonymous memory reads back as zeros, what the clear wrote, and is allocated again page by page as cells
+// are written).  Returns the bytes given back (resident or not; a sequence listed twice counts once), 0 where it
+// does nothing: n_seq_ids is 0, every listed sequence holds cells in some KV cache (those are skipped), a cache is
+// unified (kv_unified: one stream for every sequence), a tensor is not in the CPU buffer type's memory (a GPU,
+// pinned host memory), a non-Linux build; -1, giving nothing back, for a bad argument (n_seq_ids < 0, seq_ids NULL
+// with n_seq_ids > 0, a sequence id outside [0, n_seq_max)).  A context that shares another context's KV cells
+// (cparams.ctx_other) must not call it.
+LLAMA_API int64_t llama_attn_kv_seqs_release(struct llama_context * ctx, const llama_seq_id * seq_ids, int32_t n_seq_ids);
 
 // One piece of a sequence state for llama_attn_state_seq_read: `size` bytes at `data`, or, when data is NULL,
 // `size` bytes of the file llama_attn_state_seq_read is given, from its byte `offset`.

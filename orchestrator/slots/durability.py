@@ -101,7 +101,7 @@ class Durability:
         pending write out (:meth:`Increments.snapshot`)."""
         lease = await self._fence(slot)
         version = self.archive.next_version()
-        snap = await self._snapshot(slot, flush)
+        snap = await self._snapshot(slot, flush, write_ahead=True)  # the lock is held until written anyway
         slot.dirty = False  # from here; write marks it dirty again if the write fails
         return await self.write(slot, snap, version, lease)
 
@@ -118,11 +118,13 @@ class Durability:
         if slot.dirty or (slot.n_tokens and not slot.stored):
             await self.save(slot)
 
-    async def _snapshot(self, slot: Slot, flush: bool = True, known: dict[str, int] | None = None) -> Snapshot:
-        """What a save of ``slot`` (resident, lock held) stores: incremental where it applies (``flush`` and
-        ``known``: :meth:`Increments.snapshot`'s)."""
+    async def _snapshot(
+        self, slot: Slot, flush: bool = True, known: dict[str, int] | None = None, write_ahead: bool = False
+    ) -> Snapshot:
+        """What a save of ``slot`` (resident, lock held) stores: incremental where it applies (``flush``,
+        ``known`` and ``write_ahead``: :meth:`Increments.snapshot`'s)."""
         if self.increments.applies():
-            snap = await self.increments.snapshot(slot, flush, known)
+            snap = await self.increments.snapshot(slot, flush, known, write_ahead)
             if snap is not None:
                 return snap
         return await self._read_state(slot)

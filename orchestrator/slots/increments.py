@@ -39,8 +39,8 @@ READ_GROUP = 2  # KV ranges per read from the engine when a save reads several (
 @dataclass
 class ChunkedSnapshot:
     """A slot's state as a save stores it incrementally: its ``tokens``, ``chunks`` (in position order),
-    the ``new`` chunks the store lacks (key -> sealed record) and the ``rest`` of the state (the
-    one-stream state's bytes after the first KV cache's record)."""
+    the ``new`` chunks the store lacks (key -> sealed record; none when they were written ahead) and the ``rest``
+    of the state (the one-stream state's bytes after the first KV cache's record)."""
 
     tokens: list[int]
     chunks: list[ChunkRef]
@@ -85,7 +85,7 @@ class Increments:
         return dict(zip(keys, await self.archive.has_chunks(keys), strict=True))
 
     async def snapshot(
-        self, slot: Slot, flush: bool = True, known: dict[str, int] | None = None
+        self, slot: Slot, flush: bool = True, known: dict[str, int] | None = None, write_ahead: bool = False
     ) -> ChunkedSnapshot | None:
         """Read what a save of ``slot`` (resident, lock held) must store; None for an empty sequence (stored
         whole: a state of no cells has no chunks).  ``flush`` False: the last generated token's pending write
@@ -93,7 +93,9 @@ class Increments:
         strict turn's commit, whose write-behind save then stores that token).  ``known``: the chunks' sizes
         from :meth:`known` (no store call here: a chunk not in it is read from the engine, and the store keeps
         it once); None: asked from the store now (``STORE_UNAVAILABLE`` when the store cannot say which chunks
-        it has)."""
+        it has).  ``write_ahead``: each group of new chunks is written to the store as soon as it is sealed, while
+        the next group is read (for a caller that holds the slot's lock until its write: the store then only
+        touches them; a failed or stalled store fails or holds the snapshot, as it would the write)."""
         seq = slot.seq
         assert seq is not None
         info = self.engine.info
@@ -118,21 +120,25 @@ class Increments:
         read = [i for i, size in enumerate(sizes) if size < 0]
         want = [KVRange(0, *ranges[i]) for i in read]
         want += [KVRange(c, 0, len(tokens)) for c in range(1, info.memory.kv_caches)]
-        records = await self._read(seq, tokens, want, [keys[i] for i in read])
-        new = {keys[i]: records[j] for j, i in enumerate(read)}
+        records = await self._read(seq, tokens, want, [keys[i] for i in read], write_ahead)
         rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
-        for i in read:
-            sizes[i] = len(new[keys[i]])
+        for j, i in enumerate(read):
+            sizes[i] = len(records[j])
         chunks = [ChunkRef(p0, p1, k, size) for (p0, p1), k, size in zip(ranges, keys, sizes, strict=True)]
+        new = {} if write_ahead else {keys[i]: records[j] for j, i in enumerate(read)}  # (written ahead: stored)
         return ChunkedSnapshot(tokens, chunks, new, rest)
 
-    async def _read(self, seq: int, tokens: list[int], want: list[KVRange], keys: list[str]) -> list[bytes]:
+    async def _read(
+        self, seq: int, tokens: list[int], want: list[KVRange], keys: list[str], write_ahead: bool = False
+    ) -> list[bytes]:
         """The records of ``want`` read from the engine, the first ``len(keys)`` sealed under ``keys``
         (:func:`slotstate.kv_chunks.seal`), the rest as read.  Read :data:`READ_GROUP` ranges at a time with the
         next group's read in flight while a thread seals the last (the worker reads and sends one group while
         this process receives and seals another), so a long state is not read, then sealed, one after the other;
         and another sequence's decode waits for one group's read at most, not the whole state's.  Sealing copies
-        each record: their receive buffers go back to the engine client (they serve the next reads).
+        each record: their receive buffers go back to the engine client (they serve the next reads).  With
+        ``write_ahead`` each group's sealed chunks go to the store at once (:meth:`SlotArchive.put_chunks`), so
+        the writes overlap the next reads; all of them are awaited before this returns.
 
         Raises RuntimeError when the sequence changed meanwhile (the slot's lock forbids it), and what
         ``read_kv`` raises."""
@@ -159,6 +165,7 @@ class Increments:
                     self.engine.release_state(r)
 
         out: list[bytes] = []
+        puts: list[asyncio.Future[int]] = []
         ahead = asyncio.ensure_future(fetch(groups[0])) if groups else None
         try:
             for g in range(len(groups)):
@@ -166,13 +173,21 @@ class Increments:
                 current, ahead = ahead, None
                 records = await current
                 ahead = asyncio.ensure_future(fetch(groups[g + 1])) if g + 1 < len(groups) else None
+                first = len(out)
                 out += await asyncio.to_thread(seal, records, g * READ_GROUP)
+                sealed = {keys[i]: out[i] for i in range(first, min(len(out), len(keys)))}
+                if write_ahead and sealed:
+                    puts.append(asyncio.ensure_future(self.archive.put_chunks(sealed)))
+            await asyncio.gather(*puts)
         finally:
             if ahead is not None:  # an error stopped the loop: the read in flight gives its buffers back too
                 ahead.cancel()
                 with contextlib.suppress(BaseException):
                     for r in await ahead:
                         self.engine.release_state(r)
+            for put in puts:  # on an error: chunks a write in flight still stores stay unnamed until swept
+                put.cancel()
+            await asyncio.gather(*puts, return_exceptions=True)
         return out
 
     def stored(self, slot: Slot, snap: ChunkedSnapshot, meta: SlotMeta) -> None:

@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import structlog
 
@@ -247,6 +247,15 @@ class SlotArchive:
         :meth:`storage.base.ChunkStore.has_chunks`)."""
         self.check_up()
         return await self._call(self.store.has_chunks(keys))  # type: ignore[attr-defined]
+
+    async def put_chunks(self, chunks: dict[str, bytes]) -> int:
+        """Store the KV chunks ``chunks`` (key -> sealed record) ahead of the metadata that will name them
+        (:meth:`storage.base.ChunkStore.put_chunks`; one present is only touched); returns the bytes written,
+        counted in ``slotserve_state_bytes_written_total``.  ``STORE_UNAVAILABLE``."""
+        self.check_up()
+        written = await self._call(self.store.put_chunks(chunks))  # type: ignore[attr-defined]
+        metrics.STATE_BYTES_WRITTEN.inc(written)
+        return cast(int, written)
 
     async def write_chunks(
         self,

@@ -1,5 +1,5 @@
 """An empty sequence's KV stream given back to the kernel (``Engine.release``, libllama's
-``llama_attn_kv_seq_release``).
+``llama_attn_kv_seqs_release``).
 
 llama.cpp allocates every stream of every layer's K and V when the context is made and clears them, so
 all of them are resident from the start; the release gives an empty stream's pages back
@@ -16,6 +16,7 @@ in its continuation, taking back only what it writes, and an erased stream kept 
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import llama_cpp as llama
@@ -102,6 +103,68 @@ def test_an_empty_stream_is_given_back(runner: Runner, prompt: list[int]) -> Non
         eng.give_spare(spare)
 
 
+def test_several_empty_streams_are_given_back_in_one_call(runner: Runner, prompt: list[int], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``release_empty`` gives every empty stream back with one call of ``llama_attn_kv_seqs_release`` (one backend
+    synchronization, not one per stream), the resident memory dropping by the two written streams; a sequence
+    holding cells is skipped and left as it was; the bytes are those of releasing the streams one by one, and a
+    sequence listed twice counts once."""
+    eng = runner.engine
+    size = stream_bytes(eng, 1, prompt)
+    runner.generate(0, prompt, max_new_tokens=2)
+    state = llama_state(eng.ctx, 0)
+    for s in (1, 2):
+        eng.fork(0, s)  # llama.cpp copies the stream: all of its pages written
+        eng.erase(s, release=False)
+    calls: list[list[int]] = []
+    c_release = native.lib.llama_attn_kv_seqs_release
+
+    def counted(ctx, ids, n):  # type: ignore[no-untyped-def]
+        calls.append(list(ids[:n]))
+        return c_release(ctx, ids, n)
+
+    before = rss_anon()
+    with monkeypatch.context() as m:
+        m.setattr(native.lib, "llama_attn_kv_seqs_release", counted)
+        got = eng.release_empty()
+    dropped = before - rss_anon()
+    assert calls == [[s for s in range(eng.n_stream) if s != 0]]
+    assert dropped >= size, (dropped, size)  # at least half of each of streams 1 and 2
+    assert llama_state(eng.ctx, 0) == state
+    one_by_one = [eng.release(s) for s in range(eng.n_stream)]
+    assert one_by_one[0] == 0 and all(n > 0 for n in one_by_one[1:]), one_by_one
+    assert got == sum(one_by_one)
+    assert eng.release(1, 2) == one_by_one[1] + one_by_one[2]
+    assert eng.release(0, 2, 2) == one_by_one[2]
+    assert eng.release() == 0
+    assert llama_state(eng.ctx, 0) == state
+
+
+def test_a_bad_sequence_list_gives_nothing_back(runner: Runner, prompt: list[int]) -> None:
+    """``llama_attn_kv_seqs_release`` with a sequence id outside ``[0, n_seq_max)``, a negative count, no array or
+    no context returns -1 and gives no stream of the list back; an empty list gives back nothing (0)."""
+    eng = runner.engine
+    size = stream_bytes(eng, 1, prompt)
+    runner.generate(0, prompt, max_new_tokens=2)
+    eng.fork(0, 1)  # every page of stream 1 written
+    eng.erase(1, release=False)
+    n_seq_max = llama.llama_n_seq_max(eng.ctx)
+    release = native.lib.llama_attn_kv_seqs_release
+
+    def ids(*seqs: int) -> ctypes.Array[ctypes.c_int32]:
+        return (ctypes.c_int32 * len(seqs))(*seqs)
+
+    before = rss_anon()
+    assert release(eng.ctx, ids(1, n_seq_max), 2) == -1
+    assert release(eng.ctx, ids(1, -1), 2) == -1
+    assert release(eng.ctx, ids(1), -1) == -1
+    assert release(eng.ctx, None, 1) == -1
+    assert release(None, ids(1), 1) == -1
+    assert release(eng.ctx, None, 0) == 0
+    assert before - rss_anon() < size // 4, (before - rss_anon(), size)  # stream 1 still resident
+    assert release(eng.ctx, ids(1), 1) > 0
+    assert before - rss_anon() >= size // 2, (before - rss_anon(), size)
+
+
 def test_a_sequence_with_cells_is_left_as_it_was(runner: Runner, prompt: list[int]) -> None:
     eng = runner.engine
     first = runner.generate(0, prompt, max_new_tokens=4, ignore_eos=True)
@@ -163,7 +226,7 @@ def test_a_context_shift_gives_back_what_its_k_shift_wrote(runner: Runner, promp
         return runner.generate(0, list(eng.tokens[0]), max_new_tokens=10, ignore_eos=True)
 
     with monkeypatch.context() as m:
-        m.setattr(eng, "release", lambda seq: 0)
+        m.setattr(eng, "release", lambda *seqs: 0)
         kept = shifted()
     eng.release_empty()
     eng.erase(0, release=False)

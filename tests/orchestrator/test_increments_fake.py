@@ -23,6 +23,7 @@ from orchestrator.engine_client.interface import EngineRequestError
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.increments import READ_GROUP
 from storage.base import SlotMeta
+from storage.errors import StoreUnavailableError
 from storage.redis_store import RedisStore
 from tests.orchestrator.fake_engine import EOG
 from tests.orchestrator.fake_world import CountingStore, World, greedy, saved
@@ -328,5 +329,88 @@ async def test_a_long_save_reads_in_groups_and_an_error_hands_every_record_back(
         assert meta is not None and meta.tokens == [*more, *greedy(more, 2)]
         assert (meta.chunks[0].p0, meta.chunks[0].p1) == (0, CHUNK) and meta.chunks[-1].p1 == len(meta.tokens)
         assert all(id(r) in {id(b) for b in engine.released} for r in engine.lent)
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_a_strict_commit_writes_each_group_while_the_next_is_read(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that holds the slot's lock until its write (the strict commit) hands each sealed group of new chunks
+    to the store at once, so the chunk writes overlap the next reads; each chunk's bytes go to the store once
+    (the commit's own write then only names them); the state restores on another node."""
+    w = store.world()
+    await w.registry.start()
+    events: list[str] = []
+    try:
+        ids = [(13 * i) % 400 + 1 for i in range(8 * CHUNK - 3)]  # eight chunks once the turn is done
+        read_kv, put_chunks, store_put = w.engine.read_kv, w.archive.put_chunks, w.archive.store.put_chunks  # type: ignore[attr-defined]
+        sent: list[str] = []
+
+        async def reading(seq: int, ranges: list[KVRange]) -> object:
+            if ranges:
+                events.append("read")
+            return await read_kv(seq, ranges)
+
+        async def putting(chunks: dict[str, bytes]) -> int:
+            events.append("put")
+            return await put_chunks(chunks)
+
+        async def counting(chunks: dict[str, bytes]) -> int:
+            sent.extend(chunks)
+            return await store_put(chunks)
+
+        monkeypatch.setattr(w.engine, "read_kv", reading)
+        monkeypatch.setattr(w.archive, "put_chunks", putting)
+        monkeypatch.setattr(w.archive.store, "put_chunks", counting)
+        await w.gen("s", ids, n=2)  # answered once committed
+        meta = await w.archive.lookup("s")
+        assert meta is not None and len(meta.chunks) == 8
+        assert events.count("read") == 8 // READ_GROUP and events.count("put") == 8 // READ_GROUP
+        assert events.index("put") < len(events) - 1 - events[::-1].index("read"), "a put before the last read"
+        assert sorted(sent) == sorted(c.key for c in meta.chunks), "each chunk's bytes sent once"
+        assert set(await store.chunks()) >= {c.key for c in meta.chunks}
+    finally:
+        await w.registry.shutdown()
+    w2 = store.world(node="node-b")
+    await w2.registry.start()
+    try:
+        assert (await w2.gen("s", [*meta.tokens, 4], n=2)).n_cached == len(meta.tokens)
+    finally:
+        await w2.registry.shutdown()
+
+
+async def test_a_store_failing_a_write_ahead_fails_the_commit_and_hands_records_back(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk write that fails during a strict commit's reads answers ``STORE_UNAVAILABLE``, commits nothing and
+    hands every record back; once the store answers again the next turn stores the whole state."""
+    w = store.world()
+    await w.registry.start()
+    try:
+        ids = [(17 * i) % 400 + 1 for i in range(8 * CHUNK - 3)]
+        store_put = w.archive.store.put_chunks  # type: ignore[attr-defined]
+        calls: list[int] = []
+
+        async def failing(chunks: dict[str, bytes]) -> int:
+            calls.append(len(chunks))
+            if len(calls) == 2:
+                raise StoreUnavailableError("the test's store failed a chunk write")
+            return await store_put(chunks)
+
+        monkeypatch.setattr(w.archive.store, "put_chunks", failing)
+        with pytest.raises(ServiceError) as err:
+            await w.gen("s", ids, n=2)
+        assert err.value.code == ErrorCode.STORE_UNAVAILABLE
+        w.archive._down_until = 0.0  # the breaker's pause after a failure is over
+        assert await w.archive.lookup("s") is None, "nothing committed"
+        released = {id(b) for b in w.engine.released}
+        assert w.engine.lent and all(id(r) in released for r in w.engine.lent), "a record was not handed back"
+
+        monkeypatch.setattr(w.archive.store, "put_chunks", store_put)
+        more = [*ids, *greedy(ids, 2), 5]
+        await turn(w, "s", more)
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == [*more, *greedy(more, 2)]
     finally:
         await w.registry.shutdown()

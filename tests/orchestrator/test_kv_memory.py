@@ -1,7 +1,7 @@
 """The engine worker's resident memory follows the tokens its slots hold, not ``--ctx-size`` (real server).
 
 llama.cpp allocates and clears every sequence's KV stream when the context is made; the engine gives
-an empty stream's pages back (``Engine.release``, libllama's ``llama_attn_kv_seq_release``) after its
+an empty stream's pages back (``Engine.release``, libllama's ``llama_attn_kv_seqs_release``) after its
 start-up self-check, and a few seconds (``engine.kv_release.RELEASE_DELAY_S``) after a slot is erased or parked
 or a preview's spare sequence is given back.
 Measured as the worker's resident anonymous memory (``RssAnon`` of ``/proc/PID/status``, proc(5)).
