@@ -262,6 +262,9 @@ def main() -> int:
     ap.add_argument(
         "--flash-attn", default="auto", choices=("auto", "on", "off"), help="slotserve's (server and in process)"
     )
+    ap.add_argument(
+        "--capture-graph", default="auto", choices=("auto", "stable", "lean"), help="slotserve's, server and in process"
+    )
     ap.add_argument("--growth", default="500,2000,4000,8000", help="in process: context sizes, tokens")
     for flag, (default, text) in sizes.items():
         ap.add_argument("--" + flag, type=int, default=default, help=text)
@@ -283,7 +286,10 @@ def main() -> int:
             cmd = slotserve_cmd(
                 port, tmp / "state", parallel=4, spare=2, ctx_size=args.ctx_size, threads=args.threads, model=model,
                 n_gpu_layers=args.n_gpu_layers,
-                extra=["--slot-save-path", str(tmp / "slotserve-slots"), "--flash-attn", args.flash_attn],
+                extra=[
+                    "--slot-save-path", str(tmp / "slotserve-slots"), "--flash-attn", args.flash_attn,
+                    "--capture-graph", args.capture_graph,
+                ],
             )  # fmt: skip
             servers.append(ServerProc("slotserve", cmd, port, tmp / "slotserve.log"))
             if args.llama_server:

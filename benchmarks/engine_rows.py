@@ -83,7 +83,12 @@ def growth(args: argparse.Namespace, quiet: Quiet, add: Add, model: Model) -> No
     """Decode tok/s and bytes per token without attention, aggregated and full, per context size."""
     sizes = [int(x) for x in args.growth.split(",")]
     cfg = EngineSettings(
-        n_ctx=max(sizes) + args.new + 256, n_slots=1, n_spare=0, n_threads=args.threads, flash_attn=args.flash_attn
+        n_ctx=max(sizes) + args.new + 256,
+        n_slots=1,
+        n_spare=0,
+        n_threads=args.threads,
+        flash_attn=args.flash_attn,
+        capture_graph=args.capture_graph,
     )
     eng = Engine(model, cfg)
     tok = model_tokenizer(model)

@@ -31,6 +31,7 @@ import msgspec
 from contract.kv_types import FLOAT_KV_TYPES, KvCacheType
 
 FlashAttn = Literal["auto", "on", "off"]
+CaptureGraph = Literal["auto", "stable", "lean"]
 SplitMode = Literal["none", "layer", "row", "tensor"]
 SPLIT_MODES = {"none": 0, "layer": 1, "row": 2, "tensor": 3}  # enum llama_split_mode (include/llama.h)
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type (include/llama.h)
@@ -141,6 +142,17 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "--flash-attn",
             "-fa",
             metavar="auto|on|off",
+        ),
+    ] = "auto"
+    capture_graph: Annotated[
+        CaptureGraph,
+        Flag(
+            "the attention capture's graph: stable = every ubatch carries the capture's nodes (one graph shape "
+            "with and without attention, so a CUDA graph is kept when clients switch attention on and off; every "
+            "decode pays their work), lean = only the decodes that capture do; auto: stable where layers run on "
+            "a GPU, lean on a CPU (docs/gpu.md)",
+            "--capture-graph",
+            metavar="auto|stable|lean",
         ),
     ] = "auto"
     type_k: Annotated[

@@ -165,11 +165,14 @@ def choose_repack(requested: bool | None, extra_bufts: list[str]) -> RepackChoic
     return RepackChoice(True, f"auto: on ({', '.join(extra_bufts)})")
 
 
-def stable_capture_graph(n_gpu_layers: int) -> bool:
+def stable_capture_graph(n_gpu_layers: int, setting: str = "auto") -> bool:
     """Whether the capture keeps one graph shape for decodes with and without attention
-    (``llama_attn_set_stable``, libllama/llama-attn.h): where layers run on a GPU, so the CUDA backend keeps
-    replaying its CUDA graph when clients switch attention on and off; not on a CPU, where there is no graph
-    to keep and the capture's nodes would cost every decode some work (docs/gpu.md)."""
+    (``llama_attn_set_stable``, libllama/llama-attn.h; ``--capture-graph``: ``stable``, ``lean`` or ``auto``):
+    with ``auto``, where layers run on a GPU, so the CUDA backend keeps replaying its CUDA graph when clients
+    switch attention on and off; not on a CPU, where there is no graph to keep and the capture's nodes would
+    cost every decode some work (docs/gpu.md)."""
+    if setting != "auto":
+        return setting == "stable"
     return n_gpu_layers > 0 and any(d.type in ("GPU", "IGPU") for d in devices())
 
 

@@ -121,7 +121,11 @@ class AttentionCapture:
 
     def plan(self, targets: Sequence[RowTarget]) -> None:
         """Name the batch rows of ``targets`` for the next ``llama_decode`` and choose its format
-        (the targets' own when they agree, else every asked layer per head in float32)."""
+        (the targets' own when they agree, else every asked layer per head in float32).  No rows after a
+        decode that named none calls nothing (llama.cpp's capture holds none already): a decode step without
+        attention costs no ctypes call here."""
+        if not targets and not len(self._idx):
+            return
         if targets:
             first = targets[0]
             same = all((t.format, t.dtype, t.layers) == (first.format, first.dtype, first.layers) for t in targets)

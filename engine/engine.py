@@ -128,7 +128,7 @@ class Engine:
         self.cellmap = CellMap(self.n_cells)
         self.capture: AttentionCapture | None = None
         if config.capture and self.shape.n_caches:
-            stable = backend.stable_capture_graph(config.n_gpu_layers)  # one graph shape on a GPU (docs/gpu.md)
+            stable = backend.stable_capture_graph(config.n_gpu_layers, config.capture_graph)  # docs/gpu.md
             self.capture = AttentionCapture(
                 ctx, self.cellmap, model.n_layer, self.shape.n_caches, verify=config.verify_cells, stable=stable
             )

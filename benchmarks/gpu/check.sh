@@ -15,7 +15,8 @@
 # (one stream at 500 and 4,000 tokens with no / aggregated / full attention, four conversations of 2,000 tokens, a
 # 2,000-token save and restore, and in process the attention against transformers' eager reference with flash
 # attention on and off); benchmarks/bench_stream.py at 4,000 tokens with the worker's tensors through the shared
-# region and through its socket; benchmarks/bench_save_stall.py (four streams while a fifth saves);
+# region and through its socket; benchmarks/bench_save_stall.py (four streams while a fifth saves); the one-stream
+# rows again with --capture-graph lean (the capture's nodes only on decodes that capture, against the default stable);
 # benchmarks/gpu/report.py joins them into one JSON and one markdown table.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -57,6 +58,7 @@ dry_run() {
   step "device call 2: benchmarks/bench_table.py --n-gpu-layers 99 --threads 16 --llama-server $WORK/build/bin/llama-server --growth 500,4000 --json $LOG/bench.json"
   step "device call 2: benchmarks/bench_stream.py --shm both --ctx 4000 (the shared region against the socket) > \$LOG/stream.log"
   step "device call 2: benchmarks/bench_save_stall.py --tokens 2000 (four streams while a fifth saves) > \$LOG/stall.log"
+  step "device call 2: benchmarks/bench_table.py --skip streams,big,inproc --capture-graph lean (one stream) > \$LOG/bench_lean.log"
   step "device call 2: benchmarks/gpu/report.py -> \$OUT/gpu-check.json, \$OUT/gpu-check.md (+ check.log, bench.log, server-logs.tgz)"
 }
 
@@ -137,8 +139,12 @@ run_there() {
   step "run: four conversations with full attention while a fifth saves a 2,000-token state"
   python3 benchmarks/bench_save_stall.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --tokens 2000 --new 128 \
     --reps 3 --wait-idle 0 > "$LOG/stall.log" 2>&1 || echo "bench_save_stall rc=$?"
+  step "run: one stream again with the capture's nodes only on decodes that capture (--capture-graph lean)"
+  python3 benchmarks/bench_table.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --capture-graph lean \
+    --llama-server "$WORK/build/bin/llama-server" --prompts 500,4000 --skip streams,big,inproc --wait-idle 0 \
+    > "$LOG/bench_lean.log" 2>&1 || echo "bench_table lean rc=$?"
   python3 benchmarks/gpu/report.py "$LOG" --json "$OUT/gpu-check.json" > "$OUT/gpu-check.md"
-  cp "$LOG/check.log" "$LOG/bench.log" "$LOG/stream.log" "$LOG/stall.log" "$OUT/"
+  cp "$LOG/check.log" "$LOG/bench.log" "$LOG/stream.log" "$LOG/stall.log" "$LOG/bench_lean.log" "$OUT/"
   cat "$OUT/gpu-check.md"
 }
 

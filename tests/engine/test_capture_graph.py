@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from contract.protocol import CaptureOptions
+from contract.settings import EngineSettings
 from engine import native
 from engine.engine import BatchEntry, Engine
 from engine.model_info import cuda_graphs, runtime_info
@@ -106,5 +107,39 @@ def test_health_says_no_cuda_graphs_on_a_cpu_engine(engine: Engine) -> None:
     assert info.cuda_graphs is None and info.capture_stable_graph is False
 
 
+def test_capture_graph_stable_is_taken_on_a_cpu_engine(model) -> None:  # type: ignore[no-untyped-def]
+    """``--capture-graph stable`` keeps one graph shape on a CPU engine too (what ``auto`` does on a GPU); /health
+    says so; a decode without rows after one with rows reuses the graph."""
+    eng = Engine(model, EngineSettings(n_ctx=512, n_slots=1, n_spare=0, n_threads=2, capture_graph="stable"))
+    try:
+        assert eng.capture is not None and eng.capture.stable
+        assert runtime_info(eng).capture_stable_graph is True
+        ids = model.tokenize(CHAT.format("Hi"), False, True)
+        _, reused = _steps(eng, ids, [True, False, True, False])
+        assert reused >= 3
+    finally:
+        eng.close()
+
+
 def test_set_stable_before_the_capture_is_armed_is_refused() -> None:
     assert native.lib.llama_attn_set_stable(None, True) == -1
+
+
+def test_decode_steps_without_rows_name_none_to_llama_cpp_again(
+    engine: Engine, prompt: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step without attention after a step without attention makes no ``llama_attn_set_rows`` call (nothing
+    to clear); the first step without rows after one with rows clears them, and rows asked again are captured."""
+    calls: list[int] = []
+    real = native.lib.llama_attn_set_rows
+
+    def counting(ctx: object, idx: object, n: int) -> int:
+        calls.append(n)
+        return int(real(ctx, idx, n))
+
+    _steps(engine, prompt, [False])  # whatever came before: llama.cpp now holds no rows
+    monkeypatch.setattr(native.lib, "llama_attn_set_rows", counting)
+    rows, _ = _steps(engine, prompt, [False, False, True, False, False, True])
+    assert calls == [1, 0, 1], "set only when the rows change"
+    assert [r is None for r in rows] == [True, True, False, True, True, False]
+    assert all(np.isclose(r.sum(axis=-1), 1.0, atol=1e-3).all() for r in rows if r is not None)

@@ -47,3 +47,11 @@ def test_device_names_resolve_as_ggml_names_them() -> None:
 def test_the_capture_keeps_lean_graphs_without_a_gpu() -> None:
     assert backend.stable_capture_graph(0) is False
     assert backend.stable_capture_graph(99) is False  # no GPU device here
+    assert backend.stable_capture_graph(99, "auto") is False
+
+
+def test_capture_graph_setting_overrides_the_device_choice() -> None:
+    """``--capture-graph stable`` / ``lean`` decide whatever the devices (a GPU user who never asks for attention
+    may prefer decodes without the capture's nodes)."""
+    assert backend.stable_capture_graph(0, "stable") is True
+    assert backend.stable_capture_graph(99, "lean") is False
