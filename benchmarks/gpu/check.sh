@@ -142,7 +142,7 @@ run_there() {
   step "run: one stream again with the capture's nodes only on decodes that capture (--capture-graph lean)"
   python3 benchmarks/bench_table.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --capture-graph lean \
     --llama-server "$WORK/build/bin/llama-server" --prompts 500,4000 --skip streams,big,inproc --wait-idle 0 \
-    > "$LOG/bench_lean.log" 2>&1 || echo "bench_table lean rc=$?"
+    --json "$LOG/bench_lean.json" > "$LOG/bench_lean.log" 2>&1 || echo "bench_table lean rc=$?"
   python3 benchmarks/gpu/report.py "$LOG" --json "$OUT/gpu-check.json" > "$OUT/gpu-check.md"
   cp "$LOG/check.log" "$LOG/bench.log" "$LOG/stream.log" "$LOG/stall.log" "$LOG/bench_lean.log" "$OUT/"
   cat "$OUT/gpu-check.md"

@@ -47,6 +47,8 @@ def test_the_report_joins_a_devices_logs_into_json_and_markdown(tmp_path: Path) 
     (tmp_path / "check.log").write_text("start-up ok\nattention ok\n")
     rows = [{"row": "one stream at 500 | SSE", "slotserve": "430 tok/s", "llama_server": "743", "ratio": "0.58"}]
     (tmp_path / "bench.json").write_text(json.dumps({"about": {"threads": "16"}, "rows": rows}))
+    lean = [{"row": "one stream at 500 | SSE", "slotserve": "700 tok/s", "llama_server": "743", "ratio": "0.94"}]
+    (tmp_path / "bench_lean.json").write_text(json.dumps({"rows": lean}))
     out = subprocess.run(
         [
             sys.executable,
@@ -61,10 +63,12 @@ def test_the_report_joins_a_devices_logs_into_json_and_markdown(tmp_path: Path) 
     )
     assert out.returncode == 0, out.stderr
     assert "| one stream at 500 / SSE | 430 tok/s | 743 | 0.58 |" in out.stdout
+    assert "| one stream at 500 / SSE [--capture-graph lean] | 700 tok/s | 743 | 0.94 |" in out.stdout
     assert "H100" in out.stdout and "271 s" in out.stdout and "exit 0" in out.stdout
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["build"]["build_s"] == "271" and report["check"]["rc"] == "0"
     assert report["rows"] == rows and report["check"]["lines"] == ["start-up ok", "attention ok"]
+    assert report["lean_rows"] == lean
 
 
 def test_the_report_of_a_call_that_only_built(tmp_path: Path) -> None:
