@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -245,6 +246,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (no llama rows without)")
     ap.add_argument("--llama-args", default="", help="extra llama-server arguments (default: its defaults)")
+    ap.add_argument("--slotserve-args", default="", help="extra slotserve serve arguments, e.g. '--stream-window 64'")
     ap.add_argument("--model", type=Path, default=None)
     common.add_gpu_args(ap)
     sizes = {
@@ -288,7 +290,7 @@ def main() -> int:
                 n_gpu_layers=args.n_gpu_layers,
                 extra=[
                     "--slot-save-path", str(tmp / "slotserve-slots"), "--flash-attn", args.flash_attn,
-                    "--capture-graph", args.capture_graph,
+                    "--capture-graph", args.capture_graph, *shlex.split(args.slotserve_args),
                 ],
             )  # fmt: skip
             servers.append(ServerProc("slotserve", cmd, port, tmp / "slotserve.log"))

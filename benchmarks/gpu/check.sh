@@ -16,7 +16,8 @@
 # 2,000-token save and restore, and in process the attention against transformers' eager reference with flash
 # attention on and off); benchmarks/bench_stream.py at 4,000 tokens with the worker's tensors through the shared
 # region and through its socket; benchmarks/bench_save_stall.py (four streams while a fifth saves); the one-stream
-# rows again with --capture-graph lean (the capture's nodes only on decodes that capture, against the default stable);
+# rows again with --capture-graph lean (the capture's nodes only on decodes that capture, against the default stable)
+# and with --stream-window 64 (flow control 64 tokens ahead instead of 4);
 # benchmarks/gpu/report.py joins them into one JSON and one markdown table.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -59,6 +60,7 @@ dry_run() {
   step "device call 2: benchmarks/bench_stream.py --shm both --ctx 4000 (the shared region against the socket) > \$LOG/stream.log"
   step "device call 2: benchmarks/bench_save_stall.py --tokens 2000 (four streams while a fifth saves) > \$LOG/stall.log"
   step "device call 2: benchmarks/bench_table.py --skip streams,big,inproc --capture-graph lean (one stream) > \$LOG/bench_lean.log"
+  step "device call 2: benchmarks/bench_table.py --skip streams,big,inproc --slotserve-args '--stream-window 64' > \$LOG/bench_window.log"
   step "device call 2: benchmarks/gpu/report.py -> \$OUT/gpu-check.json, \$OUT/gpu-check.md (+ check.log, bench.log, server-logs.tgz)"
 }
 
@@ -143,6 +145,10 @@ run_there() {
   python3 benchmarks/bench_table.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --capture-graph lean \
     --llama-server "$WORK/build/bin/llama-server" --prompts 500,4000 --skip streams,big,inproc --wait-idle 0 \
     --json "$LOG/bench_lean.json" > "$LOG/bench_lean.log" 2>&1 || echo "bench_table lean rc=$?"
+  step "run: one stream again with a flow-control window of 64 tokens (--stream-window 64; default 4)"
+  python3 benchmarks/bench_table.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --slotserve-args "--stream-window 64" \
+    --llama-server "$WORK/build/bin/llama-server" --prompts 500,4000 --skip streams,big,inproc --wait-idle 0 \
+    --json "$LOG/bench_window.json" > "$LOG/bench_window.log" 2>&1 || echo "bench_table window rc=$?"
   python3 benchmarks/gpu/report.py "$LOG" --json "$OUT/gpu-check.json" > "$OUT/gpu-check.md"
   cp "$LOG/check.log" "$LOG/bench.log" "$LOG/stream.log" "$LOG/stall.log" "$LOG/bench_lean.log" "$OUT/"
   cat "$OUT/gpu-check.md"

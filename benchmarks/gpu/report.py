@@ -4,8 +4,8 @@ Usage: ``python benchmarks/gpu/report.py LOGDIR [--json PATH]``; prints the mark
 what ``check.sh device`` wrote: ``device.txt`` (nvidia-smi's name, memory, driver, compute capability),
 ``build.txt`` (the CMake arguments and ``build_s=`` seconds), ``check.txt`` (``check_rc=`` ``check_s=``),
 ``check.log`` (``slotserve check``'s lines), ``bench.json`` (``bench_table.py --json``: rows of
-``row``, ``slotserve``, ``llama_server``, ``ratio`` as printed) and ``bench_lean.json`` (the one-stream rows again
-with ``--capture-graph lean``).  A missing file gives an empty section.
+``row``, ``slotserve``, ``llama_server``, ``ratio`` as printed) and the one-stream rows again with one server
+setting changed (:data:`VARIANTS`).  A missing file gives an empty section.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
+
+VARIANTS = {"--capture-graph lean": "bench_lean.json", "--stream-window 64": "bench_window.json"}
+"""The settings the check runs the one-stream rows again with, and the ``bench_table.py --json`` file of each."""
 
 
 def _text(path: Path) -> str:
@@ -29,12 +32,11 @@ def _pairs(text: str) -> dict[str, str]:
 
 def collect(logdir: Path) -> dict[str, Any]:
     """Everything the markdown shows: ``device``, ``build`` (``cmake_args``, ``build_s``), ``check``
-    (``rc``, ``s``, ``lines``: its last 40 lines), ``rows`` (bench_table's) and ``lean_rows`` (its one-stream
-    rows with ``--capture-graph lean``)."""
+    (``rc``, ``s``, ``lines``: its last 40 lines), ``rows`` (bench_table's) and ``variants`` (setting -> its
+    one-stream rows, :data:`VARIANTS`)."""
     build = _text(logdir / "build.txt")
     check = _pairs(_text(logdir / "check.txt"))
     bench = json.loads(_text(logdir / "bench.json") or "{}")
-    lean = json.loads(_text(logdir / "bench_lean.json") or "{}")
     args = re.search(r"cmake arguments: (.*)", build)
     return {
         "device": _text(logdir / "device.txt").strip(),
@@ -46,13 +48,13 @@ def collect(logdir: Path) -> dict[str, Any]:
         },
         "about": bench.get("about", {}),
         "rows": bench.get("rows", []),
-        "lean_rows": lean.get("rows", []),
+        "variants": {k: json.loads(_text(logdir / f) or "{}").get("rows", []) for k, f in VARIANTS.items()},
     }
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The report as markdown: a header of device, build and check, then bench_table's rows (the lean graph's
-    marked ``[--capture-graph lean]``)."""
+    """The report as markdown: a header of device, build and check, then bench_table's rows (each variant's
+    marked with its setting in brackets)."""
     out = [
         f"Device: {report['device'] or 'unknown'}",
         f"Build: {report['build']['build_s'] or '?'} s ({report['build']['cmake_args']})",
@@ -61,8 +63,8 @@ def markdown(report: dict[str, Any]) -> str:
         "| row | slotserve | llama-server | ratio |",
         "|---|---|---|---|",
     ]
-    lean = [{**r, "row": r["row"] + " [--capture-graph lean]"} for r in report.get("lean_rows", [])]
-    for r in report["rows"] + lean:
+    marked = [{**r, "row": f"{r['row']} [{k}]"} for k, rows in report.get("variants", {}).items() for r in rows]
+    for r in report["rows"] + marked:
         cells = (r["row"], r["slotserve"], r["llama_server"], r["ratio"])
         out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(out) + "\n"

@@ -68,7 +68,7 @@ def test_the_report_joins_a_devices_logs_into_json_and_markdown(tmp_path: Path) 
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["build"]["build_s"] == "271" and report["check"]["rc"] == "0"
     assert report["rows"] == rows and report["check"]["lines"] == ["start-up ok", "attention ok"]
-    assert report["lean_rows"] == lean
+    assert report["variants"] == {"--capture-graph lean": lean, "--stream-window 64": []}
 
 
 def test_the_report_of_a_call_that_only_built(tmp_path: Path) -> None:
