@@ -359,7 +359,7 @@ async def test_the_fake_generates_what_greedy_predicts_and_refuses_a_busy_sequen
     with pytest.raises(Exception, match="generating"):
         await eng.erase(0)
     events = [ev async for ev in stream]
-    assert [ev.token.token_id for ev in events[:-1]] == greedy(PROMPT, 3)  # type: ignore[union-attr]
+    assert [ev.token.token_id for ev in events[:-1]] == greedy(PROMPT, 3)  # type: ignore[attr-defined]
     assert isinstance(events[-1], proto.Done) and events[-1].seq_tokens == len(PROMPT) + 3
     await eng.erase(0)  # free again once the stream ended
     assert eng.seqs[0] == []
