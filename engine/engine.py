@@ -134,6 +134,11 @@ class Engine:
             )
         self.flash_attn = bool(native.lib.llama_attn_flash_attn(ctx))  # what llama.cpp made of the setting
         self.batch = llama.llama_batch_init(config.n_batch, 0, 1)
+        n = config.n_batch  # numpy views of the batch's arrays (include/llama.h, llama_batch): a prefill chunk is
+        self._tokens = np.ctypeslib.as_array(self.batch.token, shape=(n,))  # written with slice assignments
+        self._pos = np.ctypeslib.as_array(self.batch.pos, shape=(n,))
+        self._n_seq_id = np.ctypeslib.as_array(self.batch.n_seq_id, shape=(n,))
+        self._logits = np.ctypeslib.as_array(self.batch.logits, shape=(n,))
         self.tokens: dict[int, list[int]] = {}
         self.releases = ReleaseSchedule()  # emptied streams given back a few seconds later (engine/kv_release.py)
         # where states are read (save_state) and slot files land (engine/state_file.py); no state is kept
@@ -197,12 +202,15 @@ class Engine:
         for e in ordered:
             e.batch_start = i
             n = len(e.tokens)
-            for j, tok in enumerate(e.tokens):
-                b.token[i + j] = tok
-                b.pos[i + j] = e.pos0 + j
-                b.n_seq_id[i + j] = 1
-                b.seq_id[i + j][0] = e.seq
-                b.logits[i + j] = 0
+            if n == 1:  # a decode step: scalar stores (a slice assignment costs more for one element)
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = e.tokens[0], e.pos0, 1, 0
+            else:
+                self._tokens[i : i + n] = e.tokens
+                self._pos[i : i + n] = np.arange(e.pos0, e.pos0 + n, dtype=np.int32)
+                self._n_seq_id[i : i + n] = 1
+                self._logits[i : i + n] = 0
+            for j in range(i, i + n):
+                b.seq_id[j][0] = e.seq  # one pointer per token (llama_batch_init allocates each)
             if e.logits:
                 b.logits[i + n - 1] = 1
             if e.target is not None:
