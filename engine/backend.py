@@ -17,6 +17,7 @@ import ctypes
 from dataclasses import dataclass
 
 from contract.kv_types import FLOAT_KV_TYPES
+from contract.settings import CaptureGraph
 from engine.native import lib as libggml
 
 # enum ggml_backend_dev_type (ggml/include/ggml-backend.h)
@@ -165,7 +166,7 @@ def choose_repack(requested: bool | None, extra_bufts: list[str]) -> RepackChoic
     return RepackChoice(True, f"auto: on ({', '.join(extra_bufts)})")
 
 
-def stable_capture_graph(n_gpu_layers: int, setting: str = "auto") -> bool:
+def stable_capture_graph(n_gpu_layers: int, setting: CaptureGraph = "auto") -> bool:
     """Whether the capture keeps one graph shape for decodes with and without attention
     (``llama_attn_set_stable``, libllama/llama-attn.h; ``--capture-graph``: ``stable``, ``lean`` or ``auto``):
     with ``auto``, where layers run on a GPU, so the CUDA backend keeps replaying its CUDA graph when clients

@@ -175,19 +175,21 @@ class Increments:
                 ahead = asyncio.ensure_future(fetch(groups[g + 1])) if g + 1 < len(groups) else None
                 first = len(out)
                 out += await asyncio.to_thread(seal, records, g * READ_GROUP)
-                sealed = {keys[i]: out[i] for i in range(first, min(len(out), len(keys)))}
-                if write_ahead and sealed:
+                if write_ahead and first < len(keys):
+                    sealed = {keys[i]: out[i] for i in range(first, min(len(out), len(keys)))}
                     puts.append(asyncio.ensure_future(self.archive.put_chunks(sealed)))
             await asyncio.gather(*puts)
+        except BaseException:
+            for put in puts:  # chunks a write in flight still stores stay unnamed until swept
+                put.cancel()
+            await asyncio.gather(*puts, return_exceptions=True)
+            raise
         finally:
             if ahead is not None:  # an error stopped the loop: the read in flight gives its buffers back too
                 ahead.cancel()
                 with contextlib.suppress(BaseException):
                     for r in await ahead:
                         self.engine.release_state(r)
-            for put in puts:  # on an error: chunks a write in flight still stores stay unnamed until swept
-                put.cancel()
-            await asyncio.gather(*puts, return_exceptions=True)
         return out
 
     def stored(self, slot: Slot, snap: ChunkedSnapshot, meta: SlotMeta) -> None:
