@@ -28,7 +28,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import numpy as np
 
 from contract.heap import trim_heap
 
@@ -45,6 +47,15 @@ IDLE_S = 5.0
 FIT = 2
 """A kept buffer is lent for ``n`` bytes only while it holds at most ``FIT * n`` (a state's buffer is
 not spent on a token's frame)."""
+
+
+HEADROOM = 8
+"""A recycled buffer is made ``1 / HEADROOM`` bigger than asked (at least a page): a token's attention rows
+grow by one position per token, and a buffer exactly the size of one token's would never fit the next."""
+
+
+def _headroom(n: int) -> int:
+    return -(-max(n // HEADROOM, PAGE) // PAGE) * PAGE
 
 
 class _Buffer(bytearray):
@@ -101,8 +112,13 @@ class BufferPool:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
-    def take(self, n: int) -> memoryview:
-        """A writable view of ``n`` bytes (``uint8``)."""
+    def take(self, n: int, recycle: bool = False) -> memoryview:
+        """A writable view of ``n`` bytes (``uint8``).
+
+        ``recycle``: the buffer comes back by itself once no view of it is left, with no :meth:`give` (for
+        a frame whose readers are not told when they are done: a token's attention rows, read by a client's
+        transport, another thread, a socket), and a new one is made :data:`HEADROOM` bigger, so that the
+        next frame of a context grown by a few tokens fits it."""
         with self._lock:
             self._settle()
             fits = [e for e in self._free if n <= len(e[1]) - PAGE <= FIT * n]
@@ -112,10 +128,22 @@ class BufferPool:
                 self._free = [e for e in self._free if e is not entry]  # by identity: == compares bytes
                 buf = entry[1]
         if buf is None:
-            buf = _Buffer(n + PAGE)
+            buf = _Buffer(n + PAGE + (_headroom(n) if recycle else 0))
         with self._lock:
-            self._lent[id(buf)] = buf
+            if recycle:
+                self._return(buf)
+            else:
+                self._lent[id(buf)] = buf
         return _page_view(buf, n)
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype[Any] | type) -> np.ndarray[Any, Any]:
+        """An uninitialised C-contiguous ``ndarray`` of ``shape`` and ``dtype`` over a recycled buffer
+        (:meth:`take` with ``recycle``): reused once the array and every view of it are gone."""
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if not n:
+            return np.empty(shape, dt)
+        return np.frombuffer(self.take(n, recycle=True), dtype=dt).reshape(shape)
 
     def fill(self, read: Callable[[Callable[[int], memoryview]], T]) -> T:
         """``read(take)``: what it returns holds the views it took from this pool (give them back
@@ -146,14 +174,18 @@ class BufferPool:
             view.release()  # type: ignore[attr-defined]
         except BufferError:  # a C extension still holds the view's buffer: not reused
             return
+        with self._lock:
+            self._return(buf)
+            del buf  # this frame's reference must not count as a view
+            self._settle()
+
+    def _return(self, buf: _Buffer) -> None:
+        """Keep ``buf`` (lock held) to be lent again once no view reaches it (unless it is over ``max_bytes``)."""
         if len(buf) - PAGE > self.max_bytes:
             return
-        with self._lock:
-            self._returned.append(buf)
-            del buf  # this frame's reference must not count as a view
-            del self._returned[: max(len(self._returned) - self.keep, 0)]  # the oldest are left to be freed
-            self._settle()
-            self._arm()
+        self._returned.append(buf)
+        del self._returned[: max(len(self._returned) - self.keep, 0)]  # the oldest are left to be freed
+        self._arm()
 
     def _settle(self) -> None:
         """Move the returned buffers that no view reaches any more (lock held) to the free ones."""

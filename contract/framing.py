@@ -186,11 +186,12 @@ MAX_BUFS = 1 << 12
 
 Frame = tuple[bytearray, list[RecvBuffer]]
 
-RECEIVE_POOL = BufferPool(keep=1)
-"""Where :class:`FrameStream` receives buffers of :data:`POOLED_BYTES` or more (a slot state from
-the worker): memory already mapped and page-aligned (:mod:`contract.buffers`), instead of a fresh
-``bytearray`` zero-filled page by page before the state is copied over it.  Whoever is done with
-such a buffer may give it back (``RECEIVE_POOL.give``); one never given back is simply freed."""
+RECEIVE_POOL = BufferPool(keep=2)
+"""Where :class:`FrameStream` receives buffers of :data:`POOLED_BYTES` or more (a slot state, a token's
+full attention rows from the worker): memory already mapped and page-aligned (:mod:`contract.buffers`),
+instead of a fresh ``bytearray`` zero-filled page by page before the bytes are copied over it.  Each is
+recycled: lent again once no view of it is left (a token's rows once the client's transport wrote them),
+with or without ``RECEIVE_POOL.give``."""
 
 
 class Lender(Protocol):
@@ -371,7 +372,7 @@ class FrameStream(asyncio.BufferedProtocol):
 
 
 def _receive_buffer(n: int) -> bytearray | memoryview:
-    return RECEIVE_POOL.take(n) if n >= POOLED_BYTES else bytearray(n)
+    return RECEIVE_POOL.take(n, recycle=True) if n >= POOLED_BYTES else bytearray(n)
 
 
 async def open_frame_stream(family: socket.AddressFamily, addr: str | tuple[str, int]) -> FrameStream:

@@ -9,7 +9,10 @@ or float16.  The result is one output tensor per KV cache, read once per ubatch;
 callback, one graph per decode.  A decode step (one token per KV stream, ``per_layer``) has no
 gather in the graph: each layer's post-softmax tensor is an output, read in place on a CPU backend
 (``llama_attn_row.layers``, valid until the next decode), so :meth:`AttentionCapture.collect` reads
-it through numpy views and gathers each layer once, straight into the row it hands on.
+it through numpy views and gathers each layer once, straight into the row it hands on.  That row's memory
+is recycled (:meth:`contract.buffers.BufferPool.array`): a token's full rows are megabytes (4.3 MB for
+SmolLM2-135M at 4,000 tokens), and a fresh allocation of that size is faulted in and zeroed page by page on
+every token; a recycled one is reused once whoever sent or read the row let go of it.
 
 Rows come indexed by KV cell of the token's sequence's stream.  Clients want them by input
 position (``attention[i]`` belongs to ``input_ids[i]``), so :meth:`AttentionCapture.collect`
@@ -30,12 +33,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contract.buffers import BufferPool
 from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 from engine import native
 from engine.cellmap import CellMap, CellMapError
 from engine.reduce import graph_format, reduce_rows
 
 _DTYPES = {native.GGML_TYPE_F32: np.float32, native.GGML_TYPE_F16: np.float16}
+
+ROWS_KEPT = 2
+"""Row buffers kept for reuse: a token's rows are usually written out before the next decode ends."""
 
 
 class CaptureError(RuntimeError):
@@ -104,6 +111,7 @@ class AttentionCapture:
     ) -> None:
         native.require_patch()
         self.ctx = ctx
+        self.rows = BufferPool(keep=ROWS_KEPT)  # the per-layer rows handed on, recycled once nothing views them
         self.stable = stable  # one graph shape with and without rows asked (llama_attn_set_stable)
         if native.lib.llama_attn_set_stable(ctx, stable) != 0:
             raise CaptureError("llama_attn_set_stable refused: the context's capture is not armed")
@@ -203,7 +211,7 @@ class AttentionCapture:
                 out = part if out is None else out + part
                 continue
             if out is None:
-                out = np.empty((len(layers), r.n_head, len(cells)), dtype=src[0].dtype)  # every layer is one cache's
+                out = self.rows.array((len(layers), r.n_head, len(cells)), src[0].dtype)  # every layer is one cache's
             mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
             if isinstance(src, np.ndarray) and len(mine) == len(layers):
                 _gather(src, cells, out)

@@ -128,3 +128,47 @@ def test_idle_memory_is_freed_without_any_further_call() -> None:
     while pool.held_bytes and time.monotonic() < deadline:
         time.sleep(0.02)
     assert pool.held_bytes == 0
+
+
+def test_a_recycled_buffer_comes_back_once_no_view_is_left_without_a_give() -> None:
+    """A token's rows (``take(n, recycle=True)``): nobody gives them back, and each token's are a little bigger
+    than the last's (one position more); the buffer is reused once the last view of it is gone, never before."""
+    pool = BufferPool(keep=2, idle_s=None)
+    row = 30 * 9 * 4  # float32 bytes one more position adds to SmolLM2's full rows (30 layers, 9 heads)
+    first = pool.take(row * 4000, recycle=True)
+    first[:4] = b"keep"
+    kept = id(first.obj)
+    second = pool.take(row * 4001, recycle=True)  # the first is still viewed: another buffer
+    assert id(second.obj) != kept and bytes(first[:4]) == b"keep"
+    del first
+    third = pool.take(row * 4002, recycle=True)  # a little bigger, within the headroom: the first's memory
+    assert id(third.obj) == kept
+    pool.give(third)  # a give of a recycled view changes nothing
+    assert id(pool.take(row * 4003, recycle=True).obj) != kept, "still viewed by `third`"
+
+
+def test_arrays_over_recycled_buffers() -> None:
+    pool = BufferPool(keep=2, idle_s=None)
+    a = pool.array((30, 9, 100), np.float16)
+    assert a.shape == (30, 9, 100) and a.dtype == np.float16 and a.flags.c_contiguous and a.flags.writeable
+    assert a.ctypes.data % PAGE == 0
+    a[...] = 1
+    addr = a.ctypes.data
+    view = a[3]  # a view of the array keeps its memory from being lent
+    del a
+    b = pool.array((30, 9, 100), np.float16)
+    assert b.ctypes.data != addr and bool((view == 1).all())
+    addrs = {addr, b.ctypes.data}
+    del b, view
+    assert pool.array((30, 9, 101), np.float16).ctypes.data in addrs
+    empty = pool.array((30, 9, 0), np.float32)
+    assert empty.shape == (30, 9, 0)
+
+
+def test_recycled_buffers_kept_are_bounded() -> None:
+    pool = BufferPool(keep=2, idle_s=None)
+    views = [pool.take(1 << 20, recycle=True) for _ in range(5)]  # five frames in flight
+    ids = [id(v.obj) for v in views]
+    del views
+    assert id(pool.take(1 << 20, recycle=True).obj) in ids[-2:], "only the last `keep` are kept; the others freed"
+    assert pool.held_bytes <= 2 * ((1 << 20) + (1 << 20) // 8 + PAGE)

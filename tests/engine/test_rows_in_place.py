@@ -14,6 +14,7 @@ a Gemma-3-shaped model with sliding-window layers (two KV caches).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,3 +200,36 @@ def test_sliding_window_layers_in_place(tmp_path: Path) -> None:
                 eng.close()
     finally:
         model.close()
+
+
+def test_rows_are_recycled_once_let_go_and_never_while_read(clean: Engine, prompt: list[int]) -> None:
+    """A token's full rows (megabytes at long contexts) go to a recycled buffer (engine/capture.py): once the
+    worker has written a token's rows and let go of them, the next token's land in the same memory instead of
+    fresh pages; rows still read (here: kept by the test, as a slow reader would) are never written over."""
+    cap = FORMATS["f32"]
+    assert clean.decode([BatchEntry(0, 0, prompt, logits=True)]) == 0
+
+    def step(k: int) -> np.ndarray:
+        pos = len(prompt) + k
+        t = clean.new_target(0, pos, cap)
+        assert clean.decode([BatchEntry(0, pos, [prompt[k % len(prompt)]], logits=True, target=t)]) == 0
+        assert t.out is not None and t.out.shape == (len(clean.attention_layers), 9, pos + 1)
+        np.testing.assert_allclose(t.out.sum(axis=-1), 1.0, atol=2e-3)
+        return t.out
+
+    kept = step(0)
+    kept_copy = kept.copy()
+    seen: list[weakref.ref[object]] = []  # the pool's buffers under each token's rows (weak: not a view)
+    reused = 0
+    for k in range(1, 6):
+        rows = step(k)
+        assert rows.ctypes.data != kept.ctypes.data
+        base: object = rows
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base, memoryview)
+        reused += any(r() is base.obj for r in seen)
+        seen.append(weakref.ref(base.obj))
+        del rows, base  # written out: let go
+    assert np.array_equal(kept, kept_copy), "rows still read were written over"
+    assert reused >= 3, f"only {reused} of 5 tokens' rows landed in a buffer let go before"
