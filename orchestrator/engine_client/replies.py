@@ -42,6 +42,14 @@ class PendingReplies:
         self._queues[req] = q
         return q
 
+    def __len__(self) -> int:
+        """How many requests are waiting."""
+        return len(self._queues)
+
+    def queue_of(self, req: int) -> asyncio.Queue[Event | None] | None:
+        """The queue of request ``req``'s replies; ``None`` when nothing waits for ``req``."""
+        return self._queues.get(req)
+
     def close(self, req: int) -> None:
         """Stop waiting for request ``req`` (its later replies are dropped); a no-op when not waiting."""
         self._queues.pop(req, None)
@@ -49,7 +57,7 @@ class PendingReplies:
     def deliver(self, reply: proto.Reply, bufs: list[RecvBuffer]) -> None:
         """Queue ``reply`` (with its frame's buffers) for the request it answers, ``reply.req``; a reply no
         request waits for any more (a cancelled or finished one) is dropped."""
-        q = self._queues.get(reply.req)
+        q = self.queue_of(reply.req)
         if q is not None:
             q.put_nowait((reply, bufs))
 
