@@ -11,7 +11,8 @@ the same number of new tokens), the decode speed of
 4. an SSE client of ``POST /api/extra/generate/stream`` decoding every token's base64
    attention (``httpx`` streaming),
 
-and prints medians and the ratios (the server's two clients are ``attention_streams.py``).  Decode speed is ``(n - 1) / (t_last - t_first)``
+and prints medians and the ratios (the server's two clients are ``attention_streams.py``).
+Decode speed is ``(n - 1) / (t_last - t_first)``
 with ``t`` the moment each token is complete (in-process: emitted by the batcher;
 clients: its attention received and decoded), so prefill is excluded and reported
 separately (time to the first token).
