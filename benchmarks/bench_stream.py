@@ -11,7 +11,8 @@ the same number of new tokens), the decode speed of
 4. an SSE client of ``POST /api/extra/generate/stream`` decoding every token's base64
    attention (``httpx`` streaming),
 
-and prints medians and the ratios.  Decode speed is ``(n - 1) / (t_last - t_first)``
+and prints medians and the ratios (the server's two clients are ``attention_streams.py``).
+Decode speed is ``(n - 1) / (t_last - t_first)``
 with ``t`` the moment each token is complete (in-process: emitted by the batcher;
 clients: its attention received and decoded), so prefill is excluded and reported
 separately (time to the first token).
@@ -35,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import json
 import os
 import statistics
 import sys
@@ -48,8 +47,8 @@ from pathlib import Path
 
 import common  # puts the checkout on sys.path, for the engine imports below
 import llama_cpp  # noqa: F401 - llama.cpp before numpy (docs/hardware.md)
-import numpy as np
-from common import CpuMeter, Quiet, SseEvents, add_gpu_args, add_idle_args, model_tokenizer, ws_token_frames
+from attention_streams import Rep, sse_once, ws_once
+from common import CpuMeter, Quiet, add_gpu_args, add_idle_args, model_tokenizer
 from servers import ServerProc, free_port, settle, slotserve_cmd, stop_servers
 
 from contract.heap import keep_heap_mapped
@@ -60,25 +59,6 @@ from engine.engine import Engine
 from engine.model import Model, default_model_path
 
 # ----------------------------------------------------------------------------- results
-
-
-@dataclass
-class Rep:
-    """One generation as seen by one consumer."""
-
-    n: int
-    t_prefill: float  # request sent / submitted -> first token complete (s)
-    t_decode: float  # first token -> last token (s)
-    tokens: list[int]
-    # process -> CPU seconds over the whole rep; "decode:<process>" over first..last token; "other": cores
-    cpu: dict[str, float] = field(default_factory=dict)
-    cached: int | None = None  # server: prompt tokens reused from the slot's KV cache
-    ext: str | None = None  # WS: negotiated extensions
-    gaps: list[float] = field(default_factory=list)  # intervals between consecutive tokens (s)
-
-    @property
-    def tps(self) -> float:
-        return (self.n - 1) / self.t_decode if self.t_decode > 0 else float("nan")
 
 
 @dataclass
@@ -194,84 +174,6 @@ def bench_inproc(model: Model, ids: list[int], args: argparse.Namespace) -> tupl
 
 
 # ----------------------------------------------------------------------------- server
-
-
-def request_body(ids: list[int], new: int) -> dict:
-    return {
-        "input_ids": ids,
-        "max_length": new,
-        "temperature": 0,
-        "output_attentions": True,
-        "ignore_eos": True,
-        "wait": True,  # never SLOT_BUSY if a save still holds the slot
-    }
-
-
-async def ws_once(
-    url: str, ids: list[int], new: int, shape: tuple[int, int], compression: str | None, meter: CpuMeter
-) -> Rep:
-    import websockets
-
-    kw = {} if compression == "default" else {"compression": None}
-    n_l, n_h = shape
-    times: list[float] = []
-    tokens: list[int] = []
-    done = None
-    async with websockets.connect(url, max_size=None, **kw) as ws:
-        ext = ws.response.headers.get("Sec-WebSocket-Extensions")
-        t0 = time.perf_counter()
-        await ws.send(json.dumps(request_body(ids, new)))
-        async for ev, frame in ws_token_frames(ws):
-            if frame is None:
-                done = ev
-                break
-            ctx = len(ids) + ev["index"]
-            want = n_l * n_h * ctx * 4
-            if len(frame) != want or ev.get("shape") != [n_l, n_h, ctx]:
-                raise RuntimeError(f"ws token {ev['index']}: {len(frame)} bytes, shape {ev.get('shape')}")
-            att = np.frombuffer(frame, dtype=np.float32).reshape(n_l, n_h, ctx)
-            if ev["index"] in (0, new - 1) and not np.allclose(att.sum(-1), 1, atol=1e-3):
-                raise RuntimeError(f"ws token {ev['index']}: rows do not sum to 1")
-            times.append(time.perf_counter())
-            tokens.append(ev["token_id"])
-            if len(times) in (1, new):
-                meter.mark("first" if len(times) == 1 else "last")
-    assert done is not None, "ws stream ended without done"
-    return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"), ext=ext)
-
-
-def sse_once(client, url: str, ids: list[int], new: int, shape: tuple[int, int], meter: CpuMeter) -> Rep:
-    n_l, n_h = shape
-    times: list[float] = []
-    tokens: list[int] = []
-    done = None
-    events = SseEvents()
-    t0 = time.perf_counter()
-    with client.stream("POST", url, json=request_body(ids, new)) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"sse: HTTP {resp.status_code} {resp.text[:300]}")
-        for chunk in resp.iter_bytes():
-            for ev in events.feed(chunk):
-                if ev.get("type") == "token":
-                    a = ev["attention"]
-                    ctx = len(ids) + len(tokens)
-                    raw = base64.b64decode(a["data"])
-                    if len(raw) != n_l * n_h * ctx * 4 or a["shape"] != [n_l, n_h, ctx]:
-                        raise RuntimeError(f"sse token {len(tokens)}: {len(raw)} bytes, shape {a['shape']}")
-                    att = np.frombuffer(raw, dtype=np.float32).reshape(a["shape"])
-                    if len(tokens) in (0, new - 1) and not np.allclose(att.sum(-1), 1, atol=1e-3):
-                        raise RuntimeError(f"sse token {len(tokens)}: rows do not sum to 1")
-                    times.append(time.perf_counter())
-                    tokens.append(ev["token"]["token_id"])
-                    if len(times) in (1, new):
-                        meter.mark("first" if len(times) == 1 else "last")
-                elif ev.get("type") == "done":
-                    done = ev
-                else:
-                    raise RuntimeError(f"sse: {ev}")
-    assert done is not None, "sse stream ended without done"
-    return Rep(len(times), times[0] - t0, times[-1] - times[0], tokens, cached=done.get("cached_tokens"))
 
 
 def bench_server(

@@ -100,6 +100,17 @@ def model_path() -> Path:
     return default_model_path()
 
 
+def with_chat_template(model_path: Path, template: str, out: Path) -> Path:
+    """Write ``out``: a copy of the GGUF ``model_path`` with ``template`` (Jinja) as its ``tokenizer.chat_template``,
+    by gguf-py's ``gguf_new_metadata`` script (``--chat-template-file``, the template written beside ``out``).
+    Returns ``out``; raises :class:`subprocess.CalledProcessError` when the script fails."""
+    template_file = out.parent / "t.jinja"
+    template_file.write_text(template)
+    cmd = [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(model_path), str(out)]
+    subprocess.run([*cmd, "--chat-template-file", str(template_file), "--force"], check=True, capture_output=True)
+    return out
+
+
 @pytest.fixture(scope="session")
 def model(model_path: Path):  # type: ignore[no-untyped-def]
     from engine.model import Model

@@ -4,10 +4,9 @@
 process: it spawns ``python -m engine.worker`` (or connects to a standalone one), speaks
 :mod:`contract.protocol` over a socket, and demultiplexes replies to the requests that are
 waiting for them.  Nothing here loads llama.cpp: the API process imports only the
-protocol's messages.
-
-Why one file just over 450 lines: the requests and the reader task that resolves their replies share the
-pending-request table and the flow-control credit; the process itself is :mod:`orchestrator.engine_client.launch`.
+protocol's messages.  The process itself is :mod:`orchestrator.engine_client.launch`; the table of requests
+waiting for replies, and how a reply becomes a result or a generation's events, is
+:mod:`orchestrator.engine_client.replies`.
 
 If the worker dies, every pending request fails with ``EngineDeadError`` (an error
 event for streams) and, when ``restart`` is on, a new worker is started; its
@@ -24,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import signal
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -40,21 +40,23 @@ from contract.framing import RECEIVE_POOL, FrameStream, RecvBuffer, open_frame_s
 from orchestrator.engine_client.interface import (
     Classification,
     EngineDeadError,
-    EngineEvent,
     EngineRequestError,
     GenerationJob,
     GenerationStream,
     SequenceKV,
     SequenceState,
-    TokenOutput,
 )
 from orchestrator.engine_client.launch import EngineStartError, WorkerOptions, WorkerProcess, describe_exit
+from orchestrator.engine_client.replies import (
+    Event,
+    PendingReplies,
+    drain_to_end,
+    generation_events,
+    single_reply,
+)
 
 log = structlog.get_logger("slotserve.engine")
 R = TypeVar("R", bound=proto.Message)
-
-
-Event = tuple[proto.Reply, list[RecvBuffer]]
 
 
 class WorkerClient:
@@ -84,7 +86,7 @@ class WorkerClient:
         self.generation = 0  # incremented on every (re)start: sequences of older generations are gone
         self.on_restart: Callable[[], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
-        self._waiters: dict[int, asyncio.Queue[Event | None]] = {}
+        self._pending = PendingReplies()
         self._stream: FrameStream | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._process: WorkerProcess | None = None
@@ -209,16 +211,13 @@ class WorkerClient:
         try:
             while True:
                 msg, bufs = await proto.read_reply(stream)
-                q = self._waiters.get(msg.req)
-                if q is not None:
-                    q.put_nowait((msg, bufs))
+                self._pending.deliver(msg, bufs)
         except (ConnectionError, proto.ProtocolError) as exc:
             if not self._closing:
                 log.error("engine worker connection lost", error=str(exc), pid=self.pid)
         finally:
             self._ready.clear()
-            for q in self._waiters.values():
-                q.put_nowait(None)
+            self._pending.fail_all()
             if not self._closing:
                 await self._teardown()
                 if self.restart:
@@ -264,36 +263,28 @@ class WorkerClient:
     async def _request(
         self, msg: proto.Message, answer: type[R], buffers: Sequence[proto.Buffer] = ()
     ) -> tuple[R, list[RecvBuffer]]:
-        """Send ``msg`` and return its single reply, an ``answer``; raise :class:`EngineRequestError` on ``Error``."""
-        q: asyncio.Queue[Event | None] = asyncio.Queue()
-        self._waiters[msg.req] = q
+        """Send ``msg`` and return its single reply, an ``answer`` (:func:`single_reply`: raises
+        :class:`EngineRequestError` on ``Error``, :class:`EngineDeadError` when the worker dies)."""
+        q = self._pending.open(msg.req)
         try:
             await self._send(msg, buffers)
             item = await q.get()
         finally:
-            self._waiters.pop(msg.req, None)
-        if item is None:
-            raise EngineDeadError("the engine worker died during the request")
-        reply, bufs = item
-        if isinstance(reply, proto.Error):
-            raise EngineRequestError(reply.code, reply.message)
-        if not isinstance(reply, answer):
-            raise EngineRequestError(ErrorCode.INTERNAL, f"the worker answered {type(msg).__name__} with {reply!r}")
-        return reply, bufs
+            self._pending.close(msg.req)
+        return single_reply(item, msg, answer)
 
     async def _open_stream(self, msg: proto.Generate) -> GenerationStream:
         """Send a ``Generate`` now; return the stream of its events (the worker has the request on return)."""
-        q: asyncio.Queue[Event | None] = asyncio.Queue()
-        self._waiters[msg.req] = q
+        q = self._pending.open(msg.req)
         try:
             await self._send(msg)
         except BaseException:
-            self._waiters.pop(msg.req, None)
+            self._pending.close(msg.req)
             raise
         ack = (lambda n: self._ack(msg.req, n)) if msg.window > 0 or msg.window_bytes > 0 else None
-        return GenerationStream(
-            msg.req, self._events(msg.req, q), lambda: self._abandon(msg.req, q), ack, msg.window, msg.window_bytes
-        )
+        abandon = functools.partial(self._abandon, msg.req, q)
+        events = generation_events(q, abandon, functools.partial(self._pending.close, msg.req))
+        return GenerationStream(msg.req, events, abandon, ack, msg.window, msg.window_bytes)
 
     async def _ack(self, req: int, n: int) -> None:
         """Tell the worker the client of generation ``req`` has taken its first ``n`` tokens.
@@ -302,44 +293,16 @@ class WorkerClient:
         with contextlib.suppress(EngineDeadError):
             await self._send(proto.Ack(self.new_id(), req, n))
 
-    async def _events(self, req: int, q: asyncio.Queue[Event | None]) -> AsyncGenerator[EngineEvent, None]:
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if item is None:
-                    finished = True
-                    raise EngineDeadError("the engine worker died during generation")
-                reply, bufs = item
-                if isinstance(reply, proto.Error):
-                    finished = True
-                    raise EngineRequestError(reply.code, reply.message, reply.refused)
-                if isinstance(reply, proto.Token):
-                    yield token_output(reply, bufs)
-                elif isinstance(reply, proto.Progress):
-                    yield reply
-                elif isinstance(reply, proto.Done):
-                    finished = True
-                    yield reply
-                    return
-        finally:
-            if not finished:
-                await self._abandon(req, q)
-            self._waiters.pop(req, None)
-
     async def _abandon(self, req: int, q: asyncio.Queue[Event | None]) -> None:
         """Cancel generation ``req`` and wait for its end (up to 30 s), even if the caller is cancelled."""
         if self.alive:
             await asyncio.shield(self._cancel_and_drain(req, q))
-        self._waiters.pop(req, None)
+        self._pending.close(req)
 
     async def _cancel_and_drain(self, req: int, q: asyncio.Queue[Event | None]) -> None:
         with contextlib.suppress(Exception):
             await self._send(proto.Cancel(self.new_id(), req))
-            while True:
-                item = await asyncio.wait_for(q.get(), 30)
-                if item is None or isinstance(item[0], proto.Done | proto.Error):
-                    return
+            await drain_to_end(q)
 
     # ------------------------------------------------------------------ the EngineClient protocol
 
@@ -455,11 +418,3 @@ class WorkerClient:
         """Which sequences are generating."""
         reply, _ = await self._request(proto.Status(self.new_id()), proto.EngineState)
         return reply
-
-
-def token_output(msg: proto.Token, bufs: list[RecvBuffer]) -> TokenOutput:
-    """A ``Token`` event with the tensors it describes taken from its frame's buffers."""
-    attention = msg.attention.take(bufs) if msg.attention is not None else None
-    hidden = msg.hidden.take(bufs) if msg.hidden is not None else None
-    positions = msg.attention_pos.take(bufs) if msg.attention_pos is not None else None
-    return TokenOutput(msg, attention, hidden, positions)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import ServerProc
 from tests.orchestrator.client import post_json
+from tests.orchestrator.tool_call_cases import WEATHER
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
@@ -64,14 +65,6 @@ def test_apply_template_and_input_tokens(srv: ServerProc) -> None:
     assert err["error_code"] == "INVALID_REQUEST"
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 TOOL_TURN = [
     {"role": "user", "content": "What is the weather in Paris?"},
     {"role": "assistant", "content": None, "tool_calls": [

@@ -17,16 +17,9 @@ from orchestrator.api.ollama.protocol import Message, ToolCall, ToolCallFunction
 from orchestrator.api.ollama.serving import chat_messages, keep_alive_s, schema_of
 from orchestrator.web.errors import ApiError
 from tests.conftest import ServerProc
+from tests.orchestrator.tool_call_cases import WEATHER
 from tests.waiting import wait_until
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 GREEDY = {"temperature": 0, "seed": 7}
 HI = [{"role": "user", "content": "Tell me about the sea in one sentence."}]
 

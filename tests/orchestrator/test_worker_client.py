@@ -94,7 +94,7 @@ def test_every_method_over_a_real_worker() -> None:
         long = proto.SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
         stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=long, capture=proto.CaptureOptions()))
         await stream.aclose()
-        assert (await c.engine_state()).generating == [] and not c._waiters
+        assert (await c.engine_state()).generating == [] and not c._pending
 
     run(test)
 
@@ -110,7 +110,8 @@ def test_a_stream_not_read_holds_its_generation() -> None:
         stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=params, capture=proto.CaptureOptions()))
         first = await anext(stream)  # taken, not yet acknowledged (that comes with the next ask)
         assert isinstance(first, TokenOutput) and first.token.index == 0
-        queue = c._waiters[stream.req]
+        queue = c._pending.queue_of(stream.req)
+        assert queue is not None
         deadline = asyncio.get_running_loop().time() + 60
         while queue.qsize() < WINDOW_TOKENS - 1:  # the rest of the window arrives
             assert asyncio.get_running_loop().time() < deadline, f"{queue.qsize()} tokens queued"
@@ -126,7 +127,7 @@ def test_a_stream_not_read_holds_its_generation() -> None:
         held = await c.generate(GenerationJob(seq=1, input_ids=ids, params=params, capture=proto.CaptureOptions()))
         await anext(held)
         await held.aclose()
-        assert (await c.engine_state()).generating == [] and not c._waiters
+        assert (await c.engine_state()).generating == [] and not c._pending
 
     run(test)
 

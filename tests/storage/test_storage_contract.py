@@ -1,22 +1,22 @@
 """The store contract, run against every implementation: directory, Redis, a three-master Redis Cluster
-and Redis behind Sentinel (each server started by the test run)."""
+and Redis behind Sentinel (each server started by the test run): a slot's record written, read, overwritten
+(generations, chunks), expired, deleted and listed, by concurrent readers and writers, under any slot id.
+Damaged states are in ``test_storage_integrity.py``, leases and fenced writes in ``test_storage_leases.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import struct
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
-from slotstate.ses1 import pack_ses1
 from storage.base import SlotMeta, SlotStore
 from storage.directory import DirectoryStore
-from storage.errors import BadStateError, FingerprintMismatchError, LeaseLostError
-from storage.slot_codec import load_slot, save_slot
+from storage.slot_codec import load_slot
+from tests.storage.store_records import blob_for, meta_for
 from tests.waiting import async_wait_until
 
 if TYPE_CHECKING:
@@ -25,34 +25,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.asyncio
 
 RNG = np.random.default_rng(7)
-
-
-def meta_for(slot_id: str, blob: bytes, k: int = 0, fingerprint: str = "fp-A") -> SlotMeta:
-    """Meta for a raw test blob; ``k`` (stored as the only token) identifies the blob's content."""
-    return SlotMeta(
-        slot_id=slot_id,
-        model_fingerprint=fingerprint,
-        n_tokens=1,
-        tokens=[k],
-        codec="none",
-        level=0,
-        raw_size=len(blob),
-        stored_size=len(blob),
-        created_at=0.0,
-        updated_at=0.0,
-    )
-
-
-def blob_for(k: int) -> bytes:
-    """Content that encodes ``k`` everywhere, with a size that varies with ``k`` (3000..7900 bytes)."""
-    size = 3000 + (k * 700) % 5000
-    return (struct.pack("<Q", k) * (size // 8 + 1))[:size]
-
-
-def ses1_state(n_tokens: int = 40, kv_values: int = 20_000) -> tuple[list[int], bytes]:
-    tokens = RNG.integers(0, 50_000, n_tokens).tolist()
-    state = RNG.normal(0, 1, kv_values).astype(np.float16).tobytes()
-    return tokens, pack_ses1(tokens, state)
 
 
 async def test_round_trip(harness: StoreHarness) -> None:
@@ -254,83 +226,6 @@ async def test_list_meta_and_prefix_isolation(harness: StoreHarness) -> None:
     assert await other.get("0") is None
 
 
-async def test_save_and_load_slot(harness: StoreHarness) -> None:
-    store = harness.make(chunk_size=4096)
-    tokens, ses1 = ses1_state()
-    for codec_name in ("auto", "best", "none", "zstd", "zstd-planes"):
-        meta = await save_slot(store, "s", "fp-A", tokens, ses1, codec=codec_name, level=1)
-        assert meta.codec in ("none", "zstd", "zstd-planes")
-        assert meta.raw_size == len(ses1) and meta.tokens == tokens and meta.n_tokens == len(tokens)
-        loaded = await load_slot(store, "s", "fp-A")
-        assert loaded is not None
-        assert loaded[1] == ses1
-        assert loaded[0] == meta
-    with pytest.raises(BadStateError, match="tokens differ"):
-        await save_slot(store, "s", "fp-A", tokens[:-1], ses1)
-
-
-async def test_load_slot_refuses_other_fingerprint(harness: StoreHarness) -> None:
-    store = harness.make()
-    tokens, ses1 = ses1_state()
-    await save_slot(store, "s", "fp-A", tokens, ses1)
-    with pytest.raises(FingerprintMismatchError) as info:
-        await load_slot(store, "s", "fp-B")
-    assert isinstance(info.value, BadStateError)
-    assert (info.value.expected, info.value.found) == ("fp-B", "fp-A")
-    loaded = await load_slot(store, "s", "fp-A")  # the refusal changed nothing
-    assert loaded is not None and loaded[1] == ses1
-
-
-async def test_flipped_bytes_in_stored_blob(harness: StoreHarness) -> None:
-    store = harness.make(chunk_size=2000)
-    tokens, ses1 = ses1_state()
-    meta = await save_slot(store, "s", "fp-A", tokens, ses1, codec="zstd-planes")
-    assert meta.stored_size > 4000
-
-    def flip(blob: bytes) -> bytes:
-        damaged = bytearray(blob)
-        for pos in (len(blob) // 2, len(blob) // 2 + 1, len(blob) - 5):
-            damaged[pos] ^= 0x5A
-        return bytes(damaged)
-
-    await harness.mutate_blob(store, "s", flip)
-    got = await store.get("s")  # the store itself cannot tell: same length
-    assert got is not None and got[1] != b""
-    with pytest.raises(BadStateError):
-        await load_slot(store, "s", "fp-A")
-
-
-async def test_truncated_stored_blob(harness: StoreHarness) -> None:
-    store = harness.make(chunk_size=2000)
-    tokens, ses1 = ses1_state()
-    await save_slot(store, "s", "fp-A", tokens, ses1, codec="zstd")
-    await harness.mutate_blob(store, "s", lambda blob: blob[:-7])
-    with pytest.raises(BadStateError):
-        await store.get("s")
-    with pytest.raises(BadStateError):
-        await load_slot(store, "s", "fp-A")
-
-
-async def test_tokens_in_state_must_match_meta(harness: StoreHarness) -> None:
-    store = harness.make()
-    tokens, ses1 = ses1_state()
-    meta = meta_for("s", ses1)
-    meta.tokens, meta.n_tokens = [*tokens[:-1], tokens[-1] + 1], len(tokens)
-    await store.put(meta, ses1)
-    with pytest.raises(BadStateError, match="tokens differ"):
-        await load_slot(store, "s", "fp-A")
-
-
-async def test_missing_chunk_is_bad_state(harness: StoreHarness) -> None:
-    if not harness.is_redis:
-        pytest.skip("only Redis splits blobs into chunk keys")
-    store = harness.make(chunk_size=1000)
-    stored = await store.put(meta_for("s", b"q" * 3500), b"q" * 3500)
-    await harness.raw().delete(store.chunk_key("s", stored.generation, 2))  # type: ignore[attr-defined]
-    with pytest.raises(BadStateError, match=r"chunks \[2\] missing"):
-        await store.get("s")
-
-
 ODD_IDS = [
     "a/b",
     "..",
@@ -381,105 +276,3 @@ async def test_invalid_slot_ids(harness: StoreHarness) -> None:
         await store.get("x" * 2000)
     with pytest.raises(TypeError):
         await store.get(0)  # type: ignore[arg-type]
-
-
-async def no_owner(store: SlotStore, slot_id: str) -> bool:
-    return await store.lease_owner(slot_id) is None
-
-
-async def test_leases(harness: StoreHarness) -> None:
-    node_a, node_b = harness.make(), harness.make()
-    token_a = await node_a.acquire_lease("s", "node#A", 5000)
-    assert token_a is not None
-    assert await node_b.lease_owner("s") == "node#A"
-    assert await node_b.acquire_lease("s", "node-B", 5000) is None
-    assert await node_a.acquire_lease("s", "node#A", 5000) == token_a  # re-entrant for the same owner
-    assert await node_b.renew_lease("s", "node#A#forged", 5000) is False
-    assert await node_b.release_lease("s", "node-B#00") is False
-    assert await node_a.renew_lease("s", token_a, 5000) is True
-    assert await node_a.release_lease("s", token_a) is True
-    assert await node_a.lease_owner("s") is None
-    assert await node_a.release_lease("s", token_a) is False
-    token_b = await node_b.acquire_lease("s", "node-B", 1000)
-    assert token_b is not None and token_b != token_a
-    assert await node_a.lease_owner("s") == "node-B"
-    assert await node_a.acquire_lease("other-slot", "node#A", 5000) is not None  # leases are per slot
-    await async_wait_until(lambda: no_owner(node_a, "s"), "node-B's lease expires")
-    assert await node_b.renew_lease("s", token_b, 5000) is False
-    assert await node_a.acquire_lease("s", "node#A", 5000) is not None
-    with pytest.raises(ValueError):
-        await node_a.acquire_lease("s", "node#A", 0)
-
-
-@pytest.mark.parametrize("codec_name", ["none", "zstd", "zstd-planes"])
-@pytest.mark.parametrize("n_flips", [1, 100])
-async def test_bit_flips_in_the_stored_state_are_bad_state(
-    harness: StoreHarness, codec_name: str, n_flips: int
-) -> None:
-    """Flipped bits anywhere in the stored blob are refused, for every codec ("none" has no checksum of its
-    own: the metadata's digest catches it); the refusal changes nothing stored."""
-    store = harness.make(chunk_size=2000)
-    tokens, ses1 = ses1_state()
-    meta = await save_slot(store, "s", "fp-A", tokens, ses1, codec=codec_name)
-    assert meta.digest.startswith("xxh3-128:") and len(meta.digest) == len("xxh3-128:") + 32
-    rng = np.random.default_rng(n_flips)
-    # "none": only the KV part (after the SES1 header and the tokens), where nothing else checks.
-    first = 8 + 4 * len(tokens) if codec_name == "none" else 0
-    positions = rng.choice(np.arange(first, meta.stored_size), size=n_flips, replace=False)
-    bits = rng.integers(0, 8, n_flips)
-
-    def flip(blob: bytes) -> bytes:
-        damaged = bytearray(blob)
-        for pos, bit in zip(positions, bits, strict=True):
-            damaged[int(pos)] ^= 1 << int(bit)
-        return bytes(damaged)
-
-    before = await store.get("s")
-    await harness.mutate_blob(store, "s", flip)
-    with pytest.raises(BadStateError):
-        await load_slot(store, "s", "fp-A")
-    after = await store.get("s")
-    assert before is not None and after is not None and after[0] == before[0]  # meta untouched
-
-
-async def test_meta_without_digest_still_loads(harness: StoreHarness) -> None:
-    """States stored before the digest existed (``digest`` empty) load unchecked."""
-    store = harness.make()
-    tokens, ses1 = ses1_state()
-    meta = meta_for("s", ses1)
-    meta.tokens, meta.n_tokens = tokens, len(tokens)
-    assert meta.digest == ""
-    await store.put(meta, ses1)
-    loaded = await load_slot(store, "s", "fp-A")
-    assert loaded is not None and loaded[1] == ses1
-
-
-async def test_writes_fenced_by_a_lease_commit_only_for_its_holder(harness: StoreHarness) -> None:
-    """A put or delete with ``lease=token`` commits only while that token holds the slot's lease,
-    checked in the same atomic step; a refused one leaves everything as it was (no temporary data)."""
-    node_a, node_b = harness.make(chunk_size=1000), harness.make(chunk_size=1000)
-    token_a = await node_a.acquire_lease("f", "node-a", 300)
-    assert token_a is not None
-    first = await node_a.put(meta_for("f", blob_for(1), 1), blob_for(1), lease=token_a)
-    with pytest.raises(LeaseLostError):  # a token that never held the lease
-        await node_b.put(meta_for("f", blob_for(2), 2), blob_for(2), lease="node-b#" + "0" * 32)
-    await asyncio.sleep(0.4)  # node a "pauses" past its lease
-    token_b = await node_b.acquire_lease("f", "node-b", 5000)
-    assert token_b is not None
-    second = await node_b.put(meta_for("f", blob_for(3), 3), blob_for(3), lease=token_b)
-    assert second.generation == first.generation + 1
-    with pytest.raises(LeaseLostError):  # node a wakes up and writes its stale state
-        await node_a.put(meta_for("f", blob_for(4), 4), blob_for(4), lease=token_a)
-    with pytest.raises(LeaseLostError):
-        await node_a.delete("f", lease=token_a)
-    assert await node_a.get("f") == (second, blob_for(3)), "the stale writer changed nothing"
-    if harness.is_redis:
-        assert await harness.artifacts(node_a, "f") == {"meta"} | {f"blob:2:{i}" for i in range(second.n_chunks)}
-    assert await node_b.release_lease("f", token_b)
-    with pytest.raises(LeaseLostError):  # no lease at all: not the holder either
-        await node_b.put(meta_for("f", blob_for(5), 5), blob_for(5), lease=token_b)
-    unfenced = await node_a.put(meta_for("f", blob_for(6), 6), blob_for(6))  # no lease given: unfenced
-    assert unfenced.generation == second.generation + 1
-    token_b = await node_b.acquire_lease("f", "node-b", 5000)
-    assert token_b is not None and await node_b.delete("f", lease=token_b) is True
-    assert await node_b.get("f") is None
