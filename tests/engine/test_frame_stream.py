@@ -9,11 +9,13 @@ import random
 import socket
 import struct
 import threading
+import weakref
 
 import numpy as np
 import pytest
 
-from contract.buffers import PAGE
+from contract import framing
+from contract.buffers import PAGE, BufferPool
 from contract.framing import MAX_META_BYTES, POOLED_BYTES, STAGING_BYTES, FrameStream, ProtocolError, frame_chunks
 
 SIZES = [0, 1, 7, STAGING_BYTES // 2 - 3, STAGING_BYTES // 2 + 1, STAGING_BYTES + 5, 3 * STAGING_BYTES + 11, 5_000_000]
@@ -123,3 +125,48 @@ def test_writes_reach_the_peer() -> None:
         return bytes(received)
 
     assert len(asyncio.run(main())) == 3_000_000
+
+
+def test_a_token_frames_buffer_is_lent_again_once_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens' full rows (megabytes each, one position bigger every token) are received into recycled memory:
+    once the previous token's buffers are let go, the next lands in them, not in fresh zeroed pages; a buffer
+    still read is never written over."""
+    monkeypatch.setattr(framing, "RECEIVE_POOL", BufferPool(keep=2))  # none kept from other tests
+    row = 30 * 9 * 4  # float32 bytes one position adds to SmolLM2-135M's full rows
+    tokens = [os.urandom(row * n) for n in (2000, 2001, 2002)]
+    go = [threading.Event() for _ in tokens]
+
+    def send(a: socket.socket) -> None:  # one token when the reader asks for it: what arrives is received at once
+        for x, ev in zip(tokens, go, strict=True):
+            if not ev.wait(30):
+                return
+            a.sendall(_wire([(b"tok", [x])]))
+
+    async def next_buffer(stream: FrameStream, k: int) -> memoryview:
+        go[k].set()
+        _, (buf,) = await asyncio.wait_for(stream.read_frame(), 30)
+        assert isinstance(buf, memoryview) and bytes(buf) == tokens[k]
+        return buf
+
+    async def main() -> None:
+        a, b = socket.socketpair()
+        _, stream = await asyncio.get_running_loop().connect_accepted_socket(FrameStream, b)
+        t = threading.Thread(target=send, args=(a,))
+        t.start()
+        try:
+            held = await next_buffer(stream, 0)  # a slow client still sending it
+            second = await next_buffer(stream, 1)
+            assert second.obj is not held.obj, "a buffer still read was reused"
+            owner = weakref.ref(second.obj)
+            del second  # sent: let go
+            third = await next_buffer(stream, 2)
+            assert third.obj is owner(), "the let-go buffer was not lent again"
+            assert bytes(held) == tokens[0]
+        finally:
+            for ev in go:
+                ev.set()
+            stream.close()
+            await asyncio.to_thread(t.join)
+            a.close()
+
+    asyncio.run(main())
