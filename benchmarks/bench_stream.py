@@ -58,6 +58,10 @@ from engine.batcher import Batcher
 from engine.engine import Engine
 from engine.model import Model, default_model_path
 
+SHM_BYTES = 128 << 20
+"""``--shm on``: the region's size (docs/operations.md: ``--stream-window-bytes``, 16 MiB by default, times the
+engine's sequences, at least 64 MiB)."""
+
 # ----------------------------------------------------------------------------- results
 
 
@@ -321,8 +325,8 @@ def main() -> int:
         "--shm",
         choices=["on", "off", "both"],
         default="on",
-        help="the worker's tensors through the shared region (the server's default), its socket"
-        " (--stream-shm-bytes 0), or both, one server after the other",
+        help=f"the worker's tensors through a shared region (--stream-shm-bytes {SHM_BYTES}), its socket (the"
+        " server's default, --stream-shm-bytes 0), or both, one server after the other",
     )
     add_gpu_args(ap)
     add_idle_args(ap)
@@ -342,7 +346,7 @@ def main() -> int:
     print("[2/2] server: WS and SSE clients (interleaved)")
     server = []
     if args.shm in ("on", "both"):
-        server += bench_server(ids, args, shape, [], " [shm]" if args.shm == "both" else "")
+        server += bench_server(ids, args, shape, ["--stream-shm-bytes", str(SHM_BYTES)], " [shm]")
     if args.shm in ("off", "both"):
         server += bench_server(ids, args, shape, ["--stream-shm-bytes", "0"], " [socket]")
     report(args, ids, raw, cap, server)
