@@ -8,8 +8,12 @@ callback), in the same run.
 
 Each figure is the median of every decode step of ``--reps`` generations of ``--new`` tokens from the
 cached context (``Batcher.step`` timed around ``llama_decode`` and the capture; sampling included),
-reps of the modes interleaved.  The script only uses what both engines have (``Engine``,
-``EngineSettings``, ``tests.engine.enginekit.Runner``), so it runs unchanged in either checkout.
+reps of the modes interleaved; each step's rows are let go once read, as the worker does once it wrote
+them.  ``--modes`` adds the reduced formats (docs/api.md, "Attention formats"): ``topk`` (8 per layer and
+head), ``spans`` (three spans over the context), ``heads`` (two heads of every layer, per layer), ``sink``
+(the mass on the first 4 positions beside the aggregated row).  The script only uses what both engines
+have (``Engine``, ``EngineSettings``, ``tests.engine.enginekit.Runner``; the reduced formats only when
+asked), so it runs unchanged in either checkout.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import time
 from pathlib import Path
 
 MODES = ("none", "full", "full16", "aggregated")
+REDUCED = ("topk", "spans", "heads", "sink")
 
 
-def measure(contexts: list[int], new: int, reps: int, threads: int) -> dict[str, dict[str, float]]:
+def measure(
+    contexts: list[int], new: int, reps: int, threads: int, modes: tuple[str, ...] = MODES
+) -> dict[str, dict[str, float]]:
     """``{context: {mode: median decode step ms}}`` in this process's checkout."""
     import llama_cpp  # noqa: F401 - llama.cpp before numpy
 
@@ -38,28 +45,38 @@ def measure(contexts: list[int], new: int, reps: int, threads: int) -> dict[str,
 
     model = Model(default_model_path())
     eng = Engine(model, EngineSettings(n_ctx=max(contexts) + new + 256, n_slots=1, n_spare=1, n_threads=threads))
-    caps = {
-        "none": CaptureOptions(),
-        "full": CaptureOptions(attention=True),
-        "full16": CaptureOptions(attention=True, dtype="float16"),
-        "aggregated": CaptureOptions(attention=True, format="aggregated"),
-    }
-    words = ("the slot keeps its context and the model pays attention to every word of it " * 400).split()
+
+    def options(mode: str, n: int) -> CaptureOptions:
+        q = n // 4  # (the reduced formats' options exist only in checkouts that have them)
+        return {
+            "none": lambda: CaptureOptions(),
+            "full": lambda: CaptureOptions(attention=True),
+            "full16": lambda: CaptureOptions(attention=True, dtype="float16"),
+            "aggregated": lambda: CaptureOptions(attention=True, format="aggregated"),
+            "topk": lambda: CaptureOptions(attention=True, format="topk", top_k=8),
+            "spans": lambda: CaptureOptions(attention=True, format="spans", spans=[(0, q), (q, 2 * q), (2 * q, n)]),
+            "heads": lambda: CaptureOptions(attention=True, heads=[0, 4]),
+            "sink": lambda: CaptureOptions(attention=True, format="aggregated", sink=4),
+        }[mode]()
+
+    words = ("the slot keeps its context and the model pays attention to every word of it " * 1600).split()
     out: dict[str, dict[str, float]] = {}
     for n in contexts:
         ids = model.tokenize(" ".join(words), True, False)[:n]
         eng.erase(0)
         Runner(eng).generate(0, ids, max_new_tokens=1, ignore_eos=True)
-        steps: dict[str, list[float]] = {m: [] for m in MODES}
+        steps: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(reps + 1):
-            for mode, cap in caps.items():
+            for mode in modes:
                 runner = Runner(eng)
-                runner.submit(0, ids, capture=cap, max_new_tokens=new, ignore_eos=True)
+                runner.submit(0, ids, capture=options(mode, n), max_new_tokens=new, ignore_eos=True)
                 times = []
                 while runner.batcher.has_work():
                     t0 = time.perf_counter()
                     runner.batcher.step()
                     times.append(time.perf_counter() - t0)
+                    for res in runner.results.values():  # read: let go, as the worker once it wrote them
+                        res.attention.clear()
                 if r:
                     steps[mode] += times[2:]  # past the re-decoded last prompt token and the first step
         out[str(n)] = {m: round(statistics.median(v) * 1000, 3) for m, v in steps.items() if v}
@@ -73,13 +90,17 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES + REDUCED)}")
     ap.add_argument("--other", type=Path, default=None, help="another slotserve checkout to measure alike")
     ap.add_argument("--other-python", type=Path, default=None, help="its interpreter (its own venv)")
     ap.add_argument("--json", action="store_true", help="print this checkout's figures as JSON only")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
+    modes = tuple(a.modes.split(","))
+    if "none" not in modes or not set(modes) <= set(MODES + REDUCED):
+        ap.error(f"--modes: 'none' and any of {', '.join(MODES[1:] + REDUCED)}")
     if a.json:
-        print(json.dumps(measure(contexts, a.new, a.reps, a.threads)))
+        print(json.dumps(measure(contexts, a.new, a.reps, a.threads, modes)))
         return 0
     here = Path(__file__).resolve().parent.parent
     runs = [("this checkout", here, Path(sys.executable))]
@@ -87,8 +108,8 @@ def main() -> int:
         runs.append((f"{a.other}", a.other.resolve(), a.other_python or Path(sys.executable)))
     results = {}
     for name, root, py in runs:
-        argv = [str(py), str(here / "benchmarks" / "bench_capture.py"), "--json", "--contexts", a.contexts,
-                "--new", str(a.new), "--reps", str(a.reps), "--threads", str(a.threads)]  # fmt: skip
+        argv = [str(py), str(here / "benchmarks" / "bench_capture.py"), "--json", "--contexts", a.contexts, "--new",
+                str(a.new), "--reps", str(a.reps), "--threads", str(a.threads), "--modes", a.modes]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(root)}
         done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
@@ -98,16 +119,16 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} cores; {a.threads} threads; {a.new} new tokens x {a.reps} reps")
     print(
         "| checkout | context | decode ms/token: "
-        + " / ".join(MODES)
+        + " / ".join(modes)
         + " | "
-        + " | ".join(f"none / {m}" for m in MODES[1:])
+        + " | ".join(f"none / {m}" for m in modes[1:])
         + " |"
     )
-    print("|---|---|---|" + "---|" * (len(MODES) - 1))
+    print("|---|---|---|" + "---|" * (len(modes) - 1))
     for name, res in results.items():
         for n, ms in res.items():
-            cells = " / ".join(f"{ms[m]:.2f}" if m in ms else "-" for m in MODES)
-            ratios = " | ".join(f"{ms['none'] / ms[m]:.3f}" if m in ms else "-" for m in MODES[1:])
+            cells = " / ".join(f"{ms[m]:.2f}" if m in ms else "-" for m in modes)
+            ratios = " | ".join(f"{ms['none'] / ms[m]:.3f}" if m in ms else "-" for m in modes[1:])
             print(f"| {name} | {n} | {cells} | {ratios} |")
     return 0
 
