@@ -54,6 +54,17 @@ HEADROOM = 8
 grow by one position per token, and a buffer exactly the size of one token's would never fit the next."""
 
 
+def _trim(items: list[T], keep: int, buffer: Callable[[T], _Buffer]) -> list[T]:
+    """The last ``keep`` of ``items`` of each kind (given back, recycled), in order: the recycled buffers a
+    stream cycles through are not crowded out by a bigger one given back (a state's), nor the other way."""
+    if not keep:
+        return []
+    given = [x for x in items if not buffer(x).recycled][-keep:]
+    recycled = [x for x in items if buffer(x).recycled][-keep:]
+    kept = {id(x) for x in given + recycled}
+    return [x for x in items if id(x) in kept]
+
+
 def _headroom(n: int) -> int:
     return -(-max(n // HEADROOM, PAGE) // PAGE) * PAGE
 
@@ -61,7 +72,9 @@ def _headroom(n: int) -> int:
 class _Buffer(bytearray):
     """A pool's ``bytearray``: weakly referenceable, so a lent one is tracked without being kept alive."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "recycled")
+
+    recycled: bool  # lent by take(recycle=True) and not given back: kept apart, the most recent first
 
 
 def _owner(view: object) -> object:
@@ -106,7 +119,7 @@ class BufferPool:
         self.max_bytes = max_bytes
         self.idle_s = idle_s
         self._clock = clock
-        self._free: list[tuple[float, _Buffer]] = []  # (when it became free, buffer), biggest first
+        self._free: list[tuple[float, _Buffer]] = []  # (when it became free, buffer)
         self._returned: list[_Buffer] = []  # given back while a view of them may still be read
         self._lent: weakref.WeakValueDictionary[int, _Buffer] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
@@ -129,6 +142,7 @@ class BufferPool:
                 buf = entry[1]
         if buf is None:
             buf = _Buffer(n + PAGE + (_headroom(n) if recycle else 0))
+        buf.recycled = recycle
         with self._lock:
             if recycle:
                 self._return(buf)
@@ -167,6 +181,10 @@ class BufferPool:
         if not isinstance(buf, _Buffer):
             return
         with self._lock:
+            if buf.recycled and any(b is buf for b in self._returned):
+                buf.recycled = False  # given back after all (a state): kept as the given-back ones are
+                view.release()  # type: ignore[attr-defined]  # (BufferError: another view is alive)
+                return
             if self._lent.get(id(buf)) is not buf:
                 return
             del self._lent[id(buf)]
@@ -184,7 +202,7 @@ class BufferPool:
         if len(buf) - PAGE > self.max_bytes:
             return
         self._returned.append(buf)
-        del self._returned[: max(len(self._returned) - self.keep, 0)]  # the oldest are left to be freed
+        self._returned = _trim(self._returned, self.keep, lambda b: b)  # the oldest are left to be freed
         self._arm()
 
     def _settle(self) -> None:
@@ -198,8 +216,9 @@ class BufferPool:
             else:
                 busy.append(b)
         self._returned = busy
-        self._free.sort(key=lambda e: len(e[1]), reverse=True)
-        del self._free[self.keep :]  # keep the biggest ones
+        # given back: the biggest kept; recycled: the most recently freed
+        self._free.sort(key=lambda e: e[0] if e[1].recycled else len(e[1]))
+        self._free = _trim(self._free, self.keep, lambda e: e[1])
 
     def release_idle(self) -> int:
         """Free the kept buffers that waited ``idle_s`` seconds or more; then, if any was freed, trim

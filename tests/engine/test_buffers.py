@@ -143,8 +143,11 @@ def test_a_recycled_buffer_comes_back_once_no_view_is_left_without_a_give() -> N
     del first
     third = pool.take(row * 4002, recycle=True)  # a little bigger, within the headroom: the first's memory
     assert id(third.obj) == kept
-    pool.give(third)  # a give of a recycled view changes nothing
     assert id(pool.take(row * 4003, recycle=True).obj) != kept, "still viewed by `third`"
+    pool.give(third)  # given back after all (a state's, say): released, and kept as given-back buffers are
+    for _ in range(3):  # recycled buffers taken and let go meanwhile do not crowd it out
+        pool.take(row * 4000, recycle=True)
+    assert id(pool.take(row * 4003).obj) == kept
 
 
 def test_arrays_over_recycled_buffers() -> None:
@@ -172,3 +175,21 @@ def test_recycled_buffers_kept_are_bounded() -> None:
     del views
     assert id(pool.take(1 << 20, recycle=True).obj) in ids[-2:], "only the last `keep` are kept; the others freed"
     assert pool.held_bytes <= 2 * ((1 << 20) + (1 << 20) // 8 + PAGE)
+
+
+def test_buffers_given_back_do_not_crowd_out_the_recycled_ones() -> None:
+    """Two bigger buffers given back (states, too big to lend to a token's frame) stay kept, and a stream's
+    recycled buffers still cycle: each token lands in a buffer let go before."""
+    pool = BufferPool(keep=2, idle_s=None)
+    states = [pool.take(46_000_000), pool.take(40_000_000)]
+    for v in states:
+        pool.give(v)
+    del states, v
+    frame = pool.take(1 << 20, recycle=True)
+    seen = {id(frame.obj)}
+    del frame
+    for k in range(4):
+        frame = pool.take((1 << 20) + k * 1080, recycle=True)
+        assert id(frame.obj) in seen, f"token {k} took a new buffer"
+        del frame
+    assert pool.held_bytes >= 86_000_000, "the states' buffers are still kept"
