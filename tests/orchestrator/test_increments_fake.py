@@ -179,6 +179,19 @@ async def test_a_write_behind_turn_writes_only_its_chunk(store: Store) -> None:
         await w2.registry.shutdown()
 
 
+async def settled_chunks(w: World, store: Store, *keys: str) -> list[SlotMeta]:
+    """The stored metadata of slots ``keys`` once the store holds exactly the chunks they name: the last token's
+    write-behind save may still be in flight (its chunks written, its metadata not yet); 10 s at most."""
+    for _ in range(200):
+        metas = [await w.archive.lookup(k) for k in keys]
+        named = {c.key for m in metas if m is not None for c in m.chunks}
+        if all(m is not None for m in metas) and set(await store.chunks()) == named:
+            break
+        await asyncio.sleep(0.05)
+    assert all(m is not None for m in metas)
+    return [m for m in metas if m is not None]
+
+
 async def test_a_system_prompt_shares_its_partial_chunk(store: Store) -> None:
     """Two conversations whose first message (a 29-token system prompt ending with the end-of-turn token,
     no multiple of the chunk size) is the same share its KV whole: [24, 29) is a range of its own in both
@@ -193,8 +206,7 @@ async def test_a_system_prompt_shares_its_partial_chunk(store: Store) -> None:
             meta = await w.archive.lookup(key)
             assert meta is not None
             await turn(w, key, [*meta.tokens, *more])  # completes the chunk [24, 32)
-        a, b = await w.archive.lookup("a"), await w.archive.lookup("b")
-        assert a is not None and b is not None
+        a, b = await settled_chunks(w, store, "a", "b")
         assert [(c.p0, c.p1) for c in a.chunks][:5] == [(0, 8), (8, 16), (16, 24), (24, 29), (29, 32)]
         shared = {c.key for c in a.chunks} & {c.key for c in b.chunks}
         assert shared == {c.key for c in a.chunks[:4]}, "all 29 positions of the system prompt stored once"
@@ -209,16 +221,10 @@ async def test_same_prefix_shares_chunks_and_a_restart_restores_them(store: Stor
     try:
         await w.gen("a", [*SYSTEM, 1, 2], n=2)
         await w.gen("b", [*SYSTEM, 3, 4], n=2)
-        for _ in range(200):  # the last token's write-behind save may be in flight: until the store settles
-            a, b = await w.archive.lookup("a"), await w.archive.lookup("b")
-            assert a is not None and b is not None
-            named = {c.key for c in a.chunks} | {c.key for c in b.chunks}
-            if set(await store.chunks()) == named:
-                break
-            await asyncio.sleep(0.05)
+        a, b = await settled_chunks(w, store, "a", "b")
         shared = {c.key for c in a.chunks} & {c.key for c in b.chunks}
         assert len(shared) == 3, "the 24 positions of whole chunks before the slots differ are stored once"
-        assert len(await store.chunks()) == len(named)
+        assert len(await store.chunks()) == len({c.key for c in a.chunks} | {c.key for c in b.chunks})
         want = list(a.tokens)
     finally:
         await w.registry.shutdown()
