@@ -22,6 +22,7 @@ memory from its next page boundary in 6 ms.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -183,7 +184,8 @@ class BufferPool:
         with self._lock:
             if buf.recycled and any(b is buf for b in self._returned):
                 buf.recycled = False  # given back after all (a state): kept as the given-back ones are
-                view.release()  # type: ignore[attr-defined]  # (BufferError: another view is alive)
+                with contextlib.suppress(BufferError):  # another view of it is alive: it comes back later
+                    view.release()  # type: ignore[attr-defined]
                 return
             if self._lent.get(id(buf)) is not buf:
                 return
