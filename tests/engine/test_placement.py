@@ -55,3 +55,16 @@ def test_capture_graph_setting_overrides_the_device_choice() -> None:
     may prefer decodes without the capture's nodes)."""
     assert backend.stable_capture_graph(0, "stable") is True
     assert backend.stable_capture_graph(99, "lean") is False
+
+
+def test_a_model_loaded_without_a_repack_choice_takes_the_workers_auto_choice(model_path: Path) -> None:
+    """``Model(path)`` (the tests', the benchmarks') chooses repacking as the worker does: never onto AMX, whose
+    kernels fault on the first multi-token decode (docs/hardware.md); on this machine a model loaded with
+    llama.cpp's own default crashed the whole test run where the CPU offers AMX."""
+    extra = backend.cpu_extra_bufts()
+    m = Model(model_path)
+    try:
+        assert m.repack == backend.choose_repack(None, extra)
+        assert m.repack.use_extra_bufts is (bool(extra) and "AMX" not in extra)
+    finally:
+        m.close()
