@@ -109,9 +109,10 @@ def test_a_reduced_row_beside_a_full_one_in_one_decode(runner, prompt, full) -> 
     runner.run()
     a, b = runner.results[top], runner.results[per]
     assert a.tokens == b.tokens == full.tokens
-    # flash attention on: the side branch over two sequences' rows rounds each differently (seen up to 0.04
-    # on this Q4_1 model); off: the rows of the two sequences are bit-equal
-    atol = 0.05 if runner.engine.config.flash_attn == "on" else 0.0
+    # two sequences batched together are not computed bit-equal: flash attention's side branch rounds each
+    # one's rows differently, and so do the matrix kernels where a ubatch's rows take different tiles
+    # (ggml-cpu's AVX-512 paths: seen up to 0.023 by layer 13 on this Q4_1 model; AVX2: bit-equal); seen up to 0.04
+    atol = 0.05
     for w, pos, ref in zip(a.attention, a.positions, b.attention, strict=True):
         assert w.shape == (30, 1, 3)
         np.testing.assert_allclose(np.take_along_axis(ref[:, [1]], pos.astype(np.int64), axis=-1), w, atol=atol)
