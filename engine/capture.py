@@ -28,7 +28,7 @@ the sink figure) are reduced from its rows by :mod:`engine.reduce` (:meth:`RowTa
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +37,12 @@ from contract.buffers import BufferPool
 from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
 from engine import native
 from engine.cellmap import CellMap, CellMapError
-from engine.reduce import graph_format, reduce_rows
+from engine.reduce import graph_format, reduce_rows, select_top_k
 
 _DTYPES = {native.GGML_TYPE_F32: np.float32, native.GGML_TYPE_F16: np.float16}
+
+_NATIVE_FORMATS = {"per_layer": native.PER_LAYER, "aggregated": native.MEAN, "topk": native.TOP_K}
+"""The graph formats (:func:`engine.reduce.graph_format`) as ``enum llama_attn_format``."""
 
 ROWS_KEPT = 2
 """Row buffers kept for reuse: a token's rows are usually written out before the next decode ends."""
@@ -80,18 +83,26 @@ class RowTarget:
     sink: float | None = None
 
     @classmethod
-    def of(cls, seq: int, pos: int, cap: CaptureOptions, attention_layers: Sequence[int]) -> RowTarget:
+    def of(
+        cls, seq: int, pos: int, cap: CaptureOptions, attention_layers: Sequence[int], max_top_k: int = 0
+    ) -> RowTarget:
         """The target of ``cap`` for the token of ``seq`` at ``pos`` (batch index set by the decode);
-        ``cap.layers`` None: every layer of ``attention_layers`` (the model's layers with attention)."""
+        ``cap.layers`` None: every layer of ``attention_layers`` (the model's layers with attention);
+        ``max_top_k``: the largest ``topk`` the graph selects (:attr:`AttentionCapture.max_top_k`)."""
         layers = tuple(attention_layers) if cap.layers is None else tuple(cap.layers)
-        fmt, dtype = graph_format(cap)
+        fmt, dtype = graph_format(cap, max_top_k)
         return cls(-1, seq, pos, layers, fmt, dtype, reduce=cap if cap.reduced else None)
 
     def finish(self) -> None:
-        """Reduce ``out`` as ``reduce`` asks (no-op without)."""
-        if self.reduce is not None and self.out is not None:
+        """Reduce ``out`` as ``reduce`` asks (no-op without): from the full rows, or, where the graph selected
+        the top ``k`` (``positions`` set by :meth:`AttentionCapture.collect`), from those."""
+        if self.reduce is None or self.out is None:
+            return
+        if self.positions is not None:
+            red = select_top_k(self.out, self.positions, self.reduce, self.pos + 1)
+        else:
             red = reduce_rows(self.out, self.reduce)
-            self.out, self.positions, self.sink = red.weights, red.positions, red.sink
+        self.out, self.positions, self.sink = red.weights, red.positions, red.sink
 
 
 class AttentionCapture:
@@ -121,9 +132,15 @@ class AttentionCapture:
         self.n_caches = n_caches
         self.layer_cache = [native.lib.llama_attn_layer_cache(ctx, il) for il in range(n_layer)]
         self.attention_layers = tuple(il for il, c in enumerate(self.layer_cache) if c >= 0)
-        self._format: tuple[int, int, tuple[int, ...]] = (-1, -1, ())
+        self.max_top_k = int(native.lib.llama_attn_max_top_k(ctx))  # 0: the graph selects no top k here
+        self._format: tuple[int, int, tuple[int, ...], int] = (-1, -1, (), 0)
         self._row = native.AttnRow()
         self._idx = np.zeros(0, dtype=np.int32)
+
+    @property
+    def graph_format(self) -> int:
+        """The ``enum llama_attn_format`` the last capturing decode's graph computed (-1 before any)."""
+        return self._format[0]
 
     # -- before the decode ----------------------------------------------------------------
 
@@ -137,19 +154,22 @@ class AttentionCapture:
         if targets:
             first = targets[0]
             same = all((t.format, t.dtype, t.layers) == (first.format, first.dtype, first.layers) for t in targets)
+            top_k = 0
             if same:
-                fmt = native.MEAN if first.format == "aggregated" else native.PER_LAYER
+                fmt = _NATIVE_FORMATS[first.format]
                 typ = native.GGML_TYPE_F16 if first.dtype == "float16" else native.GGML_TYPE_F32
                 layers = tuple(sorted(set(first.layers)))
+                if fmt == native.TOP_K:  # each takes the first of the largest k asked (best first)
+                    top_k = max(t.reduce.top_k for t in targets if t.reduce is not None)
             else:
                 fmt, typ = native.PER_LAYER, native.GGML_TYPE_F32
                 layers = tuple(sorted({il for t in targets for il in t.layers}))
-            if (fmt, typ, layers) != self._format:
+            if (fmt, typ, layers, top_k) != self._format:
                 mask = np.zeros(self.n_layer, dtype=np.uint8)
                 mask[list(layers)] = 1
-                if native.lib.llama_attn_set_format(self.ctx, mask.ctypes.data, self.n_layer, fmt, typ) != 0:
-                    raise CaptureError(f"llama_attn_set_format refused format {fmt}, type {typ}")
-                self._format = (fmt, typ, layers)
+                if native.lib.llama_attn_set_format(self.ctx, mask.ctypes.data, self.n_layer, fmt, typ, top_k) != 0:
+                    raise CaptureError(f"llama_attn_set_format refused format {fmt}, type {typ}, k {top_k}")
+                self._format = (fmt, typ, layers, top_k)
         self._idx = np.fromiter((t.batch_index for t in targets), dtype=np.int32, count=len(targets))
         if native.lib.llama_attn_set_rows(self.ctx, self._idx.ctypes.data, len(self._idx)) != 0:
             raise CaptureError("llama_attn_set_rows refused the batch indices")
@@ -166,11 +186,17 @@ class AttentionCapture:
         Raises :class:`CaptureError` for a row llama.cpp did not capture and :class:`CellMapError`
         when the mirror lacks the row's positions (or, with ``verify``, disagrees with llama.cpp).
         """
-        fmt, typ, layers = self._format
+        fmt, typ, layers, _ = self._format
         for i, tg in enumerate(targets):
             cells = self.cellmap.cells(tg.seq, tg.pos + 1)
             if self.verify:
                 self._verify(tg.seq, cells)
+            if fmt == native.TOP_K:
+                weights, positions = self._top_k(i, tg.seq, cells)  # [len(layers), H, k] each
+                order = [layers.index(il) for il in tg.layers]
+                tg.out, tg.positions = weights[order], positions[order]
+                tg.finish()
+                continue
             rows = self._rows(i, tg, cells)  # [len(layers), H, pos+1] or [pos+1]
             native_format = "aggregated" if fmt == native.MEAN else "per_layer"
             exact = (native_format, "float16" if typ == native.GGML_TYPE_F16 else "float32") == (tg.format, tg.dtype)
@@ -191,36 +217,69 @@ class AttentionCapture:
 
         The row's memory (llama.cpp's, valid until the next decode) is read through numpy views and each
         layer is gathered once, straight into the returned array."""
-        fmt, _, layers = self._format
+        fmt, _, layers, _ = self._format
         out: np.ndarray | None = None
+        for cache, held, r in self._caches(i, tg.seq, cells):
+            if len(held) and (held.min() < -cache or held.max() >= r.n_kv):
+                raise CellMapError(f"row {i}: cells outside the {r.n_kv} cells of its KV view")
+            src = _row_views(r)
+            if fmt == native.MEAN:
+                part = np.empty(len(held), dtype=src[0].dtype)
+                _gather(src[0][0], held, part)
+                out = part if out is None else out + part
+                continue
+            if out is None:
+                out = self.rows.array((len(layers), r.n_head, len(held)), src[0].dtype)  # every layer is one cache's
+            mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
+            if isinstance(src, np.ndarray) and len(mine) == len(layers):
+                _gather(src, held, out)
+                continue
+            for j, k in enumerate(mine):
+                _gather(src[j], held, out[k])
+        if out is None:
+            raise CaptureError(f"attention row {i} has no layer in any KV cache")
+        return out
+
+    def _caches(self, i: int, seq: int, cells: np.ndarray) -> Iterator[tuple[int, np.ndarray, native.AttnRow]]:
+        """Row ``i`` of the last decode in each KV cache holding a selected layer: ``(cache, cells, row)``, ``cells``
+        the cache's cells of ``seq``'s positions (``cells`` given for cache 0, llama.cpp's for a sliding-window
+        cache), ``row`` valid until the next iteration."""
         for cache in range(max(1, self.n_caches)):
             if cache:
-                cells = seq_cells(self.ctx, tg.seq, 0, len(cells), cache)
+                cells = seq_cells(self.ctx, seq, 0, len(cells), cache)
             status = native.lib.llama_attn_get_row(self.ctx, i, cache, ctypes.byref(self._row))
             if status == 1:
                 continue  # no selected layer in this cache
             if status != 0:
                 raise CaptureError(f"llama.cpp did not capture attention row {i}")
-            r = self._row
-            if len(cells) and (cells.min() < -cache or cells.max() >= r.n_kv):
-                raise CellMapError(f"row {i}: cells outside the {r.n_kv} cells of its KV view")
-            src = _row_views(r)
-            if fmt == native.MEAN:
-                part = np.empty(len(cells), dtype=src[0].dtype)
-                _gather(src[0][0], cells, part)
-                out = part if out is None else out + part
-                continue
-            if out is None:
-                out = self.rows.array((len(layers), r.n_head, len(cells)), src[0].dtype)  # every layer is one cache's
-            mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
-            if isinstance(src, np.ndarray) and len(mine) == len(layers):
-                _gather(src, cells, out)
-                continue
-            for j, k in enumerate(mine):
-                _gather(src[j], cells, out[k])
-        if out is None:
+            yield cache, cells, self._row
+
+    def _top_k(self, i: int, seq: int, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``i`` of the last decode (``seq``'s) in ``TOP_K``: ``(weights float32[n_layers, H, k], positions
+        int32[n_layers, H, k])``, the layers of every KV cache in ascending order, weights best first.  ``cells``:
+        the global KV cache's cells of ``seq``'s positions (the mirror's).  A weight the graph found at a cell that
+        holds none of those positions (a masked cell, a position past the token's) is 0 and gets position -1
+        (:func:`engine.reduce.select_top_k` gives it an unused one); :class:`CellMapError` if it is not 0."""
+        _, _, layers, k = self._format
+        weights = positions = None
+        for cache, held_cells, r in self._caches(i, seq, cells):
+            src = _row_views(r)  # per layer [H, 2k]: k weights, then their cells as int32
+            if weights is None or positions is None:
+                weights = np.empty((len(layers), r.n_head, k), np.float32)
+                positions = np.empty((len(layers), r.n_head, k), np.int32)
+            held = held_cells >= 0
+            position_of = np.full(int(held_cells.max()) + 2 if held.any() else 1, -1, np.int32)  # last: none
+            position_of[held_cells[held]] = np.flatnonzero(held)
+            mine = [j for j, il in enumerate(layers) if self.layer_cache[il] == cache]
+            for j, row in zip(mine, range(len(mine)), strict=True):
+                weights[j] = src[row][:, :k]
+                found = src[row][:, k:].view(np.int32)
+                positions[j] = position_of[np.where((found >= 0) & (found < len(position_of)), found, -1)]
+        if weights is None or positions is None:
             raise CaptureError(f"attention row {i} has no layer in any KV cache")
-        return out
+        if np.any(weights[positions < 0] != 0):
+            raise CellMapError(f"row {i}: a top-k weight at a cell that holds none of seq {seq}'s positions")
+        return weights, positions
 
     def _verify(self, seq: int, cells: np.ndarray) -> None:
         theirs = seq_cells(self.ctx, seq, 0, len(cells))

@@ -288,7 +288,8 @@ class Engine:
     def new_target(self, seq: int, pos: int, cap: CaptureOptions | None = None) -> RowTarget:
         """A capture target for the token of ``seq`` at ``pos`` (``cap``: the request's format, dtype and
         layers; default every attention layer per head in float32): its ``out`` is filled by :meth:`decode`."""
-        return RowTarget.of(seq, pos, cap or CaptureOptions(attention=True), self.attention_layers)
+        top_k = self.capture.max_top_k if self.capture is not None else 0
+        return RowTarget.of(seq, pos, cap or CaptureOptions(attention=True), self.attention_layers, top_k)
 
     # ------------------------------------------------------------------ sequence operations
 

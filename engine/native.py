@@ -15,9 +15,10 @@ import ctypes
 
 import llama_cpp
 
-ATTN_ABI = 6  # LLAMA_ATTN_ABI of libllama/llama-attn.h
+ATTN_ABI = 7  # LLAMA_ATTN_ABI of libllama/llama-attn.h
 PER_LAYER = 0  # enum llama_attn_format
 MEAN = 1
+TOP_K = 2
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
 
@@ -40,7 +41,8 @@ class AttnRow(ctypes.Structure):
     bytes from one layer to the next when every layer is at one stride (``layers[k] == data + k * nb_layer``),
     0 when not (a decode step's rows read in place from each layer's graph output: ``in_place`` 1).  Valid
     until the next ``llama_attn_set_rows``/``llama_decode``/``llama_attn_memory_update``; ``n_kv`` counts KV
-    cells of the row's stream.
+    cells of the row's stream, or is ``2 * k`` for ``TOP_K`` (per head ``k`` float32 weights, then their ``k``
+    cells as int32).
     """
 
     _fields_ = [
@@ -72,9 +74,10 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "llama_attn_memory_update": ([ctypes.c_void_p], None),
     "llama_attn_layer_cache": ([ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32),
     "llama_attn_set_format": (
-        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
         ctypes.c_int32,
     ),
+    "llama_attn_max_top_k": ([ctypes.c_void_p], ctypes.c_int32),
     "llama_attn_set_rows": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32),
     "llama_attn_get_row": (
         [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(AttnRow)],

@@ -1,10 +1,11 @@
 """Reduced attention: one token's rows reduced in the worker, so only the reduced bytes cross the socket.
 
 The graph (libllama/llama-attn.h) computes the rows per layer and head (``per_layer``) or their mean
-(``aggregated``); :func:`reduce_rows` turns a token's rows, already gathered into input-position order
-(:mod:`engine.capture`), into the format a client asked for (:class:`contract.protocol.CaptureOptions`,
-docs/api.md "Attention formats"): a head subset, the ``topk`` weights per layer and head with their
-positions, the mass per ``spans`` entry, and the ``sink`` figure.
+(``aggregated``), or per layer and head the ``topk`` largest weights where the graph selects them;
+:func:`reduce_rows` turns a token's rows, already gathered into input-position order (:mod:`engine.capture`),
+and :func:`select_top_k` the graph's top ``k``, into the format a client asked for
+(:class:`contract.protocol.CaptureOptions`, docs/api.md "Attention formats"): a head subset, the ``topk``
+weights per layer and head with their positions, the mass per ``spans`` entry, and the ``sink`` figure.
 """
 
 from __future__ import annotations
@@ -27,15 +28,37 @@ class Reduced:
     sink: float | None = None
 
 
-def graph_format(cap: CaptureOptions) -> tuple[AttentionFormat, AttentionDtype]:
+def graph_format(cap: CaptureOptions, max_top_k: int = 0) -> tuple[AttentionFormat, AttentionDtype]:
     """``(format, dtype)`` the graph must compute for ``cap``: the request's own when no reduction is asked;
     ``aggregated`` float32 for ``spans``/``sink`` over every head (a mean over layers and heads is linear);
-    else ``per_layer`` float32."""
+    ``topk`` float32 (every head's, :func:`select_top_k` picks) for ``topk`` without ``sink`` where the graph
+    selects up to ``max_top_k`` (``llama_attn_max_top_k``: 0 where it selects none); else ``per_layer`` float32."""
     if not cap.reduced:
         return cap.format, cap.dtype
     if cap.heads is None and cap.format in ("aggregated", "spans"):
         return "aggregated", "float32"
+    if cap.format == "topk" and cap.sink == 0 and 1 <= cap.top_k <= max_top_k:
+        return "topk", "float32"
     return "per_layer", "float32"
+
+
+def select_top_k(weights: np.ndarray, positions: np.ndarray, cap: CaptureOptions, n: int) -> Reduced:
+    """``cap``'s ``topk`` from the graph's: ``weights`` ``float32[L, H, K]`` best first and their ``positions``
+    ``int32[L, H, K]`` (every head, ``K >= cap.top_k``) for a token with ``n`` positions of context.  Returns
+    what :func:`reduce_rows` returns for the full rows: the heads of ``cap.heads``, the first ``min(top_k, n)``,
+    in ``cap.dtype``.  A position -1 (a weight of 0 the graph found at no position of the context: fewer than
+    ``top_k`` weights above 0) becomes the least position its row does not name yet, a weight of 0 too."""
+    if cap.heads is not None:
+        weights, positions = weights[:, cap.heads], positions[:, cap.heads]
+    k = min(cap.top_k, n)
+    dtype = np.float16 if cap.dtype == "float16" else np.float32
+    positions = np.array(positions[..., :k], dtype=np.int32, order="C")
+    rows = positions.reshape(-1, k)  # a view: rows[r] is written in place
+    for r in np.flatnonzero((rows < 0).any(axis=1)):
+        row = rows[r]
+        unused = np.setdiff1d(np.arange(n, dtype=np.int32), row[row >= 0], assume_unique=True)
+        row[row < 0] = unused[: int((row < 0).sum())]
+    return Reduced(np.ascontiguousarray(weights[..., :k], dtype=dtype), positions)
 
 
 def reduce_rows(rows: np.ndarray, cap: CaptureOptions) -> Reduced:

@@ -229,8 +229,14 @@ int32_t llama_attn_init(llama_context * ctx) {
         cap->cache_of[il] = iswa && hp.is_swa(il) ? 1 : 0;
         cap->n_caches     = std::max(cap->n_caches, cap->cache_of[il] + 1);
     }
-    llama_attn_set_format(ctx, nullptr, 0, LLAMA_ATTN_PER_LAYER, GGML_TYPE_F32);
+    cap->host_only = ctx->get_model().devices.empty();
+    llama_attn_set_format(ctx, nullptr, 0, LLAMA_ATTN_PER_LAYER, GGML_TYPE_F32, 0);
     return kv ? cap->n_caches : -1;
+}
+
+int32_t llama_attn_max_top_k(const llama_context * ctx) {
+    const llama_attn_cap * cap = attn_cap_of(ctx);
+    return cap && cap->host_only ? ATTN_MAX_TOP_K : 0;
 }
 
 bool llama_attn_flash_attn(const llama_context * ctx) {
@@ -243,22 +249,27 @@ int32_t llama_attn_layer_cache(const llama_context * ctx, int32_t il) {
 }
 
 int32_t llama_attn_set_format(llama_context * ctx, const uint8_t * layers, int32_t n_layers, int32_t format,
-                              int32_t type) {
+                              int32_t type, int32_t top_k) {
     llama_attn_cap * cap = attn_cap_of(ctx);
-    if (!cap || (format != LLAMA_ATTN_PER_LAYER && format != LLAMA_ATTN_MEAN) ||
+    if (!cap || (format != LLAMA_ATTN_PER_LAYER && format != LLAMA_ATTN_MEAN && format != LLAMA_ATTN_TOP_K) ||
         (type != GGML_TYPE_F32 && type != GGML_TYPE_F16) || (layers && n_layers != cap->n_layer)) {
         return -1;
     }
+    if (format == LLAMA_ATTN_TOP_K && (type != GGML_TYPE_F32 || top_k < 1 || top_k > llama_attn_max_top_k(ctx))) {
+        return -1;
+    }
+    top_k = format == LLAMA_ATTN_TOP_K ? top_k : 0;
     std::vector<uint8_t> sel(cap->n_layer);
     for (int32_t il = 0; il < cap->n_layer; ++il) {
         sel[il] = (!layers || layers[il]) && cap->cache_of[il] >= 0;
     }
-    if (sel == cap->sel && format == cap->format && (ggml_type) type == cap->type) {
+    if (sel == cap->sel && format == cap->format && (ggml_type) type == cap->type && top_k == cap->top_k) {
         return 0;
     }
     cap->sel    = std::move(sel);
     cap->format = format;
     cap->type   = (ggml_type) type;
+    cap->top_k  = top_k;
     cap->serial++;
     cap->index.assign(cap->n_layer, -1);
     cap->n_sel_total = 0;

@@ -18,7 +18,12 @@
 //               is a graph output [n_kv, 1, n_head, n_stream] (cast to F16 if asked: one op), read in
 //               place after the ubatch when it is in host memory (llama-attn-capture.cpp)
 //   MEAN:       acc += rows;  out = sum over heads(acc) / (n_layer_sel_total * n_head)  [n_kv, n_slots]
+//               (host_only: acc += attn_sum_heads(rows), a CPU operator reading the layer's rows while they
+//               are in cache; out = acc / (n_layer_sel_total * n_head))
+//   TOP_K:      rows_k = attn_top_k(rows)  [2k, n_q, n_head, n_stream] (host_only), then as PER_LAYER with
+//               2k in place of n_kv (decode steps: each layer's rows_k is an output, read in place)
 // and out (cast to F16 if asked) is a graph output, copied to host after the ubatch (llama-attn-capture.cpp).
+// A decode step's rows are kq itself in every format (n_tps == 1: the gather would copy kq whole).
 //
 // Stable shape (llama_attn_set_stable): a ubatch in which nobody asks for a row still gets the nodes,
 // with n_q = 1 (the stream's first row, read by nobody), so decodes that capture and decodes that do not
@@ -33,6 +38,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -60,7 +67,7 @@ void attn_make_plan(const llama_attn_cap & cap, bool kv_unified, const llama_uba
         }
     }
     // a decode step (one token per stream): each layer's post-softmax tensor holds exactly the slots' rows
-    p.inplace = cap.in_place && cap.format == LLAMA_ATTN_PER_LAYER && p.n_tps == 1;
+    p.inplace = cap.in_place && cap.format != LLAMA_ATTN_MEAN && p.n_tps == 1;
     if (p.n_q == 0) {
         if (cap.stable) { // the same nodes as a capturing ubatch: one row per stream, read by nobody
             p.n_q = 1;
@@ -155,6 +162,86 @@ ggml_tensor * llm_graph_input_attn_cap::get_mask_rows(ggml_context * ctx, ggml_t
 
 namespace {
 
+// the rows of a CPU operator's source: src [n_kv, n_q, n_head, n_stream] F32, each row contiguous
+const float * attn_src_row(const ggml_tensor * a, int64_t i1, int64_t i2, int64_t i3) {
+    return (const float *) ((const char *) a->data + i1 * a->nb[1] + i2 * a->nb[2] + i3 * a->nb[3]);
+}
+
+// dst [n_kv, n_q, 1, n_stream] F32 = the sum over heads of dst->src[0] [n_kv, n_q, n_head, n_stream] F32 (MEAN's
+// per-layer step, host_only): each thread sums its own range of cells of every row, reading the layer's rows once
+void attn_sum_heads(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * a = dst->src[0];
+    const int64_t n_kv = a->ne[0];
+    const int64_t per  = ((n_kv + nth - 1) / nth + 15) / 16 * 16; // 64-byte ranges: no two threads share a line
+    const int64_t j0   = std::min(n_kv, per * ith);
+    const int64_t j1   = std::min(n_kv, j0 + per);
+    for (int64_t i3 = 0; i3 < a->ne[3]; ++i3) {
+        for (int64_t i1 = 0; i1 < a->ne[1]; ++i1) {
+            float * out = (float *) ((char *) dst->data + i1 * dst->nb[1] + i3 * dst->nb[3]);
+            std::copy(attn_src_row(a, i1, 0, i3) + j0, attn_src_row(a, i1, 0, i3) + j1, out + j0);
+            for (int64_t h = 1; h < a->ne[2]; ++h) {
+                const float * x = attn_src_row(a, i1, h, i3);
+                for (int64_t j = j0; j < j1; ++j) {
+                    out[j] += x[j];
+                }
+            }
+        }
+    }
+}
+
+// dst [2k, n_q, n_head, n_stream] F32: per row of dst->src[0] [n_kv, n_q, n_head, n_stream] F32 its k largest
+// values, largest first, then their indices as int32 (LLAMA_ATTN_TOP_K); k = (intptr_t) userdata.  A min-heap
+// of the k best so far; a block of 16 values none of which beats the heap's least is skipped with one vectorized
+// comparison (a softmax row's few large weights fill the heap early, so nearly every block is skipped).
+void attn_top_k(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const ggml_tensor * a = dst->src[0];
+    const int64_t n  = a->ne[0];
+    const int32_t k  = (int32_t) (intptr_t) userdata;
+    const int64_t m  = std::min<int64_t>(k, n);
+    const int64_t nr = a->ne[1] * a->ne[2] * a->ne[3];
+    using entry = std::pair<float, int32_t>;
+    auto greater = [](const entry & x, const entry & y) { return x.first > y.first; };
+    std::vector<entry> heap;
+    heap.reserve((size_t) k);
+    for (int64_t r = ith; r < nr; r += nth) {
+        const int64_t i1 = r % a->ne[1];
+        const int64_t i2 = (r / a->ne[1]) % a->ne[2];
+        const int64_t i3 = r / (a->ne[1] * a->ne[2]);
+        const float * x  = attn_src_row(a, i1, i2, i3);
+        heap.clear();
+        for (int64_t j = 0; j < m; ++j) {
+            heap.emplace_back(x[j], (int32_t) j);
+        }
+        std::make_heap(heap.begin(), heap.end(), greater);
+        float least = m == k ? heap.front().first : INFINITY; // fewer cells than k: every one is taken
+        for (int64_t j0 = m; j0 < n; j0 += 16) {
+            const int64_t j1 = std::min<int64_t>(n, j0 + 16);
+            int any = 0;
+            for (int64_t j = j0; j < j1; ++j) {
+                any |= x[j] > least;
+            }
+            if (!any) {
+                continue;
+            }
+            for (int64_t j = j0; j < j1; ++j) {
+                if (x[j] > least) {
+                    std::pop_heap(heap.begin(), heap.end(), greater);
+                    heap.back() = {x[j], (int32_t) j};
+                    std::push_heap(heap.begin(), heap.end(), greater);
+                    least = heap.front().first;
+                }
+            }
+        }
+        std::sort_heap(heap.begin(), heap.end(), greater); // largest first
+        float * val = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+        int32_t * cell = (int32_t *) (val + k);
+        for (int32_t q = 0; q < k; ++q) {
+            val[q]  = q < m ? heap[q].first : 0.0f;
+            cell[q] = q < m ? heap[q].second : -1;
+        }
+    }
+}
+
 llm_graph_input_attn_cap * attn_input_of(const llm_graph_context & g, llama_attn_cap * cap) {
     for (auto & in : g.res->inputs) {
         if (auto * p = dynamic_cast<llm_graph_input_attn_cap *>(in.get())) {
@@ -194,8 +281,10 @@ void attn_finish(const llm_graph_context & g, llama_attn_cap * cap, llm_graph_in
     ggml_context * ctx0 = g.ctx0;
     ggml_tensor * t = inp->acc[c];
     if (cap->format == LLAMA_ATTN_MEAN) {
-        t = ggml_cont(ctx0, ggml_permute(ctx0, t, 1, 2, 0, 3)); // [n_head, n_kv, n_q, n_stream]
-        t = ggml_sum_rows(ctx0, t);                             // [1, n_kv, n_q, n_stream]
+        if (t->ne[2] != 1) { // not summed over heads per layer (attn_sum_heads, or a single head)
+            t = ggml_cont(ctx0, ggml_permute(ctx0, t, 1, 2, 0, 3)); // [n_head, n_kv, n_q, n_stream]
+            t = ggml_sum_rows(ctx0, t);                             // [1, n_kv, n_q, n_stream]
+        }
         t = ggml_scale(ctx0, t, 1.0f / ((float) cap->n_sel_total * (float) inp->n_head[c]));
     }
     if (cap->type == GGML_TYPE_F16) {
@@ -233,9 +322,15 @@ void llama_attn_cap_layer(const llm_graph_context & g, ggml_tensor * q, ggml_ten
         return;
     }
     ggml_context * ctx0 = g.ctx0;
-    ggml_tensor * rows = kq && inp->plan.inplace ? kq
-                         : kq                    ? ggml_get_rows(ctx0, kq, inp->get_idx_h(ctx0, n_head))
-                                                 : attn_recompute_rows(g, inp, q, k, kq_mask, sinks, kq_scale);
+    ggml_tensor * rows = kq && inp->plan.n_tps == 1 ? kq // a decode step: kq holds exactly the slots' rows
+                         : kq ? ggml_get_rows(ctx0, kq, inp->get_idx_h(ctx0, n_head))
+                              : attn_recompute_rows(g, inp, q, k, kq_mask, sinks, kq_scale);
+    if (cap->format == LLAMA_ATTN_TOP_K) { // set_format allowed it: host_only
+        ggml_tensor * src = rows;
+        rows = ggml_custom_4d(ctx0, GGML_TYPE_F32, 2 * (int64_t) cap->top_k, src->ne[1], src->ne[2], src->ne[3], &src,
+                              1, attn_top_k, GGML_N_TASKS_MAX, (void *) (intptr_t) cap->top_k);
+        ggml_set_name(rows, "attn_cap_top_k");
+    }
     const int64_t n_kv = rows->ne[0];
     if (inp->n_done[c] == 0) {
         inp->n_kv[c]   = n_kv;
@@ -258,6 +353,12 @@ void llama_attn_cap_layer(const llm_graph_context & g, ggml_tensor * q, ggml_ten
         return;
     }
     if (cap->format == LLAMA_ATTN_MEAN) {
+        if (cap->host_only && n_head > 1) {
+            ggml_tensor * src = rows;
+            rows = ggml_custom_4d(ctx0, GGML_TYPE_F32, n_kv, src->ne[1], 1, src->ne[3], &src, 1, attn_sum_heads,
+                                  GGML_N_TASKS_MAX, nullptr);
+            ggml_set_name(rows, "attn_cap_sum_heads");
+        }
         inp->acc[c] = inp->acc[c] ? ggml_add(ctx0, inp->acc[c], rows) : rows;
     } else {
         const int64_t n_slots = (int64_t) inp->plan.n_q * inp->plan.n_stream;

@@ -15,6 +15,7 @@
 struct llama_kv_cache;
 
 constexpr int ATTN_MAX_CACHES = 2;
+constexpr int32_t ATTN_MAX_TOP_K = 64; // LLAMA_ATTN_TOP_K's largest k (a heap of k per row and thread)
 
 // one ubatch's captured rows in host memory: per KV cache one buffer of the device's host buffer type
 // (pinned memory for CUDA: ggml_backend_dev_host_buffer_type, as llama.cpp's own output buffer), kept
@@ -49,6 +50,11 @@ struct llama_attn_cap {
     int32_t n_sel[ATTN_MAX_CACHES] = {0, 0};
     int32_t last[ATTN_MAX_CACHES]  = {-1, -1}; // the cache's last selected layer: its output is finished there
     int32_t n_sel_total = 0;
+    int32_t top_k = 0;             // LLAMA_ATTN_TOP_K's k
+
+    // the model has no GPU device: the CPU backend computes the whole graph, so the capture may add CPU
+    // operators (the top-k selection, MEAN's sum over heads: llama-attn-graph.cpp)
+    bool host_only = false;
 
     // llama_attn_set_stable: every ubatch gets the capture's nodes (one row per stream when none is asked)
     bool stable = false;
@@ -72,7 +78,7 @@ struct attn_plan {
     int32_t n_stream = 1;
     int32_t n_tps    = 0;
     int32_t n_q      = 0;
-    bool    inplace  = false;   // PER_LAYER with one token per stream: each layer's post-softmax tensor is the output
+    bool    inplace  = false;   // PER_LAYER or TOP_K with one token per stream: each layer's own tensor is the output
     std::vector<int32_t> row;   // [n_stream*n_q]: row within the stream
     std::vector<int32_t> batch; // [n_stream*n_q]: batch index, -1 for a repeated row or a row nobody asked
 };

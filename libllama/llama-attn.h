@@ -23,11 +23,14 @@ extern "C" {
 #endif
 
 // ABI of this header; slotserve refuses a libllama whose llama_attn_abi() differs.
-#define LLAMA_ATTN_ABI 6
+#define LLAMA_ATTN_ABI 7
 
 enum llama_attn_format {
     LLAMA_ATTN_PER_LAYER = 0, // [n_layer_sel, n_head, n_kv] per row and KV cache
     LLAMA_ATTN_MEAN      = 1, // [n_kv]: sum over the selected layers and heads / (n_layer_sel_total * n_head)
+    LLAMA_ATTN_TOP_K     = 2, // [n_layer_sel, n_head, 2 * k] F32: per head its k largest weights, largest first, then
+                              // the k cells they are at as int32 (ties in any order; past a row of fewer than k cells
+                              // weight 0 and cell -1); row.n_kv is 2 * k.  Only where llama_attn_max_top_k says
 };
 
 // A captured row: per layer k, n_head rows of n_kv elements at layers[k] (head h at layers[k] + h * nb_head).
@@ -38,7 +41,8 @@ enum llama_attn_format {
 // it before.
 struct llama_attn_row {
     const void * data;       // layers[0]
-    int64_t      n_kv;       // cells of the row (the KV view of its ubatch; cells past the sequence are 0)
+    int64_t      n_kv;       // cells of the row (the KV view of its ubatch; cells past the sequence are 0); 2 * k for
+                             // LLAMA_ATTN_TOP_K (its weights, then their cells)
     int32_t      n_layer;    // layers of this KV cache in the row (1 for LLAMA_ATTN_MEAN)
     int32_t      n_head;     // heads per layer (1 for LLAMA_ATTN_MEAN)
     int64_t      nb_layer;   // bytes from one layer to the next when every layer is at one stride (layers[k] ==
@@ -69,9 +73,15 @@ LLAMA_API void llama_attn_memory_update(struct llama_context * ctx);
 LLAMA_API int32_t llama_attn_layer_cache(const struct llama_context * ctx, int32_t il);
 
 // What the next decodes compute: layers[il] != 0 selects layer il (layers == NULL: all), format is a
-// llama_attn_format, type GGML_TYPE_F32 or GGML_TYPE_F16.  Returns 0, or -1 for a bad argument.
+// llama_attn_format, type GGML_TYPE_F32 or GGML_TYPE_F16 (GGML_TYPE_F32 for LLAMA_ATTN_TOP_K), top_k the k of
+// LLAMA_ATTN_TOP_K (1..llama_attn_max_top_k; ignored for the other formats).  Returns 0, or -1 for a bad argument.
 LLAMA_API int32_t llama_attn_set_format(struct llama_context * ctx, const uint8_t * layers, int32_t n_layers,
-                                        int32_t format, int32_t type);
+                                        int32_t format, int32_t type, int32_t top_k);
+// The largest k of LLAMA_ATTN_TOP_K on this context, 0 where its graph does not compute it.  The top-k selection
+// and MEAN's sum over heads are CPU operators (ggml_custom_4d, run on the graph's threads right after each layer's
+// softmax, while its rows are in cache): they are used only when the model has no GPU device (llama_model's
+// devices empty), where the CPU backend computes the whole graph; elsewhere a caller reduces per-layer rows itself.
+LLAMA_API int32_t llama_attn_max_top_k(const struct llama_context * ctx);
 
 // The batch indices whose rows the next llama_decode captures (n == 0: none).  Clears the previous
 // decode's rows.  Returns 0, or -1 for a bad argument.

@@ -33,6 +33,7 @@ pytest.importorskip("transformers")
 
 from contract.errors import ErrorCode
 from contract.model_facts import SINK_ARCHITECTURES
+from contract.protocol import CaptureOptions
 from contract.settings import EngineSettings
 from engine.engine import Engine, EngineError
 from engine.model import Model
@@ -213,6 +214,21 @@ def test_sliding_window_cache_past_its_cells(tmp_path: Path) -> None:
         for k, rows in enumerate(res.attention):
             before = len(long) + k - window
             assert np.all(rows[[0, 2], :, :before] == 0) and np.all(rows[[1, 3], :, :before] > 0)
+        # the graph's reductions over both caches: top k (positions from each cache's own cells) and the mean
+        for cap in (
+            CaptureOptions(attention=True, format="topk", top_k=5),
+            CaptureOptions(attention=True, format="aggregated"),
+        ):
+            eng.erase(0)
+            red = run.generate(0, long, capture=cap, max_new_tokens=3, ignore_eos=True)
+            assert red.tokens == res.tokens
+            for k, (got, rows) in enumerate(zip(red.attention, res.attention, strict=True)):
+                if cap.format == "aggregated":
+                    np.testing.assert_allclose(got, rows.mean(axis=(0, 1)), atol=2e-5, err_msg=f"token {k}")
+                    continue
+                np.testing.assert_array_equal(got, -np.sort(-rows, axis=-1)[..., :5], err_msg=f"token {k}")
+                pos = red.positions[k].astype(np.int64)
+                np.testing.assert_array_equal(np.take_along_axis(rows, pos, axis=-1), got)
         n = eng.seq_len(0)
         assert eng.can_keep(0, n - 3) and not eng.can_keep(0, 100)
         assert not eng.memory.can_shift

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from contract.protocol import CaptureOptions
+from engine import native
+from engine.capture import RowTarget
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner
 
@@ -73,6 +75,47 @@ def test_topk_float16_and_k_above_the_context_length(runner, prompt, full) -> No
         assert len(np.unique(pos[0, 0])) == width  # no position twice
         if width == n + k:  # K reaches the context length: every position once
             assert np.array_equal(np.sort(pos, axis=-1)[0, 0], np.arange(width))
+
+
+@pytest.mark.parametrize(
+    ("top_k", "layers", "heads", "dtype"),
+    [(8, None, None, "float32"), (1, [29, 0, 7], [8, 0, 3], "float16"), (64, [5], None, "float32")],
+    ids=["k8", "k1-subsets-f16", "k64-one-layer"],
+)
+def test_topk_selected_in_the_graph_is_the_full_rows_top_k(runner, prompt, full, top_k, layers, heads, dtype) -> None:  # type: ignore[no-untyped-def]
+    """On a CPU engine the graph selects the top k itself (``llama_attn_max_top_k``): the same weights as the full
+    rows' largest, best first, at positions holding them; the prompt's row is a prefill chunk's gathered row, the
+    others decode steps' rows read in place."""
+    assert runner.engine.capture.max_top_k >= 64
+    cap = CaptureOptions(attention=True, format="topk", top_k=top_k, layers=layers, heads=heads, dtype=dtype)
+    assert RowTarget.of(0, 0, cap, runner.engine.attention_layers, 64).format == "topk"
+    res = _run(runner, prompt, cap)
+    _same_tokens(res, full)
+    assert runner.engine.capture.graph_format == native.TOP_K
+    for k, (w, pos, ref) in enumerate(zip(res.attention, res.positions, full.attention, strict=True)):
+        sel = ref[layers or slice(None)][:, heads or slice(None)]
+        assert w.shape == pos.shape == (*sel.shape[:2], top_k) and w.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(w, (-np.sort(-sel, axis=-1)[..., :top_k]).astype(dtype), err_msg=f"token {k}")
+        np.testing.assert_array_equal(np.take_along_axis(sel, pos.astype(np.int64), axis=-1).astype(dtype), w)
+        assert all(len(set(p)) == top_k for p in pos.reshape(-1, top_k))  # no position twice
+
+
+def test_topk_in_the_graph_past_a_short_context(runner) -> None:  # type: ignore[no-untyped-def]
+    """k above the context length: the graph's k include cells of no position (weight 0), which become the
+    positions not named yet, so every position comes once."""
+    ids = runner.engine.model.tokenize("Hi", True, False)
+    runner.engine.erase(0)
+    ref = runner.generate(0, ids, capture=CaptureOptions(attention=True), max_new_tokens=3, ignore_eos=True)
+    runner.engine.erase(0)
+    res = runner.generate(0, ids, capture=CaptureOptions(attention=True, format="topk", top_k=8), max_new_tokens=3,
+                          ignore_eos=True)  # fmt: skip
+    assert res.tokens == ref.tokens and runner.engine.capture.graph_format == native.TOP_K
+    for k, (w, pos, rows) in enumerate(zip(res.attention, res.positions, ref.attention, strict=True)):
+        n = len(ids) + k
+        assert w.shape == (30, 9, n)
+        assert np.array_equal(np.sort(pos, axis=-1), np.broadcast_to(np.arange(n), pos.shape))
+        np.testing.assert_array_equal(np.take_along_axis(rows, pos.astype(np.int64), axis=-1), w)
+    runner.engine.erase(0)
 
 
 def test_spans_sum_the_mean_row_over_each_span(runner, prompt, full) -> None:  # type: ignore[no-untyped-def]
