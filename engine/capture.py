@@ -31,6 +31,7 @@ import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from contract.buffers import BufferPool
@@ -197,7 +198,10 @@ class AttentionCapture:
                 tg.out, tg.positions = weights[order], positions[order]
                 tg.finish()
                 continue
-            rows = self._rows(i, tg, cells)  # [len(layers), H, pos+1] or [pos+1]
+            heads = tg.reduce.heads if tg.reduce is not None and fmt == native.PER_LAYER else None
+            rows = self._rows(i, tg, cells, heads)  # [len(layers), H or len(heads), pos+1] or [pos+1]
+            if tg.reduce is not None and heads is not None:
+                tg.reduce = msgspec.structs.replace(tg.reduce, heads=None)  # rows of those heads only
             native_format = "aggregated" if fmt == native.MEAN else "per_layer"
             exact = (native_format, "float16" if typ == native.GGML_TYPE_F16 else "float32") == (tg.format, tg.dtype)
             if exact and tuple(sorted(set(tg.layers))) == layers:
@@ -208,12 +212,13 @@ class AttentionCapture:
                 tg.out = shape_attention(rows[[layers.index(il) for il in tg.layers]], tg.format, tg.dtype)
             tg.finish()
 
-    def _rows(self, i: int, tg: RowTarget, cells: np.ndarray) -> np.ndarray:
+    def _rows(self, i: int, tg: RowTarget, cells: np.ndarray, heads: list[int] | None = None) -> np.ndarray:
         """Row ``i`` of the last decode (``tg``'s), gathered into position order: ``[n_layers, H, n]``
-        with the layers of every KV cache in ascending order (``per_layer``), or their sum ``[n]``
-        (``aggregated``).  ``cells``: the global KV cache's cells of positions ``0..n-1`` (the mirror's);
-        a sliding-window cache's come from llama.cpp's cell metadata (``llama_attn_seq_cells``), which
-        holds only the recent positions: the row is 0 where it holds none.
+        with the layers of every KV cache in ascending order (``per_layer``; ``heads``: only those,
+        ``[n_layers, len(heads), n]``), or their sum ``[n]`` (``aggregated``).  ``cells``: the global KV
+        cache's cells of positions ``0..n-1`` (the mirror's); a sliding-window cache's come from llama.cpp's
+        cell metadata (``llama_attn_seq_cells``), which holds only the recent positions: the row is 0 where it
+        holds none.
 
         The row's memory (llama.cpp's, valid until the next decode) is read through numpy views and each
         layer is gathered once, straight into the returned array."""
@@ -229,13 +234,14 @@ class AttentionCapture:
                 out = part if out is None else out + part
                 continue
             if out is None:
-                out = self.rows.array((len(layers), r.n_head, len(held)), src[0].dtype)  # every layer is one cache's
+                n_head = r.n_head if heads is None else len(heads)
+                out = self.rows.array((len(layers), n_head, len(held)), src[0].dtype)  # every layer is one cache's
             mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
             if isinstance(src, np.ndarray) and len(mine) == len(layers):
-                _gather(src, held, out)
+                _gather(src, held, out, heads)
                 continue
             for j, k in enumerate(mine):
-                _gather(src[j], held, out[k])
+                _gather(src[j], held, out[k], heads)
         if out is None:
             raise CaptureError(f"attention row {i} has no layer in any KV cache")
         return out
@@ -309,10 +315,11 @@ def _row_views(r: native.AttnRow) -> np.ndarray | list[np.ndarray]:
     ]
 
 
-def _gather(src: np.ndarray, cells: np.ndarray, out: np.ndarray) -> None:
-    """``out[...] = src[..., cells]``, 0 where a cell is -1 (a position a sliding-window KV cache no longer
-    holds); one slice copy when the cells are one ascending run.  ``out``: ``src``'s shape with ``len(cells)``
-    last, C-contiguous."""
+def _gather(src: np.ndarray, cells: np.ndarray, out: np.ndarray, heads: list[int] | None = None) -> None:
+    """``out[...] = src[..., cells]`` (``heads``: ``src[..., heads, cells]``, the heads axis second to last), 0
+    where a cell is -1 (a position a sliding-window KV cache no longer holds); one slice copy when the cells are
+    one ascending run.  ``out``: ``src``'s shape (with ``len(heads)`` heads) with ``len(cells)`` last,
+    C-contiguous."""
     n = len(cells)
     if (
         n
@@ -320,8 +327,11 @@ def _gather(src: np.ndarray, cells: np.ndarray, out: np.ndarray) -> None:
         and int(cells[-1]) - int(cells[0]) == n - 1
         and (n == 1 or bool(np.all(cells[1:] > cells[:-1])))
     ):
-        np.copyto(out, src[..., int(cells[0]) : int(cells[0]) + n])
+        run = slice(int(cells[0]), int(cells[0]) + n)
+        np.copyto(out, src[..., run] if heads is None else src[..., heads, run])
         return
+    if heads is not None:
+        src = src[..., heads, :]
     held = cells >= 0
     every = bool(held.all())
     np.take(src, cells if every else np.where(held, cells, 0), axis=-1, out=out, mode="clip")
