@@ -56,6 +56,8 @@ def check(options: WorkerOptions) -> tuple[int, str]:
 @pytest.mark.parametrize("repack", [True, False], ids=["repack", "no-repack"])
 @pytest.mark.parametrize("flash_attn", ["on", "off"], ids=["fa-on", "fa-off"])
 def test_check_passes_in_every_configuration(repack: bool, flash_attn: str) -> None:
+    if repack and "AMX" in backend_extra_bufts_here():
+        pytest.skip("an explicit --repack on a CPU offering AMX crashes in llama.cpp 0.3.36 (docs/hardware.md)")
     code, out = check(
         WorkerOptions(
             EngineSettings(n_slots=2, n_spare=1, n_ctx=512, n_threads=2, repack=repack, flash_attn=flash_attn)  # type: ignore[arg-type]
