@@ -13,7 +13,8 @@ import numpy as np
 import psutil
 import pytest
 
-from engine.model import default_model_path
+from engine.backend import choose_repack, cpu_extra_bufts
+from engine.model import default_model_path, init_backend
 from tests.conftest import ServerProc
 from tests.waiting import wait_until
 
@@ -23,11 +24,24 @@ TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply today."]
 
 @pytest.fixture(scope="module")
 def reference() -> np.ndarray:
-    llm = llama_cpp.Llama(
-        str(default_model_path()), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
-        n_ctx=0, n_batch=8192, n_ubatch=8192, n_threads=2, verbose=False,
-        flash_attn=True,  # as llama.cpp's "auto" picks for the server's pooled context on a CPU
-    )  # fmt: skip
+    # weights repacked as the server's workers choose (engine.backend.choose_repack: never onto AMX, whose kernels
+    # crash, docs/hardware.md); Llama takes llama.cpp's default params, which would repack onto AMX where offered
+    init_backend()
+    repack = choose_repack(None, cpu_extra_bufts())
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def model_params() -> llama_cpp.llama_model_params:
+        params = defaults()
+        params.use_extra_bufts = repack.use_extra_bufts
+        return params
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", model_params)
+        llm = llama_cpp.Llama(
+            str(default_model_path()), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+            n_ctx=0, n_batch=8192, n_ubatch=8192, n_threads=2, verbose=False,
+            flash_attn=True,  # as llama.cpp's "auto" picks for the server's pooled context on a CPU
+        )  # fmt: skip
     try:
         return np.array(llm.embed(TEXTS, normalize=True), dtype=np.float32)
     finally:
