@@ -181,7 +181,12 @@ async def test_a_write_behind_turn_writes_only_its_chunk(store: Store) -> None:
 
 async def settled_chunks(w: World, store: Store, *keys: str) -> list[SlotMeta]:
     """The stored metadata of slots ``keys`` once the store holds exactly the chunks they name: the last token's
-    write-behind save may still be in flight (its chunks written, its metadata not yet); 10 s at most."""
+    write-behind save is made now and waited for (scheduled, it could start after a first look found the store
+    settled: seen 1 in 12 runs), then its chunks and metadata may still be landing; 10 s at most."""
+    assert w.registry.durability is not None
+    await w.registry.durability.flush(wait_for_locks=True)
+    for k in keys:
+        await w.archive.settled(k)
     for _ in range(200):
         metas = [await w.archive.lookup(k) for k in keys]
         named = {c.key for m in metas if m is not None for c in m.chunks}
