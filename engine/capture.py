@@ -21,8 +21,9 @@ llama.cpp's KV cache reports for every decoded token: ``llama_attn_seq_cells``).
 
 One format per decode: when the rows of one decode ask for different formats, dtypes or layers,
 the graph computes every asked layer per head in float32 and each row is reduced here
-(:func:`shape_attention`).  The formats the graph does not compute (``topk``, ``spans``, a head subset,
-the sink figure) are reduced from its rows by :mod:`engine.reduce` (:meth:`RowTarget.finish`).
+(:func:`shape_attention`).  The formats the graph does not compute (``topk`` where it selects none, ``spans``,
+a head subset, the sink figure) are reduced from its rows by :mod:`engine.reduce` (:meth:`RowTarget.finish`);
+the graph's own top k is mapped from cells to positions here (:meth:`AttentionCapture._top_k`).
 """
 
 from __future__ import annotations
@@ -270,17 +271,17 @@ class AttentionCapture:
         weights = positions = None
         for cache, held_cells, r in self._caches(i, seq, cells):
             src = _row_views(r)  # per layer [H, 2k]: k weights, then their cells as int32
+            block = src if isinstance(src, np.ndarray) else np.stack(src)  # [this cache's layers, H, 2k]
             if weights is None or positions is None:
                 weights = np.empty((len(layers), r.n_head, k), np.float32)
                 positions = np.empty((len(layers), r.n_head, k), np.int32)
             held = held_cells >= 0
-            position_of = np.full(int(held_cells.max()) + 2 if held.any() else 1, -1, np.int32)  # last: none
+            position_of = np.full(int(held_cells.max(initial=-1)) + 2, -1, np.int32)  # the last: no position
             position_of[held_cells[held]] = np.flatnonzero(held)
             mine = [j for j, il in enumerate(layers) if self.layer_cache[il] == cache]
-            for j, row in zip(mine, range(len(mine)), strict=True):
-                weights[j] = src[row][:, :k]
-                found = src[row][:, k:].view(np.int32)
-                positions[j] = position_of[np.where((found >= 0) & (found < len(position_of)), found, -1)]
+            weights[mine] = block[..., :k]
+            found = block[..., k:].view(np.int32)  # -1, or a cell past the last held one: the last entry
+            positions[mine] = position_of[np.minimum(found, len(position_of) - 1)]
         if weights is None or positions is None:
             raise CaptureError(f"attention row {i} has no layer in any KV cache")
         if np.any(weights[positions < 0] != 0):

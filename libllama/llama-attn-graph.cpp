@@ -178,7 +178,8 @@ void attn_sum_heads(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     for (int64_t i3 = 0; i3 < a->ne[3]; ++i3) {
         for (int64_t i1 = 0; i1 < a->ne[1]; ++i1) {
             float * out = (float *) ((char *) dst->data + i1 * dst->nb[1] + i3 * dst->nb[3]);
-            std::copy(attn_src_row(a, i1, 0, i3) + j0, attn_src_row(a, i1, 0, i3) + j1, out + j0);
+            const float * first = attn_src_row(a, i1, 0, i3);
+            std::copy(first + j0, first + j1, out + j0);
             for (int64_t h = 1; h < a->ne[2]; ++h) {
                 const float * x = attn_src_row(a, i1, h, i3);
                 for (int64_t j = j0; j < j1; ++j) {

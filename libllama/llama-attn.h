@@ -30,7 +30,7 @@ enum llama_attn_format {
     LLAMA_ATTN_MEAN      = 1, // [n_kv]: sum over the selected layers and heads / (n_layer_sel_total * n_head)
     LLAMA_ATTN_TOP_K     = 2, // [n_layer_sel, n_head, 2 * k] F32: per head its k largest weights, largest first, then
                               // the k cells they are at as int32 (ties in any order; past a row of fewer than k cells
-                              // weight 0 and cell -1); row.n_kv is 2 * k.  Only where llama_attn_max_top_k says
+                              // weight 0 and cell -1); row.n_kv is 2 * k.  Only where llama_attn_max_top_k > 0
 };
 
 // A captured row: per layer k, n_head rows of n_kv elements at layers[k] (head h at layers[k] + h * nb_head).
