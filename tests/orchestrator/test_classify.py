@@ -9,6 +9,7 @@ oracle is transformers' encoder run on the same ids followed by the classifier o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,17 @@ def test_server_without_classifier(start_server: Callable[..., ServerProc]) -> N
 
 
 def test_generation_model_is_not_a_classifier(tmp_path: Path, model_path: Path) -> None:
+    # The generation engine and the classifier load side by side, and /health answers for the
+    # generation engine (``classifier: loading`` meanwhile): on a fast host the server can report
+    # healthy before the classifier's load fails.  Either way the server must stop, saying why.
     srv = ServerProc(["--threads", "2", "--no-persist", "--classifier-model", str(model_path)], tmp_path)
-    with pytest.raises(RuntimeError, match="not a classifier"):
+    with contextlib.suppress(RuntimeError):
         srv.start(timeout=120)
-    srv.stop()
+    proc = srv.proc
+    assert proc is not None
+    try:
+        proc.wait(timeout=120)  # stops by itself (raises TimeoutExpired otherwise)
+    finally:
+        srv.stop()
+    assert proc.returncode is not None
+    assert "not a classifier" in srv.log_path.read_text(errors="replace")
