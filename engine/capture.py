@@ -134,7 +134,7 @@ class AttentionCapture:
         self.n_caches = n_caches
         self.layer_cache = [native.lib.llama_attn_layer_cache(ctx, il) for il in range(n_layer)]
         self.attention_layers = tuple(il for il, c in enumerate(self.layer_cache) if c >= 0)
-        self.max_top_k = int(native.lib.llama_attn_max_top_k(ctx))  # 0: the graph selects no top k here
+        self.max_top_k = int(native.lib.llama_attn_max_top_k(ctx))  # the largest k the graph selects
         self._format: tuple[int, int, tuple[int, ...], int] = (-1, -1, (), 0)
         self._row = native.AttnRow()
         self._idx = np.zeros(0, dtype=np.int32)
@@ -270,7 +270,7 @@ class AttentionCapture:
         _, _, layers, k = self._format
         weights = positions = None
         for cache, held_cells, r in self._caches(i, seq, cells):
-            src = _row_views(r)  # per layer [H, 2k]: k weights, then their cells as int32
+            src = _row_views(r)  # per layer [H, 2k]: k weights, then their cells as float32 values, in any order
             block = src if isinstance(src, np.ndarray) else np.stack(src)  # [this cache's layers, H, 2k]
             if weights is None or positions is None:
                 weights = np.empty((len(layers), r.n_head, k), np.float32)
@@ -280,13 +280,14 @@ class AttentionCapture:
             position_of[held_cells[held]] = np.flatnonzero(held)
             mine = [j for j, il in enumerate(layers) if self.layer_cache[il] == cache]
             weights[mine] = block[..., :k]
-            found = block[..., k:].view(np.int32)  # -1, or a cell past the last held one: the last entry
+            found = block[..., k:].astype(np.int32)  # -1, or a cell past the last held one: the last entry
             positions[mine] = position_of[np.minimum(found, len(position_of) - 1)]
         if weights is None or positions is None:
             raise CaptureError(f"attention row {i} has no layer in any KV cache")
         if np.any(weights[positions < 0] != 0):
             raise CellMapError(f"row {i}: a top-k weight at a cell that holds none of seq {seq}'s positions")
-        return weights, positions
+        order = np.argsort(-weights, axis=-1, kind="stable")  # ggml_top_k's are in no particular order
+        return np.take_along_axis(weights, order, axis=-1), np.take_along_axis(positions, order, axis=-1)
 
     def _verify(self, seq: int, cells: np.ndarray) -> None:
         theirs = seq_cells(self.ctx, seq, 0, len(cells))

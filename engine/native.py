@@ -15,7 +15,7 @@ import ctypes
 
 import llama_cpp
 
-ATTN_ABI = 7  # LLAMA_ATTN_ABI of libllama/llama-attn.h
+ATTN_ABI = 8  # LLAMA_ATTN_ABI of libllama/llama-attn.h
 PER_LAYER = 0  # enum llama_attn_format
 MEAN = 1
 TOP_K = 2
@@ -41,8 +41,8 @@ class AttnRow(ctypes.Structure):
     bytes from one layer to the next when every layer is at one stride (``layers[k] == data + k * nb_layer``),
     0 when not (a decode step's rows read in place from each layer's graph output: ``in_place`` 1).  Valid
     until the next ``llama_attn_set_rows``/``llama_decode``/``llama_attn_memory_update``; ``n_kv`` counts KV
-    cells of the row's stream, or is ``2 * k`` for ``TOP_K`` (per head ``k`` float32 weights, then their ``k``
-    cells as int32).
+    cells of the row's stream, or is ``2 * k`` for ``TOP_K`` (per head ``k`` float32 weights in no particular
+    order, then their ``k`` cells as float32 values in the same order, -1 past a row of fewer than ``k`` cells).
     """
 
     _fields_ = [
@@ -86,6 +86,7 @@ _SIGNATURES: dict[str, tuple[list[object], object]] = {
     "llama_attn_n_captured": ([ctypes.c_void_p], ctypes.c_int32),
     "llama_attn_set_stable": ([ctypes.c_void_p, ctypes.c_bool], ctypes.c_int32),
     "llama_attn_set_in_place": ([ctypes.c_void_p, ctypes.c_bool], ctypes.c_int32),
+    "llama_attn_set_cpu_ops": ([ctypes.c_void_p, ctypes.c_bool], ctypes.c_int32),
     "llama_attn_host_buffer": ([ctypes.c_void_p], ctypes.c_char_p),
     "llama_attn_cuda_graphs": ([ctypes.c_void_p], ctypes.c_int32),
     "llama_attn_seq_cells": (

@@ -32,7 +32,7 @@ def graph_format(cap: CaptureOptions, max_top_k: int = 0) -> tuple[AttentionForm
     """``(format, dtype)`` the graph must compute for ``cap``: the request's own when no reduction is asked;
     ``aggregated`` float32 for ``spans``/``sink`` over every head (a mean over layers and heads is linear);
     ``topk`` float32 (every head's, :func:`select_top_k` picks) for ``topk`` without ``sink`` where the graph
-    selects up to ``max_top_k`` (``llama_attn_max_top_k``: 0 where it selects none); else ``per_layer`` float32."""
+    selects up to ``max_top_k`` (``llama_attn_max_top_k``); else ``per_layer`` float32."""
     if not cap.reduced:
         return cap.format, cap.dtype
     if cap.heads is None and cap.format in ("aggregated", "spans"):

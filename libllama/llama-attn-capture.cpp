@@ -28,8 +28,9 @@ llama_attn_cap * attn_cap_of(const llama_context * ctx) {
     return ctx ? ctx->get_cparams().attn_cap : nullptr;
 }
 
-// llama_attn_set_stable, llama_attn_set_in_place: set one of the capture's graph-shaping flags; a change bumps the
-// serial, so graphs built before (of the other shape, reading the rows the other way) are not reused
+// llama_attn_set_stable, llama_attn_set_in_place, llama_attn_set_cpu_ops: set one of the capture's graph-shaping
+// flags; a change bumps the serial, so graphs built before (of the other shape, reading the rows the other way) are
+// not reused
 int32_t attn_set_flag(llama_context * ctx, bool llama_attn_cap::*flag, bool value) {
     llama_attn_cap * cap = attn_cap_of(ctx);
     if (!cap) {
@@ -230,13 +231,13 @@ int32_t llama_attn_init(llama_context * ctx) {
         cap->n_caches     = std::max(cap->n_caches, cap->cache_of[il] + 1);
     }
     cap->host_only = ctx->get_model().devices.empty();
+    cap->cpu_ops   = cap->host_only;
     llama_attn_set_format(ctx, nullptr, 0, LLAMA_ATTN_PER_LAYER, GGML_TYPE_F32, 0);
     return kv ? cap->n_caches : -1;
 }
 
 int32_t llama_attn_max_top_k(const llama_context * ctx) {
-    const llama_attn_cap * cap = attn_cap_of(ctx);
-    return cap && cap->host_only ? ATTN_MAX_TOP_K : 0;
+    return attn_cap_of(ctx) ? ATTN_MAX_TOP_K : 0;
 }
 
 bool llama_attn_flash_attn(const llama_context * ctx) {
@@ -355,6 +356,14 @@ int32_t llama_attn_set_stable(llama_context * ctx, bool stable) {
 
 int32_t llama_attn_set_in_place(llama_context * ctx, bool in_place) {
     return attn_set_flag(ctx, &llama_attn_cap::in_place, in_place);
+}
+
+int32_t llama_attn_set_cpu_ops(llama_context * ctx, bool cpu_ops) {
+    const llama_attn_cap * cap = attn_cap_of(ctx);
+    if (!cap || (cpu_ops && !cap->host_only)) {
+        return -1;
+    }
+    return attn_set_flag(ctx, &llama_attn_cap::cpu_ops, cpu_ops);
 }
 
 const char * llama_attn_host_buffer(const llama_context * ctx) {

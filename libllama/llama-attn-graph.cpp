@@ -18,10 +18,12 @@
 //               is a graph output [n_kv, 1, n_head, n_stream] (cast to F16 if asked: one op), read in
 //               place after the ubatch when it is in host memory (llama-attn-capture.cpp)
 //   MEAN:       acc += rows;  out = sum over heads(acc) / (n_layer_sel_total * n_head)  [n_kv, n_slots]
-//               (host_only: acc += attn_sum_heads(rows), a CPU operator reading the layer's rows while they
+//               (cpu_ops: acc += attn_sum_heads(rows), a CPU operator reading the layer's rows while they
 //               are in cache; out = acc / (n_layer_sel_total * n_head))
-//   TOP_K:      rows_k = attn_top_k(rows)  [2k, n_q, n_head, n_stream] (host_only), then as PER_LAYER with
-//               2k in place of n_kv (decode steps: each layer's rows_k is an output, read in place)
+//   TOP_K:      rows_k [2k, n_q, n_head, n_stream]: per row its k largest weights, then their cells as F32 values
+//               (cpu_ops: attn_top_k, a CPU operator; else ggml_top_k's cells, their weights gathered by a batched
+//               get_rows: ggml's own operators, which a GPU backend runs), then as PER_LAYER with 2k in place of
+//               n_kv (decode steps: each layer's rows_k is an output, read in place)
 // and out (cast to F16 if asked) is a graph output, copied to host after the ubatch (llama-attn-capture.cpp).
 // A decode step's rows are kq itself in every format (n_tps == 1: the gather would copy kq whole).
 //
@@ -168,7 +170,7 @@ const float * attn_src_row(const ggml_tensor * a, int64_t i1, int64_t i2, int64_
 }
 
 // dst [n_kv, n_q, 1, n_stream] F32 = the sum over heads of dst->src[0] [n_kv, n_q, n_head, n_stream] F32 (MEAN's
-// per-layer step, host_only): each thread sums its own range of cells of every row, reading the layer's rows once
+// per-layer step, cpu_ops): each thread sums its own range of cells of every row, reading the layer's rows once
 void attn_sum_heads(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
     const ggml_tensor * a = dst->src[0];
     const int64_t n_kv = a->ne[0];
@@ -191,7 +193,7 @@ void attn_sum_heads(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
 }
 
 // dst [2k, n_q, n_head, n_stream] F32: per row of dst->src[0] [n_kv, n_q, n_head, n_stream] F32 its k largest
-// values, largest first, then their indices as int32 (LLAMA_ATTN_TOP_K); k = (intptr_t) userdata.  A min-heap
+// values, largest first, then their indices as F32 values (LLAMA_ATTN_TOP_K); k = (intptr_t) userdata.  A min-heap
 // of the k best so far; a block of 16 values none of which beats the heap's least is skipped with one vectorized
 // comparison (a softmax row's few large weights fill the heap early, so nearly every block is skipped).
 void attn_top_k(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -235,12 +237,36 @@ void attn_top_k(ggml_tensor * dst, int ith, int nth, void * userdata) {
         }
         std::sort_heap(heap.begin(), heap.end(), greater); // largest first
         float * val = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
-        int32_t * cell = (int32_t *) (val + k);
+        float * cell = val + k;
         for (int32_t q = 0; q < k; ++q) {
             val[q]  = q < m ? heap[q].first : 0.0f;
-            cell[q] = q < m ? heap[q].second : -1;
+            cell[q] = q < m ? (float) heap[q].second : -1.0f;
         }
     }
+}
+
+// LLAMA_ATTN_TOP_K with ggml's own operators (any backend: what a model with a GPU device gets): rows [n_kv, n_q,
+// n_head, n_stream] F32 -> [2k, ...] F32 as attn_top_k writes it, but the k in no particular order: ggml_top_k's
+// cells (src/ggml.c: unordered), their weights gathered per row by a batched get_rows, the cells cast to F32
+// (exact below 2^24); past a row of fewer than k cells weight 0 and cell -1
+ggml_tensor * attn_top_k_ops(ggml_context * ctx0, ggml_tensor * rows, int32_t k) {
+    if (!ggml_is_contiguous(rows)) {
+        rows = ggml_cont(ctx0, rows);
+    }
+    const int64_t n_kv = rows->ne[0];
+    const int64_t m    = std::min<int64_t>(k, n_kv);
+    const int64_t nr   = ggml_nrows(rows);
+    ggml_tensor * idx  = ggml_top_k(ctx0, rows, (int) m); // I32 [m, n_q, n_head, n_stream]
+    ggml_tensor * w    = ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, rows, 1, n_kv, nr),
+                                       ggml_reshape_2d(ctx0, idx, m, nr)); // [1, m, nr]
+    w                  = ggml_reshape_4d(ctx0, w, m, rows->ne[1], rows->ne[2], rows->ne[3]);
+    ggml_tensor * cell = ggml_cast(ctx0, idx, GGML_TYPE_F32);
+    if (m < k) { // padded with 0: weights 0, cells (cell + 1) - 1 = -1
+        w    = ggml_pad(ctx0, w, (int) (k - m), 0, 0, 0);
+        cell = ggml_pad(ctx0, ggml_scale_bias(ctx0, cell, 1.0f, 1.0f), (int) (k - m), 0, 0, 0);
+        cell = ggml_scale_bias(ctx0, cell, 1.0f, -1.0f);
+    }
+    return ggml_concat(ctx0, w, cell, 0);
 }
 
 llm_graph_input_attn_cap * attn_input_of(const llm_graph_context & g, llama_attn_cap * cap) {
@@ -326,10 +352,12 @@ void llama_attn_cap_layer(const llm_graph_context & g, ggml_tensor * q, ggml_ten
     ggml_tensor * rows = kq && inp->plan.n_tps == 1 ? kq // a decode step: kq holds exactly the slots' rows
                          : kq ? ggml_get_rows(ctx0, kq, inp->get_idx_h(ctx0, n_head))
                               : attn_recompute_rows(g, inp, q, k, kq_mask, sinks, kq_scale);
-    if (cap->format == LLAMA_ATTN_TOP_K) { // set_format allowed it: host_only
+    if (cap->format == LLAMA_ATTN_TOP_K) {
         ggml_tensor * src = rows;
-        rows = ggml_custom_4d(ctx0, GGML_TYPE_F32, 2 * (int64_t) cap->top_k, src->ne[1], src->ne[2], src->ne[3], &src,
-                              1, attn_top_k, GGML_N_TASKS_MAX, (void *) (intptr_t) cap->top_k);
+        rows = cap->cpu_ops ? ggml_custom_4d(ctx0, GGML_TYPE_F32, 2 * (int64_t) cap->top_k, src->ne[1], src->ne[2],
+                                             src->ne[3], &src, 1, attn_top_k, GGML_N_TASKS_MAX,
+                                             (void *) (intptr_t) cap->top_k)
+                            : attn_top_k_ops(ctx0, src, cap->top_k);
         ggml_set_name(rows, "attn_cap_top_k");
     }
     const int64_t n_kv = rows->ne[0];
@@ -354,7 +382,7 @@ void llama_attn_cap_layer(const llm_graph_context & g, ggml_tensor * q, ggml_ten
         return;
     }
     if (cap->format == LLAMA_ATTN_MEAN) {
-        if (cap->host_only && n_head > 1) {
+        if (cap->cpu_ops && n_head > 1) {
             ggml_tensor * src = rows;
             rows = ggml_custom_4d(ctx0, GGML_TYPE_F32, n_kv, src->ne[1], 1, src->ne[3], &src, 1, attn_sum_heads,
                                   GGML_N_TASKS_MAX, nullptr);

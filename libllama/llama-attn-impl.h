@@ -15,7 +15,7 @@
 struct llama_kv_cache;
 
 constexpr int ATTN_MAX_CACHES = 2;
-constexpr int32_t ATTN_MAX_TOP_K = 64; // LLAMA_ATTN_TOP_K's largest k (a heap of k per row and thread)
+constexpr int32_t ATTN_MAX_TOP_K = 64; // LLAMA_ATTN_TOP_K's largest k (the CPU operator: a heap of k per row and thread)
 
 // one ubatch's captured rows in host memory: per KV cache one buffer of the device's host buffer type
 // (pinned memory for CUDA: ggml_backend_dev_host_buffer_type, as llama.cpp's own output buffer), kept
@@ -55,6 +55,8 @@ struct llama_attn_cap {
     // the model has no GPU device: the CPU backend computes the whole graph, so the capture may add CPU
     // operators (the top-k selection, MEAN's sum over heads: llama-attn-graph.cpp)
     bool host_only = false;
+    // llama_attn_set_cpu_ops: the capture uses those CPU operators (host_only by default), else ggml's own
+    bool cpu_ops = false;
 
     // llama_attn_set_stable: every ubatch gets the capture's nodes (one row per stream when none is asked)
     bool stable = false;

@@ -23,14 +23,14 @@ extern "C" {
 #endif
 
 // ABI of this header; slotserve refuses a libllama whose llama_attn_abi() differs.
-#define LLAMA_ATTN_ABI 7
+#define LLAMA_ATTN_ABI 8
 
 enum llama_attn_format {
     LLAMA_ATTN_PER_LAYER = 0, // [n_layer_sel, n_head, n_kv] per row and KV cache
     LLAMA_ATTN_MEAN      = 1, // [n_kv]: sum over the selected layers and heads / (n_layer_sel_total * n_head)
-    LLAMA_ATTN_TOP_K     = 2, // [n_layer_sel, n_head, 2 * k] F32: per head its k largest weights, largest first, then
-                              // the k cells they are at as int32 (ties in any order; past a row of fewer than k cells
-                              // weight 0 and cell -1); row.n_kv is 2 * k.  Only where llama_attn_max_top_k > 0
+    LLAMA_ATTN_TOP_K     = 2, // [n_layer_sel, n_head, 2 * k] F32: per head its k largest weights, in no particular
+                              // order, then the k cells they are at as F32 values, in the same order (exact below
+                              // 2^24; past a row of fewer than k cells weight 0 and cell -1); row.n_kv is 2 * k
 };
 
 // A captured row: per layer k, n_head rows of n_kv elements at layers[k] (head h at layers[k] + h * nb_head).
@@ -77,11 +77,16 @@ LLAMA_API int32_t llama_attn_layer_cache(const struct llama_context * ctx, int32
 // LLAMA_ATTN_TOP_K (1..llama_attn_max_top_k; ignored for the other formats).  Returns 0, or -1 for a bad argument.
 LLAMA_API int32_t llama_attn_set_format(struct llama_context * ctx, const uint8_t * layers, int32_t n_layers,
                                         int32_t format, int32_t type, int32_t top_k);
-// The largest k of LLAMA_ATTN_TOP_K on this context, 0 where its graph does not compute it.  The top-k selection
-// and MEAN's sum over heads are CPU operators (ggml_custom_4d, run on the graph's threads right after each layer's
-// softmax, while its rows are in cache): they are used only when the model has no GPU device (llama_model's
-// devices empty), where the CPU backend computes the whole graph; elsewhere a caller reduces per-layer rows itself.
+// The largest k of LLAMA_ATTN_TOP_K on this context (64), 0 before llama_attn_init.
 LLAMA_API int32_t llama_attn_max_top_k(const struct llama_context * ctx);
+// How the graph selects LLAMA_ATTN_TOP_K's weights and sums LLAMA_ATTN_MEAN's heads.  true, the default when the model
+// has no GPU device (llama_model's devices empty: the CPU backend computes the whole graph): with CPU operators of
+// this patch (ggml_custom_4d, run on the graph's threads right after each layer's softmax, while its rows are in
+// cache: a min-heap per row for the top k, largest first; each layer's heads summed in place).  false, the only
+// choice on a model with a device: with ggml's own operators, which every backend runs (ggml_top_k and a batched
+// ggml_get_rows; the heads summed once, after the last layer); a CPU-only context may choose it too, as a reference.
+// Returns 0, or -1 before llama_attn_init or for true on a model with a device.
+LLAMA_API int32_t llama_attn_set_cpu_ops(struct llama_context * ctx, bool cpu_ops);
 
 // The batch indices whose rows the next llama_decode captures (n == 0: none).  Clears the previous
 // decode's rows.  Returns 0, or -1 for a bad argument.

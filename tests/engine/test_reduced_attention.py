@@ -77,15 +77,33 @@ def test_topk_float16_and_k_above_the_context_length(runner, prompt, full) -> No
             assert np.array_equal(np.sort(pos, axis=-1)[0, 0], np.arange(width))
 
 
+@pytest.fixture(params=[True, False], ids=["cpu-ops", "ggml-ops"])
+def cpu_ops(runner: Runner, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """How the graph selects ``topk`` and sums ``aggregated``'s heads (``llama_attn_set_cpu_ops``): with slotserve's
+    CPU operators (a CPU-only model's default) or with ggml's own operators (``ggml_top_k``, a batched
+    ``ggml_get_rows``: what a model with a GPU device gets)."""
+    assert native.lib.llama_attn_set_cpu_ops(runner.engine.ctx, request.param) == 0
+    yield request.param
+    assert native.lib.llama_attn_set_cpu_ops(runner.engine.ctx, True) == 0
+
+
+def test_cpu_ops_refusals() -> None:
+    """No context: -1 (a model with a GPU device refuses ``true`` too: not testable on a CPU)."""
+    assert native.lib.llama_attn_set_cpu_ops(None, True) == -1
+    assert native.lib.llama_attn_set_cpu_ops(None, False) == -1
+
+
 @pytest.mark.parametrize(
     ("top_k", "layers", "heads", "dtype"),
     [(8, None, None, "float32"), (1, [29, 0, 7], [8, 0, 3], "float16"), (64, [5], None, "float32")],
     ids=["k8", "k1-subsets-f16", "k64-one-layer"],
 )
-def test_topk_selected_in_the_graph_is_the_full_rows_top_k(runner, prompt, full, top_k, layers, heads, dtype) -> None:  # type: ignore[no-untyped-def]
-    """On a CPU engine the graph selects the top k itself (``llama_attn_max_top_k``): the same weights as the full
-    rows' largest, best first, at positions holding them; the prompt's row is a prefill chunk's gathered row, the
-    others decode steps' rows read in place."""
+def test_topk_selected_in_the_graph_is_the_full_rows_top_k(
+    runner, prompt, full, top_k, layers, heads, dtype, cpu_ops
+) -> None:  # type: ignore[no-untyped-def]
+    """The graph selects the top k itself (``llama_attn_max_top_k``), with either operators: the same weights as
+    the full rows' largest, best first, at positions holding them; the prompt's row is a prefill chunk's gathered
+    row, the others decode steps' rows read in place."""
     assert runner.engine.capture.max_top_k >= 64
     cap = CaptureOptions(attention=True, format="topk", top_k=top_k, layers=layers, heads=heads, dtype=dtype)
     assert RowTarget.of(0, 0, cap, runner.engine.attention_layers, 64).format == "topk"
@@ -100,7 +118,7 @@ def test_topk_selected_in_the_graph_is_the_full_rows_top_k(runner, prompt, full,
         assert all(len(set(p)) == top_k for p in pos.reshape(-1, top_k))  # no position twice
 
 
-def test_topk_in_the_graph_past_a_short_context(runner) -> None:  # type: ignore[no-untyped-def]
+def test_topk_in_the_graph_past_a_short_context(runner, cpu_ops) -> None:  # type: ignore[no-untyped-def]
     """k above the context length: the graph's k include cells of no position (weight 0), which become the
     positions not named yet, so every position comes once."""
     ids = runner.engine.model.tokenize("Hi", True, False)
@@ -116,6 +134,44 @@ def test_topk_in_the_graph_past_a_short_context(runner) -> None:  # type: ignore
         assert np.array_equal(np.sort(pos, axis=-1), np.broadcast_to(np.arange(n), pos.shape))
         np.testing.assert_array_equal(np.take_along_axis(rows, pos.astype(np.int64), axis=-1), w)
     runner.engine.erase(0)
+
+
+def test_aggregated_in_the_graph_is_the_mean_of_the_full_rows(runner, prompt, full, cpu_ops) -> None:  # type: ignore[no-untyped-def]
+    """``aggregated`` over a layer subset: the graph's mean (heads summed per layer by the CPU operator, or once
+    after the last layer by ggml's ``sum_rows``) is numpy's mean of the full rows."""
+    res = _run(runner, prompt, CaptureOptions(attention=True, format="aggregated", layers=[0, 14, 29]))
+    _same_tokens(res, full)
+    assert runner.engine.capture.graph_format == native.MEAN
+    for k, (got, ref) in enumerate(zip(res.attention, full.attention, strict=True)):
+        assert got.shape == (len(prompt) + k,) and got.dtype == np.float32
+        np.testing.assert_allclose(got, ref[[0, 14, 29]].mean(axis=(0, 1)), atol=ATOL, err_msg=f"token {k}")
+
+
+def _two(runner: Runner, prompts: tuple[list[int], list[int]], cap: CaptureOptions) -> tuple[Result, Result]:
+    """``prompts`` generated on sequences 0 and 1 together (one ubatch per decode step holds both streams)."""
+    for seq in (0, 1):
+        runner.engine.erase(seq)
+    reqs = [runner.submit(seq, p, capture=cap, max_new_tokens=N_NEW, ignore_eos=True) for seq, p in enumerate(prompts)]
+    runner.run()
+    for seq in (0, 1):
+        runner.engine.erase(seq)
+    return runner.results[reqs[0]], runner.results[reqs[1]]
+
+
+def test_topk_of_two_sequences_in_one_decode(runner, prompt, cpu_ops) -> None:  # type: ignore[no-untyped-def]
+    """Two sequences asking ``topk`` in the same decodes (two KV streams in each ubatch): each gets its own
+    stream's top k, against the full rows of the same two generations batched the same way."""
+    prompts = (prompt, prompt[:300])
+    refs = _two(runner, prompts, CaptureOptions(attention=True))
+    tops = _two(runner, prompts, CaptureOptions(attention=True, format="topk", top_k=4))
+    assert runner.engine.capture.graph_format == native.TOP_K
+    for res, ref, n in zip(tops, refs, (len(p) for p in prompts), strict=True):
+        assert res.tokens == ref.tokens
+        for k, (w, pos, rows) in enumerate(zip(res.attention, res.positions, ref.attention, strict=True)):
+            assert w.shape == pos.shape == (30, 9, 4)
+            assert np.all(pos >= 0) and np.all(pos < n + k)  # this sequence's positions, not the other's
+            np.testing.assert_array_equal(w, -np.sort(-rows, axis=-1)[..., :4], err_msg=f"token {k}")
+            np.testing.assert_array_equal(np.take_along_axis(rows, pos.astype(np.int64), axis=-1), w)
 
 
 def test_spans_sum_the_mean_row_over_each_span(runner, prompt, full) -> None:  # type: ignore[no-untyped-def]
