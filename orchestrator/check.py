@@ -12,7 +12,11 @@ then checks, one printed line each:
 3. recomputation: each generated token's attention is computed again by a fresh
    prefill of the prompt plus the tokens before it (a new sequence, nothing cached) and
    compared per head with the streamed rows, and the fresh prefill must choose the same
-   token (or a near-tie: see :data:`NEAR_TIE_NATS`).
+   token (or a near-tie: see :data:`NEAR_TIE_NATS`);
+4. reductions: the same generation again with ``attention_format`` ``topk`` (k :data:`TOP_K`) and
+   ``aggregated``, which the graph computes itself (on a GPU with ggml's own operators): each token's
+   weights must be the per-layer rows' k largest and the positions must hold them, the mean the rows' mean
+   (within :data:`MAX_REDUCED_DIFF`).
 
 Exit status 0 when every check passes, 1 otherwise.
 """
@@ -42,29 +46,39 @@ N_TOKENS = 8
 MIN_HEAD_CORRELATION = 0.98
 MAX_MEAN_ABS_DIFF = 0.01
 NEAR_TIE_NATS = 0.6  # a fresh prefill may pick another top token this close to the first one's logprob
+TOP_K = 8
+MAX_REDUCED_DIFF = 1e-3  # the same decodes computed again: only the graph's reduction order may differ
 
 
 @dataclass
 class Generated:
-    """One generated token: id, its logprob, the top-5 ``(id, logprob)``, attention ``float32[L, H, n_ctx]``."""
+    """One generated token: id, its logprob, the top-5 ``(id, logprob)``, attention ``float32[L, H, n_ctx]`` (or
+    the format asked), and for ``topk`` the ``int32`` positions of its weights."""
 
     token: int
     logprob: float
     top: list[tuple[int, float]]
     attention: np.ndarray
+    positions: np.ndarray | None = None
 
 
-async def generate(engine: EngineClient, seq: int, ids: list[int], n: int) -> list[Generated]:
-    """Greedy ``n`` tokens on engine sequence ``seq`` from ``ids`` (erased first), with full attention."""
+async def generate(
+    engine: EngineClient, seq: int, ids: list[int], n: int, capture: proto.CaptureOptions | None = None
+) -> list[Generated]:
+    """Greedy ``n`` tokens on engine sequence ``seq`` from ``ids`` (erased first), with ``capture``'s attention
+    (default: full per-layer float32); ``positions`` set for ``topk``."""
     await engine.erase(seq)
     params = proto.SamplingParams(max_new_tokens=n, temperature=0.0, n_probs=5, logprobs=True, ignore_eos=True)
-    capture = proto.CaptureOptions(attention=True, format="per_layer", dtype="float32")
+    capture = capture or proto.CaptureOptions(attention=True, format="per_layer", dtype="float32")
     out: list[Generated] = []
     async for ev in await engine.generate(GenerationJob(seq=seq, input_ids=ids, params=params, capture=capture)):
         if isinstance(ev, TokenOutput) and (shape := ev.token.attention) is not None:
             t = ev.token
             att = np.frombuffer(ev.attention or b"", dtype=shape.dtype).reshape(shape.shape)
-            out.append(Generated(t.token_id, t.logprob or 0.0, list(t.top), att.astype(np.float32)))
+            pos = None
+            if (pshape := t.attention_pos) is not None:
+                pos = np.frombuffer(ev.positions or b"", dtype=pshape.dtype).reshape(pshape.shape)
+            out.append(Generated(t.token_id, t.logprob or 0.0, list(t.top), att.astype(np.float32), pos))
     return out
 
 
@@ -181,7 +195,6 @@ async def _check_attention(engine: EngineClient, report: Report, fresh_seq: int,
             tokens_ok &= near is not None and g.logprob - near <= NEAR_TIE_NATS
             break  # the continuations part here: later tokens have other contexts
     await engine.erase(fresh_seq)
-    await engine.erase(0)
     report.line(tokens_ok, "recomputed tokens", "fresh prefills choose the generated tokens" if tokens_ok else
                 "a fresh prefill chose another token, not a near-tie")  # fmt: skip
     report.line(
@@ -191,6 +204,40 @@ async def _check_attention(engine: EngineClient, report: Report, fresh_seq: int,
         f"{worst.worst[1]}, largest abs diff there {worst.worst_max:.5f}), "
         f"worst mean abs diff {worst_mad:.5f} (<= {MAX_MEAN_ABS_DIFF})",
     )
+    await _check_reductions(engine, report, prompt, gen)
+    await engine.erase(0)
+
+
+async def _check_reductions(engine: EngineClient, report: Report, prompt: list[int], gen: list[Generated]) -> None:
+    """Check 4 (module docstring): ``gen``'s generation of ``prompt`` on sequence 0 again in ``topk`` and in
+    ``aggregated``, each token against ``gen``'s per-layer rows."""
+    cap = proto.CaptureOptions(attention=True, format="topk", top_k=TOP_K)
+    top = await generate(engine, 0, prompt, len(gen), cap)
+    mean = await generate(engine, 0, prompt, len(gen), proto.CaptureOptions(attention=True, format="aggregated"))
+    same = [g.token for g in top] == [g.token for g in mean] == [g.token for g in gen]
+    top_diff = mean_diff = float("inf")
+    if same:
+        top_diff = max(_top_k_diff(full, t) for full, t in zip(gen, top, strict=True))
+        mean_diff = max(
+            float(np.abs(m.attention - full.attention.mean(axis=(0, 1))).max())
+            for full, m in zip(gen, mean, strict=True)
+        )
+    report.line(
+        same and max(top_diff, mean_diff) <= MAX_REDUCED_DIFF,
+        "reduced attention",
+        f"the same tokens {same}; topk (k {TOP_K}) against the rows' largest: largest diff {top_diff:.2g}, "
+        f"aggregated against their mean: {mean_diff:.2g} (<= {MAX_REDUCED_DIFF})",
+    )
+
+
+def _top_k_diff(full: Generated, top: Generated) -> float:
+    """The largest difference between ``top``'s ``topk`` weights and ``full``'s rows' k largest (best first), or
+    between those and the weights of ``full``'s rows at ``top``'s positions; inf for a wrong shape."""
+    if top.positions is None or top.attention.shape != (*full.attention.shape[:2], TOP_K):
+        return float("inf")
+    want = -np.sort(-full.attention, axis=-1)[..., :TOP_K]
+    held = np.take_along_axis(full.attention, top.positions.astype(np.int64), axis=-1)
+    return max(float(np.abs(top.attention - want).max()), float(np.abs(held - want).max()))
 
 
 def main(options: WorkerOptions) -> int:

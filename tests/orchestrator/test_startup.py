@@ -131,6 +131,7 @@ def test_check_cli_exit_status() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verdict: PASS" in out.stdout
+    assert "reduced attention" in out.stdout and "the same tokens True" in out.stdout
 
 
 def test_serve_reports_engine_configuration(server) -> None:  # type: ignore[no-untyped-def]
