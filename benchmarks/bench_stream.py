@@ -274,6 +274,13 @@ def report(args: argparse.Namespace, ids: list[int], raw: Phase, cap: Phase, ser
     ref = raw.reps[0].tokens if raw.reps else []
     same = all(r.tokens == ref for p in phases for r in p.reps)
     print(f"identical token ids on every path and rep: {same}")
+    for p in phases:  # where a path's greedy tokens leave the raw engine's (the first rep that does)
+        for k, r in enumerate(p.reps):
+            if r.tokens != ref:
+                first = next((i for i, (a, b) in enumerate(zip(r.tokens, ref, strict=False)) if a != b), None)
+                where = f"token {first}" if first is not None else f"length {len(r.tokens)} vs {len(ref)}"
+                print(f"  {p.name}, rep {k}: differs from the raw engine's first rep at {where}")
+                break
     worst = max(r.cpu["other"] for p in phases for r in p.reps)
     print(
         "'other' = cores used by processes outside this benchmark during a rep (median), "
