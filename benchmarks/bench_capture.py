@@ -5,6 +5,7 @@ last commit before the patched libllama, whose capture read the rows through lla
 callback), in the same run.
 
     .venv/bin/python benchmarks/bench_capture.py [--contexts 500,2000] [--other CHECKOUT --other-python PY]
+        [--model GGUF] [--n-gpu-layers 99]
 
 Each figure is the median of every decode step of ``--reps`` generations of ``--new`` tokens from the
 cached context (``Batcher.step`` timed around ``llama_decode`` and the capture; sampling included),
@@ -32,9 +33,16 @@ REDUCED = ("topk", "spans", "heads", "sink")
 
 
 def measure(
-    contexts: list[int], new: int, reps: int, threads: int, modes: tuple[str, ...] = MODES
+    contexts: list[int],
+    new: int,
+    reps: int,
+    threads: int,
+    modes: tuple[str, ...] = MODES,
+    model_path: Path | None = None,
+    n_gpu_layers: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """``{context: {mode: median decode step ms}}`` in this process's checkout."""
+    """``{context: {mode: median decode step ms}}`` in this process's checkout (``model_path``: default the
+    default model; ``n_gpu_layers`` offloaded to a GPU)."""
     import llama_cpp  # noqa: F401 - llama.cpp before numpy
 
     from contract.protocol import CaptureOptions
@@ -43,8 +51,11 @@ def measure(
     from engine.model import Model, default_model_path
     from tests.engine.enginekit import Runner
 
-    model = Model(default_model_path())
-    eng = Engine(model, EngineSettings(n_ctx=max(contexts) + new + 256, n_slots=1, n_spare=1, n_threads=threads))
+    model = Model(model_path or default_model_path(), n_gpu_layers=n_gpu_layers)
+    settings = EngineSettings(
+        n_ctx=max(contexts) + new + 256, n_slots=1, n_spare=1, n_threads=threads, n_gpu_layers=n_gpu_layers
+    )
+    eng = Engine(model, settings)
 
     def options(mode: str, n: int) -> CaptureOptions:
         q = n // 4  # (the reduced formats' options exist only in checkouts that have them)
@@ -94,13 +105,15 @@ def main() -> int:
     ap.add_argument("--other", type=Path, default=None, help="another slotserve checkout to measure alike")
     ap.add_argument("--other-python", type=Path, default=None, help="its interpreter (its own venv)")
     ap.add_argument("--json", action="store_true", help="print this checkout's figures as JSON only")
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF (default: the default model)")
+    ap.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers offloaded to a GPU")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     modes = tuple(a.modes.split(","))
     if "none" not in modes or not set(modes) <= set(MODES + REDUCED):
         ap.error(f"--modes: 'none' and any of {', '.join(MODES[1:] + REDUCED)}")
     if a.json:
-        print(json.dumps(measure(contexts, a.new, a.reps, a.threads, modes)))
+        print(json.dumps(measure(contexts, a.new, a.reps, a.threads, modes, a.model, a.n_gpu_layers)))
         return 0
     here = Path(__file__).resolve().parent.parent
     runs = [("this checkout", here, Path(sys.executable))]
@@ -110,13 +123,20 @@ def main() -> int:
     for name, root, py in runs:
         argv = [str(py), str(here / "benchmarks" / "bench_capture.py"), "--json", "--contexts", a.contexts, "--new",
                 str(a.new), "--reps", str(a.reps), "--threads", str(a.threads), "--modes", a.modes]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(root)}
+        if a.model is not None:  # (only where asked: an older checkout may not know these options)
+            argv += ["--model", str(a.model.resolve())]
+        if a.n_gpu_layers:
+            argv += ["--n-gpu-layers", str(a.n_gpu_layers)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
         done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             print(f"{name}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
             return 1
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"machine: {os.cpu_count()} cores; {a.threads} threads; {a.new} new tokens x {a.reps} reps")
+    print(
+        f"machine: {os.cpu_count()} cores; {a.threads} threads; {a.new} new tokens x {a.reps} reps; "
+        f"{a.n_gpu_layers} layers offloaded"
+    )
     print(
         "| checkout | context | decode ms/token: "
         + " / ".join(modes)

@@ -15,7 +15,8 @@
 # (one stream at 500 and 4,000 tokens with no / aggregated / full attention, four conversations of 2,000 tokens, a
 # 2,000-token save and restore, and in process the attention against transformers' eager reference with flash
 # attention on and off); benchmarks/bench_stream.py at 4,000 tokens with the worker's tensors through the shared
-# region and through its socket; benchmarks/bench_save_stall.py (four streams while a fifth saves); the one-stream
+# region and through its socket; benchmarks/bench_capture.py (decode step time by attention format, in process, at
+# 4,000 and 16,000 tokens); benchmarks/bench_save_stall.py (four streams while a fifth saves); the one-stream
 # rows again with --capture-graph lean (the capture's nodes only on decodes that capture, against the default stable)
 # and with --stream-window 64 (flow control 64 tokens ahead instead of 4);
 # benchmarks/gpu/report.py joins them into one JSON and one markdown table.
@@ -58,6 +59,7 @@ dry_run() {
   step "device call 2: slotserve check --model M --n-gpu-layers 99 > $LOG/check.log"
   step "device call 2: benchmarks/bench_table.py --n-gpu-layers 99 --threads 16 --llama-server $WORK/build/bin/llama-server --growth 500,4000 --json $LOG/bench.json"
   step "device call 2: benchmarks/bench_stream.py --shm both --ctx 4000 (the shared region against the socket) > \$LOG/stream.log"
+  step "device call 2: benchmarks/bench_capture.py --contexts 4000,16000 --modes none,full,aggregated,topk,sink (the formats selected on the GPU, in process) > \$LOG/capture.log"
   step "device call 2: benchmarks/bench_save_stall.py --tokens 2000 (four streams while a fifth saves) > \$LOG/stall.log"
   step "device call 2: benchmarks/bench_table.py --skip streams,big,inproc --capture-graph lean (one stream) > \$LOG/bench_lean.log"
   step "device call 2: benchmarks/bench_table.py --skip streams,big,inproc --slotserve-args '--stream-window 64' > \$LOG/bench_window.log"
@@ -138,6 +140,9 @@ run_there() {
   python3 benchmarks/bench_stream.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --ctx 4000 --n-ctx 4352 \
     --new 128 --reps 3 --shm both --ws-compression none --wait-idle 0 --retries 0 > "$LOG/stream.log" 2>&1 \
     || echo "bench_stream rc=$?"
+  step "run: the capture's cost in process by attention format (topk and aggregated selected in the graph)"
+  python3 benchmarks/bench_capture.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --contexts 4000,16000 \
+    --new 64 --reps 3 --modes none,full,aggregated,topk,sink > "$LOG/capture.log" 2>&1 || echo "bench_capture rc=$?"
   step "run: four conversations with full attention while a fifth saves a 2,000-token state"
   python3 benchmarks/bench_save_stall.py --model "$M" --n-gpu-layers 99 --threads "$(nproc)" --tokens 2000 --new 128 \
     --reps 3 --wait-idle 0 > "$LOG/stall.log" 2>&1 || echo "bench_save_stall rc=$?"

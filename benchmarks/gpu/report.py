@@ -4,8 +4,9 @@ Usage: ``python benchmarks/gpu/report.py LOGDIR [--json PATH]``; prints the mark
 what ``check.sh device`` wrote: ``device.txt`` (nvidia-smi's name, memory, driver, compute capability),
 ``build.txt`` (the CMake arguments and ``build_s=`` seconds), ``check.txt`` (``check_rc=`` ``check_s=``),
 ``check.log`` (``slotserve check``'s lines), ``bench.json`` (``bench_table.py --json``: rows of
-``row``, ``slotserve``, ``llama_server``, ``ratio`` as printed) and the one-stream rows again with one server
-setting changed (:data:`VARIANTS`).  A missing file gives an empty section.
+``row``, ``slotserve``, ``llama_server``, ``ratio`` as printed), the one-stream rows again with one server
+setting changed (:data:`VARIANTS`) and ``capture.log`` (``bench_capture.py``'s table: decode step time by
+attention format, in process).  A missing file gives an empty section.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _pairs(text: str) -> dict[str, str]:
 
 def collect(logdir: Path) -> dict[str, Any]:
     """Everything the markdown shows: ``device``, ``build`` (``cmake_args``, ``build_s``), ``check``
-    (``rc``, ``s``, ``lines``: its last 40 lines), ``rows`` (bench_table's) and ``variants`` (setting -> its
-    one-stream rows, :data:`VARIANTS`)."""
+    (``rc``, ``s``, ``lines``: its last 40 lines), ``rows`` (bench_table's), ``variants`` (setting -> its
+    one-stream rows, :data:`VARIANTS`) and ``capture`` (bench_capture's table lines)."""
     build = _text(logdir / "build.txt")
     check = _pairs(_text(logdir / "check.txt"))
     bench = json.loads(_text(logdir / "bench.json") or "{}")
@@ -49,12 +50,13 @@ def collect(logdir: Path) -> dict[str, Any]:
         "about": bench.get("about", {}),
         "rows": bench.get("rows", []),
         "variants": {k: json.loads(_text(logdir / f) or "{}").get("rows", []) for k, f in VARIANTS.items()},
+        "capture": [line for line in _text(logdir / "capture.log").splitlines() if line.startswith(("machine:", "|"))],
     }
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as markdown: a header of device, build and check, then bench_table's rows (each variant's
-    marked with its setting in brackets)."""
+    marked with its setting in brackets), then bench_capture's table."""
     out = [
         f"Device: {report['device'] or 'unknown'}",
         f"Build: {report['build']['build_s'] or '?'} s ({report['build']['cmake_args']})",
@@ -67,6 +69,8 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["rows"] + marked:
         cells = (r["row"], r["slotserve"], r["llama_server"], r["ratio"])
         out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    if report.get("capture"):
+        out += ["", "In process, decode step time by attention format (bench_capture.py):", "", *report["capture"]]
     return "\n".join(out) + "\n"
 
 

@@ -49,6 +49,7 @@ def test_the_report_joins_a_devices_logs_into_json_and_markdown(tmp_path: Path) 
     (tmp_path / "bench.json").write_text(json.dumps({"about": {"threads": "16"}, "rows": rows}))
     lean = [{"row": "one stream at 500 | SSE", "slotserve": "700 tok/s", "llama_server": "743", "ratio": "0.94"}]
     (tmp_path / "bench_lean.json").write_text(json.dumps({"rows": lean}))
+    (tmp_path / "capture.log").write_text("machine: 16 cores\n| checkout | context |\n| this checkout | 4000 |\n")
     out = subprocess.run(
         [
             sys.executable,
@@ -69,6 +70,8 @@ def test_the_report_joins_a_devices_logs_into_json_and_markdown(tmp_path: Path) 
     assert report["build"]["build_s"] == "271" and report["check"]["rc"] == "0"
     assert report["rows"] == rows and report["check"]["lines"] == ["start-up ok", "attention ok"]
     assert report["variants"] == {"--capture-graph lean": lean, "--stream-window 64": []}
+    assert report["capture"] == ["machine: 16 cores", "| checkout | context |", "| this checkout | 4000 |"]
+    assert "| this checkout | 4000 |" in out.stdout
 
 
 def test_the_report_of_a_call_that_only_built(tmp_path: Path) -> None:
