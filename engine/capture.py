@@ -21,9 +21,10 @@ llama.cpp's KV cache reports for every decoded token: ``llama_attn_seq_cells``).
 
 One format per decode: when the rows of one decode ask for different formats, dtypes or layers,
 the graph computes every asked layer per head in float32 and each row is reduced here
-(:func:`shape_attention`).  The formats the graph does not compute (``topk`` where it selects none, ``spans``,
-a head subset, the sink figure) are reduced from its rows by :mod:`engine.reduce` (:meth:`RowTarget.finish`);
-the graph's own top k is mapped from cells to positions here (:meth:`AttentionCapture._top_k`).
+(:func:`shape_attention`).  The formats the graph does not compute (``topk`` with a ``sink`` or k above
+``max_top_k``, ``spans``, a head subset, the sink figure) are reduced from its rows by :mod:`engine.reduce`
+(:meth:`RowTarget.finish`); the graph's own top k is mapped from cells to positions here
+(:meth:`AttentionCapture._top_k`).
 """
 
 from __future__ import annotations
