@@ -3,12 +3,17 @@ generation, on the real model, with a prompt longer than one batch (n_batch 512)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from contract.protocol import CaptureOptions
+from contract.settings import EngineSettings
 from engine import native
 from engine.capture import RowTarget
+from engine.engine import Engine
+from engine.model import Model
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner
 
@@ -172,6 +177,60 @@ def test_topk_of_two_sequences_in_one_decode(runner, prompt, cpu_ops) -> None:  
             assert np.all(pos >= 0) and np.all(pos < n + k)  # this sequence's positions, not the other's
             np.testing.assert_array_equal(w, -np.sort(-rows, axis=-1)[..., :4], err_msg=f"token {k}")
             np.testing.assert_array_equal(np.take_along_axis(rows, pos.astype(np.int64), axis=-1), w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "n_ctx", "n_prompt"), [("gemma3", 1024, 602), ("gemma3-4b", 6144, 5000)])
+def test_topk_in_the_graph_over_real_sliding_windows(tmp_path: Path, family: str, n_ctx: int, n_prompt: int) -> None:
+    """Gemma 3's real windows (512 for 270M/1B, 1,024 for 4B-27B: five sliding layers to one global, two KV
+    caches, the sliding one holding only the window's cells, head_dim 256, one KV head), two sequences past the
+    window decoding together (the longer one past 4,000 tokens on the 4B shape), flash attention off and on, with both operator sets: each layer's graph top k
+    equals its full rows' largest, bit for bit, at positions holding them; a sliding layer's all lie in its
+    window (its cells come from llama.cpp's cell metadata), the global layer's reach back before it."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.tiny_models import FAMILIES, build_tiny_gguf
+
+    window = FAMILIES[family].window
+    model = Model(build_tiny_gguf(family, tmp_path))
+    try:
+        ids = model.tokenize(" ".join(["the quick brown fox pays attention to the lazy dog"] * 500), True, False)
+        prompts = (ids[:n_prompt], ids[: window // 2])  # the first past the window, longer than a batch
+        assert len(prompts[0]) == n_prompt > window
+        k = 16
+        for fa in ("off", "on"):
+            cfg = EngineSettings(n_ctx=n_ctx, n_slots=2, n_spare=0, n_threads=2, flash_attn=fa)  # type: ignore[arg-type]
+            eng = Engine(model, cfg)
+            run = Runner(eng)
+            try:
+                assert eng.shape.n_caches == 2
+                windows = [eng.layer_window(il) for il in eng.attention_layers]
+                assert windows == list(FAMILIES[family].windows)
+                refs = _two(run, prompts, CaptureOptions(attention=True))
+                for cpu_ops in (True, False):
+                    assert native.lib.llama_attn_set_cpu_ops(eng.ctx, cpu_ops) == 0
+                    tops = _two(run, prompts, CaptureOptions(attention=True, format="topk", top_k=k))
+                    assert eng.capture.graph_format == native.TOP_K
+                    for res, ref, n in zip(tops, refs, (len(p) for p in prompts), strict=True):
+                        assert res.tokens == ref.tokens
+                        for t, (w, pos, rows) in enumerate(
+                            zip(res.attention, res.positions, ref.attention, strict=True)
+                        ):
+                            where = f"{fa=} {cpu_ops=} seq of {n}, token {t}"
+                            assert w.shape == pos.shape == (len(windows), rows.shape[1], k)
+                            np.testing.assert_array_equal(w, -np.sort(-rows, axis=-1)[..., :k], err_msg=where)
+                            np.testing.assert_array_equal(np.take_along_axis(rows, pos.astype(np.int64), -1), w)
+                            # the oldest position a sliding layer sees: token t's row is position n - 1 + t's
+                            first = n - 1 + t - window + 1
+                            for j, win in enumerate(windows):
+                                if win:
+                                    assert np.all(pos[j] >= max(0, first)), where
+                                elif first > k:
+                                    assert np.any(pos[j] < first), where  # a global layer reaches back
+            finally:
+                eng.close()
+    finally:
+        model.close()
 
 
 def test_spans_sum_the_mean_row_over_each_span(runner, prompt, full) -> None:  # type: ignore[no-untyped-def]
