@@ -27,6 +27,7 @@ from pathlib import Path
 
 from common import load, machine
 
+from contract.heap import keep_heap_mapped
 from storage.base import CHUNK_KEY_HEX
 from storage.directory import DirectoryStore
 from storage.redis_store import RedisStore
@@ -103,8 +104,11 @@ def main() -> int:
     ap.add_argument("--chunk-mb", type=float, default=5.9, help="one chunk's size in MB")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    ap.add_argument("--glibc-heap", action="store_true", help="leave glibc's mmap and trim thresholds at its defaults")
     args = ap.parse_args()
     print(machine())
+    if not args.glibc_heap:
+        print(f"heap thresholds as the server's (contract/heap.py): {keep_heap_mapped()}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-rate-"))
     if args.loop == "uvloop":
         import uvloop
