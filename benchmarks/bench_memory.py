@@ -86,6 +86,7 @@ def measure(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (slotserve alone without)")
+    ap.add_argument("--llama-args", default="", help="extra llama-server arguments, e.g. --llama-args=--no-repack")
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the server's default model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx-size", type=int, default=4096, help="tokens per slot (llama-server: -c 4 x this)")
@@ -120,7 +121,7 @@ def main() -> int:
             lport = free_port()
             lcmd = llama_server_cmd(
                 args.llama_server, model, lport, parallel=n_par, ctx_size=args.ctx_size, threads=args.threads,
-                n_gpu_layers=0, slot_dir=tmp / "llama-slots",
+                n_gpu_layers=0, slot_dir=tmp / "llama-slots", extra=args.llama_args,
             )  # fmt: skip
             ls = ServerProc("llama-server", lcmd, lport, tmp / "llama-server.log")
             servers.append(ls)
@@ -131,7 +132,8 @@ def main() -> int:
     print()
     print(f"slotserve --parallel {n_par} --ctx-size {args.ctx_size} --spare ({spare}) --threads {args.threads}")
     if args.llama_server:
-        print(f"llama-server {args.llama_server} -np {n_par} -c {n_par * args.ctx_size} -t {args.threads}")
+        flags = f"-np {n_par} -c {n_par * args.ctx_size} -t {args.threads} {args.llama_args}".rstrip()
+        print(f"llama-server {args.llama_server} {flags}")
     print(f"four conversations of {args.tokens} tokens; at the end: {load()}")
     print(f"{'point':<36} | {'slotserve MB':>12} | {'llama-server MB':>15} | ratio")
     for point, mine in results["slotserve"].items():
