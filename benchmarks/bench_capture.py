@@ -45,7 +45,7 @@ def measure(
     default model; ``n_gpu_layers`` offloaded to a GPU)."""
     import llama_cpp  # noqa: F401 - llama.cpp before numpy
 
-    from contract.protocol import CaptureOptions
+    from contract.options import CaptureOptions
     from contract.settings import EngineSettings
     from engine.engine import Engine
     from engine.model import Model, default_model_path

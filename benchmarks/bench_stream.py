@@ -52,7 +52,8 @@ from common import CpuMeter, Quiet, add_gpu_args, add_idle_args, model_tokenizer
 from servers import ServerProc, free_port, settle, slotserve_cmd, stop_servers
 
 from contract.heap import keep_heap_mapped
-from contract.protocol import CaptureOptions, Done, Error, Generate, SamplingParams, Token
+from contract.options import CaptureOptions, SamplingParams
+from contract.protocol import Done, Error, Generate, Token
 from contract.settings import EngineSettings
 from engine.batcher import Batcher
 from engine.engine import Engine

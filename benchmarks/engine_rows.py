@@ -27,7 +27,8 @@ from common import Quiet, build_prompt, model_tokenizer, step_tps
 from servers import default_model
 
 from contract.heap import keep_heap_mapped
-from contract.protocol import CaptureOptions, Error, Generate, SamplingParams, Token
+from contract.options import CaptureOptions, SamplingParams
+from contract.protocol import Error, Generate, Token
 from contract.settings import EngineSettings
 from engine.batcher import Batcher
 from engine.engine import Engine

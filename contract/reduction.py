@@ -3,7 +3,7 @@ before a request reaches the worker and by the worker again before it admits one
 
 from __future__ import annotations
 
-from contract.protocol import CaptureOptions
+from contract.options import CaptureOptions
 
 
 def reduction_error(cap: CaptureOptions, n_head: int, n_ctx: int, n_input: int) -> str | None:

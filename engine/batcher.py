@@ -18,18 +18,8 @@ import numpy as np
 
 from contract.errors import ErrorCode
 from contract.flow import Credit
-from contract.protocol import (
-    Buffer,
-    Done,
-    Error,
-    FinishReason,
-    Generate,
-    Message,
-    Progress,
-    SamplingParams,
-    Tensor,
-    Token,
-)
+from contract.options import SamplingParams
+from contract.protocol import Buffer, Done, Error, FinishReason, Generate, Message, Progress, Tensor, Token
 from contract.reduction import reduction_error
 from engine.engine import BatchEntry, Engine, EngineError
 from engine.grammar import GrammarError

@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 
 from contract.buffers import BufferPool
-from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
+from contract.options import AttentionDtype, AttentionFormat, CaptureOptions
 from engine import native
 from engine.cellmap import CellMap, CellMapError
 from engine.reduce import graph_format, reduce_rows, select_top_k

@@ -37,7 +37,7 @@ from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.kv_types import KV_CACHE_TYPES
 from contract.model_facts import SINK_ARCHITECTURES, attention_rows_sum_ok
-from contract.protocol import CaptureOptions
+from contract.options import CaptureOptions
 from contract.settings import FLASH_ATTN_TYPES, EngineSettings
 from engine import backend, native
 from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells

@@ -4,7 +4,7 @@ The graph (libllama/llama-attn.h) computes the rows per layer and head (``per_la
 (``aggregated``), or per layer and head the ``topk`` largest weights where the graph selects them;
 :func:`reduce_rows` turns a token's rows, already gathered into input-position order (:mod:`engine.capture`),
 and :func:`select_top_k` the graph's top ``k``, into the format a client asked for
-(:class:`contract.protocol.CaptureOptions`, docs/api.md "Attention formats"): a head subset, the ``topk``
+(:class:`contract.options.CaptureOptions`, docs/api.md "Attention formats"): a head subset, the ``topk``
 weights per layer and head with their positions, the mass per ``spans`` entry, and the ``sink`` figure.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contract.protocol import AttentionDtype, AttentionFormat, CaptureOptions
+from contract.options import AttentionDtype, AttentionFormat, CaptureOptions
 
 
 @dataclass

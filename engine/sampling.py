@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 import llama_cpp as llama
 import numpy as np
 
-from contract.protocol import SamplingParams
+from contract.options import SamplingParams
 from engine.grammar import gbnf_of, grammar_sampler
 from engine.reasoning_budget import ReasoningBudget
 

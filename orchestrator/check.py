@@ -35,6 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from contract import protocol as proto
 from contract.model_facts import attention_rows_sum_ok
+from contract.options import CaptureOptions, SamplingParams
 from orchestrator.engine_client.client import WorkerClient
 from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationJob, TokenOutput
 from orchestrator.engine_client.launch import WorkerOptions
@@ -63,13 +64,13 @@ class Generated:
 
 
 async def generate(
-    engine: EngineClient, seq: int, ids: list[int], n: int, capture: proto.CaptureOptions | None = None
+    engine: EngineClient, seq: int, ids: list[int], n: int, capture: CaptureOptions | None = None
 ) -> list[Generated]:
     """Greedy ``n`` tokens on engine sequence ``seq`` from ``ids`` (erased first), with ``capture``'s attention
     (default: full per-layer float32); ``positions`` set for ``topk``."""
     await engine.erase(seq)
-    params = proto.SamplingParams(max_new_tokens=n, temperature=0.0, n_probs=5, logprobs=True, ignore_eos=True)
-    capture = capture or proto.CaptureOptions(attention=True, format="per_layer", dtype="float32")
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, n_probs=5, logprobs=True, ignore_eos=True)
+    capture = capture or CaptureOptions(attention=True, format="per_layer", dtype="float32")
     out: list[Generated] = []
     async for ev in await engine.generate(GenerationJob(seq=seq, input_ids=ids, params=params, capture=capture)):
         if isinstance(ev, TokenOutput) and (shape := ev.token.attention) is not None:
@@ -211,9 +212,9 @@ async def _check_attention(engine: EngineClient, report: Report, fresh_seq: int,
 async def _check_reductions(engine: EngineClient, report: Report, prompt: list[int], gen: list[Generated]) -> None:
     """Check 4 (module docstring): ``gen``'s generation of ``prompt`` on sequence 0 again in ``topk`` and in
     ``aggregated``, each token against ``gen``'s per-layer rows."""
-    cap = proto.CaptureOptions(attention=True, format="topk", top_k=TOP_K)
+    cap = CaptureOptions(attention=True, format="topk", top_k=TOP_K)
     top = await generate(engine, 0, prompt, len(gen), cap)
-    mean = await generate(engine, 0, prompt, len(gen), proto.CaptureOptions(attention=True, format="aggregated"))
+    mean = await generate(engine, 0, prompt, len(gen), CaptureOptions(attention=True, format="aggregated"))
     same = [g.token for g in top] == [g.token for g in mean] == [g.token for g in gen]
     top_diff = mean_diff = float("inf")
     if same:

@@ -37,6 +37,7 @@ from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.flow import WINDOW_BYTES, WINDOW_TOKENS
 from contract.framing import RECEIVE_POOL, FrameStream, RecvBuffer, open_frame_stream, parse_address
+from contract.options import CaptureOptions, SamplingParams
 from orchestrator.engine_client.interface import (
     Classification,
     EngineDeadError,
@@ -320,8 +321,8 @@ class WorkerClient:
         seq: int | None,
         input_ids: Sequence[int],
         append: Sequence[int],
-        params: proto.SamplingParams,
-        capture: proto.CaptureOptions,
+        params: SamplingParams,
+        capture: CaptureOptions,
     ) -> GenerationStream:
         """See :meth:`orchestrator.engine_client.interface.EngineClient.preview`."""
         at = -1 if seq is None else seq
@@ -410,7 +411,7 @@ class WorkerClient:
             raise EngineRequestError(ErrorCode.INTERNAL, f"classifier logits {logits} for {len(texts)} texts")
         return Classification(reply.n_tokens, logits.shape[1], bytes(logits.take(bufs)))
 
-    async def check_sampling(self, params: proto.SamplingParams) -> None:
+    async def check_sampling(self, params: SamplingParams) -> None:
         """See :meth:`orchestrator.engine_client.interface.EngineClient.check_sampling`."""
         await self._request(proto.CheckSampling(self.new_id(), params), proto.SamplingChecked)
 

@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.flow import ack_due
+from contract.options import CaptureOptions, SamplingParams
 
 
 class EngineDeadError(RuntimeError):
@@ -180,8 +181,8 @@ class GenerationJob:
 
     seq: int
     input_ids: Sequence[int]
-    params: proto.SamplingParams
-    capture: proto.CaptureOptions
+    params: SamplingParams
+    capture: CaptureOptions
     progress: bool = False
     cache_reuse: int | None = None
     n_keep: int = 0
@@ -259,8 +260,8 @@ class EngineClient(Protocol):
         seq: int | None,
         input_ids: Sequence[int],
         append: Sequence[int],
-        params: proto.SamplingParams,
-        capture: proto.CaptureOptions,
+        params: SamplingParams,
+        capture: CaptureOptions,
     ) -> GenerationStream:
         """Generate on a copy-on-write fork of sequence ``seq`` after prefilling ``append``
         on the fork; the fork is discarded at the end and ``seq`` is untouched.
@@ -350,7 +351,7 @@ class EngineClient(Protocol):
         """Which sequences generate."""
         ...
 
-    async def check_sampling(self, params: proto.SamplingParams) -> None:
+    async def check_sampling(self, params: SamplingParams) -> None:
         """Build ``params``' sampler chain in the worker and free it; raises ``EngineRequestError``
         (``INVALID_GRAMMAR``) when its grammar or JSON schema cannot be used."""
         ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
+from contract.options import CaptureOptions
 from contract.reduction import reduction_error
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.service_error import ServiceError
@@ -22,7 +23,7 @@ def require_attention(wanted: bool, attention_layers: list[int]) -> None:
         raise ServiceError(ErrorCode.INVALID_REQUEST, "this model has no attention layers (recurrent): no attention")
 
 
-def check_reduction(cap: proto.CaptureOptions, info: proto.ModelInfo, n_input: int) -> proto.CaptureOptions:
+def check_reduction(cap: CaptureOptions, info: proto.ModelInfo, n_input: int) -> CaptureOptions:
     """``cap`` when its reduction is valid for ``info``'s model and an input of ``n_input`` tokens; raises
     :class:`ServiceError` (``INVALID_REQUEST``) saying why not (:func:`contract.reduction.reduction_error`)."""
     bad = reduction_error(cap, info.num_attention_heads, info.n_ctx, n_input)
@@ -37,7 +38,7 @@ def message_spans(ids: list[int], eot: int) -> list[tuple[int, int]]:
     return [(m["start"], m["end"] + 1) for m in message_boundaries(ids, eot)]
 
 
-def capture_options(req: CanonicalRequest, info: proto.ModelInfo, ids: list[int]) -> proto.CaptureOptions:
+def capture_options(req: CanonicalRequest, info: proto.ModelInfo, ids: list[int]) -> CaptureOptions:
     """Validated capture options of ``req`` generating from ``ids``.
 
     ``attention_layers``: distinct layers among the model's layers with attention (``GET /api/v1/model``'s
@@ -57,7 +58,7 @@ def capture_options(req: CanonicalRequest, info: proto.ModelInfo, ids: list[int]
     spans = req.attention_spans
     if spans is None and req.attention_format == "spans":
         spans = message_spans(ids, info.eot_token_id)
-    cap = proto.CaptureOptions(
+    cap = CaptureOptions(
         attention=req.attention,
         format=req.attention_format,
         dtype=req.attention_dtype,

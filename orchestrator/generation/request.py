@@ -10,12 +10,12 @@ from typing import Annotated, Any
 import msgspec
 
 from contract.errors import ErrorCode
-from contract.protocol import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
+from contract.options import DRY_SEQUENCE_BREAKERS, AttentionDtype, AttentionFormat, SamplingParams
 from orchestrator.service_error import ServiceError
 from orchestrator.tenants.conversation import CacheSalt
 from orchestrator.tenants.principal import DEFAULT_PRINCIPAL, Principal
 
-DEFAULT = SamplingParams()  # the sampler defaults, declared once (contract/protocol.py)
+DEFAULT = SamplingParams()  # the sampler defaults, declared once (contract/options.py)
 
 
 # A preview's defaults: the same sampler, a little more conservative (docs/api.md, "Preview"), no
@@ -112,7 +112,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
 
     def sampler_settings(self, defaults: SamplingParams = DEFAULT) -> dict[str, Any]:
         """These fields for a :class:`CanonicalRequest`: a missing value is taken from ``defaults``
-        (:class:`contract.protocol.SamplingParams`'s own unless an API has others); ``logit_bias`` as
+        (:class:`contract.options.SamplingParams`'s own unless an API has others); ``logit_bias`` as
         pairs, ``json_schema`` as JSON text."""
         fields = self.sampler_fields()
         context = {name: fields.pop(name) for name in CONTEXT_FIELDS}  # not samplers: no default in SamplingParams
@@ -215,9 +215,9 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     logit_bias: BiasPairs = []
     grammar: str = ""
     json_schema: str = ""
-    schema_rule: str = ""  # contract.protocol.SamplingParams: set by the tool-call paths, not by clients
+    schema_rule: str = ""  # contract.options.SamplingParams: set by the tool-call paths, not by clients
     grammar_triggers: list[str] = []
-    reasoning_budget: int = -1  # contract.protocol.SamplingParams: a thinking budget, set by the chat paths
+    reasoning_budget: int = -1  # contract.options.SamplingParams: a thinking budget, set by the chat paths
     reasoning_start: str = ""
     reasoning_end: str = ""
     reasoning_message: str = ""

@@ -15,6 +15,7 @@ import structlog
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
+from contract.options import CaptureOptions, SamplingParams
 from orchestrator import metrics
 from orchestrator.engine_client.interface import EngineClient, EngineRequestError, GenerationJob, GenerationStream
 from orchestrator.generation.capture import capture_options, check_reduction, require_attention
@@ -50,8 +51,8 @@ PASSED_ON = ("presence_penalty", "frequency_penalty", "typical_p", "top_n_sigma"
 """The further sampler settings a :class:`CanonicalRequest` hands to the engine as they are."""
 
 
-def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.SamplingParams:
-    """Validated :class:`contract.protocol.SamplingParams` from a canonical request.
+def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> SamplingParams:
+    """Validated :class:`contract.options.SamplingParams` from a canonical request.
 
     Value ranges are checked when the body is decoded (``orchestrator/schemas.py``); this
     checks token ids against the vocabulary and resolves llama-server's special values
@@ -63,7 +64,7 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
     check_tokens(req.banned_tokens, vocab_size, "banned_tokens")
     bias = [(t, b) for t, b in req.logit_bias if isinstance(t, int)]  # texts: see GenerationService.resolve_bias
     check_tokens([t for t, _ in bias], vocab_size, "logit_bias")
-    return proto.SamplingParams(
+    return SamplingParams(
         max_new_tokens=req.max_new_tokens,
         temperature=req.temperature,
         top_k=max(0, req.top_k),
@@ -78,7 +79,7 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> proto.Sampl
         ignore_eos=req.ignore_eos,
         n_probs=req.n_probs,
         logprobs=True,
-        dry_base=req.dry_base if req.dry_base >= 1.0 else proto.SamplingParams().dry_base,  # llama-server's rule
+        dry_base=req.dry_base if req.dry_base >= 1.0 else SamplingParams().dry_base,  # llama-server's rule
         dry_penalty_last_n=info.n_ctx if req.dry_penalty_last_n == -1 else req.dry_penalty_last_n,
         logit_bias=bias,
         **{name: getattr(req, name) for name in PASSED_ON},
@@ -187,7 +188,7 @@ class GenerationService:
                 pairs += [(t, bias) for t in (await self.engine.tokenize(tok, False, False)).ids]
         req.logit_bias = pairs
 
-    async def checked_params(self, req: CanonicalRequest) -> proto.SamplingParams:
+    async def checked_params(self, req: CanonicalRequest) -> SamplingParams:
         """:func:`sampling_params` of ``req`` (text ``logit_bias`` keys resolved); a grammar or JSON
         schema is built once by the worker first, so one llama.cpp cannot use is
         ``INVALID_GRAMMAR`` before any slot is touched."""
@@ -375,7 +376,7 @@ class GenerationService:
         slot_id = check_slot_id(str(named if named is not None else fallback))
         params = await self.checked_params(req.canonical(slot_id))
         require_attention(req.output_attentions, info.attention_layers)
-        capture = proto.CaptureOptions(
+        capture = CaptureOptions(
             attention=req.output_attentions, format=req.attention_format, dtype=req.attention_dtype
         )
         check_reduction(capture, info, info.n_ctx)  # a preview asks no reduction's options: topk and spans refused

@@ -12,8 +12,8 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from contract import protocol as proto
 from contract.errors import ErrorCode
+from contract.options import SamplingParams
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.admission import WaitHooks
 from orchestrator.tenants.principal import DEFAULT_TENANT
@@ -52,7 +52,7 @@ class Slot:
     n_prompt_tokens_processed: int = 0
     # the last generation on this slot, for llama-server's GET /slots (id_task, params, next_token)
     id_task: int = -1
-    params: proto.SamplingParams | None = None
+    params: SamplingParams | None = None
     n_decoded: int = 0
     n_prompt_tokens_cache: int = 0
     requests: int = 0

@@ -39,6 +39,7 @@ import structlog
 
 from contract import protocol as proto
 from contract.errors import ErrorCode
+from contract.options import SamplingParams
 from orchestrator import metrics
 from orchestrator.engine_client.interface import EngineClient
 from orchestrator.service_error import ServiceError
@@ -366,7 +367,7 @@ class SlotRegistry:
         idle, None: after ``park_idle_s`` as every slot), looked at by :meth:`upkeep`."""
         slot.keep_alive_s = seconds
 
-    def generation_started(self, slot: Slot, req: int, params: proto.SamplingParams) -> None:
+    def generation_started(self, slot: Slot, req: int, params: SamplingParams) -> None:
         """A generation (engine request ``req``) starts on the slot: its cells are about to change."""
         slot.id_task, slot.params, slot.n_decoded = req, params, 0
         slot.dirty = True

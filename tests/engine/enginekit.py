@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from contract.protocol import CaptureOptions, Done, Error, Generate, GenerateMode, SamplingParams, Tensor, Token
+from contract.options import CaptureOptions, SamplingParams
+from contract.protocol import Done, Error, Generate, GenerateMode, Tensor, Token
 from engine.batcher import Batcher
 from engine.engine import BatchEntry, Engine, read_state
 from slotstate import seq_state

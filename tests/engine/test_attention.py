@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contract.protocol import CaptureOptions
+from contract.options import CaptureOptions
 from engine.engine import BatchEntry
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close, prefill_row, replay_attention

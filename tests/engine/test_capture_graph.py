@@ -15,7 +15,7 @@ import llama_cpp as llama
 import numpy as np
 import pytest
 
-from contract.protocol import CaptureOptions
+from contract.options import CaptureOptions
 from contract.settings import EngineSettings
 from engine import native
 from engine.engine import BatchEntry, Engine

@@ -33,7 +33,7 @@ pytest.importorskip("transformers")
 
 from contract.errors import ErrorCode
 from contract.model_facts import SINK_ARCHITECTURES
-from contract.protocol import CaptureOptions
+from contract.options import CaptureOptions
 from contract.settings import EngineSettings
 from engine.engine import Engine, EngineError
 from engine.model import Model

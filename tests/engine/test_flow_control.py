@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from contract.protocol import CaptureOptions, Generate, SamplingParams
+from contract.options import CaptureOptions, SamplingParams
+from contract.protocol import Generate
 from tests.engine.enginekit import Runner
 
 PROMPT = [1, 2, 3, 4, 5, 6]

@@ -14,6 +14,7 @@ from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.framing import FrameStream, parse_address
 from contract.model_facts import EngineRuntime, ModelInfo
+from contract.options import CaptureOptions, SamplingParams
 
 RUNTIME = EngineRuntime(
     backend="CPU", devices=["CPU (x86)"], n_gpu_layers=0, n_layers_offloaded=0, extra_bufts=[], use_extra_bufts=False,
@@ -27,12 +28,12 @@ INFO = ModelInfo(
     eos_token_id=2, eot_token_id=2, eog_token_ids=[2], special_tokens={"bos": "<s>", "bos_id": 1},
     chat_template="{{ x }}", n_params=134_515_008, size_bytes=1 << 20, llama_cpp_version="0.3.36", runtime=RUNTIME,
 )  # fmt: skip
-PARAMS = proto.SamplingParams(seed=3, temperature=0.0, stop_strings=["\n\n"], n_probs=2, logprobs=True)
-GRAMMAR_PARAMS = proto.SamplingParams(
+PARAMS = SamplingParams(seed=3, temperature=0.0, stop_strings=["\n\n"], n_probs=2, logprobs=True)
+GRAMMAR_PARAMS = SamplingParams(
     grammar='root ::= "yes" | "no"', logit_bias=[(7, float("-inf")), (8, 2.5)], mirostat=2, dry_multiplier=0.8,
     dry_sequence_breakers=["\n"], presence_penalty=0.5, json_schema='{"type": "object"}',
 )  # fmt: skip
-CAPTURE = proto.CaptureOptions(attention=True, format="aggregated", dtype="float16", layers=[0, 29])
+CAPTURE = CaptureOptions(attention=True, format="aggregated", dtype="float16", layers=[0, 29])
 ATTENTION = np.random.default_rng(0).random((2, 9, 17), dtype=np.float32)
 HIDDEN = np.linspace(-1, 1, 576, dtype=np.float32)
 STATE = np.arange(100_000, dtype=np.uint32).astype(np.uint8).tobytes()
@@ -41,7 +42,7 @@ LOGITS = np.array([[0.5, -1.0], [2.0, 0.25]], dtype=np.float32)
 # One example of every message, with the buffers it describes.
 REQUESTS: list[tuple[proto.Message, list[bytes]]] = [
     (proto.Generate(1, 0, "generate", [5, 6], PARAMS, CAPTURE, progress=True), []),
-    (proto.Generate(2, -1, "preview", [5], PARAMS, proto.CaptureOptions(), append=[7, 8]), []),
+    (proto.Generate(2, -1, "preview", [5], PARAMS, CaptureOptions(), append=[7, 8]), []),
     (proto.Cancel(3, 1), []),
     (proto.Ack(3, 1, 5), []),
     (proto.Release(3, [0, 4096]), []),

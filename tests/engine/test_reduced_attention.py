@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contract.protocol import CaptureOptions
+from contract.options import CaptureOptions
 from contract.settings import EngineSettings
 from engine import native
 from engine.capture import RowTarget

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from contract.protocol import CaptureOptions, SamplingParams
+from contract.options import CaptureOptions, SamplingParams
 from engine.grammar import JSON_GBNF, MAX_NESTING, nesting_depth
 from engine.sampling import SamplerChain, stage_names
 from tests.conftest import CHAT

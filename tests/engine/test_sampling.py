@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from contract.protocol import CaptureOptions
+from contract.options import CaptureOptions
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner
 

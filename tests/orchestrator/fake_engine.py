@@ -39,6 +39,7 @@ from pathlib import Path
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.model_facts import EngineRuntime, ModelInfo
+from contract.options import CaptureOptions, SamplingParams
 from orchestrator.engine_client.interface import (
     EngineRequestError,
     GenerationJob,
@@ -328,8 +329,8 @@ class FakeEngine:
         seq: int | None,
         input_ids: Sequence[int],
         append: Sequence[int],
-        params: proto.SamplingParams,
-        capture: proto.CaptureOptions,
+        params: SamplingParams,
+        capture: CaptureOptions,
     ) -> GenerationStream:
         """Not modelled: ``NOT_SUPPORTED``."""
         raise EngineRequestError(ErrorCode.NOT_SUPPORTED, "the fake engine has no preview")
@@ -398,7 +399,7 @@ class FakeEngine:
         """Not a classifier: ``INVALID_REQUEST``, as a generating worker answers."""
         raise EngineRequestError(ErrorCode.INVALID_REQUEST, "not a classifier")
 
-    async def check_sampling(self, params: proto.SamplingParams) -> None:
+    async def check_sampling(self, params: SamplingParams) -> None:
         """A grammar without a ``root`` rule is refused (the fake parses nothing else)."""
         if params.grammar and "root" not in params.grammar:
             raise EngineRequestError(ErrorCode.INVALID_GRAMMAR, "no root rule")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from contract import protocol as proto
+from contract.options import CaptureOptions, SamplingParams
 from orchestrator.engine_client.interface import GenerationJob
 from orchestrator.generation.events import DoneOut, TokenOut
 from orchestrator.generation.service import RunControl
@@ -354,8 +355,8 @@ async def test_fork_copies_and_restore_state_replaces(world: World) -> None:
 
 async def test_the_fake_generates_what_greedy_predicts_and_refuses_a_busy_sequence() -> None:
     eng = FakeEngine(1)
-    params = proto.SamplingParams(max_new_tokens=3)
-    stream = await eng.generate(GenerationJob(seq=0, input_ids=PROMPT, params=params, capture=proto.CaptureOptions()))
+    params = SamplingParams(max_new_tokens=3)
+    stream = await eng.generate(GenerationJob(seq=0, input_ids=PROMPT, params=params, capture=CaptureOptions()))
     with pytest.raises(Exception, match="generating"):
         await eng.erase(0)
     events = [ev async for ev in stream]

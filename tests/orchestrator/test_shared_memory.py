@@ -13,6 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from contract import protocol as proto
+from contract.options import CaptureOptions, SamplingParams
 from contract.settings import EngineSettings
 from contract.shm import ALIGN
 from orchestrator.engine_client.client import WorkerClient
@@ -21,9 +22,9 @@ from orchestrator.engine_client.launch import WorkerOptions
 from tests.conftest import ROOT
 from tests.redis_server import free_port
 
-FULL = proto.CaptureOptions(attention=True, format="per_layer", dtype="float32", hidden_state=True)
-HALF = proto.CaptureOptions(attention=True, format="per_layer", dtype="float16")
-TOPK = proto.CaptureOptions(attention=True, format="topk", top_k=5)
+FULL = CaptureOptions(attention=True, format="per_layer", dtype="float32", hidden_state=True)
+HALF = CaptureOptions(attention=True, format="per_layer", dtype="float16")
+TOPK = CaptureOptions(attention=True, format="topk", top_k=5)
 PROMPTS = [
     "The river valley and its towns, told year by year, from the first farms on. " * 3,
     "A short note.",
@@ -48,11 +49,11 @@ def run(shm_bytes: int, test: Callable[[WorkerClient], Awaitable[None]], restart
     asyncio.run(main())
 
 
-def _params(n: int) -> proto.SamplingParams:
-    return proto.SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-async def _open(c: WorkerClient, seq: int, text: str, cap: proto.CaptureOptions, n: int = 8) -> GenerationStream:
+async def _open(c: WorkerClient, seq: int, text: str, cap: CaptureOptions, n: int = 8) -> GenerationStream:
     ids = (await c.tokenize(text, True, False)).ids
     return await c.generate(GenerationJob(seq=seq, input_ids=ids, params=_params(n), capture=cap))
 

@@ -13,6 +13,7 @@ import pytest
 from contract import protocol as proto
 from contract.errors import ErrorCode
 from contract.flow import WINDOW_TOKENS
+from contract.options import CaptureOptions, SamplingParams
 from contract.settings import EngineSettings
 from orchestrator.engine_client.client import WorkerClient
 from orchestrator.engine_client.interface import EngineRequestError, GenerationJob, GenerationStream, TokenOutput
@@ -20,8 +21,8 @@ from orchestrator.engine_client.launch import WorkerOptions
 from tests.conftest import ROOT
 from tests.redis_server import free_port
 
-GREEDY = proto.SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-ATTENTION = proto.CaptureOptions(attention=True, format="per_layer", dtype="float16", hidden_state=True)
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+ATTENTION = CaptureOptions(attention=True, format="per_layer", dtype="float16", hidden_state=True)
 
 
 def run(test: Callable[[WorkerClient], Awaitable[None]]) -> None:
@@ -75,9 +76,9 @@ def test_every_method_over_a_real_worker() -> None:
         generated = [t.token.token_id for t in tokens]
         assert await c.tokens(0) == ids + generated
         # preview on a fork: the slot is untouched
-        _, pdone = await collect(await c.preview(0, [], ids[:2], GREEDY, proto.CaptureOptions()))
+        _, pdone = await collect(await c.preview(0, [], ids[:2], GREEDY, CaptureOptions()))
         assert pdone.n_cached == len(ids) + 4 and await c.tokens(0) == ids + generated
-        _, pdone = await collect(await c.preview(None, ids, [], GREEDY, proto.CaptureOptions()))
+        _, pdone = await collect(await c.preview(None, ids, [], GREEDY, CaptureOptions()))
         assert pdone.n_generated == 4
         assert await c.fork(0, 1) == ids + generated
         assert await c.truncate(1, 3) == ids[:3]
@@ -91,8 +92,8 @@ def test_every_method_over_a_real_worker() -> None:
         state = await c.engine_state()
         assert state.generating == []
         # a stream closed before its first event (the client left at once) still cancels its generation
-        long = proto.SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
-        stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=long, capture=proto.CaptureOptions()))
+        long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=long, capture=CaptureOptions()))
         await stream.aclose()
         assert (await c.engine_state()).generating == [] and not c._pending
 
@@ -106,8 +107,8 @@ def test_a_stream_not_read_holds_its_generation() -> None:
     async def test(c: WorkerClient) -> None:
         assert c.window == WINDOW_TOKENS
         ids = (await c.tokenize("Once upon a time", True, False)).ids
-        params = proto.SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=params, capture=proto.CaptureOptions()))
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        stream = await c.generate(GenerationJob(seq=0, input_ids=ids, params=params, capture=CaptureOptions()))
         first = await anext(stream)  # taken, not yet acknowledged (that comes with the next ask)
         assert isinstance(first, TokenOutput) and first.token.index == 0
         queue = c._pending.queue_of(stream.req)
@@ -124,7 +125,7 @@ def test_a_stream_not_read_holds_its_generation() -> None:
         assert [t.token.index for t in tokens] == list(range(1, 24))
         await stream.aclose()
         # a held stream whose consumer leaves is cancelled at once
-        held = await c.generate(GenerationJob(seq=1, input_ids=ids, params=params, capture=proto.CaptureOptions()))
+        held = await c.generate(GenerationJob(seq=1, input_ids=ids, params=params, capture=CaptureOptions()))
         await anext(held)
         await held.aclose()
         assert (await c.engine_state()).generating == [] and not c._pending
@@ -151,8 +152,8 @@ def test_refusals_carry_their_error_code() -> None:
                     GenerationJob(
                         seq=0,
                         input_ids=ids,
-                        params=proto.SamplingParams(max_new_tokens=1000),
-                        capture=proto.CaptureOptions(),
+                        params=SamplingParams(max_new_tokens=1000),
+                        capture=CaptureOptions(),
                     )
                 )
             )

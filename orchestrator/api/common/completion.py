@@ -10,6 +10,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from contract import protocol as proto
+from contract.options import SamplingParams
 from orchestrator.api.common.run import (
     piece_text,
 )
@@ -203,14 +204,14 @@ class CompletionBody(SamplerFields, kw_only=True):
 STOP_TYPE = {"length": "limit", "stop_token": "eos", "stop_string": "word", "cancelled": "none"}
 
 
-DEFAULT_PARAMS = proto.SamplingParams(max_new_tokens=-1)
+DEFAULT_PARAMS = SamplingParams(max_new_tokens=-1)
 
 
 # llama-server's default sampler order, its ``samplers`` names (engine/sampling.py builds the chain so)
 SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 
 
-def params_json(p: proto.SamplingParams | None, n_ctx: int | None = None) -> dict[str, Any]:
+def params_json(p: SamplingParams | None, n_ctx: int | None = None) -> dict[str, Any]:
     """llama-server's ``params`` / ``generation_settings`` object for sampler settings ``p``."""
     p = p or DEFAULT_PARAMS
     out: dict[str, Any] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract.protocol import AttentionDtype, AttentionFormat, SamplingParams
+from contract.options import AttentionDtype, AttentionFormat, SamplingParams
 from orchestrator.generation.request import (
     DEFAULT,
     CanonicalRequest,

@@ -27,8 +27,8 @@ from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from msgspec import UNSET, UnsetType
 
-from contract import protocol as proto
 from contract.errors import ErrorCode
+from contract.options import SamplingParams
 from orchestrator.api.common.generate import GenerateRequest
 from orchestrator.generation.events import DoneOut
 from orchestrator.generation.request import CanonicalRequest
@@ -77,7 +77,7 @@ token or a stop string, so an aborted generation reports 0."""
 NEUTRAL = {"top_a": 0, "tfs": 1, "smoothing_factor": 0, "rep_pen_slope": 1}
 
 
-KOBOLD_DEFAULTS = proto.SamplingParams(
+KOBOLD_DEFAULTS = SamplingParams(
     max_new_tokens=200, temperature=0.75, top_k=100, top_p=0.92, min_p=0.0, typical_p=1.0,
     repeat_penalty=1.0, repeat_last_n=320, presence_penalty=0.0, mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1,
     dry_multiplier=0.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=320, dry_sequence_breakers=[],
@@ -88,7 +88,7 @@ KOBOLD_DEFAULTS = proto.SamplingParams(
 0.75, ``top_k`` 100, ``top_p`` 0.92, ``min_p`` 0, ``typical`` 1, ``rep_pen`` 1, ``rep_pen_range``
 320, Mirostat tau 5 / eta 0.1, DRY base 1.75 / allowed length 2 / window 320 / no sequence
 breakers, XTC threshold 0.2; ``tfs`` 1, ``top_a`` 0, ``rep_pen_slope`` 1 are the neutral values of
-:data:`NEUTRAL`).  llama-server's defaults (``contract.protocol.SamplingParams``) serve the other routes."""
+:data:`NEUTRAL`).  llama-server's defaults (``contract.options.SamplingParams``) serve the other routes."""
 
 KOBOLD_CACHE_REUSE = 64
 """``n_cache_reuse`` (tokens) of a Kobold body that leaves it out, while the server runs without

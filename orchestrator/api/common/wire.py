@@ -9,7 +9,7 @@ import base64
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from contract.protocol import GRAPH_FORMATS
+from contract.options import GRAPH_FORMATS
 from orchestrator.generation.events import TokenOut
 
 

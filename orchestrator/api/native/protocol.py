@@ -14,7 +14,7 @@ from msgspec import UNSET, UnsetType
 
 from contract.errors import ErrorCode
 from contract.model_facts import ModelFacts
-from contract.protocol import GRAPH_FORMATS
+from contract.options import GRAPH_FORMATS
 from orchestrator.api.common.kobold import KoboldResult
 from orchestrator.api.common.wire import (
     Attention,

@@ -13,7 +13,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from contract.errors import ErrorCode
-from contract.protocol import AttentionDtype, AttentionFormat
+from contract.options import AttentionDtype, AttentionFormat
 from orchestrator.api.common.completion import LlamaCompletion
 from orchestrator.api.common.timings import Timings
 from orchestrator.api.common.wire import Attention, PromptProgress
