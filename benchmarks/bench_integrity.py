@@ -40,7 +40,8 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 def real_state(model_path: Path, n_tokens: int) -> bytes:
     """A sequence state of ``n_tokens`` prefilled tokens."""
     from contract.settings import EngineSettings
-    from engine.engine import BatchEntry, Engine
+    from engine.batch import BatchEntry
+    from engine.engine import Engine
     from engine.model import Model
 
     model = Model(model_path)

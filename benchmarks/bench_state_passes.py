@@ -31,7 +31,8 @@ import llama_cpp as llama  # llama.cpp before numpy (docs/hardware.md)
 from servers import default_model
 
 from contract.settings import EngineSettings
-from engine.engine import BatchEntry, Engine
+from engine.batch import BatchEntry
+from engine.engine import Engine
 from engine.model import Model
 from engine.state_file import load_seq_file, write_slot_file
 from slotstate import seq_state

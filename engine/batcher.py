@@ -21,7 +21,9 @@ from contract.flow import Credit
 from contract.options import SamplingParams
 from contract.protocol import Buffer, Done, Error, FinishReason, Generate, Message, Progress, Tensor, Token
 from contract.reduction import reduction_error
-from engine.engine import BatchEntry, Engine, EngineError
+from engine.batch import BatchEntry
+from engine.engine import Engine
+from engine.errors import EngineError
 from engine.grammar import GrammarError
 from engine.reasoning_budget import ReasoningBudget
 from engine.sampling import NO_TOKEN, SamplerChain, logits_row, logprobs

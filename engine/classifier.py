@@ -27,7 +27,7 @@ from contract.errors import ErrorCode
 from contract.settings import EngineSettings
 from engine import native
 from engine.backend import FlashAttnChoice
-from engine.engine import EngineError
+from engine.errors import EngineError
 from engine.model import Model, ModelLoadError, file_fingerprint
 
 

@@ -5,9 +5,10 @@ and performs every operation on the KV cache, so the mirror (:mod:`engine.cellma
 them.  It is single-threaded: the worker's loop calls it between decode steps.
 
 Why one file over 450 lines: every operation on the context (decode, truncate, fork, context shift, state save
-and restore, the start-up self-check that learns the state layout) changes the KV cache that the cell mirror
-must follow, and llama.cpp's context has one owner; the byte formats it reads are in :mod:`slotstate`, the
-capture in :mod:`engine.capture`, batching in :mod:`engine.batcher`.
+and restore) changes the KV cache that the cell mirror must follow, and llama.cpp's context has one owner; the
+byte formats it reads are in :mod:`slotstate`, the capture in :mod:`engine.capture`, batching in
+:mod:`engine.batcher`, a decode's entries in :mod:`engine.batch`, the engine's exception in :mod:`engine.errors`,
+and the start-up self-check that learns the state layout in :mod:`engine.self_check`.
 
 KV layout (docs/architecture.md, "KV layout"): llama-server's default, ``kv_unified=false``:
 every sequence has a KV stream of its own (``n_ctx`` cells), so a token attends over its own
@@ -26,9 +27,7 @@ which does not depend on how many sequences this engine has and which llama-serv
 from __future__ import annotations
 
 import ctypes
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import llama_cpp as llama
 import numpy as np
@@ -36,44 +35,21 @@ import numpy as np
 from contract.buffers import BufferPool
 from contract.errors import ErrorCode
 from contract.kv_types import KV_CACHE_TYPES
-from contract.model_facts import SINK_ARCHITECTURES, attention_rows_sum_ok
 from contract.options import CaptureOptions
 from contract.settings import FLASH_ATTN_TYPES, EngineSettings
 from engine import backend, native
+from engine.batch import BatchEntry
 from engine.capture import AttentionCapture, CaptureError, RowTarget, seq_cells
 from engine.cellmap import CellMap, CellMapError
+from engine.errors import EngineError
 from engine.kv_release import ReleaseSchedule
 from engine.memory import UnsupportedMemoryError, memory_of
 from engine.model import Model, file_fingerprint
+from engine.self_check import run_self_check
 from engine.state_read import StateSource, read_into
 from slotstate import seq_state
 
 State = bytearray | memoryview
-
-
-class EngineError(RuntimeError):
-    """An operation failed, for the reason ``code`` (docs/api.md, "Errors")."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass
-class BatchEntry:
-    """Tokens of one sequence in a decode: ``tokens`` at positions ``pos0..``.
-
-    ``target`` (optional) captures the attention row of the last token; ``logits`` asks
-    llama.cpp for the last token's logits.  ``batch_start`` is set by :meth:`Engine.decode`.
-    """
-
-    seq: int
-    pos0: int
-    tokens: Sequence[int]
-    logits: bool = False
-    target: RowTarget | None = None
-    batch_start: int = 0
 
 
 class Engine:
@@ -81,7 +57,7 @@ class Engine:
 
     Raises :class:`engine.model.ModelLoadError` / :class:`EngineError` when the context cannot
     be created, :class:`engine.native.PatchMissingError` on a libllama without slotserve's patch,
-    and :class:`CaptureError` when the start-up self-check of the capture fails.
+    and :class:`CaptureError` when the start-up self-check of the capture fails (:mod:`engine.self_check`).
     """
 
     def __init__(self, model: Model, config: EngineSettings, on_stage: Callable[[str], None] | None = None) -> None:
@@ -150,7 +126,7 @@ class Engine:
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
         report("self_check")
         self.layout = seq_state.StateLayout(())  # learned by the self-check, which restores with it
-        self._self_check()
+        self.released_at_start, self.self_check_ms = run_self_check(self)
 
     # ------------------------------------------------------------------ facts
 
@@ -554,67 +530,6 @@ class Engine:
         for extra in parsed.cache_positions[1:]:
             if len(extra) and (extra.min() < 0 or extra.max() >= n or len(np.unique(extra)) != len(extra)):
                 raise EngineError(ErrorCode.BAD_STATE, f"the sliding-window cache holds positions outside 0..{n - 1}")
-
-    # ------------------------------------------------------------------ start-up
-
-    def _self_check(self) -> None:
-        """Check the capture and the states on real decodes; learn this engine's state layout
-        (:attr:`layout`).
-
-        While another sequence holds cells (when there are two), decodes a prompt on a spare
-        sequence (past the sliding window of a sliding-window model, when ``n_ctx`` goes past it),
-        capturing its last row: every attention layer must be captured, each head's row must sum to
-        1 (less than 1 with attention sinks: :data:`SINK_ARCHITECTURES`) and a sliding layer's must be 0
-        before its window (rows mapped through the wrong KV cache's cells would not be).  The prompt
-        goes in batches of at most ``n_batch`` tokens (:meth:`decode_in_batches`).  Then saves the
-        sequence's state (every part of the model's memory), restores it and decodes one token more
-        from it, capturing again.  Raises
-        :class:`CaptureError` when a check fails.
-        """
-        s = self.config.n_seq_max - 1
-        t0 = time.perf_counter()
-        seed = self.model.tokenize("Hello world", False, False) or [0]
-        # past the window where the context allows it (a window >= n_ctx never cuts a row off)
-        n = self.n_swa + 4 if self.n_swa > 0 and self.n_swa + 4 < self.config.n_ctx else 3
-        toks = (seed * (n // len(seed) + 1))[:n]
-        if s > 0:
-            self._check_decode(s - 1, 0, seed[:2])
-        self._check_decode(s, 0, toks)
-        _, state = self.save_state(s)
-        own = bytearray(state)  # a copy of its own: the state's memory goes back to the pool
-        self.release_state(state)
-        self.layout = seq_state.parse(own, shape=self.shape).layout
-        self.restore_state(s, toks, own)
-        self._check_decode(s, len(toks), seed[:1])
-        self.erase(s)
-        if s > 0:
-            self.erase(s - 1)
-        self.released_at_start = self.release_empty()  # every stream was cleared, so resident, at creation
-        self.self_check_ms = (time.perf_counter() - t0) * 1000
-
-    def _check_decode(self, seq: int, pos0: int, toks: list[int]) -> None:
-        """Decode ``toks`` on ``seq`` from ``pos0`` capturing the last row, and check it (:meth:`_self_check`)."""
-        pos = pos0 + len(toks) - 1
-        target = self.new_target(seq, pos) if self.capture is not None else None
-        status = self.decode_in_batches(BatchEntry(seq, pos0, toks, logits=True, target=target))
-        if status != 0:
-            raise CaptureError(f"self-check decode failed with status {status}")
-        if self.capture is None or target is None:
-            return
-        seen, expect = self.capture.n_captured(), len(self.attention_layers)
-        rows = target.out if target.out is not None else np.zeros((1, 1, 1), dtype=np.float32)
-        sums = rows.sum(axis=-1)
-        outside = [
-            float(rows[k, :, : max(0, pos + 1 - self.layer_window(il))].sum(axis=-1).max())
-            for k, il in enumerate(self.attention_layers)
-            if self.layer_window(il)
-        ]
-        sums_ok = attention_rows_sum_ok(sums, self.model.meta("general.architecture") in SINK_ARCHITECTURES)
-        if seen != expect or not sums_ok or max(outside, default=0.0) > 1e-3:
-            raise CaptureError(
-                f"attention capture self-check failed: {seen} of {expect} layers captured, "
-                f"row sums {sums.ravel()[:4]}, largest weight before a sliding window {max(outside, default=0.0):.3g}"
-            )
 
     def close(self) -> None:
         """Free the context and batch."""

@@ -3,7 +3,7 @@
 :class:`EngineHandlers` maps each request type the generation worker serves to the
 method that answers it (SGLang's type-based dispatch): adding a message is one Struct
 and one row.  Handlers run on the worker's loop thread, between decode steps, and
-raise :class:`engine.engine.EngineError` to answer ``Error``.
+raise :class:`engine.errors.EngineError` to answer ``Error``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from contract.errors import ErrorCode
 from contract.framing import RecvBuffer
 from contract.shm import RegionWriter
 from engine.batcher import Batcher
-from engine.engine import Engine, EngineError
+from engine.engine import Engine
+from engine.errors import EngineError
 from engine.kv_range import read_ranges
 from engine.state_file import load_seq_file, write_slot_file
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from contract.errors import ErrorCode
 from engine import native
-from engine.engine import EngineError
+from engine.errors import EngineError
 
 __all__ = ["read_range", "read_ranges"]
 

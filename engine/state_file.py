@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from contract.errors import ErrorCode
-from engine.engine import Engine, EngineError
+from engine.engine import Engine
+from engine.errors import EngineError
 from engine.state_read import StateSource
 from slotstate import seq_state
 from slotstate.ggsq import read_seq_file, read_seq_head, write_seq_file

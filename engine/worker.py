@@ -38,7 +38,8 @@ from contract.shm import RegionWriter, SharedRegion
 from engine import backend
 from engine.batcher import Batcher
 from engine.classifier import Classifier
-from engine.engine import Engine, EngineError
+from engine.engine import Engine
+from engine.errors import EngineError
 from engine.handlers import EngineHandlers, Handler
 from engine.model import Model, default_model_path, init_backend
 from engine.model_info import model_info

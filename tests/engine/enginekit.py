@@ -8,8 +8,9 @@ import numpy as np
 
 from contract.options import CaptureOptions, SamplingParams
 from contract.protocol import Done, Error, Generate, GenerateMode, Tensor, Token
+from engine.batch import BatchEntry
 from engine.batcher import Batcher
-from engine.engine import BatchEntry, Engine, read_state
+from engine.engine import Engine, read_state
 from slotstate import seq_state
 
 _req = iter(range(1_000_000, 10_000_000))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from contract.options import CaptureOptions
-from engine.engine import BatchEntry
+from engine.batch import BatchEntry
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close, prefill_row, replay_attention
 

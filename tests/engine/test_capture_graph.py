@@ -18,7 +18,8 @@ import pytest
 from contract.options import CaptureOptions
 from contract.settings import EngineSettings
 from engine import native
-from engine.engine import BatchEntry, Engine
+from engine.batch import BatchEntry
+from engine.engine import Engine
 from engine.model_info import cuda_graphs, runtime_info
 from tests.conftest import CHAT
 

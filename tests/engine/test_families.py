@@ -35,7 +35,8 @@ from contract.errors import ErrorCode
 from contract.model_facts import SINK_ARCHITECTURES
 from contract.options import CaptureOptions
 from contract.settings import EngineSettings
-from engine.engine import Engine, EngineError
+from engine.engine import Engine
+from engine.errors import EngineError
 from engine.model import Model
 from tests.engine.enginekit import Result, Runner
 from tests.tiny_models import FAMILIES, NEAR_TIE, Reference, assert_matches, build_tiny_gguf

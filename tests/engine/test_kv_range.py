@@ -16,7 +16,8 @@ import pytest
 
 from contract.errors import ErrorCode
 from contract.settings import EngineSettings
-from engine.engine import Engine, EngineError, read_state
+from engine.engine import Engine, read_state
+from engine.errors import EngineError
 from engine.kv_range import read_range, read_ranges
 from engine.model import Model
 from slotstate import kv_chunks, seq_state

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 
 from contract.settings import EngineSettings
-from engine.engine import Engine, EngineError
+from engine.engine import Engine
+from engine.errors import EngineError
 from tests.conftest import CHAT
 from tests.engine.enginekit import Result, Runner, llama_state
 

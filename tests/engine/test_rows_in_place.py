@@ -25,7 +25,8 @@ import pytest
 from contract.options import CaptureOptions
 from contract.settings import EngineSettings
 from engine import native
-from engine.engine import BatchEntry, Engine
+from engine.batch import BatchEntry
+from engine.engine import Engine
 from engine.model import Model
 from tests.conftest import CHAT
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import llama_cpp as llama
 import pytest
 
-from engine.engine import BatchEntry
+from engine.batch import BatchEntry
 from slotstate import seq_state
 from slotstate.ggsq import pack_seq_file, unpack_seq_file
 from tests.engine.enginekit import llama_state, same_kv

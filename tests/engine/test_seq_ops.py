@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from engine.engine import EngineError
+from engine.errors import EngineError
 from slotstate import seq_state
 from tests.conftest import CHAT
 from tests.engine.enginekit import Runner, assert_attention_close, llama_state, prefill_row, same_kv

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from contract.errors import ErrorCode
+from engine.batch import BatchEntry
 from engine.capture import seq_cells
-from engine.engine import BatchEntry, EngineError
+from engine.errors import EngineError
 from engine.state_file import load_seq_file, write_slot_file
 from engine.state_read import StateSource
 from slotstate import seq_state

@@ -23,14 +23,14 @@ from engine import engine, worker
 FAULT = os.environ.get("SLOTSERVE_TEST_FAULT", "")
 
 
-def _segv(_self: object) -> None:
+def _segv(_engine: object) -> None:
     os.kill(os.getpid(), signal.SIGSEGV)
 
 
 if FAULT == "segv-always" or (
     FAULT == "segv-unless-no-repack" and worker.parse_args(sys.argv[1:])[1].repack is not False
 ):
-    engine.Engine._self_check = _segv  # type: ignore[method-assign]
+    engine.run_self_check = _segv  # type: ignore[assignment]
 
 if FAULT == "slow-load":
     _Model = worker.Model
