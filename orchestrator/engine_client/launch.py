@@ -23,6 +23,9 @@ from orchestrator.engine_client.interface import EngineDeadError
 
 log = structlog.get_logger("slotserve.engine")
 
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout's root: the folder of the ``orchestrator``, ``engine`` and ``contract`` packages."""
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -46,6 +49,14 @@ class WorkerOptions:
         """Whether the worker sees this process's file system (it is spawned here, not reached by
         ``connect``): slot files are then read and written by the worker itself."""
         return self.connect is None
+
+    def env(self) -> dict[str, str]:
+        """Environment of a spawned worker: this process's, plus ``extra_env``, with the checkout's root (the
+        folder holding the ``engine`` and ``contract`` packages) first on ``PYTHONPATH``, so that ``python``
+        runs this checkout's worker, also when it is another virtual environment's interpreter."""
+        env = {**os.environ, **self.extra_env}
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
 
     def argv(self, address: str, shm_fd: int | None = None) -> list[str]:
         """Command line for a spawned worker that connects back to ``address`` (and maps the shared
@@ -134,9 +145,7 @@ class WorkerProcess:
                     self.write(proto.encode_frame(proto.Release(0, offsets)))
 
         server = await loop.create_unix_server(Accept, path=path)
-        env = {**os.environ, **self.options.extra_env}
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = self.options.env()
         fds = [region.fd] if region is not None and region.fd is not None else []
         try:
             argv = self.options.argv(f"unix:{path}", fds[0] if fds else None)

@@ -201,3 +201,17 @@ def test_a_standalone_worker_takes_the_engine_flags() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_spawned_worker_runs_this_checkout() -> None:
+    """The worker's ``PYTHONPATH`` starts with the checkout's root, so an interpreter that has no slotserve
+    installed (another virtual environment's, ``SLOTSERVE_WORKER_PYTHON``) imports this checkout's worker;
+    run here without site-packages (``-S``: no editable install to fall back on)."""
+    env = WorkerOptions(extra_env={"PYTHONPATH": "/nonexistent"}).env()
+    assert env["PYTHONPATH"].split(":") == [str(ROOT), "/nonexistent"]
+    probe = "import importlib.util as u; print(u.find_spec('engine.worker').origin)"
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", probe], env=env, cwd="/", capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(ROOT / "engine" / "worker.py")
