@@ -108,7 +108,8 @@ def main() -> int:
     args = ap.parse_args()
     print(machine())
     if not args.glibc_heap:
-        print(f"heap thresholds as the server's (contract/heap.py): {keep_heap_mapped()}")
+        mapped = keep_heap_mapped()
+        print(f"heap thresholds as the server's (contract/heap.py): {'set' if mapped else 'refused by mallopt'}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-rate-"))
     if args.loop == "uvloop":
         import uvloop

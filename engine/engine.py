@@ -126,7 +126,7 @@ class Engine:
         self.type_k, self.type_v = int(cp.type_k), int(cp.type_v)
         report("self_check")
         self.layout = seq_state.StateLayout(())  # learned by the self-check, which restores with it
-        self.released_at_start, self.self_check_ms = run_self_check(self)
+        self.self_check_ms = run_self_check(self)
 
     # ------------------------------------------------------------------ facts
 

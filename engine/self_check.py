@@ -8,20 +8,43 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from contract.model_facts import SINK_ARCHITECTURES, attention_rows_sum_ok
+from contract.settings import EngineSettings
 from engine.batch import BatchEntry
-from engine.capture import CaptureError
+from engine.capture import AttentionCapture, CaptureError, RowTarget
+from engine.model import Model
 from slotstate import seq_state
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
+
+class CheckedEngine(Protocol):
+    """What the self-check uses of :class:`engine.engine.Engine` (which calls it from its constructor): declared
+    here, so that this module does not import the engine's and the dependency runs one way."""
+
+    model: Model
+    config: EngineSettings
+    n_swa: int
+    shape: seq_state.StateShape
+    capture: AttentionCapture | None
+    layout: seq_state.StateLayout
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]: ...
+    def layer_window(self, il: int) -> int: ...
+    def new_target(self, seq: int, pos: int) -> RowTarget: ...
+    def decode_in_batches(self, entry: BatchEntry) -> int: ...
+    def save_state(self, seq: int) -> tuple[list[int], bytearray | memoryview]: ...
+    def release_state(self, state: bytearray | memoryview) -> None: ...
+    def restore_state(self, seq: int, tokens: Sequence[int], blob: bytes | bytearray | memoryview) -> None: ...
+    def erase(self, seq: int) -> None: ...
+    def release_empty(self) -> int: ...
 
 
-def run_self_check(engine: Engine) -> tuple[int, float]:
+def run_self_check(engine: CheckedEngine) -> float:
     """Check the capture and the states of ``engine`` on real decodes; learn its state layout
     (sets :attr:`engine.engine.Engine.layout`).
 
@@ -32,8 +55,8 @@ def run_self_check(engine: Engine) -> tuple[int, float]:
     layer's must be 0 before its window (rows mapped through the wrong KV cache's cells would not be).
     The prompt goes in batches of at most ``n_batch`` tokens (:meth:`engine.engine.Engine.decode_in_batches`).
     Then saves the sequence's state (every part of the model's memory), restores it and decodes one token
-    more from it, capturing again.  Returns ``(released, ms)``: the bytes the KV streams gave back once the
-    check's sequences were erased (:meth:`engine.engine.Engine.release_empty`) and the milliseconds it took.
+    more from it, capturing again; its sequences' KV streams are then given back
+    (:meth:`engine.engine.Engine.release_empty`).  Returns the milliseconds it took.
     Raises :class:`engine.capture.CaptureError` when a check fails.
     """
     s = engine.config.n_seq_max - 1
@@ -54,11 +77,11 @@ def run_self_check(engine: Engine) -> tuple[int, float]:
     engine.erase(s)
     if s > 0:
         engine.erase(s - 1)
-    released = engine.release_empty()  # every stream was cleared, so resident, at creation
-    return released, (time.perf_counter() - t0) * 1000
+    engine.release_empty()  # every stream was cleared, so resident, at creation
+    return (time.perf_counter() - t0) * 1000
 
 
-def _check_decode(engine: Engine, seq: int, pos0: int, toks: list[int]) -> None:
+def _check_decode(engine: CheckedEngine, seq: int, pos0: int, toks: list[int]) -> None:
     """Decode ``toks`` on ``seq`` from ``pos0`` capturing the last row, and check it (:func:`run_self_check`)."""
     pos = pos0 + len(toks) - 1
     target = engine.new_target(seq, pos) if engine.capture is not None else None
