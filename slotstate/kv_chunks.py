@@ -116,7 +116,7 @@ def plan_ranges(
     return kept
 
 
-def chunk_keys(scope: bytes, tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[str]:
+def chunk_keys(scope: bytes, tokens: Sequence[int] | np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[str]:
     """The key of each of ``ranges`` (contiguous from position 0, as :func:`plan_ranges` gives them): 32 hex
     digits of XXH3-128 over ``scope`` (the model, tenant and cache partition: chunks are shared only within
     it), the tokens of positions ``[0, p1)`` as int32 and ``p0, p1``.  Equal keys mean equal token prefixes

@@ -93,9 +93,12 @@ class Increments:
         strict turn's commit, whose write-behind save then stores that token).  ``known``: the chunks' sizes
         from :meth:`known` (no store call here: a chunk not in it is read from the engine, and the store keeps
         it once); None: asked from the store now (``STORE_UNAVAILABLE`` when the store cannot say which chunks
-        it has).  ``write_ahead``: each group of new chunks is written to the store as soon as it is sealed, while
-        the next group is read (for a caller that holds the slot's lock until its write: the store then only
-        touches them; a failed or stalled store fails or holds the snapshot, as it would the write)."""
+        it has), while the chunks this node's last save did not name are read (the new tokens' chunks, which the
+        store lacks but where another conversation stored the same tokens): a turn's commit waits for the
+        longer of the two round trips, not their sum.  ``write_ahead``: each group of new chunks is written to the
+        store as soon as it is sealed, while the next group is read (for a caller that holds the slot's lock until
+        its write: the store then only touches them; a failed or stalled store fails or holds the snapshot, as it
+        would the write)."""
         seq = slot.seq
         assert seq is not None
         info = self.engine.info
@@ -108,19 +111,46 @@ class Increments:
             last = None  # the store holds another version than this node's last save
         stored = [(c.p0, c.p1) for c in last.chunks] if last else []
         same = _common_prefix(last.tokens, tokens) if last else 0
-        cut = _first_message_end(tokens, info.eog_token_ids)
+        ids = np.asarray(tokens, dtype="<i4")  # one conversion for the cut and the keys
+        cut = _first_message_end(ids, info.eog_token_ids)
         ranges = kv_chunks.plan_ranges(len(tokens), stored, same, self.chunk_tokens, cut)
-        keys = kv_chunks.chunk_keys(self._scope(slot), tokens, ranges)
+        keys = kv_chunks.chunk_keys(self._scope(slot), ids, ranges)
+        rest_want = [KVRange(c, 0, len(tokens)) for c in range(1, info.memory.kv_caches)]
+
+        def wanted(indices: list[int]) -> list[KVRange]:
+            return [KVRange(0, *ranges[i]) for i in indices]
+
         # every key is asked (and so touched: kept from the sweep until this commit), those of the last
         # save too: a chunk lost from the store since is read again rather than named missing
-        if known is not None:
-            sizes = [known.get(k, -1) for k in keys]
+        if known is not None or last is None or not keys:
+            if known is not None:
+                sizes = [known.get(k, -1) for k in keys]
+            else:
+                sizes = await self.archive.has_chunks(keys) if keys else []
+            read = [i for i, size in enumerate(sizes) if size < 0]
+            records = await self._read(seq, tokens, wanted(read) + rest_want, [keys[i] for i in read], write_ahead)
         else:
-            sizes = await self.archive.has_chunks(keys) if keys else []
-        read = [i for i, size in enumerate(sizes) if size < 0]
-        want = [KVRange(0, *ranges[i]) for i in read]
-        want += [KVRange(c, 0, len(tokens)) for c in range(1, info.memory.kv_caches)]
-        records = await self._read(seq, tokens, want, [keys[i] for i in read], write_ahead)
+            # a turn after this node's last save: the chunks the last save did not name (those the new tokens
+            # touched: their keys cover the new tokens) are read while the store is asked, so the store's
+            # round trip overlaps the engine's; one the store had anyway (another conversation's same tokens)
+            # is only touched by the write
+            named = {c.key for c in last.chunks}
+            read = [i for i, k in enumerate(keys) if k not in named]
+            reading = asyncio.ensure_future(
+                self._read(seq, tokens, wanted(read) + rest_want, [keys[i] for i in read], write_ahead)
+            )
+            try:
+                sizes = await self.archive.has_chunks(keys)
+            except BaseException:
+                reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
+                raise
+            records = await reading
+            lost = [i for i, size in enumerate(sizes) if size < 0 and keys[i] in named]
+            if lost:  # chunks of the last save the store lost since: read again
+                more = await self._read(seq, tokens, wanted(lost), [keys[i] for i in lost], write_ahead)
+                records = records[: len(read)] + more + records[len(read) :]
+                read += lost
         rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
         for j, i in enumerate(read):
             sizes[i] = len(records[j])
@@ -167,14 +197,17 @@ class Increments:
         out: list[bytes] = []
         puts: list[asyncio.Future[int]] = []
         ahead = asyncio.ensure_future(fetch(groups[0])) if groups else None
+        current: asyncio.Future[list[proto.Buffer]] | None = None
         try:
             for g in range(len(groups)):
                 assert ahead is not None
                 current, ahead = ahead, None
                 records = await current
+                current = None
                 ahead = asyncio.ensure_future(fetch(groups[g + 1])) if g + 1 < len(groups) else None
                 first = len(out)
-                out += await asyncio.to_thread(seal, records, g * READ_GROUP)
+                # shielded: a cancel must not drop the seal before its thread starts (the seal hands the records back)
+                out += await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(seal, records, g * READ_GROUP)))
                 if write_ahead and first < len(keys):
                     sealed = {keys[i]: out[i] for i in range(first, min(len(out), len(keys)))}
                     puts.append(asyncio.ensure_future(self.archive.put_chunks(sealed)))
@@ -185,11 +218,14 @@ class Increments:
             await asyncio.gather(*puts, return_exceptions=True)
             raise
         finally:
-            if ahead is not None:  # an error stopped the loop: the read in flight gives its buffers back too
-                ahead.cancel()
-                with contextlib.suppress(BaseException):
-                    for r in await ahead:
-                        self.engine.release_state(r)
+            # an error or a cancel stopped the loop: the reads in flight, or one done but not yet taken (a cancel
+            # that came as it ended), give their buffers back too
+            for pending in (current, ahead):
+                if pending is not None:
+                    pending.cancel()
+                    with contextlib.suppress(BaseException):
+                        for r in await pending:
+                            self.engine.release_state(r)
         return out
 
     def stored(self, slot: Slot, snap: ChunkedSnapshot, meta: SlotMeta) -> None:
@@ -206,18 +242,20 @@ class Increments:
         self.saved.pop(key, None)
 
 
-def _first_message_end(tokens: list[int], eog_token_ids: list[int]) -> int:
-    """The position after the first end-of-generation token of ``tokens`` (the end of the first chat
-    message, commonly the system prompt every conversation of a deployment starts with); 0 without one."""
+def _first_message_end(ids: np.ndarray, eog_token_ids: list[int]) -> int:
+    """The position after the first end-of-generation token of ``ids`` (a sequence's tokens, ``int32[n]``: the
+    end of the first chat message, commonly the system prompt every conversation of a deployment starts with);
+    0 without one."""
     if not eog_token_ids:
         return 0
-    hits = np.flatnonzero(np.isin(np.asarray(tokens, dtype=np.int64), eog_token_ids))
+    hits = np.flatnonzero(np.isin(ids, eog_token_ids))
     return int(hits[0]) + 1 if len(hits) else 0
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share (a list comparison first: a turn's tokens extend the last)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:
+        return n
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0])

@@ -430,3 +430,107 @@ async def test_a_store_failing_a_write_ahead_fails_the_commit_and_hands_records_
         assert meta is not None and meta.tokens == [*more, *greedy(more, 2)]
     finally:
         await w.registry.shutdown()
+
+
+async def test_a_turn_reads_its_new_chunks_while_the_store_is_asked(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A strict turn after this node's last save reads the chunks that save did not name while the store says
+    which chunks it has: the store's answer is held until the engine's read has started, which a commit that asks
+    first and reads after never does (the test would time out)."""
+    w = store.world()
+    await w.registry.start()
+    try:
+        await turn(w, "s", SYSTEM)
+        ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]
+        read_kv, has_chunks = w.engine.read_kv, w.archive.has_chunks
+        reading = asyncio.Event()
+        overlapped: list[bool] = []
+
+        async def read(seq: int, ranges: list[KVRange]) -> object:
+            if ranges:
+                reading.set()
+            return await read_kv(seq, ranges)
+
+        async def asked(keys: list[str]) -> list[int]:
+            sizes = await has_chunks(keys)
+            overlapped.append(await asyncio.wait_for(reading.wait(), 5) is True)
+            return sizes
+
+        monkeypatch.setattr(w.engine, "read_kv", read)
+        monkeypatch.setattr(w.archive, "has_chunks", asked)
+        await w.gen("s", ids, n=2)
+        assert overlapped == [True]
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == [*ids, *greedy(ids, 2)][:-1]
+        assert set(await store.chunks()) >= {c.key for c in meta.chunks}
+    finally:
+        await w.registry.shutdown()
+
+
+async def test_a_chunk_lost_between_turns_is_read_again(store: Store) -> None:
+    """A chunk of this node's last save that the store lost since (evicted, removed by hand) is not named
+    missing by the next turn's commit: the commit finds it absent, reads it from the engine again and stores it,
+    so another node restores the whole state."""
+    w = store.world()
+    await w.registry.start()
+    try:
+        await turn(w, "s", SYSTEM)
+        meta = await w.archive.lookup("s")
+        assert meta is not None and len(meta.chunks) == 4
+        victim = meta.chunks[1].key
+        await store.overwrite(victim, None)
+        ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]
+        await turn(w, "s", ids)
+        meta = await w.archive.lookup("s")
+        assert meta is not None and victim in {c.key for c in meta.chunks}
+        assert victim in await store.chunks(), "the lost chunk was stored again"
+    finally:
+        await w.registry.shutdown()
+    w2 = store.world(node="node-b")
+    await w2.registry.start()
+    try:
+        more = [*meta.tokens, 4]
+        assert (await w2.gen("s", more, n=2)).n_cached == len(meta.tokens)
+        assert w2.seq_tokens("s") == [*more, *greedy(more, 2)]
+    finally:
+        await w2.registry.shutdown()
+
+
+async def test_a_store_failing_while_a_turn_reads_hands_every_record_back(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store failing to say which chunks it has while the turn's new chunks are read answers
+    ``STORE_UNAVAILABLE``, commits nothing of the turn and hands back every record the read took."""
+    w = store.world()
+    await w.registry.start()
+    try:
+        await turn(w, "s", SYSTEM)
+        before = await w.archive.lookup("s")
+        read_kv = w.engine.read_kv
+        reading = asyncio.Event()
+
+        async def read(seq: int, ranges: list[KVRange]) -> object:
+            if ranges:
+                reading.set()
+            return await read_kv(seq, ranges)
+
+        async def failing(keys: list[str]) -> list[int]:
+            await asyncio.wait_for(reading.wait(), 5)
+            raise ServiceError(ErrorCode.STORE_UNAVAILABLE, "the test's store failed")
+
+        monkeypatch.setattr(w.engine, "read_kv", read)
+        monkeypatch.setattr(w.archive, "has_chunks", failing)
+        ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]
+        with pytest.raises(ServiceError) as err:
+            await w.gen("s", ids, n=2)
+        assert err.value.code == ErrorCode.STORE_UNAVAILABLE
+        for _ in range(100):  # the cancelled read hands its records back as it unwinds
+            released = {id(b) for b in w.engine.released}
+            if all(id(r) in released for r in w.engine.lent):
+                break
+            await asyncio.sleep(0.01)
+        assert w.engine.lent and all(id(r) in released for r in w.engine.lent), "a record was not handed back"
+        assert await w.archive.lookup("s") == before, "the turn committed nothing"
+    finally:
+        await w.registry.shutdown()
