@@ -9,6 +9,7 @@ and read together atomically. Stores never compress or interpret blobs; see
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -184,7 +185,14 @@ class SlotStore(Protocol):
     read as absent), ``chunk_size`` (bytes per stored piece, default 64 MiB).
     """
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
+    async def put(
+        self,
+        meta: SlotMeta,
+        blob: bytes | memoryview,
+        *,
+        lease: str | None = None,
+        ready: Awaitable[object] | None = None,
+    ) -> SlotMeta:
         """Store an already-encoded blob and its metadata atomically, replacing any previous version.
 
         A concurrent reader sees either the old pair or the new pair, never a mix or a partial blob.
@@ -195,6 +203,10 @@ class SlotStore(Protocol):
         ``lease``: a fencing token from :meth:`acquire_lease`. When given, the write is committed only
         if that token holds the slot's lease at the moment of the commit, checked in the same atomic
         step; otherwise nothing is written and :class:`storage.errors.LeaseLostError` is raised.
+
+        ``ready``: what must be done before the commit point (the KV chunks the metadata names being
+        written, :meth:`ChunkStore.put_chunks`): the store may prepare the write meanwhile and commits only
+        once ``ready`` is done; if it raises, nothing is committed and its exception propagates.
         """
         ...
 

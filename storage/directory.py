@@ -16,7 +16,9 @@ integers little-endian::
     b"SSD1" | u32 meta_len | f64 expires_at (unix s, 0 = never) | u64 blob_len | meta (msgpack) | blob
 
 A put writes ``.tmp-<random>`` in the slot directory, fsyncs it (unless ``fsync=False``), renames it
-over ``slot.bin`` and fsyncs the directory. Blocking I/O runs in ``asyncio.to_thread``.
+over ``slot.bin`` and fsyncs the directory; a put given ``ready`` (the KV chunks it names being written)
+writes and fsyncs the temporary file meanwhile and renames it once ``ready`` is done. Blocking I/O runs
+in ``asyncio.to_thread``.
 
 KV chunks of incremental states live in ``root/<namespace>/chunks/`` (:mod:`storage.directory_chunks`).
 
@@ -39,7 +41,8 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -71,6 +74,15 @@ _SAFE = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789_-")
 _STALE_TMP_S = 3600.0
 _N_LOCKS = 64
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A slot's next version written to ``tmp`` (:meth:`DirectoryStore._stage`) as ``meta``, not yet in place."""
+
+    tmp: Path
+    meta: SlotMeta
+
 
 _lease_tables: dict[tuple[Path, str], tuple[LeaseTable, threading.Lock]] = {}
 
@@ -175,7 +187,9 @@ class DirectoryStore:
                 raise LeaseLostError(slot_id)
             return commit()
 
-    def _write(self, meta: SlotMeta, blob: bytes | memoryview, lease: str | None = None) -> SlotMeta:
+    def _stage(self, meta: SlotMeta, blob: bytes | memoryview) -> _Staged:
+        """Write ``meta`` and ``blob`` as the slot's next version to a temporary file in its directory, fsynced
+        unless ``fsync=False`` (the metadata's generation and creation time from the version stored now)."""
         sdir = self.slot_dir(meta.slot_id)
         try:
             prev = self._read(meta.slot_id, with_blob=False)
@@ -197,29 +211,42 @@ class DirectoryStore:
         meta_bytes = encode_meta(stored)
         expires_at = t + self.ttl_s if self.ttl_s else 0.0
         header = _HEADER.pack(_MAGIC, len(meta_bytes), expires_at, len(blob))
-        for attempt in range(3):
-            sdir.mkdir(parents=True, exist_ok=True)
-            tmp = sdir / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
-            try:
-                with open(tmp, "xb") as f:
-                    f.write(header)
-                    f.write(meta_bytes)
-                    f.write(blob)
-                    f.flush()
-                    if self.fsync:
-                        os.fsync(f.fileno())
-                self._commit(meta.slot_id, lease, lambda: os.replace(tmp, sdir / _FILE))  # noqa: B023
-                break
-            except FileNotFoundError:
-                # another process removed the (empty) slot directory under us: retry
-                if attempt == 2:
-                    raise
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+        sdir.mkdir(parents=True, exist_ok=True)
+        tmp = sdir / f"{_TMP_PREFIX}{secrets.token_hex(8)}"
+        try:
+            with open(tmp, "xb") as f:
+                f.write(header)
+                f.write(meta_bytes)
+                f.write(blob)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return _Staged(tmp, stored)
+
+    def _place(self, staged: _Staged, lease: str | None) -> SlotMeta:
+        """Rename a staged version over the slot's file, fenced by ``lease`` (LeaseLostError: the staged file
+        is removed, nothing stored), and fsync the directory.  FileNotFoundError (staged file removed) when
+        another process removed the slot's (empty) directory meanwhile."""
+        tmp = staged.tmp
+        try:
+            self._commit(staged.meta.slot_id, lease, lambda: os.replace(tmp, tmp.parent / _FILE))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         if self.fsync:
-            fsync_dir(sdir)
-        return stored
+            fsync_dir(tmp.parent)
+        return staged.meta
+
+    def _write(self, meta: SlotMeta, blob: bytes | memoryview, lease: str | None = None) -> SlotMeta:
+        for _ in range(2):
+            try:
+                return self._place(self._stage(meta, blob), lease)
+            except FileNotFoundError:
+                continue  # another process removed the (empty) slot directory under us: retry
+        return self._place(self._stage(meta, blob), lease)
 
     def _remove(self, slot_id: str, lease: str | None = None) -> bool:
         sdir = self.slot_dir(slot_id)
@@ -295,12 +322,36 @@ class DirectoryStore:
         except OSError as exc:
             raise StoreUnavailableError(f"slot directory {self.dir}: {exc}") from exc
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
+    async def put(
+        self,
+        meta: SlotMeta,
+        blob: bytes | memoryview,
+        *,
+        lease: str | None = None,
+        ready: Awaitable[object] | None = None,
+    ) -> SlotMeta:
         """Store ``blob`` (already encoded) with ``meta`` in one atomic file replace, fenced by ``lease``
-        if given (LeaseLostError: refused, nothing stored); see SlotStore.put."""
+        if given (LeaseLostError: refused, nothing stored); see SlotStore.put.  With ``ready`` the new
+        version's file is written and fsynced while ``ready`` runs, and renamed into place once it is done
+        (its exception: the file is removed, nothing stored)."""
         validate_slot_id(meta.slot_id)
         async with self._lock(meta.slot_id):
-            return await self._run(self._write, meta, blob, lease)
+            if ready is None:
+                return await self._run(self._write, meta, blob, lease)
+            staging = asyncio.ensure_future(self._run(self._stage, meta, blob))
+            try:
+                await ready
+            except BaseException:
+                staged = await asyncio.gather(staging, return_exceptions=True)
+                if isinstance(staged[0], _Staged):
+                    staged[0].tmp.unlink(missing_ok=True)
+                raise
+            try:
+                return await self._run(self._place, await staging, lease)
+            except StoreUnavailableError as exc:
+                if not isinstance(exc.__cause__, FileNotFoundError):
+                    raise
+                return await self._run(self._write, meta, blob, lease)  # the directory was removed meanwhile
 
     async def get(self, slot_id: str) -> tuple[SlotMeta, bytes] | None:
         """``(meta, encoded_blob)`` or None if absent/expired; BadStateError if the file is damaged."""

@@ -33,6 +33,7 @@ import asyncio
 import logging
 import random
 import secrets
+from collections.abc import Awaitable
 from typing import Any, cast
 
 import msgspec
@@ -244,9 +245,17 @@ class RedisStore(RedisChunks):
 
     # -- store API --------------------------------------------------------------------------------
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
+    async def put(
+        self,
+        meta: SlotMeta,
+        blob: bytes | memoryview,
+        *,
+        lease: str | None = None,
+        ready: Awaitable[object] | None = None,
+    ) -> SlotMeta:
         """Store ``blob`` (already encoded) and ``meta`` atomically, fenced by ``lease`` if given; see
-        SlotStore.put and the module doc (LeaseLostError: refused, nothing stored)."""
+        SlotStore.put and the module doc (LeaseLostError: refused, nothing stored).  With ``ready`` the blob's
+        temporary keys are written while it runs; the commit script runs once it is done."""
         base = self._base(meta.slot_id)
         view = memoryview(blob).cast("B")
         n = n_chunks_for(len(view), self.chunk_size)
@@ -261,6 +270,8 @@ class RedisStore(RedisChunks):
                 for i, key in enumerate(tmp_keys):
                     pipe.set(key, view[i * self.chunk_size : (i + 1) * self.chunk_size], px=_TMP_TTL_MS)
                 await pipe.execute()
+                if ready is not None:
+                    await ready
                 gen, created_s = await self._commit(
                     keys=[base + b"meta", base + b"lease", *tmp_keys],
                     args=[base + b"blob:", encode_meta(body), n, self._ttl_ms, repr(created), lease or ""],

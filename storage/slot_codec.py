@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import numpy as np
 import xxhash
@@ -142,12 +142,15 @@ async def save_chunks(
     lease: str | None = None,
     tenant: str = "",
     partition: str = "",
+    ready: Awaitable[object] | None = None,
 ) -> tuple[SlotMeta, int]:
     """Store an incremental state: the chunks of ``new`` (key -> sealed record) the store lacks first,
     then the metadata naming ``chunks`` (the state's first KV cache, in position order) with ``rest``
     (the one-stream state's bytes after that cache's record: ``u32 1 | record`` per further KV cache;
     empty for one cache) compressed as the blob: that write is the commit point, fenced by ``lease`` as
-    :func:`save_slot`'s.  Returns the stored metadata and the chunk bytes written.
+    :func:`save_slot`'s, and made once ``ready`` (chunk writes in flight, written ahead) is done too
+    (:meth:`storage.base.SlotStore.put`).  Returns the stored metadata and the chunk bytes written (of
+    ``new``).
 
     Raises ValueError (a store without chunks, an unknown codec, a malformed key), StoreUnavailableError,
     LeaseLostError (nothing committed; chunks written stay until swept).
@@ -161,7 +164,7 @@ async def save_chunks(
         used, data, _ = await asyncio.to_thread(_encode, memoryview(rest), codec, level)
     raw_size, digest, ids = len(memoryview(rest).cast("B")), manifest_digest(chunks, rest), list(tokens)
     meta = _meta(slot_id, fingerprint, ids, used, level, raw_size, len(data), digest, tenant, partition, chunks)
-    return await store.put(meta, data, lease=lease), written
+    return await store.put(meta, data, lease=lease, ready=ready), written
 
 
 def _chunk_record(slot_id: str, ref: ChunkRef, value: bytes) -> memoryview:

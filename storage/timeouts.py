@@ -50,10 +50,18 @@ class TimeoutStore:
         except TimeoutError as exc:
             raise StoreUnavailableError(f"state store did not answer {what} within {timeout_s:g} s") from exc
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
-        """:meth:`SlotStore.put` (fenced by ``lease`` if given) with the size-scaled deadline."""
+    async def put(
+        self,
+        meta: SlotMeta,
+        blob: bytes | memoryview,
+        *,
+        lease: str | None = None,
+        ready: Awaitable[object] | None = None,
+    ) -> SlotMeta:
+        """:meth:`SlotStore.put` (fenced by ``lease`` if given, committed once ``ready`` is done) with the
+        size-scaled deadline (``ready``'s own calls have theirs)."""
         timeout = self.timeout_s + memoryview(blob).nbytes / self.bytes_per_s
-        return await self._deadline(self.inner.put(meta, blob, lease=lease), timeout, "put")
+        return await self._deadline(self.inner.put(meta, blob, lease=lease, ready=ready), timeout, "put")
 
     async def put_chunks(self, chunks: dict[str, bytes]) -> int:
         """:meth:`storage.base.ChunkStore.put_chunks` with the size-scaled deadline (AttributeError for a

@@ -147,7 +147,7 @@ class Durability:
             if isinstance(snap, ChunkedSnapshot):
                 return await self.archive.write_chunks(
                     slot.key, snap.tokens, snap.chunks, snap.new, snap.rest, version, token,
-                    tenant=slot.tenant, partition=slot.partition,
+                    tenant=slot.tenant, partition=slot.partition, ready=snap.writing,
                 )  # fmt: skip
             return await self.archive.write(
                 slot.key, snap[0], snap[1], version, token, tenant=slot.tenant, partition=slot.partition
@@ -168,6 +168,9 @@ class Durability:
             slot.dirty = True
             self.pending.add(slot.key)
             raise
+        finally:
+            if isinstance(snap, ChunkedSnapshot):
+                await snap.settle()  # chunk writes a refused or skipped commit never waited for
         if meta is not None:
             if isinstance(snap, ChunkedSnapshot):
                 self.increments.stored(slot, snap, meta)

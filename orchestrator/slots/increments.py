@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,12 +41,22 @@ READ_GROUP = 2  # KV ranges per read from the engine when a save reads several (
 class ChunkedSnapshot:
     """A slot's state as a save stores it incrementally: its ``tokens``, ``chunks`` (in position order),
     the ``new`` chunks the store lacks (key -> sealed record; none when they were written ahead) and the ``rest``
-    of the state (the one-stream state's bytes after the first KV cache's record)."""
+    of the state (the one-stream state's bytes after the first KV cache's record); ``writing``: the writes of the
+    chunks written ahead still in flight (the metadata that names them is committed once they are done), None
+    when none are."""
 
     tokens: list[int]
     chunks: list[ChunkRef]
     new: dict[str, bytes] = field(default_factory=dict)
     rest: bytes = b""
+    writing: asyncio.Future[list[int]] | None = None
+
+    async def settle(self) -> None:
+        """Once the snapshot's save is over (stored, refused, failed or never run): stop the writes of
+        :attr:`writing` still in flight (their chunks stay unnamed until swept) and take their outcome."""
+        if self.writing is not None:
+            self.writing.cancel()
+            await asyncio.gather(self.writing, return_exceptions=True)
 
 
 @dataclass
@@ -97,8 +108,9 @@ class Increments:
         store lacks but where another conversation stored the same tokens): a turn's commit waits for the
         longer of the two round trips, not their sum.  ``write_ahead``: each group of new chunks is written to the
         store as soon as it is sealed, while the next group is read (for a caller that holds the slot's lock until
-        its write: the store then only touches them; a failed or stalled store fails or holds the snapshot, as it
-        would the write)."""
+        its write: a failed or stalled store fails or holds the save, as it would the write); the writes still in
+        flight are the snapshot's :attr:`ChunkedSnapshot.writing`, which the metadata's commit waits for while the
+        store prepares it.  Either way a failure here stops every write this started."""
         seq = slot.seq
         assert seq is not None
         info = self.engine.info
@@ -120,6 +132,35 @@ class Increments:
         def wanted(indices: list[int]) -> list[KVRange]:
             return [KVRange(0, *ranges[i]) for i in indices]
 
+        puts: list[asyncio.Future[int]] | None = [] if write_ahead else None
+        try:
+            records, read, sizes = await self._read_absent(seq, tokens, keys, wanted, rest_want, last, known, puts)
+        except BaseException:
+            for put in puts or ():  # chunks a write in flight still stores stay unnamed until swept
+                put.cancel()
+            await asyncio.gather(*(puts or ()), return_exceptions=True)
+            raise
+        rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
+        for j, i in enumerate(read):
+            sizes[i] = len(records[j])
+        chunks = [ChunkRef(p0, p1, k, size) for (p0, p1), k, size in zip(ranges, keys, sizes, strict=True)]
+        new = {} if write_ahead else {keys[i]: records[j] for j, i in enumerate(read)}  # (written ahead: in puts)
+        return ChunkedSnapshot(tokens, chunks, new, rest, asyncio.gather(*puts) if puts else None)
+
+    async def _read_absent(
+        self,
+        seq: int,
+        tokens: list[int],
+        keys: list[str],
+        wanted: Callable[[list[int]], list[KVRange]],
+        rest_want: list[KVRange],
+        last: _Saved | None,
+        known: dict[str, int] | None,
+        puts: list[asyncio.Future[int]] | None,
+    ) -> tuple[list[bytes], list[int], list[int]]:
+        """:meth:`snapshot`'s reads: the records of the chunks the store lacks then of ``rest_want`` (:meth:`_read`,
+        writing ahead into ``puts`` unless None), which chunks they are (indices into ``keys``, in the records'
+        order) and every chunk's stored size (-1: absent)."""
         # every key is asked (and so touched: kept from the sweep until this commit), those of the last
         # save too: a chunk lost from the store since is read again rather than named missing
         if known is not None or last is None or not keys:
@@ -128,38 +169,37 @@ class Increments:
             else:
                 sizes = await self.archive.has_chunks(keys) if keys else []
             read = [i for i, size in enumerate(sizes) if size < 0]
-            records = await self._read(seq, tokens, wanted(read) + rest_want, [keys[i] for i in read], write_ahead)
-        else:
-            # a turn after this node's last save: the chunks the last save did not name (those the new tokens
-            # touched: their keys cover the new tokens) are read while the store is asked, so the store's
-            # round trip overlaps the engine's; one the store had anyway (another conversation's same tokens)
-            # is only touched by the write
-            named = {c.key for c in last.chunks}
-            read = [i for i, k in enumerate(keys) if k not in named]
-            reading = asyncio.ensure_future(
-                self._read(seq, tokens, wanted(read) + rest_want, [keys[i] for i in read], write_ahead)
-            )
-            try:
-                sizes = await self.archive.has_chunks(keys)
-            except BaseException:
-                reading.cancel()
-                await asyncio.gather(reading, return_exceptions=True)
-                raise
-            records = await reading
-            lost = [i for i, size in enumerate(sizes) if size < 0 and keys[i] in named]
-            if lost:  # chunks of the last save the store lost since: read again
-                more = await self._read(seq, tokens, wanted(lost), [keys[i] for i in lost], write_ahead)
-                records = records[: len(read)] + more + records[len(read) :]
-                read += lost
-        rest = b"".join(b"\1\0\0\0" + bytes(r) for r in records[len(read) :])  # u32 n_stream 1 | record
-        for j, i in enumerate(read):
-            sizes[i] = len(records[j])
-        chunks = [ChunkRef(p0, p1, k, size) for (p0, p1), k, size in zip(ranges, keys, sizes, strict=True)]
-        new = {} if write_ahead else {keys[i]: records[j] for j, i in enumerate(read)}  # (written ahead: stored)
-        return ChunkedSnapshot(tokens, chunks, new, rest)
+            return await self._read(seq, tokens, wanted(read) + rest_want, [keys[i] for i in read], puts), read, sizes
+        # a turn after this node's last save: the chunks the last save did not name (those the new tokens
+        # touched: their keys cover the new tokens) are read while the store is asked, so the store's
+        # round trip overlaps the engine's; one the store had anyway (another conversation's same tokens)
+        # is only touched by the write
+        named = {c.key for c in last.chunks}
+        read = [i for i, k in enumerate(keys) if k not in named]
+        reading = asyncio.ensure_future(
+            self._read(seq, tokens, wanted(read) + rest_want, [keys[i] for i in read], puts)
+        )
+        try:
+            sizes = await self.archive.has_chunks(keys)
+        except BaseException:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            raise
+        records = await reading
+        lost = [i for i, size in enumerate(sizes) if size < 0 and keys[i] in named]
+        if lost:  # chunks of the last save the store lost since: read again
+            more = await self._read(seq, tokens, wanted(lost), [keys[i] for i in lost], puts)
+            records = records[: len(read)] + more + records[len(read) :]
+            read += lost
+        return records, read, sizes
 
     async def _read(
-        self, seq: int, tokens: list[int], want: list[KVRange], keys: list[str], write_ahead: bool = False
+        self,
+        seq: int,
+        tokens: list[int],
+        want: list[KVRange],
+        keys: list[str],
+        puts: list[asyncio.Future[int]] | None = None,
     ) -> list[bytes]:
         """The records of ``want`` read from the engine, the first ``len(keys)`` sealed under ``keys``
         (:func:`slotstate.kv_chunks.seal`), the rest as read.  Read :data:`READ_GROUP` ranges at a time with the
@@ -167,8 +207,9 @@ class Increments:
         this process receives and seals another), so a long state is not read, then sealed, one after the other;
         and another sequence's decode waits for one group's read at most, not the whole state's.  Sealing copies
         each record: their receive buffers go back to the engine client (they serve the next reads).  With
-        ``write_ahead`` each group's sealed chunks go to the store at once (:meth:`SlotArchive.put_chunks`), so
-        the writes overlap the next reads; all of them are awaited before this returns.
+        ``puts`` each group's sealed chunks go to the store at once (:meth:`SlotArchive.put_chunks`), so the
+        writes overlap the next reads: the writes in flight are appended to ``puts`` (the caller awaits them, or
+        cancels them when it fails).
 
         Raises RuntimeError when the sequence changed meanwhile (the slot's lock forbids it), and what
         ``read_kv`` raises."""
@@ -195,7 +236,6 @@ class Increments:
                     self.engine.release_state(r)
 
         out: list[bytes] = []
-        puts: list[asyncio.Future[int]] = []
         ahead = asyncio.ensure_future(fetch(groups[0])) if groups else None
         current: asyncio.Future[list[proto.Buffer]] | None = None
         try:
@@ -208,15 +248,9 @@ class Increments:
                 first = len(out)
                 # shielded: a cancel must not drop the seal before its thread starts (the seal hands the records back)
                 out += await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(seal, records, g * READ_GROUP)))
-                if write_ahead and first < len(keys):
+                if puts is not None and first < len(keys):
                     sealed = {keys[i]: out[i] for i in range(first, min(len(out), len(keys)))}
                     puts.append(asyncio.ensure_future(self.archive.put_chunks(sealed)))
-            await asyncio.gather(*puts)
-        except BaseException:
-            for put in puts:  # chunks a write in flight still stores stay unnamed until swept
-                put.cancel()
-            await asyncio.gather(*puts, return_exceptions=True)
-            raise
         finally:
             # an error or a cancel stopped the loop: the reads in flight, or one done but not yet taken (a cancel
             # that came as it ended), give their buffers back too

@@ -269,13 +269,15 @@ class SlotArchive:
         *,
         tenant: str = "",
         partition: str = "",
+        ready: Awaitable[object] | None = None,
     ) -> SlotMeta | None:
         """:meth:`write` of an incremental state (:func:`storage.slot_codec.save_chunks`): the chunks ``new``
-        (key -> sealed record) first, then the metadata naming ``chunks`` with ``rest``.  Counts the bytes
+        (key -> sealed record) first, then the metadata naming ``chunks`` with ``rest``, committed once ``ready``
+        (chunk writes in flight: :meth:`put_chunks`, which counts their bytes) is done.  Counts the bytes
         written (``slotserve_state_bytes_written_total``)."""
         save = save_chunks(
             self.store, slot_id, self.fingerprint(), tokens, chunks, new, rest,
-            codec=self.codec, level=self.level, lease=lease, tenant=tenant, partition=partition,
+            codec=self.codec, level=self.level, lease=lease, tenant=tenant, partition=partition, ready=ready,
         )  # fmt: skip
 
         async def counted() -> SlotMeta:

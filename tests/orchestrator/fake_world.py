@@ -8,6 +8,7 @@ wires them.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,16 @@ class CountingStore(DirectoryStore):
         super().__init__(root)
         self.puts: dict[str, int] = {}
 
-    async def put(self, meta: SlotMeta, blob: bytes | memoryview, *, lease: str | None = None) -> SlotMeta:
+    async def put(
+        self,
+        meta: SlotMeta,
+        blob: bytes | memoryview,
+        *,
+        lease: str | None = None,
+        ready: Awaitable[object] | None = None,
+    ) -> SlotMeta:
         self.puts[meta.slot_id] = self.puts.get(meta.slot_id, 0) + 1
-        return await super().put(meta, blob, lease=lease)
+        return await super().put(meta, blob, lease=lease, ready=ready)
 
 
 class FlakyStore(CountingStore):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import pytest
@@ -534,3 +534,55 @@ async def test_a_store_failing_while_a_turn_reads_hands_every_record_back(
         assert await w.archive.lookup("s") == before, "the turn committed nothing"
     finally:
         await w.registry.shutdown()
+
+
+async def test_a_strict_commit_prepares_its_metadata_while_its_chunks_are_written(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The strict commit hands the store its metadata while the turn's chunk writes are still in flight (the
+    store prepares it meanwhile) and the store commits it once they are done: a chunk write held until the
+    metadata's put has begun completes (a commit that waited for its chunk writes first would never begin it),
+    and the stored state restores on another node."""
+    w = store.world()
+    await w.registry.start()
+    try:
+        await turn(w, "s", SYSTEM)
+        inner = w.archive.store
+        store_put_chunks, store_put = inner.put_chunks, inner.put  # type: ignore[attr-defined]
+        begun = asyncio.Event()
+        order: list[str] = []
+
+        async def held_chunks(chunks: dict[str, bytes]) -> int:
+            order.append("chunks")
+            await asyncio.wait_for(begun.wait(), 5)
+            await asyncio.sleep(0.05)  # a metadata put that did not wait for this write would commit first
+            written = await store_put_chunks(chunks)
+            order.append("chunks written")
+            return written
+
+        async def meta_put(
+            meta: SlotMeta, blob: bytes, *, lease: str | None = None, ready: Awaitable[object] | None = None
+        ) -> SlotMeta:
+            order.append("metadata")
+            begun.set()
+            stored = await store_put(meta, blob, lease=lease, ready=ready)
+            order.append("committed")
+            return stored
+
+        monkeypatch.setattr(inner, "put_chunks", held_chunks)
+        monkeypatch.setattr(inner, "put", meta_put)
+        ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]
+        await w.gen("s", ids, n=2)
+        assert order == ["chunks", "metadata", "chunks written", "committed"]
+        meta = await w.archive.lookup("s")
+        assert meta is not None and meta.tokens == [*ids, *greedy(ids, 2)][:-1]
+        assert set(await store.chunks()) >= {c.key for c in meta.chunks}
+    finally:
+        await w.registry.shutdown()
+    w2 = store.world(node="node-b")
+    await w2.registry.start()
+    try:
+        more = [*meta.tokens, 4]
+        assert (await w2.gen("s", more, n=2)).n_cached == len(meta.tokens)
+    finally:
+        await w2.registry.shutdown()

@@ -276,3 +276,43 @@ async def test_invalid_slot_ids(harness: StoreHarness) -> None:
         await store.get("x" * 2000)
     with pytest.raises(TypeError):
         await store.get(0)  # type: ignore[arg-type]
+
+
+async def test_a_put_commits_only_once_ready_is_done(harness: StoreHarness) -> None:
+    """``put(..., ready=...)``: the store may prepare the new version while ``ready`` runs (what a save's chunk
+    writes are), but readers see the old version until ``ready`` is done; a ``ready`` that raises commits
+    nothing, leaves nothing behind and its exception reaches the caller."""
+    store = harness.make(chunk_size=1000)
+    old = await store.put(meta_for("s", b"a" * 2500, 1), b"a" * 2500)
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def chunks_written() -> None:
+        started.set()
+        await release.wait()
+
+    new_blob = b"b" * 3500
+    put = asyncio.ensure_future(store.put(meta_for("s", new_blob, 2), new_blob, ready=chunks_written()))
+    await asyncio.wait_for(started.wait(), 5)
+    for _ in range(20):  # the store prepares meanwhile; nothing is committed while ready runs
+        await asyncio.sleep(0.01)
+        assert await store.get("s") == (old, b"a" * 2500)
+    assert not put.done()
+    release.set()
+    new = await asyncio.wait_for(put, 5)
+    assert new.generation == old.generation + 1
+    assert await store.get("s") == (new, new_blob)
+
+    class ChunkWriteFailed(RuntimeError):
+        pass
+
+    async def failing() -> None:
+        await asyncio.sleep(0.02)
+        raise ChunkWriteFailed("a chunk write failed")
+
+    with pytest.raises(ChunkWriteFailed):
+        await store.put(meta_for("s", b"c" * 1500, 3), b"c" * 1500, ready=failing())
+    assert await store.get("s") == (new, new_blob), "nothing committed"
+    want = {"meta", f"blob:{new.generation}:0", f"blob:{new.generation}:1", f"blob:{new.generation}:2",
+            f"blob:{new.generation}:3"} if harness.is_redis else {"slot.bin"}  # fmt: skip
+    assert await harness.artifacts(store, "s") == want, "a prepared version left behind"
