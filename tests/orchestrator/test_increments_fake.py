@@ -102,6 +102,32 @@ async def settled(w: World, slot: str, n_tokens: int) -> SlotMeta | None:
     return meta
 
 
+async def restores_elsewhere(store: Store, slot: str, tokens: list[int]) -> None:
+    """Another node on the same store restores ``slot`` (stored with ``tokens``) whole from its chunks and goes on
+    from it."""
+    w2 = store.world(node="node-b")
+    await w2.registry.start()
+    try:
+        more = [*tokens, 4]
+        assert (await w2.gen(slot, more, n=2)).n_cached == len(tokens), "the restored state held every token"
+        assert w2.seq_tokens(slot) == [*more, *greedy(more, 2)]
+    finally:
+        await w2.registry.shutdown()
+
+
+def signal_reads(w: World, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """An event set when the engine is first asked for KV ranges (``read_kv`` with ranges)."""
+    read_kv, reading = w.engine.read_kv, asyncio.Event()
+
+    async def read(seq: int, ranges: list[KVRange]) -> object:
+        if ranges:
+            reading.set()
+        return await read_kv(seq, ranges)
+
+    monkeypatch.setattr(w.engine, "read_kv", read)
+    return reading
+
+
 async def test_a_strict_commit_leaves_the_last_token_to_the_write_behind(store: Store) -> None:
     """The strict commit stores the tokens whose KV is in the cache: the last generated token's write
     (a decode step in the worker) is not waited for; the write-behind stores it soon after."""
@@ -388,12 +414,7 @@ async def test_a_strict_commit_writes_each_group_while_the_next_is_read(
         assert set(await store.chunks()) >= {c.key for c in meta.chunks}
     finally:
         await w.registry.shutdown()
-    w2 = store.world(node="node-b")
-    await w2.registry.start()
-    try:
-        assert (await w2.gen("s", [*meta.tokens, 4], n=2)).n_cached == len(meta.tokens)
-    finally:
-        await w2.registry.shutdown()
+    await restores_elsewhere(store, "s", list(meta.tokens))
 
 
 async def test_a_store_failing_a_write_ahead_fails_the_commit_and_hands_records_back(
@@ -443,21 +464,14 @@ async def test_a_turn_reads_its_new_chunks_while_the_store_is_asked(
     try:
         await turn(w, "s", SYSTEM)
         ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]
-        read_kv, has_chunks = w.engine.read_kv, w.archive.has_chunks
-        reading = asyncio.Event()
+        has_chunks, reading = w.archive.has_chunks, signal_reads(w, monkeypatch)
         overlapped: list[bool] = []
-
-        async def read(seq: int, ranges: list[KVRange]) -> object:
-            if ranges:
-                reading.set()
-            return await read_kv(seq, ranges)
 
         async def asked(keys: list[str]) -> list[int]:
             sizes = await has_chunks(keys)
             overlapped.append(await asyncio.wait_for(reading.wait(), 5) is True)
             return sizes
 
-        monkeypatch.setattr(w.engine, "read_kv", read)
         monkeypatch.setattr(w.archive, "has_chunks", asked)
         await w.gen("s", ids, n=2)
         assert overlapped == [True]
@@ -487,14 +501,7 @@ async def test_a_chunk_lost_between_turns_is_read_again(store: Store) -> None:
         assert victim in await store.chunks(), "the lost chunk was stored again"
     finally:
         await w.registry.shutdown()
-    w2 = store.world(node="node-b")
-    await w2.registry.start()
-    try:
-        more = [*meta.tokens, 4]
-        assert (await w2.gen("s", more, n=2)).n_cached == len(meta.tokens)
-        assert w2.seq_tokens("s") == [*more, *greedy(more, 2)]
-    finally:
-        await w2.registry.shutdown()
+    await restores_elsewhere(store, "s", list(meta.tokens))
 
 
 async def test_a_store_failing_while_a_turn_reads_hands_every_record_back(
@@ -507,19 +514,12 @@ async def test_a_store_failing_while_a_turn_reads_hands_every_record_back(
     try:
         await turn(w, "s", SYSTEM)
         before = await w.archive.lookup("s")
-        read_kv = w.engine.read_kv
-        reading = asyncio.Event()
-
-        async def read(seq: int, ranges: list[KVRange]) -> object:
-            if ranges:
-                reading.set()
-            return await read_kv(seq, ranges)
+        reading = signal_reads(w, monkeypatch)
 
         async def failing(keys: list[str]) -> list[int]:
             await asyncio.wait_for(reading.wait(), 5)
             raise ServiceError(ErrorCode.STORE_UNAVAILABLE, "the test's store failed")
 
-        monkeypatch.setattr(w.engine, "read_kv", read)
         monkeypatch.setattr(w.archive, "has_chunks", failing)
         ids = [*SYSTEM, *greedy(SYSTEM, 2), 9, 10, 11]
         with pytest.raises(ServiceError) as err:
@@ -579,10 +579,4 @@ async def test_a_strict_commit_prepares_its_metadata_while_its_chunks_are_writte
         assert set(await store.chunks()) >= {c.key for c in meta.chunks}
     finally:
         await w.registry.shutdown()
-    w2 = store.world(node="node-b")
-    await w2.registry.start()
-    try:
-        more = [*meta.tokens, 4]
-        assert (await w2.gen("s", more, n=2)).n_cached == len(meta.tokens)
-    finally:
-        await w2.registry.shutdown()
+    await restores_elsewhere(store, "s", list(meta.tokens))
