@@ -240,12 +240,16 @@ class DirectoryStore:
             fsync_dir(tmp.parent)
         return staged.meta
 
-    def _write(self, meta: SlotMeta, blob: bytes | memoryview, lease: str | None = None) -> SlotMeta:
+    def _write(
+        self, meta: SlotMeta, blob: bytes | memoryview, lease: str | None = None, staged: _Staged | None = None
+    ) -> SlotMeta:
+        """Stage (unless ``staged`` already is) and place the slot's next version; staged again when another
+        process removed the (empty) slot directory under us (at most twice)."""
         for _ in range(2):
             try:
-                return self._place(self._stage(meta, blob), lease)
+                return self._place(staged or self._stage(meta, blob), lease)
             except FileNotFoundError:
-                continue  # another process removed the (empty) slot directory under us: retry
+                staged = None  # retry from a fresh stage
         return self._place(self._stage(meta, blob), lease)
 
     def _remove(self, slot_id: str, lease: str | None = None) -> bool:
@@ -346,12 +350,7 @@ class DirectoryStore:
                 if isinstance(staged[0], _Staged):
                     staged[0].tmp.unlink(missing_ok=True)
                 raise
-            try:
-                return await self._run(self._place, await staging, lease)
-            except StoreUnavailableError as exc:
-                if not isinstance(exc.__cause__, FileNotFoundError):
-                    raise
-                return await self._run(self._write, meta, blob, lease)  # the directory was removed meanwhile
+            return await self._run(self._write, meta, blob, lease, await staging)
 
     async def get(self, slot_id: str) -> tuple[SlotMeta, bytes] | None:
         """``(meta, encoded_blob)`` or None if absent/expired; BadStateError if the file is damaged."""

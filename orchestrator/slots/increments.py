@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,13 +127,9 @@ class Increments:
         ranges = kv_chunks.plan_ranges(len(tokens), stored, same, self.chunk_tokens, cut)
         keys = kv_chunks.chunk_keys(self._scope(slot), ids, ranges)
         rest_want = [KVRange(c, 0, len(tokens)) for c in range(1, info.memory.kv_caches)]
-
-        def wanted(indices: list[int]) -> list[KVRange]:
-            return [KVRange(0, *ranges[i]) for i in indices]
-
         puts: list[asyncio.Future[int]] | None = [] if write_ahead else None
         try:
-            records, read, sizes = await self._read_absent(seq, tokens, keys, wanted, rest_want, last, known, puts)
+            records, read, sizes = await self._read_absent(seq, tokens, ranges, keys, rest_want, last, known, puts)
         except BaseException:
             for put in puts or ():  # chunks a write in flight still stores stay unnamed until swept
                 put.cancel()
@@ -151,16 +146,20 @@ class Increments:
         self,
         seq: int,
         tokens: list[int],
+        ranges: list[tuple[int, int]],
         keys: list[str],
-        wanted: Callable[[list[int]], list[KVRange]],
         rest_want: list[KVRange],
         last: _Saved | None,
         known: dict[str, int] | None,
         puts: list[asyncio.Future[int]] | None,
     ) -> tuple[list[bytes], list[int], list[int]]:
-        """:meth:`snapshot`'s reads: the records of the chunks the store lacks then of ``rest_want`` (:meth:`_read`,
-        writing ahead into ``puts`` unless None), which chunks they are (indices into ``keys``, in the records'
-        order) and every chunk's stored size (-1: absent)."""
+        """:meth:`snapshot`'s reads: the records of the chunks (``ranges`` of the first KV cache, under ``keys``)
+        the store lacks then of ``rest_want`` (:meth:`_read`, writing ahead into ``puts`` unless None), which
+        chunks they are (indices into ``keys``, in the records' order) and every chunk's stored size (-1: absent)."""
+
+        def wanted(indices: list[int]) -> list[KVRange]:
+            return [KVRange(0, *ranges[i]) for i in indices]
+
         # every key is asked (and so touched: kept from the sweep until this commit), those of the last
         # save too: a chunk lost from the store since is read again rather than named missing
         if known is not None or last is None or not keys:
