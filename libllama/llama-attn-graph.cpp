@@ -42,6 +42,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -193,54 +194,64 @@ void attn_sum_heads(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
 }
 
 // dst [2k, n_q, n_head, n_stream] F32: per row of dst->src[0] [n_kv, n_q, n_head, n_stream] F32 its k largest
-// values, largest first, then their indices as F32 values (LLAMA_ATTN_TOP_K); k = (intptr_t) userdata.  A min-heap
-// of the k best so far; a block of 16 values none of which beats the heap's least is skipped with one vectorized
-// comparison (a softmax row's few large weights fill the heap early, so nearly every block is skipped).
+// values, largest first (ties: the lower cell first), then their indices as F32 values (LLAMA_ATTN_TOP_K); k =
+// (intptr_t) userdata.  Per row, while the softmax's output is in cache: the largest value of each of G groups (cells
+// j with j % G == g: an element-wise max of consecutive runs of G values, which the compiler vectorizes); the m-th
+// largest of those G maxima, which is at most the row's m-th largest value (m groups each hold a value that large);
+// the values at least that bound from the groups that reach it (a softmax row's few large weights sit in few
+// groups), of which std::nth_element keeps the m largest.  G is 8k within [64, 512].  A NaN is never selected.
 void attn_top_k(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const ggml_tensor * a = dst->src[0];
-    const int64_t n  = a->ne[0];
-    const int32_t k  = (int32_t) (intptr_t) userdata;
-    const int64_t m  = std::min<int64_t>(k, n);
-    const int64_t nr = a->ne[1] * a->ne[2] * a->ne[3];
-    using entry = std::pair<float, int32_t>;
-    auto greater = [](const entry & x, const entry & y) { return x.first > y.first; };
-    std::vector<entry> heap;
-    heap.reserve((size_t) k);
+    const ggml_tensor * a  = dst->src[0];
+    const int64_t       n  = a->ne[0];
+    const int32_t       k  = (int32_t) (intptr_t) userdata;
+    const int64_t       m  = std::min<int64_t>(k, n);
+    const int64_t       nr = a->ne[1] * a->ne[2] * a->ne[3];
+    const int64_t       G  = std::min<int64_t>(n, std::clamp<int64_t>(8 * (int64_t) k, 64, 512));
+    using entry            = std::pair<float, int32_t>;
+    auto better = [](const entry & x, const entry & y) { return x.first > y.first || (x.first == y.first && x.second < y.second); };
+    std::vector<float> gmax((size_t) G);
+    std::vector<float> sel;
+    std::vector<entry> cand;
     for (int64_t r = ith; r < nr; r += nth) {
         const int64_t i1 = r % a->ne[1];
         const int64_t i2 = (r / a->ne[1]) % a->ne[2];
         const int64_t i3 = r / (a->ne[1] * a->ne[2]);
         const float * x  = attn_src_row(a, i1, i2, i3);
-        heap.clear();
-        for (int64_t j = 0; j < m; ++j) {
-            heap.emplace_back(x[j], (int32_t) j);
+        float *       gm = gmax.data();
+        std::fill(gm, gm + G, -INFINITY);
+        for (int64_t j0 = 0; j0 < n; j0 += G) {
+            const int64_t w = std::min<int64_t>(G, n - j0);
+            const float * p = x + j0;
+            for (int64_t g = 0; g < w; ++g) {
+                gm[g] = p[g] > gm[g] ? p[g] : gm[g];
+            }
         }
-        std::make_heap(heap.begin(), heap.end(), greater);
-        float least = m == k ? heap.front().first : INFINITY; // fewer cells than k: every one is taken
-        for (int64_t j0 = m; j0 < n; j0 += 16) {
-            const int64_t j1 = std::min<int64_t>(n, j0 + 16);
-            int any = 0;
-            for (int64_t j = j0; j < j1; ++j) {
-                any |= x[j] > least;
-            }
-            if (!any) {
-                continue;
-            }
-            for (int64_t j = j0; j < j1; ++j) {
-                if (x[j] > least) {
-                    std::pop_heap(heap.begin(), heap.end(), greater);
-                    heap.back() = {x[j], (int32_t) j};
-                    std::push_heap(heap.begin(), heap.end(), greater);
-                    least = heap.front().first;
+        float bound = -INFINITY;
+        if (G > m) {
+            sel.assign(gm, gm + G);
+            std::nth_element(sel.begin(), sel.begin() + (m - 1), sel.end(), std::greater<float>());
+            bound = sel[m - 1];
+        }
+        cand.clear();
+        for (int64_t g = 0; g < G; ++g) {
+            if (gm[g] >= bound) {
+                for (int64_t j = g; j < n; j += G) {
+                    if (x[j] >= bound) {
+                        cand.emplace_back(x[j], (int32_t) j);
+                    }
                 }
             }
         }
-        std::sort_heap(heap.begin(), heap.end(), greater); // largest first
+        const int64_t mm = std::min<int64_t>(m, (int64_t) cand.size());
+        if (mm > 0 && mm < (int64_t) cand.size()) {
+            std::nth_element(cand.begin(), cand.begin() + (mm - 1), cand.end(), better);
+        }
+        std::sort(cand.begin(), cand.begin() + mm, better);
         float * val = (float *) ((char *) dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
         float * cell = val + k;
         for (int32_t q = 0; q < k; ++q) {
-            val[q]  = q < m ? heap[q].first : 0.0f;
-            cell[q] = q < m ? (float) heap[q].second : -1.0f;
+            val[q]  = q < mm ? cand[q].first : 0.0f;
+            cell[q] = q < mm ? (float) cand[q].second : -1.0f;
         }
     }
 }

@@ -15,7 +15,7 @@
 struct llama_kv_cache;
 
 constexpr int ATTN_MAX_CACHES = 2;
-constexpr int32_t ATTN_MAX_TOP_K = 64; // LLAMA_ATTN_TOP_K's largest k (the CPU operator: a heap of k per row and thread)
+constexpr int32_t ATTN_MAX_TOP_K = 64; // LLAMA_ATTN_TOP_K's largest k
 
 // one ubatch's captured rows in host memory: per KV cache one buffer of the device's host buffer type
 // (pinned memory for CUDA: ggml_backend_dev_host_buffer_type, as llama.cpp's own output buffer), kept

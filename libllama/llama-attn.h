@@ -82,9 +82,10 @@ LLAMA_API int32_t llama_attn_max_top_k(const struct llama_context * ctx);
 // How the graph selects LLAMA_ATTN_TOP_K's weights and sums LLAMA_ATTN_MEAN's heads.  true, the default when the model
 // has no GPU device (llama_model's devices empty: the CPU backend computes the whole graph): with CPU operators of
 // this patch (ggml_custom_4d, run on the graph's threads right after each layer's softmax, while its rows are in
-// cache: a min-heap per row for the top k, largest first; each layer's heads summed in place).  false, the only
-// choice on a model with a device: with ggml's own operators, which every backend runs (ggml_top_k and a batched
-// ggml_get_rows; the heads summed once, after the last layer); a CPU-only context may choose it too, as a reference.
+// cache: per row the top k of the values at least the k-th largest of its groups' maxima, largest first; each
+// layer's heads summed in place).  false, the only choice on a model with a device: with ggml's own operators,
+// which every backend runs (ggml_top_k and a batched ggml_get_rows; the heads summed once, after the last layer);
+// a CPU-only context may choose it too, as a reference.
 // Returns 0, or -1 before llama_attn_init or for true on a model with a device.
 LLAMA_API int32_t llama_attn_set_cpu_ops(struct llama_context * ctx, bool cpu_ops);
 
