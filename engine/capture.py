@@ -47,6 +47,8 @@ _DTYPES = {native.GGML_TYPE_F32: np.float32, native.GGML_TYPE_F16: np.float16}
 _NATIVE_FORMATS = {"per_layer": native.PER_LAYER, "aggregated": native.MEAN, "topk": native.TOP_K}
 """The graph formats (:func:`engine.reduce.graph_format`) as ``enum llama_attn_format``."""
 
+_POINTER = ctypes.sizeof(ctypes.c_void_p)
+
 ROWS_KEPT = 2
 """Row buffers kept for reuse: a token's rows are usually written out before the next decode ends."""
 
@@ -139,6 +141,8 @@ class AttentionCapture:
         self._format: tuple[int, int, tuple[int, ...], int] = (-1, -1, (), 0)
         self._row = native.AttnRow()
         self._idx = np.zeros(0, dtype=np.int32)
+        self._kept_views: dict[int, tuple[tuple[object, ...], np.ndarray | list[np.ndarray]]] = {}
+        self._kept_mine: dict[int, tuple[tuple[int, ...], list[int]]] = {}
 
     @property
     def graph_format(self) -> int:
@@ -196,8 +200,10 @@ class AttentionCapture:
                 self._verify(tg.seq, cells)
             if fmt == native.TOP_K:
                 weights, positions = self._top_k(i, tg.seq, cells)  # [len(layers), H, k] each
-                order = [layers.index(il) for il in tg.layers]
-                tg.out, tg.positions = weights[order], positions[order]
+                if tg.layers != layers:
+                    order = [layers.index(il) for il in tg.layers]
+                    weights, positions = weights[order], positions[order]
+                tg.out, tg.positions = weights, positions
                 tg.finish()
                 continue
             heads = tg.reduce.heads if tg.reduce is not None and fmt == native.PER_LAYER else None
@@ -229,7 +235,7 @@ class AttentionCapture:
         for cache, held, r in self._caches(i, tg.seq, cells):
             if len(held) and (held.min() < -cache or held.max() >= r.n_kv):
                 raise CellMapError(f"row {i}: cells outside the {r.n_kv} cells of its KV view")
-            src = _row_views(r)
+            src = self._views(cache, r)
             if fmt == native.MEAN:
                 part = np.empty(len(held), dtype=src[0].dtype)
                 _gather(src[0][0], held, part)
@@ -238,7 +244,7 @@ class AttentionCapture:
             if out is None:
                 n_head = r.n_head if heads is None else len(heads)
                 out = self.rows.array((len(layers), n_head, len(held)), src[0].dtype)  # every layer is one cache's
-            mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
+            mine = self._mine(cache)
             if isinstance(src, np.ndarray) and len(mine) == len(layers):
                 _gather(src, held, out, heads)
                 continue
@@ -267,28 +273,64 @@ class AttentionCapture:
         int32[n_layers, H, k])``, the layers of every KV cache in ascending order, weights best first.  ``cells``:
         the global KV cache's cells of ``seq``'s positions (the mirror's).  A weight the graph found at a cell that
         holds none of those positions (a masked cell, a position past the token's) is 0 and gets position -1
-        (:func:`engine.reduce.select_top_k` gives it an unused one); :class:`CellMapError` if it is not 0."""
+        (:func:`engine.reduce.select_top_k` gives it an unused one); :class:`CellMapError` if it is not 0.
+
+        Cells become positions through the mirror's inverse (:meth:`engine.cellmap.CellMap.positions`, kept
+        up to date by each decode) for the global cache, an inverse of llama.cpp's cells for a sliding-window
+        one; the CPU operator's weights come best first already (``llama_attn_set_cpu_ops``), ggml's own
+        ``ggml_top_k``'s in no order and are sorted here."""
         _, _, layers, k = self._format
         weights = positions = None
         for cache, held_cells, r in self._caches(i, seq, cells):
-            src = _row_views(r)  # per layer [H, 2k]: k weights, then their cells as float32 values, in any order
+            src = self._views(cache, r)  # per layer [H, 2k]: k weights, then their cells as float32 values
             block = src if isinstance(src, np.ndarray) else np.stack(src)  # [this cache's layers, H, 2k]
             if weights is None or positions is None:
                 weights = np.empty((len(layers), r.n_head, k), np.float32)
                 positions = np.empty((len(layers), r.n_head, k), np.int32)
-            held = held_cells >= 0
-            position_of = np.full(int(held_cells.max(initial=-1)) + 2, -1, np.int32)  # the last: no position
-            position_of[held_cells[held]] = np.flatnonzero(held)
-            mine = [j for j, il in enumerate(layers) if self.layer_cache[il] == cache]
-            weights[mine] = block[..., :k]
-            found = block[..., k:].astype(np.int32)  # -1, or a cell past the last held one: the last entry
-            positions[mine] = position_of[np.minimum(found, len(position_of) - 1)]
+            if cache == 0 and self.cellmap.length(seq) == len(held_cells):
+                position_of = self.cellmap.positions(seq)  # [-1] is -1: a cell -1 has no position
+            else:
+                position_of = _inverse(held_cells)
+            mine = self._mine(cache)
+            found = np.minimum(block[..., k:].astype(np.int32), len(position_of) - 1)  # -1 or past: the last entry
+            if len(mine) == len(layers):  # every selected layer is this cache's (no sliding-window cache)
+                weights[...] = block[..., :k]
+                positions[...] = position_of[found]
+            else:
+                weights[mine] = block[..., :k]
+                positions[mine] = position_of[found]
         if weights is None or positions is None:
             raise CaptureError(f"attention row {i} has no layer in any KV cache")
-        if np.any(weights[positions < 0] != 0):
+        unplaced = positions < 0
+        if unplaced.any() and np.any(weights[unplaced] != 0):
             raise CellMapError(f"row {i}: a top-k weight at a cell that holds none of seq {seq}'s positions")
+        if bool((weights[..., :-1] >= weights[..., 1:]).all()):
+            return weights, positions  # best first already (the CPU operator's order)
         order = np.argsort(-weights, axis=-1, kind="stable")  # ggml_top_k's are in no particular order
         return np.take_along_axis(weights, order, axis=-1), np.take_along_axis(positions, order, axis=-1)
+
+    def _mine(self, cache: int) -> list[int]:
+        """Indices into the decode's selected layers (:meth:`plan`'s, ascending) of the layers of KV cache
+        ``cache``."""
+        layers = self._format[2]
+        kept = self._kept_mine.get(cache)
+        if kept is None or kept[0] != layers:
+            mine = [k for k, il in enumerate(layers) if self.layer_cache[il] == cache]
+            kept = self._kept_mine[cache] = (layers, mine)
+        return kept[1]
+
+    def _views(self, cache: int, r: native.AttnRow) -> np.ndarray | list[np.ndarray]:
+        """:func:`_row_views` of ``r`` (row of KV cache ``cache``), the last ones again while llama.cpp's outputs
+        stay where they were (a reused graph: the same addresses, shapes and strides), so a decode step's
+        per-layer views are not built anew on every token."""
+        if r.nb_layer > 0:
+            return _row_views(r)  # one view: as cheap as a lookup
+        addresses = ctypes.string_at(ctypes.cast(r.layers, ctypes.c_void_p).value or 0, r.n_layer * _POINTER)
+        key = (r.type, r.n_head, r.n_kv, r.nb_head, addresses)
+        kept = self._kept_views.get(cache)
+        if kept is None or kept[0] != key:
+            kept = self._kept_views[cache] = (key, _row_views(r))
+        return kept[1]
 
     def _verify(self, seq: int, cells: np.ndarray) -> None:
         theirs = seq_cells(self.ctx, seq, 0, len(cells))
@@ -340,6 +382,15 @@ def _gather(src: np.ndarray, cells: np.ndarray, out: np.ndarray, heads: list[int
     np.take(src, cells if every else np.where(held, cells, 0), axis=-1, out=out, mode="clip")
     if not every:
         out[..., ~held] = 0
+
+
+def _inverse(cells: np.ndarray) -> np.ndarray:
+    """``int32[max(cells) + 2]``: the position (index into ``cells``) of each cell, -1 for a cell ``cells`` does
+    not name; the last entry is -1, so a cell of -1 maps to -1.  ``cells``: ``int32[n]``, -1 where none."""
+    held = cells >= 0
+    position_of = np.full(int(cells.max(initial=-1)) + 2, -1, np.int32)
+    position_of[cells[held]] = np.flatnonzero(held)
+    return position_of
 
 
 def seq_cells(ctx: int, seq: int, p0: int, n: int, cache: int = 0) -> np.ndarray:

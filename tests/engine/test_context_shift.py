@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from contract.errors import ErrorCode
+from contract.options import CaptureOptions
 from slotstate import seq_state
 from tests.engine.enginekit import Result, Runner
 
@@ -62,6 +63,23 @@ def test_generation_shifts_past_its_window(shifting, model) -> None:  # type: ig
     positions = seq_state.parse(state, shifting.layout).positions
     np.testing.assert_array_equal(np.sort(positions), np.arange(len(shifting.tokens[SEQ])))
     print(f"\nshifts (n_keep, n_discard): {shifts}; slot {len(shifting.tokens[SEQ])} tokens")
+
+
+def test_topk_positions_follow_the_cells_through_shifts(shifting, model) -> None:  # type: ignore[no-untyped-def]
+    """``topk`` selected in the graph past the window: each shift takes cells out of position order and the next
+    tokens fill the holes it left, so the graph's cells become positions through the mirror's inverse as it changes
+    (``CellMap.positions``): every token's k weights are its full row's largest, at the positions holding them."""
+    prompt = model.tokenize("<|im_start|>user\nCount slowly from one to one hundred.<|im_end|>\n", True, True)
+    full = Runner(shifting).generate(SEQ, prompt, max_new_tokens=100, ignore_eos=True)
+    shifting.erase(SEQ)
+    cap = CaptureOptions(attention=True, format="topk", top_k=4)
+    top = Runner(shifting).generate(SEQ, prompt, max_new_tokens=100, ignore_eos=True, capture=cap)
+    assert top.error is None and top.tokens == full.tokens
+    assert sum(ev.shift is not None for ev in top.events) >= 2
+    for i, (w, pos, rows) in enumerate(zip(top.attention, top.positions, full.attention, strict=True)):
+        assert w.shape == pos.shape == (*rows.shape[:2], 4)
+        np.testing.assert_array_equal(w, -np.sort(-rows, axis=-1)[..., :4], err_msg=f"token {i}")
+        np.testing.assert_array_equal(np.take_along_axis(rows, pos.astype(np.int64), axis=-1), w, err_msg=f"token {i}")
 
 
 def test_n_keep_keeps_the_prompt(shifting, model) -> None:  # type: ignore[no-untyped-def]
