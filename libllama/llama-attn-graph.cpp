@@ -208,7 +208,9 @@ void attn_top_k(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t       nr = a->ne[1] * a->ne[2] * a->ne[3];
     const int64_t       G  = std::min<int64_t>(n, std::clamp<int64_t>(8 * (int64_t) k, 64, 512));
     using entry            = std::pair<float, int32_t>;
-    auto better = [](const entry & x, const entry & y) { return x.first > y.first || (x.first == y.first && x.second < y.second); };
+    auto better            = [](const entry & x, const entry & y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+    };
     std::vector<float> gmax((size_t) G);
     std::vector<float> sel;
     std::vector<entry> cand;
