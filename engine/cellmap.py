@@ -58,11 +58,7 @@ class CellMap:
         write.  Built in O(length) on first use, then O(new tokens) per :meth:`write`."""
         inv = self._pos.get(seq)
         if inv is None:
-            inv = self._pos[seq] = np.full(self.n_cells + 1, -1, dtype=np.int32)
-            n = self.length(seq)
-            # in reverse, so that a cell two positions name (between a move and the truncation after it) keeps
-            # the lower one, the position the move kept
-            inv[self.cells(seq)[::-1]] = np.arange(n - 1, -1, -1, dtype=np.int32)
+            inv = self._pos[seq] = inverse(self.cells(seq), self.n_cells)
         return inv
 
     def write(self, seq: int, pos0: int, cells: np.ndarray) -> None:
@@ -123,6 +119,17 @@ class CellMap:
         arr = self.cells(seq)
         kept = np.concatenate([arr[:n_keep], arr[n_keep + n_discard :]])
         self.set(seq, kept)
+
+
+def inverse(cells: np.ndarray, n_cells: int) -> np.ndarray:
+    """``int32[n_cells + 1]``: the position (index into ``cells``) of each cell, -1 for a cell ``cells`` does not
+    name; the last entry is -1, so indexing with a cell of -1 gives -1.  ``cells``: ``int32[n]`` cells below
+    ``n_cells``, -1 where a position has none (a sliding-window cache's).  A cell two positions name (between a
+    move and the truncation after it) maps to the lower, the position the move kept."""
+    inv = np.full(n_cells + 1, -1, dtype=np.int32)
+    held = np.flatnonzero(cells >= 0)[::-1]  # in reverse: of a cell named twice, the lower position is written last
+    inv[cells[held]] = held
+    return inv
 
 
 def _unmap(inv: np.ndarray, cells: np.ndarray, lo: int, hi: int) -> None:
