@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from slotstate.ggsq import GGSQ_MAGIC, IO_MAGIC, pack_seq_file, unpack_seq_file
+from slotstate.ggsq import GGSQ_MAGIC, IO_MAGIC, pack_seq_file, unpack_seq_file, write_seq_file
 from slotstate.seq_state import BadStateError
 
 STATE = struct.pack("<Ii", IO_MAGIC, 3) + b"\x01\x00\x00\x00kv-bytes"
@@ -50,3 +51,15 @@ def test_bad_files(data: bytes, msg: str) -> None:
 def test_pack_refuses_non_state() -> None:
     with pytest.raises(BadStateError):
         pack_seq_file([1], b"SES1....")
+
+
+def test_a_written_file_is_exactly_the_packed_bytes_over_a_longer_one(tmp_path: Path) -> None:
+    """The file's blocks are allocated ahead of the write (``posix_fallocate``): the file must still end where
+    the state ends, replacing a longer file of the same name, and leave no temporary file beside it."""
+    path = tmp_path / "slot.bin"
+    path.write_bytes(b"\xff" * 100_000)
+    big = struct.pack("<Ii", IO_MAGIC, 3) + bytes(range(256)) * 300  # several pages
+    n = write_seq_file(path, [5, 6, 7], big)
+    assert n == path.stat().st_size == len(pack_seq_file([5, 6, 7], big))
+    assert path.read_bytes() == pack_seq_file([5, 6, 7], big)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slot.bin"]
