@@ -13,9 +13,9 @@ does the same, so a slot's tens of MB never cross the worker's socket:
   wait for it.
 * :func:`load_seq_file` parses the file's header, token record and the state's structure (a memory
   map: the K/V data is not read), then has libllama read the state's records straight from the file
-  through a 256 KiB buffer, testing each block of K/V values for NaN/infinity while it is in cache before
+  (a read-only mapping of it), testing each block of K/V values for NaN/infinity while it is in cache before
   it goes into the KV cache (:mod:`engine.state_read`): one pass over the file, as llama.cpp's
-  ``llama_state_seq_load_file`` reads it.  A sequence that holds cells is loaded the way the API's
+  ``llama_state_seq_load_file`` reads it, and one copy.  A sequence that holds cells is loaded the way the API's
   restore is (:meth:`engine.engine.Engine.restore_state`): the file read once into a page-aligned
   buffer of the engine's ``state_pool`` and its values tested before anything is written, so that a
   refusal leaves its cells as they were.  llama.cpp never reads the file itself: its

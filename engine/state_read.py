@@ -5,8 +5,9 @@ KV stream per sequence reads one record per stream.  The state is therefore give
 order: the 8 bytes of io header, then per KV cache part this context's stream count, the part's record (the
 cells: in place, never copied) and the empty records of the other streams, then the recurrent part as it is.
 The record and the recurrent part are memory (a received state) or byte ranges of a slot file, which libllama
-reads with ``pread`` through a 256 KiB buffer (within L2), as llama.cpp's ``llama_state_seq_load_file`` streams a file,
-instead of the whole file being read into memory first.  With ``check_values`` libllama tests every block of
+reads through a read-only mapping of the file, straight into the KV cache (``pread`` through a 256 KiB buffer where
+the file cannot be mapped), instead of the whole file being read into memory first; a file cut while it is read
+is refused (its pages past the end raise SIGBUS, which libllama catches while it reads).  With ``check_values`` libllama tests every block of
 F32/F16/BF16 K/V values for NaN/infinity (the rule of :func:`slotstate.seq_state.has_nonfinite`) while the
 block is in cache, before it writes it into the KV cache, so a restore makes one pass over the state.
 """

@@ -46,6 +46,7 @@ NEW_FILES = {
     "llama-attn-capture.cpp": "src",
     "llama-attn-kv.cpp": "src",
     "llama-attn-state.cpp": "src",
+    "llama-attn-file.cpp": "src",
 }
 # what slotserve does not use: the multimodal library, tests, examples and tools (llama-server is
 # built on its own when a benchmark needs it: --source)

@@ -9,6 +9,7 @@
 #include "llama-graph.h"
 
 #include <cstdint>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -123,3 +124,37 @@ public:
 // llama-attn-kv.cpp: the KV cache whose cells rows of cache `cache` index (0: global/only, 1: sliding), or nullptr
 const llama_kv_cache * attn_kv_cache_of(const llama_context * ctx, int32_t cache);
 bool attn_is_iswa(const llama_context * ctx);
+
+// llama-attn-file.cpp: a byte range of a file read through a read-only mapping (llama-attn-state.cpp's slot files).
+// attn_file_guard: held while a state is read from a file (one at a time): a SIGBUS handler installed, which turns
+// a fault on a page of the mapping past the file's end (a file cut short, or cut while it is read) into
+// attn_file_load's -1.
+struct attn_file_guard {
+    attn_file_guard();
+    ~attn_file_guard();
+    attn_file_guard(const attn_file_guard &) = delete;
+    attn_file_guard & operator=(const attn_file_guard &) = delete;
+
+private:
+    std::unique_lock<std::mutex> lock;
+    bool installed = false;
+};
+
+// `size` bytes of file `fd` from byte `offset` at `data`, mapped read-only (from a page boundary), or none
+struct attn_file_view {
+    const uint8_t * data = nullptr;
+
+    // map them (the previous range unmapped first); false where the file cannot be mapped
+    bool map(int fd, int64_t offset, uint64_t size);
+    void unmap();
+    ~attn_file_view() { unmap(); }
+
+private:
+    uint8_t * base = nullptr;
+    size_t    len_ = 0;
+};
+
+// dst <- the n bytes at src (in a mapping, under an attn_file_guard), tested first with bad(arg, src, n) when bad is
+// given: 1 copied, 0 refused by bad (nothing copied), -1 a fault: the file ended under the mapping
+int attn_file_load(uint8_t * dst, const uint8_t * src, size_t n, bool (*bad)(void *, const uint8_t *, size_t),
+                   void * arg);

@@ -3,13 +3,13 @@
 // llama_state_seq_load_file in src/llama-context.cpp) take one whole buffer or one whole file, write what
 // they read without looking at it, and llama_state_seq_load_file aborts the process on a file cut short;
 // slotserve hands a state over as pieces (its stream count rewritten: llama-attn.h), reads slot files
-// through a small buffer, and refuses K/V values that are NaN or infinite before they reach the KV cache
+// through a mapping (llama-attn-file.cpp: one copy, and a file cut while it is read is refused), and refuses K/V values that are NaN or infinite before they reach the KV cache
 // (one of them in a free cell is enough to poison every later decode of the stream: a masked cell's V
 // is multiplied by its weight 0, and NaN * 0 is NaN).
 //
 // Copied into llama.cpp's src/ by slotserve's set-up.  Nothing here is called by llama.cpp itself.
 
-#include "llama-attn.h"
+#include "llama-attn-impl.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -26,12 +26,13 @@
 #include <vector>
 
 #ifndef _WIN32
+#include <sys/stat.h>
 #include <unistd.h>
 #endif
 
 namespace {
 
-constexpr size_t ATTN_FILE_WINDOW = 256u << 10; // file pieces are read through this much memory (within L2)
+constexpr size_t ATTN_FILE_WINDOW = 256u << 10; // a file piece that cannot be mapped is read through this much memory
 constexpr size_t ATTN_CHECK_BLOCK = 64u << 10; // tested, then written, while in cache
 
 // the K/V values of one tensor tested for NaN/infinity: a value is non-finite exactly when all its
@@ -102,7 +103,9 @@ bool attn_kv_tensor(const ggml_tensor * t, char & what, int & il) {
 }
 
 // llama_io_read_host (src/llama-context.cpp) over pieces of memory and of a file: what is read for a tensor is
-// tested (when asked) and written into it block by block at once, as llama_io_read_file writes it
+// tested (when asked) and written into it block by block at once, as llama_io_read_file writes it; a file piece is
+// read through a mapping of the file (straight into a tensor in host memory) where it can be mapped, else with
+// pread through a buffer
 class attn_io_read_source : public llama_io_read_i {
 public:
     attn_io_read_source(const llama_attn_state_piece * src, int32_t n, int fd, bool check) : fd(fd), check(check) {
@@ -111,14 +114,17 @@ public:
                 pieces.push_back(src[i]);
             }
         }
+        if (fd >= 0) {
+            guard = std::make_unique<attn_file_guard>();
+        }
     }
 
     void read(void * dst, size_t size) override {
         size_t done = 0;
         while (done < size) {
-            const auto [p, n] = span(size - done);
-            memcpy((uint8_t *) dst + done, p, n);
-            done += n;
+            const piece_span sp = span(size - done);
+            load((uint8_t *) dst + done, sp, 0, sp.n, nullptr);
+            done += sp.n;
         }
     }
 
@@ -134,55 +140,145 @@ public:
                 default: break;
             }
         }
+        // a tensor in host memory is written in place (ggml_backend_tensor_set's memcpy, ggml-backend.cpp's CPU
+        // buffer); a device's through ggml_backend_tensor_set, from the piece or from a block copied out of the
+        // file's mapping (a fault is caught in our own copy only)
+        if (offset + size > ggml_nbytes(tensor)) {
+            throw std::runtime_error("a state record past its tensor's end"); // ggml_backend_tensor_set's assert
+        }
+        uint8_t * host = tensor->buffer && ggml_backend_buffer_is_host(tensor->buffer) && tensor->data
+                             ? (uint8_t *) tensor->data + offset
+                             : nullptr;
         size_t done = 0;
         while (done < size) {
-            const auto [p, n] = span(size - done);
-            for (size_t b = 0; b < n; b += ATTN_CHECK_BLOCK) {
-                const size_t m = std::min(ATTN_CHECK_BLOCK, n - b);
-                if (chk.bad(p + b, m)) {
+            const piece_span sp = span(size - done);
+            for (size_t b = 0; b < sp.n; b += ATTN_CHECK_BLOCK) {
+                const size_t m = std::min(ATTN_CHECK_BLOCK, sp.n - b);
+                bool ok = true;
+                if (host) {
+                    ok = load(host + done + b, sp, b, m, &chk);
+                } else {
+                    const uint8_t * p = sp.p + b;
+                    if (sp.mapped) {
+                        bounce.resize(ATTN_CHECK_BLOCK);
+                        load(bounce.data(), sp, b, m, nullptr);
+                        p = bounce.data();
+                    }
+                    ok = !chk.bad(p, m);
+                    if (ok) {
+                        ggml_backend_tensor_set(tensor, p, offset + done + b, m);
+                    }
+                }
+                if (!ok) {
                     char msg[96];
                     snprintf(msg, sizeof(msg), "the state's %c cache of layer %d holds NaN or infinite values", what, il);
                     error = msg;
                     throw std::runtime_error(error);
                 }
-                ggml_backend_tensor_set(tensor, p + b, offset + done + b, m);
             }
-            done += n;
+            done += sp.n;
         }
     }
 
     size_t n_bytes() override { return n_read; }
 
+    // whether the file is shorter than a piece of it: a read that failed on what a mapping's last, partly filled
+    // page reads past the file's end (zeros) failed because the file ended
+    bool file_ended() const {
+        return std::any_of(pieces.begin(), pieces.end(), [this](const auto & pc) { return file_shorter(pc); });
+    }
+
     std::string error; // why the read failed, when it knows better than llama.cpp's message
 
 private:
+    struct piece_span {
+        const uint8_t * p;
+        size_t          n;
+        bool            mapped; // p is in the file's mapping: touch it through attn_guarded_load only
+    };
+
+    // dst <- the m bytes at sp.p + b, tested first with chk when given; false for a non-finite value (nothing
+    // copied); throws when the file ended under its mapping
+    bool load(uint8_t * dst, const piece_span & sp, size_t b, size_t m, attn_value_check * chk) {
+        const uint8_t * src = sp.p + b;
+        if (sp.mapped) {
+            auto bad = [](void * c, const uint8_t * p, size_t n) { return ((attn_value_check *) c)->bad(p, n); };
+            const int r = attn_file_load(dst, src, m, chk ? +bad : nullptr, chk);
+            if (r < 0) {
+                ended(); // cut short, or cut while it was read
+            }
+            return r == 1;
+        }
+        if (chk && chk->bad(src, m)) {
+            return false;
+        }
+        memcpy(dst, src, m);
+        return true;
+    }
+
     // the next bytes of the state, contiguous: at most `want`, at least 1
-    std::pair<const uint8_t *, size_t> span(size_t want) {
+    piece_span span(size_t want) {
         if (cur == pieces.size()) {
             throw std::runtime_error("unexpectedly reached end of buffer");
         }
         const llama_attn_state_piece & pc = pieces[cur];
-        const uint8_t * p = nullptr;
-        size_t n = 0;
+        piece_span sp{nullptr, 0, false};
         if (pc.data) {
-            p = (const uint8_t *) pc.data + pos;
-            n = std::min(want, (size_t) pc.size - pos);
+            sp.p = (const uint8_t *) pc.data + pos;
+            sp.n = std::min(want, (size_t) pc.size - pos);
+        } else if (map_piece(pc)) {
+            sp.p      = view.data + pos;
+            sp.n      = std::min(want, (size_t) pc.size - pos);
+            sp.mapped = true;
+            if (pos + sp.n == pc.size && file_shorter(pc)) {
+                ended(); // tested before its last bytes are used: a page past the end faults, a partly filled
+                         // last page reads zeros past the end without a fault
+            }
         } else {
             if (win_pos == win_len) {
                 fill(pc);
             }
-            p = window.get() + win_pos;
-            n = std::min(want, win_len - win_pos);
-            win_pos += n;
+            sp.p = window.get() + win_pos;
+            sp.n = std::min(want, win_len - win_pos);
+            win_pos += sp.n;
         }
-        pos += n;
-        n_read += n;
+        pos += sp.n;
+        n_read += sp.n;
         if (pos == pc.size) {
             cur++;
             pos = 0;
             win_pos = win_len = 0;
         }
-        return {p, n};
+        return sp;
+    }
+
+    // whether piece cur (pc) is read through a mapping of the file: mapped on its first bytes (the previous piece's
+    // unmapped, its last bytes used by then); false, and pread from then on, where the file cannot be mapped
+    bool map_piece(const llama_attn_state_piece & pc) {
+        if (view.data && map_of == cur) {
+            return true;
+        }
+        if (no_map || !view.map(fd, pc.offset, pc.size)) {
+            no_map = true;
+            return false;
+        }
+        map_of = cur;
+        return true;
+    }
+
+    bool file_shorter(const llama_attn_state_piece & pc) const {
+#ifndef _WIN32
+        struct stat st;
+        return !pc.data && fd >= 0 && fstat(fd, &st) == 0 && (uint64_t) st.st_size < (uint64_t) pc.offset + pc.size;
+#else
+        GGML_UNUSED(pc);
+        return false;
+#endif
+    }
+
+    [[noreturn]] void ended() {
+        error = "the file ended inside the state";
+        throw std::runtime_error(error);
     }
 
     // the window from byte `pos` of the file piece pc on
@@ -201,8 +297,11 @@ private:
             if (r < 0 && errno == EINTR) {
                 continue;
             }
-            if (r <= 0) {
-                error = r == 0 ? "the file ended inside the state" : std::string("reading the file: ") + strerror(errno);
+            if (r == 0) {
+                ended();
+            }
+            if (r < 0) {
+                error = std::string("reading the file: ") + strerror(errno);
                 throw std::runtime_error(error);
             }
             got += (size_t) r;
@@ -218,6 +317,11 @@ private:
     size_t cur = 0, pos = 0, n_read = 0;
     std::unique_ptr<uint8_t[]> window;
     size_t win_pos = 0, win_len = 0;
+    std::vector<uint8_t> bounce; // a block copied out of the mapping for a tensor not in host memory
+    std::unique_ptr<attn_file_guard> guard; // while a file is read (before view: it outlives the mapping)
+    attn_file_view view; // the mapping of piece map_of
+    size_t map_of = 0;
+    bool no_map = false;
 };
 
 void attn_set_error(char * err, size_t err_size, const std::string & msg) {
@@ -257,7 +361,7 @@ size_t llama_attn_state_seq_read(llama_context * ctx, const llama_attn_state_pie
         }
         return io.n_bytes();
     } catch (const std::exception & e) {
-        const std::string why = io.error.empty() ? e.what() : io.error;
+        const std::string why = !io.error.empty() ? io.error : io.file_ended() ? "the file ended inside the state" : e.what();
         LLAMA_LOG_ERROR("%s: error loading state: %s\n", __func__, why.c_str());
         attn_set_error(err, err_size, why);
         return 0;

@@ -170,9 +170,12 @@ struct llama_attn_state_piece {
 // llama_state_seq_set_data of the n_pieces pieces read in order as one state, without joining them: a state whose
 // stream counts differ from this context's (slotserve keeps a sequence's state as one stream, a context with one KV
 // stream per sequence reads one record per stream) is given as pieces with its counts rewritten and empty records
-// added, and a slot file's records as pieces of the file open as `fd` (read with pread through a 256 KiB buffer, as
-// llama_state_seq_load_file reads through a buffer of one tensor's bytes; fd < 0: memory pieces only).  Each K/V
-// block is written into the KV cache as soon as it is read (src/llama-kv-cache.cpp state_read_data's layout).  With
+// added, and a slot file's records as pieces of the file open as `fd` (read through a read-only mapping of the file,
+// straight into a KV tensor in host memory: one copy where llama_state_seq_load_file reads into a buffer of one
+// tensor's bytes and copies that; pread through a 256 KiB buffer where the file cannot be mapped; a page past the
+// file's end, which raises SIGBUS, is caught while the state is read and refused as a file cut short; fd < 0:
+// memory pieces only).  Each K/V block is written into the KV cache as soon as it is read
+// (src/llama-kv-cache.cpp state_read_data's layout).  With
 // check_values, each block of F32/F16/BF16 K and V values (a KV cache's cache_*k_l<il>/cache_*v_l<il> tensors) is
 // tested for NaN and infinity (all exponent bits set) before it is written, while it is in cache; quantized types
 // and a recurrent memory's tensors are not tested.  Returns the bytes read, or 0 on failure with why in err (at

@@ -4,6 +4,7 @@ sequence (and the cells of the cache) as they were."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -128,9 +129,14 @@ def test_nan_values_are_refused_while_an_empty_sequence_is_read(
     assert same_kv(llama_state(engine.ctx, 2), llama_state(engine.ctx, 0))
 
 
-def test_a_file_cut_short_while_it_is_read_is_refused(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A file that loses its end after its structure was parsed (written over meanwhile) is refused when
-    libllama's read meets its end, and the sequence stays empty; llama.cpp's own loader would abort."""
+@pytest.mark.parametrize("cut", ["at_a_page_boundary", "within_the_last_page"])
+def test_a_file_cut_short_while_it_is_read_is_refused(runner: Runner, engine, model, tmp_path: Path, cut: str) -> None:  # type: ignore[no-untyped-def]
+    """A file that loses its end after its structure was parsed (written over meanwhile) is refused, and the
+    sequence stays empty; llama.cpp's own loader would abort.  libllama reads it through a mapping: cut at a page
+    boundary, the first page past the new end raises SIGBUS when touched (mmap(2)), which libllama's handler turns
+    into the refusal (unhandled, it would kill this process); cut within its last page, the rest of that page
+    reads as zeros without a fault, and the file's size, tested before the piece's last bytes are used, refuses
+    it.  The whole file loads afterwards."""
     ids = model.tokenize(CHAT.format("Count to ten."), False, True)
     runner.generate(0, ids, max_new_tokens=3)
     runner.batcher.flush()
@@ -140,13 +146,18 @@ def test_a_file_cut_short_while_it_is_read_is_refused(runner: Runner, engine, mo
         tokens, _ = read_seq_head(f)
         start = f.tell()
         parsed = seq_state.parse_file(f, start, engine.layout)
-    cut = tmp_path / "cut.bin"
-    cut.write_bytes(good.read_bytes()[:-5000])
-    with open(cut, "rb") as f, pytest.raises(EngineError) as err:
+    data = good.read_bytes()
+    page = os.sysconf("SC_PAGE_SIZE")
+    n_cut = len(data) - len(data) // 2 // page * page if cut == "at_a_page_boundary" else max(1, len(data) % page // 2)
+    cut_path = tmp_path / "cut.bin"
+    cut_path.write_bytes(data[:-n_cut])
+    with open(cut_path, "rb") as f, pytest.raises(EngineError) as err:
         engine.restore_parsed(1, tokens, parsed, StateSource(fd=f.fileno(), start=start), check_values=True)
     assert err.value.code == ErrorCode.BAD_STATE and "ended inside" in err.value.message
     assert not engine.tokens.get(1) and seq_cells(engine.ctx, 1, 0, len(tokens)).max() < 0
     assert logits_finite(engine, 1, ids[:20])
+    n, _, _ = load_seq_file(engine, 1, good)  # the same file whole afterwards: read as before
+    assert n == len(tokens) and same_kv(llama_state(engine.ctx, 1), llama_state(engine.ctx, 0))
 
 
 def test_damaged_and_missing_files_are_refused(runner: Runner, engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
