@@ -266,10 +266,16 @@ def logits_row(ctx: llama.llama_context_p, batch_index: int, n_vocab: int) -> np
 def logprobs(logits: np.ndarray, token: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
     """The model's log-softmax probability of ``token`` and the ``n_top`` best ``(id, logprob)``.
 
-    Computed from the raw logits row (before sampling transforms), like vLLM's logprobs.
+    Computed from the raw logits row (before sampling transforms), like vLLM's logprobs, in float32 as llama.cpp's
+    own softmax (``llama_sampler_softmax_impl``, ``src/llama-sampler.cpp``) and llama-server's probabilities are:
+    numpy's float32 ``exp`` and pairwise ``sum`` (relative error ~1e-7 x log2(n_vocab)) take ~65 µs for a
+    49,152-token vocabulary where a float64 pass took ~165 µs, on the decode thread of every token (the native
+    API returns every token's logprob).
     """
-    m = float(logits.max())
-    lse = m + float(np.log(np.exp(logits - m, dtype=np.float64).sum()))
+    m = logits.max()
+    shifted = logits - m
+    np.exp(shifted, out=shifted)
+    lse = float(m) + float(np.log(shifted.sum()))
     top: list[tuple[int, float]] = []
     if n_top > 0:
         idx = np.argpartition(logits, -n_top)[-n_top:]
