@@ -7,9 +7,10 @@ cells: in place, never copied) and the empty records of the other streams, then 
 The record and the recurrent part are memory (a received state) or byte ranges of a slot file, which libllama
 reads through a read-only mapping of the file, straight into the KV cache (``pread`` through a 256 KiB buffer where
 the file cannot be mapped), instead of the whole file being read into memory first; a file cut while it is read
-is refused (its pages past the end raise SIGBUS, which libllama catches while it reads).  With ``check_values`` libllama tests every block of
-F32/F16/BF16 K/V values for NaN/infinity (the rule of :func:`slotstate.seq_state.has_nonfinite`) while the
-block is in cache, before it writes it into the KV cache, so a restore makes one pass over the state.
+is refused (its pages past the end raise SIGBUS, which libllama catches while it reads).  With ``check_values``
+libllama tests every block of F32/F16/BF16 K/V values for NaN/infinity (the rule of
+:func:`slotstate.seq_state.has_nonfinite`) while the block is in cache, before it writes it into the KV cache, so a
+restore makes one pass over the state.
 """
 
 from __future__ import annotations
