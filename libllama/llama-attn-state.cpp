@@ -3,9 +3,9 @@
 // llama_state_seq_load_file in src/llama-context.cpp) take one whole buffer or one whole file, write what
 // they read without looking at it, and llama_state_seq_load_file aborts the process on a file cut short;
 // slotserve hands a state over as pieces (its stream count rewritten: llama-attn.h), reads slot files
-// through a mapping (llama-attn-file.cpp: one copy, and a file cut while it is read is refused), and refuses K/V values that are NaN or infinite before they reach the KV cache
-// (one of them in a free cell is enough to poison every later decode of the stream: a masked cell's V
-// is multiplied by its weight 0, and NaN * 0 is NaN).
+// through a mapping (llama-attn-file.cpp: one copy, and a file cut while it is read is refused), and refuses
+// K/V values that are NaN or infinite before they reach the KV cache (one of them in a free cell is enough to
+// poison every later decode of the stream: a masked cell's V is multiplied by its weight 0, and NaN * 0 is NaN).
 //
 // Copied into llama.cpp's src/ by slotserve's set-up.  Nothing here is called by llama.cpp itself.
 
@@ -171,7 +171,8 @@ public:
                 }
                 if (!ok) {
                     char msg[96];
-                    snprintf(msg, sizeof(msg), "the state's %c cache of layer %d holds NaN or infinite values", what, il);
+                    snprintf(msg, sizeof(msg), "the state's %c cache of layer %d holds NaN or infinite values",
+                             what, il);
                     error = msg;
                     throw std::runtime_error(error);
                 }
