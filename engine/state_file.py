@@ -11,8 +11,8 @@ does the same, so a slot's tens of MB never cross the worker's socket:
   renames it over it, on a thread of its own: a file write can take far longer than a decode
   step (ext4 throttles a writer of tens of MB of dirty pages), and the decode loop must not
   wait for it.
-* :func:`load_seq_file` parses the file's header, token record and the state's structure (a memory
-  map: the K/V data is not read), then has libllama read the state's records straight from the file
+* :func:`load_seq_file` parses the file's header, token record and the state's structure (small reads:
+  the K/V data is not read), then has libllama read the state's records straight from the file
   (a read-only mapping of it), testing each block of K/V values for NaN/infinity while it is in cache before
   it goes into the KV cache (:mod:`engine.state_read`): one pass over the file, as llama.cpp's
   ``llama_state_seq_load_file`` reads it, and one copy.  A sequence that holds cells is loaded the way the API's

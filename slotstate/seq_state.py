@@ -39,9 +39,9 @@ decode into garbage).
 
 from __future__ import annotations
 
-import mmap
+import os
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
@@ -136,22 +136,49 @@ class ParsedState:
 
 
 class _Reader:
+    """The state's bytes in memory, read from ``off`` on; ``size``: how many there are."""
+
     def __init__(self, data: memoryview) -> None:
         self.data = data
+        self.size = len(data)
         self.off = 0
 
     def take(self, fmt: str) -> tuple[int, ...]:
-        size = struct.calcsize(fmt)
-        if self.off + size > len(self.data):
-            raise BadStateError(f"state truncated at byte {self.off} (needs {size} more)")
-        vals = struct.unpack_from(fmt, self.data, self.off)
-        self.off += size
-        return vals
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))
+
+    def read(self, n: int) -> bytes | memoryview:
+        """The next ``n`` bytes."""
+        self._check(n)
+        got = self.data[self.off : self.off + n]
+        self.off += n
+        return got
 
     def skip(self, n: int) -> None:
-        if n < 0 or self.off + n > len(self.data):
-            raise BadStateError(f"state truncated at byte {self.off} (needs {n} more)")
+        self._check(n)
         self.off += n
+
+    def _check(self, n: int) -> None:
+        if n < 0 or self.off + n > self.size:
+            raise BadStateError(f"state truncated at byte {self.off} (needs {n} more)")
+
+
+class _FileReader(_Reader):
+    """The state's bytes in an open file from byte ``start`` to its end, each read with ``pread``: a file
+    written over in place meanwhile gives a short read (refused), where a memory map of it would raise SIGBUS
+    and end the process (mmap(2))."""
+
+    def __init__(self, fd: int, start: int) -> None:
+        super().__init__(memoryview(b""))
+        self.fd, self.start = fd, start
+        self.size = max(0, os.fstat(fd).st_size - start)
+
+    def read(self, n: int) -> bytes | memoryview:
+        self._check(n)
+        got = os.pread(self.fd, n, self.start + self.off)
+        if len(got) < n:
+            raise BadStateError(f"state truncated at byte {self.off + len(got)}: the file ended while it was read")
+        self.off += n
+        return got
 
 
 def _read_stream(r: _Reader, cell_count: int) -> tuple[np.ndarray, CacheLayout, tuple[tuple[int, int, int], ...]]:
@@ -188,10 +215,9 @@ def _positions(r: _Reader, cell_count: int, n_seq_id: int) -> np.ndarray:
     at ``r`` (skipped): a KV cache's name their one sequence (``n_seq_id`` 1), a recurrent memory's
     none (0)."""
     width = 2 + n_seq_id
-    if cell_count == 0 or cell_count > (len(r.data) - r.off) // (4 * width):
+    if cell_count == 0 or cell_count > (r.size - r.off) // (4 * width):
         raise BadStateError(f"implausible cell count {cell_count}")
-    cells = np.frombuffer(r.data, dtype="<i4", count=width * cell_count, offset=r.off).reshape(cell_count, width)
-    r.skip(4 * width * cell_count)
+    cells = np.frombuffer(r.read(4 * width * cell_count), dtype="<i4").reshape(cell_count, width)
     if not np.all(cells[:, 1] == n_seq_id):
         raise BadStateError("state cells must each belong to exactly one sequence")
     return cells[:, 0].astype(np.int32)
@@ -216,7 +242,7 @@ def _read_part(r: _Reader, last: bool) -> _Part:
         raise BadStateError(f"implausible KV stream count {n_stream}")
     part = _Part(n_stream)
     for _ in range(n_stream):
-        if last and r.off == len(r.data) and part.positions is None:
+        if last and r.off == r.size and part.positions is None:
             break
         start = r.off
         (cell_count,) = r.take("<I")
@@ -234,7 +260,7 @@ def _read_tail(r: _Reader) -> tuple[tuple[int, int], np.ndarray]:
     start = r.off
     (cell_count,) = r.take("<I")
     positions = _positions(r, cell_count, 0) if cell_count else np.empty(0, dtype=np.int32)
-    r.off = len(r.data)
+    r.off = r.size
     return (start, r.off), positions
 
 
@@ -250,14 +276,18 @@ def parse(
     ``io_header=False``: ``blob`` lacks the first 8 bytes (io magic, source sequence), as a
     ``ggsq`` file holds the state (:mod:`slotstate.ggsq`); the offsets in the result are then
     relative to where ``blob`` starts.  Any number of streams is accepted in each KV cache part as
-    long as at most one holds cells.  Only the header fields and cell records are read, so a memory
-    map of a file is parsed without reading its K/V data.  Raises :class:`BadStateError` on a wrong
+    long as at most one holds cells.  Only the header fields and cell records are read (a file's with
+    :func:`parse_file`, without reading its K/V data).  Raises :class:`BadStateError` on a wrong
     magic, truncation, trailing bytes, cells in several streams or belonging to several sequences,
     a recurrent part of another length than ``expect``'s, or any layout field that differs from
     ``expect``.  An empty sequence (no cells) parses to zero positions.
     """
+    return _parse(_Reader(memoryview(blob).cast("B")), expect, io_header, shape)
+
+
+def _parse(r: _Reader, expect: StateLayout | None, io_header: bool, shape: StateShape | None) -> ParsedState:
+    """:func:`parse` of the bytes ``r`` reads."""
     shape = expect.shape if expect is not None else shape or StateShape()
-    r = _Reader(memoryview(blob).cast("B"))
     if io_header:
         magic, _src_seq = r.take("<Ii")
         if magic != IO_MAGIC:
@@ -266,8 +296,8 @@ def parse(
     tail, tail_positions = ((r.off, r.off), np.empty(0, dtype=np.int32))
     if shape.recurrent:
         tail, tail_positions = _read_tail(r)
-    if r.off != len(r.data):
-        raise BadStateError(f"{len(r.data) - r.off} unexpected bytes after the state")
+    if r.off != r.size:
+        raise BadStateError(f"{r.size - r.off} unexpected bytes after the state")
     cache_positions = tuple(p.positions for p in parts if p.positions is not None)
     partial = parts and shape.recurrent and bool(cache_positions) != bool(len(tail_positions))
     if 0 < len(cache_positions) < len(parts) or partial:
@@ -296,21 +326,10 @@ def parse_file(
     f: BinaryIO, start: int, expect: StateLayout | None = None, shape: StateShape | None = None
 ) -> ParsedState:
     """:func:`parse` (``io_header=False``) of the state from byte ``start`` of the open file ``f`` to
-    its end, on a memory map of the file: only the header fields and cell records are read,
-    not the K/V data.  Raises :class:`BadStateError` as :func:`parse` does."""
-    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    refused = None
-    try:
-        parsed = parse(memoryview(mm)[start:], expect, io_header=False, shape=shape)
-        parsed = replace(
-            parsed, positions=parsed.positions.copy(), cache_positions=tuple(p.copy() for p in parsed.cache_positions)
-        )
-    except BadStateError as exc:
-        refused = str(exc)  # not raised from here: its traceback would keep views of the map open
-    mm.close()
-    if refused is not None:
-        raise BadStateError(refused)
-    return parsed
+    its end: only the header fields and cell records are read (``pread``, tens of small reads), not the K/V
+    data.  Raises :class:`BadStateError` as :func:`parse` does, and when the file ends while it is read (a file
+    written over in place meanwhile: a short read, where a memory map would raise SIGBUS)."""
+    return _parse(_FileReader(f.fileno(), start), expect, False, shape)
 
 
 def one_stream(blob: bytearray | memoryview, shape: StateShape | None = None) -> memoryview:

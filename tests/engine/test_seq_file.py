@@ -76,3 +76,29 @@ def test_a_state_of_several_streams_is_read_as_it_is(engine, model) -> None:  # 
             seq_state.parse(three[:-5])
     finally:
         engine.erase(seq)
+
+
+def test_a_files_structure_is_read_as_the_same_bytes_in_memory(engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``parse_file`` (small ``pread``s, no memory map: a file written over meanwhile is a short read, never a
+    SIGBUS) finds what ``parse`` finds in the same bytes, and refuses the file cut short."""
+    seq = 2
+    toks = model.tokenize("The quick brown fox jumps over the lazy dog.", True, False)
+    engine.erase(seq)
+    assert engine.decode([BatchEntry(seq, 0, toks, logits=True)]) == 0
+    try:
+        tokens, state = engine.save_state(seq)
+        data = pack_seq_file(tokens, bytes(state))
+    finally:
+        engine.erase(seq)
+    path = tmp_path / "slot.bin"
+    path.write_bytes(b"x" * 100 + data)  # the state from a byte that is not the file's first
+    start = 100 + len(data) - (len(bytes(state)) - 8)
+    in_memory = seq_state.parse(memoryview(data)[start - 100 :], engine.layout, io_header=False)
+    with open(path, "rb") as f:
+        from_file = seq_state.parse_file(f, start, engine.layout)
+    assert from_file.data == in_memory.data and from_file.records == in_memory.records
+    assert from_file.layout == in_memory.layout and list(from_file.positions) == list(in_memory.positions)
+    for cut in (1, 7, len(data) // 2):
+        path.write_bytes((b"x" * 100 + data)[:-cut])
+        with open(path, "rb") as f, pytest.raises(seq_state.BadStateError):
+            seq_state.parse_file(f, start, engine.layout)
