@@ -196,6 +196,9 @@ class CanonicalRequest(msgspec.Struct, kw_only=True):
     cache_prompt: bool = True  # llama-server's: False, a request naming no slot gets a new, empty one
     progress: bool = False
     post_sampling_probs: bool = False  # llama-server's: the n_probs probabilities after the sampler chain
+    # each token's logprob (a log-softmax over the vocabulary on the worker's decode thread, every token): the native
+    # API's tokens always carry it; a route whose client did not ask for logprobs sets False
+    token_logprobs: bool = True
     presence_penalty: float = DEFAULT.presence_penalty
     frequency_penalty: float = DEFAULT.frequency_penalty
     typical_p: float = DEFAULT.typical_p

@@ -78,7 +78,7 @@ def sampling_params(req: CanonicalRequest, info: proto.ModelInfo) -> SamplingPar
         stop_strings=req.stop_strings,
         ignore_eos=req.ignore_eos,
         n_probs=req.n_probs,
-        logprobs=True,
+        logprobs=req.token_logprobs,
         dry_base=req.dry_base if req.dry_base >= 1.0 else SamplingParams().dry_base,  # llama-server's rule
         dry_penalty_last_n=info.n_ctx if req.dry_penalty_last_n == -1 else req.dry_penalty_last_n,
         logit_bias=bias,

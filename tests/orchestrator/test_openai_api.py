@@ -200,3 +200,15 @@ def test_chat_logprobs_without_top_logprobs_gives_llama_servers_20(client) -> No
     none = client.chat.completions.create(model="m", messages=ASK, max_tokens=3, temperature=0, logprobs=True,
                                           top_logprobs=0)  # fmt: skip
     assert all(c.top_logprobs == [] for c in none.choices[0].logprobs.content)
+    assert all(c.logprob is not None and c.logprob <= 0 for c in none.choices[0].logprobs.content)  # computed
+
+
+def test_completions_logprobs_zero_gives_each_tokens_own(client) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's legacy ``logprobs: 0``: each token's own logprob and no alternatives (the worker computes the
+    logprobs a request asks for, and only those); without ``logprobs``, none."""
+    r = client.completions.create(model="m", prompt="1, 2, 3, 4,", max_tokens=4, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) > 0
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs) and all(not t for t in lp.top_logprobs)
+    plain = client.completions.create(model="m", prompt="1, 2, 3, 4,", max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == r.choices[0].text

@@ -211,6 +211,7 @@ async def turn_of(services: Services, request: Request[Any, Any, Any], data: Mes
     ).canonical()
     identify(req, request, anthropic_user_id(data.metadata))  # Anthropic's conversation key: metadata.user_id
     req.wait = True
+    req.token_logprobs = False  # the Messages API has none
     if plan:
         plan.constrain(req)
     if thinking:

@@ -142,6 +142,7 @@ async def _prepare(
     identify(req, request)
     req.wait = True
     req.post_sampling_probs = body.post_sampling_probs
+    req.token_logprobs = body.n_probs > 0  # llama-server's completion_probabilities: only with n_probs
     if thinking is not None:
         thinking.constrain(req)
     if body.ignore_eos:  # llama-server bans the end-of-generation tokens (-inf logit bias), not just goes on

@@ -195,7 +195,7 @@ def canonical(
         repeat_last_n=_pick(o.repeat_last_n, DEFAULT.repeat_last_n), seed=_pick(o.seed, DEFAULT.seed),
         stop_tokens=[], banned_tokens=[], stop_strings=list(o.stop or []), ignore_eos=False,
         attention=False, attention_format="aggregated", attention_dtype="float32", attention_layers=None,
-        hidden_state=False, n_probs=0, slot=slot, wait=True,
+        hidden_state=False, n_probs=0, slot=slot, wait=True, token_logprobs=False,  # logprobs: accepted, not given
         presence_penalty=_pick(o.presence_penalty, DEFAULT.presence_penalty),
         frequency_penalty=_pick(o.frequency_penalty, DEFAULT.frequency_penalty),
         typical_p=_pick(o.typical_p, DEFAULT.typical_p), mirostat=_pick(o.mirostat, DEFAULT.mirostat),

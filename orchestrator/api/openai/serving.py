@@ -368,6 +368,7 @@ async def chat_shape(services: Services, request: Request[Any, Any, Any], data: 
     thinking = reasoning_of(services, prompt, data.reasoning_format, budget, data.reasoning_budget_message)
     req = canonical(data, request, ids, services, _top_n(data.logprobs, data.top_logprobs))
     req.post_sampling_probs = data.post_sampling_probs
+    req.token_logprobs = bool(data.logprobs)
     if plan:
         plan.constrain(req)
     if thinking:
