@@ -15,14 +15,20 @@ from slotstate.ggsq import pack_seq_file, unpack_seq_file
 from tests.engine.enginekit import llama_state, same_kv
 
 
+def decoded(engine, model, seq: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """A short sentence decoded into ``seq`` (emptied first); its token ids."""
+    toks = model.tokenize("The quick brown fox jumps over the lazy dog.", True, False)
+    engine.erase(seq)
+    assert engine.decode([BatchEntry(seq, 0, toks, logits=True)]) == 0
+    return list(toks)
+
+
 def test_file_is_llama_cpp_save_file_in_the_one_stream_form(engine, model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """``llama_state_seq_save_file`` of this engine (one KV stream per sequence) writes a record per
     stream; our file is the same file with the state in the one-stream form (what a unified cache
     or llama-server ``-np 1`` writes), and both restore to the same sequence."""
     seq, other = 2, 3
-    toks = model.tokenize("The quick brown fox jumps over the lazy dog.", True, False)
-    engine.erase(seq)
-    assert engine.decode([BatchEntry(seq, 0, toks, logits=True)]) == 0
+    toks = decoded(engine, model, seq)
     try:
         tokens, state = engine.save_state(seq)
         ours = pack_seq_file(tokens, bytes(state))
@@ -82,9 +88,7 @@ def test_a_files_structure_is_read_as_the_same_bytes_in_memory(engine, model, tm
     """``parse_file`` (small ``pread``s, no memory map: a file written over meanwhile is a short read, never a
     SIGBUS) finds what ``parse`` finds in the same bytes, and refuses the file cut short."""
     seq = 2
-    toks = model.tokenize("The quick brown fox jumps over the lazy dog.", True, False)
-    engine.erase(seq)
-    assert engine.decode([BatchEntry(seq, 0, toks, logits=True)]) == 0
+    decoded(engine, model, seq)
     try:
         tokens, state = engine.save_state(seq)
         data = pack_seq_file(tokens, bytes(state))
