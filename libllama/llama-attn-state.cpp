@@ -195,7 +195,7 @@ private:
     struct piece_span {
         const uint8_t * p;
         size_t          n;
-        bool            mapped; // p is in the file's mapping: touch it through attn_guarded_load only
+        bool            mapped; // p is in the file's mapping: touch it through attn_file_load only
     };
 
     // dst <- the m bytes at sp.p + b, tested first with chk when given; false for a non-finite value (nothing

@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from slotstate.errors import BadStateError
-from slotstate.seq_state import IO_MAGIC, CacheLayout, _read_stream, _Reader
+from slotstate.seq_state import IO_MAGIC, CacheLayout, _MemoryReader, _read_stream
 
 __all__ = [
     "CHUNK_TOKENS",
@@ -142,7 +142,7 @@ def parse_record(record: bytes | bytearray | memoryview) -> RangeRecord:
 
     Raises :class:`BadStateError` on truncation, trailing bytes, or cells not of exactly one sequence."""
     view = memoryview(record).cast("B")
-    r = _Reader(view)
+    r = _MemoryReader(view)
     (n,) = r.take("<I")
     if n == 0:
         if r.off != len(view):

@@ -136,11 +136,11 @@ class ParsedState:
 
 
 class _Reader:
-    """The state's bytes in memory, read from ``off`` on; ``size``: how many there are."""
+    """A state's bytes read from ``off`` on; ``size``: how many there are.  :class:`_MemoryReader` and
+    :class:`_FileReader` say where they are."""
 
-    def __init__(self, data: memoryview) -> None:
-        self.data = data
-        self.size = len(data)
+    def __init__(self, size: int) -> None:
+        self.size = size
         self.off = 0
 
     def take(self, fmt: str) -> tuple[int, ...]:
@@ -149,7 +149,7 @@ class _Reader:
     def read(self, n: int) -> bytes | memoryview:
         """The next ``n`` bytes."""
         self._check(n)
-        got = self.data[self.off : self.off + n]
+        got = self._at(self.off, n)
         self.off += n
         return got
 
@@ -161,6 +161,20 @@ class _Reader:
         if n < 0 or self.off + n > self.size:
             raise BadStateError(f"state truncated at byte {self.off} (needs {n} more)")
 
+    def _at(self, off: int, n: int) -> bytes | memoryview:
+        raise NotImplementedError
+
+
+class _MemoryReader(_Reader):
+    """The state's bytes in memory (views of them, nothing copied)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__(len(data))
+        self.data = data
+
+    def _at(self, off: int, n: int) -> bytes | memoryview:
+        return self.data[off : off + n]
+
 
 class _FileReader(_Reader):
     """The state's bytes in an open file from byte ``start`` to its end, each read with ``pread``: a file
@@ -168,16 +182,13 @@ class _FileReader(_Reader):
     and end the process (mmap(2))."""
 
     def __init__(self, fd: int, start: int) -> None:
-        super().__init__(memoryview(b""))
+        super().__init__(max(0, os.fstat(fd).st_size - start))
         self.fd, self.start = fd, start
-        self.size = max(0, os.fstat(fd).st_size - start)
 
-    def read(self, n: int) -> bytes | memoryview:
-        self._check(n)
-        got = os.pread(self.fd, n, self.start + self.off)
+    def _at(self, off: int, n: int) -> bytes | memoryview:
+        got = os.pread(self.fd, n, self.start + off)
         if len(got) < n:
-            raise BadStateError(f"state truncated at byte {self.off + len(got)}: the file ended while it was read")
-        self.off += n
+            raise BadStateError(f"state truncated at byte {off + len(got)}: the file ended while it was read")
         return got
 
 
@@ -282,7 +293,7 @@ def parse(
     a recurrent part of another length than ``expect``'s, or any layout field that differs from
     ``expect``.  An empty sequence (no cells) parses to zero positions.
     """
-    return _parse(_Reader(memoryview(blob).cast("B")), expect, io_header, shape)
+    return _parse(_MemoryReader(memoryview(blob).cast("B")), expect, io_header, shape)
 
 
 def _parse(r: _Reader, expect: StateLayout | None, io_header: bool, shape: StateShape | None) -> ParsedState:

@@ -60,7 +60,7 @@ async def text_shapes(services: Services, request: Request[Any, Any, Any], data:
             check_tokens(ids, info.vocab_size, f"prompt {k}")
         req = canonical(data, request, ids, services, data.logprobs or 0)
         req.token_logprobs = data.logprobs is not None  # logprobs 0: the token's own, no alternatives
-        shape = Shape(False, services.model_id, req, data.logprobs is not None, pieces, fingerprint(info))
+        shape = Shape(False, services.model_id, req, req.token_logprobs, pieces, fingerprint(info))
         if shapes:
             shape.join(shapes[0])
         shapes.append(shape)
