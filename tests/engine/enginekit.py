@@ -23,9 +23,10 @@ def llama_state(ctx: object, seq: int) -> bytes:
     return bytes(state)
 
 
-def same_kv(a: bytes | bytearray, b: bytes | bytearray) -> bool:
-    """Two states hold the same positions and K/V bytes (their sequence ids aside)."""
-    pa, pb = seq_state.parse(a), seq_state.parse(b)
+def same_kv(a: bytes | bytearray, b: bytes | bytearray, shape: seq_state.StateShape | None = None) -> bool:
+    """Two states (of ``shape``'s parts, default one KV cache) hold the same positions and K/V bytes (their
+    sequence ids aside)."""
+    pa, pb = seq_state.parse(a, shape=shape), seq_state.parse(b, shape=shape)
     if not np.array_equal(pa.positions, pb.positions):
         return False
     return all(a[o : o + n] == b[p : p + m] for (_, o, n), (_, p, m) in zip(pa.data, pb.data, strict=True))

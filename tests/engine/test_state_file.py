@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 from contract.errors import ErrorCode
+from contract.settings import EngineSettings
 from engine.batch import BatchEntry
 from engine.capture import seq_cells
+from engine.engine import Engine, read_state
 from engine.errors import EngineError
+from engine.model import Model
 from engine.state_file import load_seq_file, write_slot_file
 from engine.state_read import StateSource
 from slotstate import seq_state
@@ -23,6 +26,7 @@ from tests.conftest import CHAT
 from tests.damaged_files import poisoned
 from tests.engine.enginekit import Runner, llama_state, same_kv
 from tests.engine.test_state_io import decode_together
+from tests.tiny_models import build_tiny_gguf
 
 
 def save_seq_file(engine, seq: int, path: Path) -> tuple[int, int]:  # type: ignore[no-untyped-def]
@@ -219,3 +223,34 @@ def test_a_state_being_written_is_not_reused_while_its_writer_reads_it(runner: R
     size = memoryview(lent).nbytes
     engine.release_state(lent)  # written: its memory serves the next read
     assert engine.state_pool.held_bytes >= size
+
+
+@pytest.mark.parametrize("flash_attn", ["off", "on"])
+def test_a_sliding_window_models_file_maps_each_caches_record(tmp_path: Path, flash_attn: str) -> None:
+    """Gemma-3-shaped (a global and a 512-token sliding-window KV cache): a file of a 600-token prompt (longer
+    than the window and than a 512-token batch) holds one record per cache, which libllama maps one after the
+    other (the first unmapped before the second); both caches load back byte for byte into another sequence
+    beside a third sequence holding cells, and the loaded sequence continues as the original does."""
+    model = Model(build_tiny_gguf("gemma3", tmp_path))
+    cfg = EngineSettings(n_ctx=1024, n_slots=3, n_spare=1, n_threads=2, flash_attn=flash_attn)  # type: ignore[arg-type]
+    eng = Engine(model, cfg)
+    try:
+        assert eng.memory.kind == "iswa"
+        run = Runner(eng)
+        prompt = [(7 * i) % (model.n_vocab - 10) + 5 for i in range(600)]
+        run.generate(0, prompt, max_new_tokens=2)
+        run.generate(2, prompt[::-1][:300], max_new_tokens=2)  # another sequence holding cells meanwhile
+        path = tmp_path / "slot.bin"
+        n, _ = save_seq_file(eng, 0, path)
+        assert len(seq_state.parse(bytes(read_state(eng.ctx, 0, shape=eng.shape)[1]), shape=eng.shape).records) == 2
+        n2, size, _ = load_seq_file(eng, 1, path)
+        assert (n2, size) == (n, path.stat().st_size)
+        loaded, original = (bytes(read_state(eng.ctx, s, shape=eng.shape)[1]) for s in (1, 0))
+        assert same_kv(loaded, original, eng.shape)  # both caches' records
+        tokens = list(eng.tokens[0])
+        a = run.generate(0, tokens, max_new_tokens=6, ignore_eos=True)
+        b = run.generate(1, tokens, max_new_tokens=6, ignore_eos=True)
+        assert b.done is not None and b.done.n_generated == 6 and a.tokens == b.tokens
+    finally:
+        eng.close()
+        model.close()
