@@ -282,14 +282,20 @@ class Engine:
         """Whether ``seq`` can be cut to its first ``n`` tokens and continued exactly: always for a KV
         cache; for a sliding-window model only while its sliding cache still holds the window before
         position ``n`` (its cells are reused as the sequence moves on: llama-server re-processes the
-        prompt then too); for a recurrent state only at its end or at 0."""
+        prompt then too); for a recurrent state only at its end or at 0.
+
+        The window before position ``n`` is positions ``n - n_swa + 1`` to ``n - 1``: the next token, at
+        position ``n``, sees a cell at ``p`` unless ``n - p >= n_swa`` (``is_masked_swa`` in llama.cpp's
+        ``src/llama-hparams.h``; a chunked window starts at or after it). A sequence past its window whose
+        sliding cache llama.cpp pruned to the window, or that a state restore placed there, can be cut by
+        its last token (a resent prompt, which decodes that token again for its logits)."""
         have = self.seq_len(seq)
         if n >= have or n == 0:
             return True
         if self.shape.recurrent:
             return False
         if self.shape.n_caches > 1:
-            lo = max(0, n - self.n_swa)
+            lo = max(0, n - self.n_swa + 1)
             return bool(seq_cells(self.ctx, seq, lo, n - lo, cache=1).min() >= 0)
         return True
 

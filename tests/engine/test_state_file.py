@@ -230,7 +230,9 @@ def test_a_sliding_window_models_file_maps_each_caches_record(tmp_path: Path, fl
     """Gemma-3-shaped (a global and a 512-token sliding-window KV cache): a file of a 600-token prompt (longer
     than the window and than a 512-token batch) holds one record per cache, which libllama maps one after the
     other (the first unmapped before the second); both caches load back byte for byte into another sequence
-    beside a third sequence holding cells, and the loaded sequence continues as the original does."""
+    beside a third sequence holding cells, and the loaded sequence continues as the original does. The file's
+    sliding cache holds the window and no more (llama.cpp's ``state_write`` leaves out masked cells): the
+    prompt resent is cut by its last token and continued from the loaded cells, not prefilled again."""
     model = Model(build_tiny_gguf("gemma3", tmp_path))
     cfg = EngineSettings(n_ctx=1024, n_slots=3, n_spare=1, n_threads=2, flash_attn=flash_attn)  # type: ignore[arg-type]
     eng = Engine(model, cfg)
@@ -248,9 +250,14 @@ def test_a_sliding_window_models_file_maps_each_caches_record(tmp_path: Path, fl
         loaded, original = (bytes(read_state(eng.ctx, s, shape=eng.shape)[1]) for s in (1, 0))
         assert same_kv(loaded, original, eng.shape)  # both caches' records
         tokens = list(eng.tokens[0])
+        loaded_sliding = seq_cells(eng.ctx, 1, 0, len(tokens), cache=1) >= 0
+        assert not loaded_sliding[: len(tokens) - eng.n_swa].any() and loaded_sliding[-eng.n_swa :].all()
+        # the next token (position n) sees positions n - n_swa + 1 .. n - 1: a cut by one keeps them all
+        assert eng.can_keep(1, len(tokens) - 1) and not eng.can_keep(1, len(tokens) - 2)
         a = run.generate(0, tokens, max_new_tokens=6, ignore_eos=True)
         b = run.generate(1, tokens, max_new_tokens=6, ignore_eos=True)
         assert b.done is not None and b.done.n_generated == 6 and a.tokens == b.tokens
+        assert a.done is not None and a.done.n_cached == b.done.n_cached == len(tokens) - 1, "no prefill again"
     finally:
         eng.close()
         model.close()
