@@ -226,20 +226,24 @@ def test_a_state_being_written_is_not_reused_while_its_writer_reads_it(runner: R
 
 
 @pytest.mark.parametrize("flash_attn", ["off", "on"])
-def test_a_sliding_window_models_file_maps_each_caches_record(tmp_path: Path, flash_attn: str) -> None:
-    """Gemma-3-shaped (a global and a 512-token sliding-window KV cache): a file of a 600-token prompt (longer
-    than the window and than a 512-token batch) holds one record per cache, which libllama maps one after the
+@pytest.mark.parametrize(("arch", "n_prompt", "n_ctx"), [("gemma3", 600, 1024), ("gemma2", 4200, 4608)])
+def test_a_sliding_window_models_file_maps_each_caches_record(
+    tmp_path: Path, flash_attn: str, arch: str, n_prompt: int, n_ctx: int
+) -> None:
+    """Gemma-3-shaped (a global and a 512-token sliding-window KV cache; Gemma 2's 4,096-token window with a
+    4,200-token prompt): a file of a prompt longer than the window and than a 512-token batch holds one
+    record per cache, which libllama maps one after the
     other (the first unmapped before the second); both caches load back byte for byte into another sequence
     beside a third sequence holding cells, and the loaded sequence continues as the original does. The file's
     sliding cache holds the window and no more (llama.cpp's ``state_write`` leaves out masked cells): the
     prompt resent is cut by its last token and continued from the loaded cells, not prefilled again."""
-    model = Model(build_tiny_gguf("gemma3", tmp_path))
-    cfg = EngineSettings(n_ctx=1024, n_slots=3, n_spare=1, n_threads=2, flash_attn=flash_attn)  # type: ignore[arg-type]
+    model = Model(build_tiny_gguf(arch, tmp_path))
+    cfg = EngineSettings(n_ctx=n_ctx, n_slots=3, n_spare=1, n_threads=2, flash_attn=flash_attn)  # type: ignore[arg-type]
     eng = Engine(model, cfg)
     try:
         assert eng.memory.kind == "iswa"
         run = Runner(eng)
-        prompt = [(7 * i) % (model.n_vocab - 10) + 5 for i in range(600)]
+        prompt = [(7 * i) % (model.n_vocab - 10) + 5 for i in range(n_prompt)]
         run.generate(0, prompt, max_new_tokens=2)
         run.generate(2, prompt[::-1][:300], max_new_tokens=2)  # another sequence holding cells meanwhile
         path = tmp_path / "slot.bin"
