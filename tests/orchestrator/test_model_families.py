@@ -2,7 +2,7 @@
 
 gpt-oss (two KV caches, one of them with gpt-oss's 128-token sliding window; attention sinks) through the
 server: its attention against transformers' eager attention on a prompt past the sliding cache's 256 cells, after its slot was parked
-in the store and came back, after a restart of the server, and after its state went out through
+in the store and came back, after a restart of the server (the same tokens resent, and more), and after its state went out through
 ``save-state`` and back in through ``restore-state``.  Mamba (a recurrent state, no attention): it
 generates, and the requests its memory cannot serve are refused with the limitation named.
 """
@@ -67,6 +67,11 @@ def test_sliding_window_model_through_the_server(start_server, tmp_path: Path) -
 
     srv.stop()  # graceful: the slot is flushed to the store
     srv = start_server(*args)
+    # the same tokens resent: the stored sliding cache holds exactly the window, which a cut by one keeps
+    same = generate(srv.url, "a", ids)
+    assert same["cached_tokens"] == len(ids) - 1, "the resumed state is used, not prefilled again"
+    matches(ref, "resent after a restart", ids, same, layers)
+    ids += [t["token_id"] for t in same["generated_tokens"]]
     ids.append(ids[9])
     again = generate(srv.url, "a", ids)
     assert again["cached_tokens"] == len(ids) - 1
