@@ -295,8 +295,8 @@ class Engine:
         if self.shape.recurrent:
             return False
         if self.shape.n_caches > 1:
-            lo = max(0, n - self.n_swa + 1)
-            return bool(seq_cells(self.ctx, seq, lo, n - lo, cache=1).min() >= 0)
+            lo = max(0, n - self.n_swa + 1)  # n_swa 1: the next token sees only itself
+            return lo >= n or bool(seq_cells(self.ctx, seq, lo, n - lo, cache=1).min() >= 0)
         return True
 
     def keep(self, seq: int, n: int) -> int:
