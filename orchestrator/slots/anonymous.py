@@ -355,17 +355,22 @@ class AnonymousSlots:
     async def _make_room(self, tenant: str) -> None:
         """Before a new anonymous slot of ``tenant``: delete the tenant's least recently used idle
         anonymous ones while this node keeps ``max_slots`` of them, or (no store to park in) while
-        no engine sequence is free.  Another tenant's slots are never deleted for it."""
+        no engine sequence is free.  Another tenant's slots are never deleted for it.  A slot a park or
+        a save holds right now is still idle: its deletion waits for it (``SlotRegistry.delete`` takes the
+        lock); one that could not be deleted (taken meanwhile, its stored copy out of reach) is passed over."""
         reg = self.registry
+        passed: set[str] = set()
         while True:
             anon = [s for s in reg.of_tenant(tenant) if is_anonymous(s.id)]
             no_seq = reg.archive is None and all(s is not None and reg.is_resident(s) for s in reg.residency.owner)
             if len(anon) < self.max_slots and not no_seq:
                 return
-            idle = [s for s in anon if not s.busy and not s.lock.locked()]
+            idle = [s for s in anon if not s.busy and s.id not in passed]
             if not idle:
                 return
             victim = min(idle, key=lambda s: s.last_used)
-            await reg.delete(victim)
+            if not await reg.delete(victim):
+                passed.add(victim.id)
+                continue
             idle_s = time.monotonic() - victim.last_used
             log.info("anonymous slot deleted to make room", slot_id=victim.id, idle_s=idle_s)
