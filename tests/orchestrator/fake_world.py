@@ -169,3 +169,13 @@ async def saved(w: World, slot_id: str) -> None:
     """Wait until the write-behind has stored the slot's current state (its write ended)."""
     await wait_for(lambda: not w.registry.slots[slot_id].dirty)
     await w.archive.settled(slot_id)  # the state was read: its write holds the write lock now
+
+
+async def run(w: World, req: CanonicalRequest) -> DoneOut:
+    """Run ``req`` on ``w``'s generation service to its end; its ``DoneOut``."""
+    done = None
+    async for ev in w.service.run(req):
+        if isinstance(ev, DoneOut):
+            done = ev
+    assert done is not None
+    return done

@@ -10,21 +10,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from orchestrator.generation.events import DoneOut
-from orchestrator.generation.request import CanonicalRequest
 from orchestrator.slots.anonymous import AnonymousSlots, is_anonymous
 from orchestrator.slots.model import Slot
 from orchestrator.tenants.principal import DEFAULT_TENANT
-from tests.orchestrator.fake_world import World, request
-
-
-async def run(w: World, req: CanonicalRequest) -> DoneOut:
-    done = None
-    async for ev in w.service.run(req):
-        if isinstance(ev, DoneOut):
-            done = ev
-    assert done is not None
-    return done
+from tests.orchestrator.fake_world import World, request, run
 
 
 def anonymous_ids(w: World) -> set[str]:

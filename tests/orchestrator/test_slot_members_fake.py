@@ -12,7 +12,7 @@ import pytest
 from orchestrator.generation.events import DoneOut
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.slots.loan import StateLoan, lent
-from tests.orchestrator.fake_world import PROMPT, World, greedy, request
+from tests.orchestrator.fake_world import PROMPT, World, greedy, request, run
 
 
 class Returns:
@@ -101,15 +101,6 @@ async def test_a_turn_arriving_while_its_slot_is_parked_continues_on_it(tmp_path
     finally:
         gate.set()
         await w.registry.shutdown()
-
-
-async def run(w: World, req: CanonicalRequest) -> DoneOut:
-    done = None
-    async for ev in w.service.run(req):
-        if isinstance(ev, DoneOut):
-            done = ev
-    assert done is not None
-    return done
 
 
 async def test_two_users_at_once_keep_their_own_slots(tmp_path: Path) -> None:

@@ -13,14 +13,13 @@ import msgspec
 import pytest
 
 from contract.errors import ErrorCode
-from orchestrator.generation.events import DoneOut
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.service_error import ServiceError
 from orchestrator.slots.anonymous import AnonymousSlots, is_anonymous
 from orchestrator.slots.conversations import Kept, StoredConversations
 from orchestrator.slots.model import partition_of, slot_key, split_key
 from orchestrator.tenants.principal import DEFAULT_TENANT, Principal
-from tests.orchestrator.fake_world import PROMPT, World, greedy, request, saved
+from tests.orchestrator.fake_world import PROMPT, World, greedy, request, run, saved
 
 A, B = Principal("alice"), Principal("bob")
 
@@ -28,15 +27,6 @@ A, B = Principal("alice"), Principal("bob")
 def as_(who: Principal, req: CanonicalRequest, salt: str | None = None, key: str | None = None) -> CanonicalRequest:
     """``req`` sent by ``who`` with a ``cache_salt`` and a conversation key."""
     return msgspec.structs.replace(req, principal=who, cache_salt=salt, conversation_key=key)
-
-
-async def run(w: World, req: CanonicalRequest) -> DoneOut:
-    done = None
-    async for ev in w.service.run(req):
-        if isinstance(ev, DoneOut):
-            done = ev
-    assert done is not None
-    return done
 
 
 def test_keys_never_meet() -> None:
