@@ -109,8 +109,12 @@ class World:
         self, slot: str, ids: list[int], n: int = 4, *, wait: bool = False, control: RunControl | None = None
     ) -> DoneOut:
         """Run one generation to its end; its :class:`DoneOut`."""
+        return await self.run(request(slot, ids, n, wait), control)
+
+    async def run(self, req: CanonicalRequest, control: RunControl | None = None) -> DoneOut:
+        """Run ``req`` on the generation service to its end; its :class:`DoneOut`."""
         done = None
-        async for ev in self.service.run(request(slot, ids, n, wait), control):
+        async for ev in self.service.run(req, control):
             if isinstance(ev, DoneOut):
                 done = ev
         assert done is not None
@@ -169,13 +173,3 @@ async def saved(w: World, slot_id: str) -> None:
     """Wait until the write-behind has stored the slot's current state (its write ended)."""
     await wait_for(lambda: not w.registry.slots[slot_id].dirty)
     await w.archive.settled(slot_id)  # the state was read: its write holds the write lock now
-
-
-async def run(w: World, req: CanonicalRequest) -> DoneOut:
-    """Run ``req`` on ``w``'s generation service to its end; its ``DoneOut``."""
-    done = None
-    async for ev in w.service.run(req):
-        if isinstance(ev, DoneOut):
-            done = ev
-    assert done is not None
-    return done

@@ -13,7 +13,7 @@ from pathlib import Path
 from orchestrator.slots.anonymous import AnonymousSlots, is_anonymous
 from orchestrator.slots.model import Slot
 from orchestrator.tenants.principal import DEFAULT_TENANT
-from tests.orchestrator.fake_world import World, request, run
+from tests.orchestrator.fake_world import World, request
 
 
 def anonymous_ids(w: World) -> set[str]:
@@ -27,8 +27,8 @@ async def test_room_is_made_from_the_least_recently_used_slot_even_while_a_park_
     held, release = asyncio.Event(), asyncio.Event()
     await w.registry.start()
     try:
-        first = await run(w, request(None, [11] * 8, 2))
-        second = await run(w, request(None, [22] * 8, 2))
+        first = await w.run(request(None, [11] * 8, 2))
+        second = await w.run(request(None, [22] * 8, 2))
         assert anonymous_ids(w) == {first.slot_id, second.slot_id}
         oldest = w.registry.find(first.slot_id)
         assert oldest is not None and not oldest.busy
@@ -49,7 +49,7 @@ async def test_room_is_made_from_the_least_recently_used_slot_even_while_a_park_
         await parking
         assert anonymous_ids(w) == {second.slot_id}, "the least recently used slot went, not the next one"
 
-        third = await run(w, request(None, [33] * 8, 2))
+        third = await w.run(request(None, [33] * 8, 2))
         assert anonymous_ids(w) == {second.slot_id, third.slot_id}
     finally:
         release.set()  # a failed assert must not leave the lock held over the shutdown
@@ -62,8 +62,8 @@ async def test_a_slot_that_cannot_be_deleted_is_passed_over_once(tmp_path: Path)
     w.service.anonymous = room
     await w.registry.start()
     try:
-        first = await run(w, request(None, [11] * 8, 2))
-        second = await run(w, request(None, [22] * 8, 2))
+        first = await w.run(request(None, [11] * 8, 2))
+        second = await w.run(request(None, [22] * 8, 2))
         refused: list[str] = []
         delete = w.registry.delete
 

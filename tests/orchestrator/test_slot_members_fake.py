@@ -12,7 +12,7 @@ import pytest
 from orchestrator.generation.events import DoneOut
 from orchestrator.generation.request import CanonicalRequest
 from orchestrator.slots.loan import StateLoan, lent
-from tests.orchestrator.fake_world import PROMPT, World, greedy, request, run
+from tests.orchestrator.fake_world import PROMPT, World, greedy, request
 
 
 class Returns:
@@ -82,14 +82,14 @@ async def test_a_turn_arriving_while_its_slot_is_parked_continues_on_it(tmp_path
 
     try:
         ids = PROMPT * 10
-        done_a = await run(w, turn(ids, 3))
+        done_a = await w.run(turn(ids, 3))
         w.engine.erase = slow_erase  # type: ignore[method-assign]
-        b = asyncio.create_task(run(w, turn([77] * 12, 2)))  # parks A's slot for its sequence
+        b = asyncio.create_task(w.run(turn([77] * 12, 2)))  # parks A's slot for its sequence
         await asyncio.sleep(0.05)
         slot_a = w.registry.find(done_a.slot_id)
         assert slot_a is not None and slot_a.lock.locked(), "A's slot is being parked"
         nxt = [*ids, *greedy(ids, 3), 5]
-        a = asyncio.create_task(run(w, turn(nxt, 2)))
+        a = asyncio.create_task(w.run(turn(nxt, 2)))
         await asyncio.sleep(0.05)
         gate.set()
         await b
@@ -112,7 +112,7 @@ async def test_two_users_at_once_keep_their_own_slots(tmp_path: Path) -> None:
         ids = {"A": PROMPT * 8, "B": [40, 41, 42] * 10}
         seen: dict[str, list[DoneOut]] = {"A": [], "B": []}
         for _ in range(3):
-            got = await asyncio.wait_for(asyncio.gather(*(run(w, turn(ids[u], 3)) for u in "AB")), 30)
+            got = await asyncio.wait_for(asyncio.gather(*(w.run(turn(ids[u], 3)) for u in "AB")), 30)
             for u, done in zip("AB", got, strict=True):
                 if seen[u]:
                     assert done.n_cached == len(ids[u]) - 1, "the whole previous turn is cached"

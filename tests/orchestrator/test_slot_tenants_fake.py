@@ -19,7 +19,7 @@ from orchestrator.slots.anonymous import AnonymousSlots, is_anonymous
 from orchestrator.slots.conversations import Kept, StoredConversations
 from orchestrator.slots.model import partition_of, slot_key, split_key
 from orchestrator.tenants.principal import DEFAULT_TENANT, Principal
-from tests.orchestrator.fake_world import PROMPT, World, greedy, request, run, saved
+from tests.orchestrator.fake_world import PROMPT, World, greedy, request, saved
 
 A, B = Principal("alice"), Principal("bob")
 
@@ -44,9 +44,9 @@ async def test_two_tenants_name_the_same_slot(tmp_path: Path) -> None:
     w = World(tmp_path)
     await w.registry.start()
     try:
-        a = await run(w, as_(A, request("chat1", PROMPT, 4)))
+        a = await w.run(as_(A, request("chat1", PROMPT, 4)))
         other = [9, 9, 9, 9, 9]
-        b = await run(w, as_(B, request("chat1", other, 4)))
+        b = await w.run(as_(B, request("chat1", other, 4)))
         assert b.n_cached == 0, "bob's chat1 is not alice's"
         sa, sb = w.registry.find("chat1", "alice"), w.registry.find("chat1", "bob")
         assert sa is not None and sb is not None and sa is not sb
@@ -56,7 +56,7 @@ async def test_two_tenants_name_the_same_slot(tmp_path: Path) -> None:
         ma, mb = await w.archive.lookup("alice/chat1"), await w.archive.lookup("bob/chat1")
         assert ma is not None and mb is not None and (ma.tenant, mb.tenant) == ("alice", "bob")
         assert ma.tokens == [*PROMPT, *greedy(PROMPT, 4)] and mb.tokens[:5] == other
-        again = await run(w, as_(A, request("chat1", [*ma.tokens, 3], 2)))
+        again = await w.run(as_(A, request("chat1", [*ma.tokens, 3], 2)))
         assert again.n_cached == len(ma.tokens) and a.seq_tokens == len(ma.tokens)
     finally:
         await w.registry.shutdown()
@@ -66,7 +66,7 @@ async def test_another_tenants_slot_is_missing_exactly_as_a_missing_one(tmp_path
     w = World(tmp_path)
     await w.registry.start()
     try:
-        await run(w, as_(A, request("secret", PROMPT, 2)))
+        await w.run(as_(A, request("secret", PROMPT, 2)))
         errors = []
         for slot_id in ("secret", "never-made"):
             with pytest.raises(ServiceError) as got:
@@ -87,13 +87,13 @@ async def test_the_anonymous_pick_stays_in_the_tenant_and_salt(tmp_path: Path) -
     await w.registry.start()
     try:
         memo = list(range(100, 160))
-        first = await run(w, as_(A, request(None, memo, 4), salt="s1"))
+        first = await w.run(as_(A, request(None, memo, 4), salt="s1"))
         turn = [*memo, *greedy(memo, 4), 7, 8]
         for who, salt in ((B, "s1"), (A, "s2"), (A, None), (B, None)):
-            other = await run(w, as_(who, request(None, turn, 2), salt=salt))
+            other = await w.run(as_(who, request(None, turn, 2), salt=salt))
             assert other.n_cached == 0, f"{who.tenant} with salt {salt!r} got alice's s1 cache"
             assert other.slot_id != first.slot_id
-        same = await run(w, as_(A, request(None, turn, 2), salt="s1"))
+        same = await w.run(as_(A, request(None, turn, 2), salt="s1"))
         assert same.slot_id == first.slot_id and same.n_cached == len(memo) + 4, "alice's own turn continues"
         owners = {(s.tenant, s.partition) for s in w.registry.slots.values() if is_anonymous(s.id)}
         assert owners == {(t, partition_of(x)) for t, x in (("alice", "s1"), ("bob", "s1"), ("alice", "s2"),
@@ -109,9 +109,9 @@ async def test_another_tenant_never_evicts_an_anonymous_slot(tmp_path: Path) -> 
     w.service.anonymous = AnonymousSlots(w.registry, max_slots=1)
     await w.registry.start()
     try:
-        mine = await run(w, as_(A, request(None, PROMPT, 2)))
+        mine = await w.run(as_(A, request(None, PROMPT, 2)))
         for n in range(3):
-            await run(w, as_(B, request(None, [50 + n] * 8, 2)))
+            await w.run(as_(B, request(None, [50 + n] * 8, 2)))
         assert w.registry.find(mine.slot_id, "alice") is not None, "bob's new slots did not delete alice's"
         assert len([s for s in w.registry.of_tenant("bob") if is_anonymous(s.id)]) == 1, "bob's own made room"
     finally:
@@ -125,16 +125,16 @@ async def test_a_conversation_key_keeps_one_slot(tmp_path: Path) -> None:
         ids = PROMPT * 15
         slots, ratios = set(), []
         for turn in range(10):
-            done = await run(w, as_(A, request(None, ids, 3), key="session-42"))
+            done = await w.run(as_(A, request(None, ids, 3), key="session-42"))
             slots.add(done.slot_id)
             if turn:
                 ratios.append(done.n_cached / done.n_prompt)
-            await run(w, as_(B, request(None, [70 + turn] * 6, 2)))  # another user between
+            await w.run(as_(B, request(None, [70 + turn] * 6, 2)))  # another user between
             ids = [*ids, *greedy(ids, 3), 11 + turn]
         assert len(slots) == 1 and "session-42" not in next(iter(slots)), "one slot, its id shows no key"
         print("conversation key: cached/prompt per turn", [round(r, 3) for r in ratios])
         assert min(ratios) >= 0.95, ratios
-        b = await run(w, as_(B, request(None, ids, 2), key="session-42"))
+        b = await w.run(as_(B, request(None, ids, 2), key="session-42"))
         assert b.n_cached == 0 and b.slot_id == next(iter(slots)), "bob's session-42 is bob's own slot"
         assert w.registry.find(b.slot_id, "alice") is not w.registry.find(b.slot_id, "bob")
     finally:
@@ -145,10 +145,10 @@ async def test_a_named_slot_reused_with_another_salt_is_a_miss(tmp_path: Path) -
     w = World(tmp_path)
     await w.registry.start()
     try:
-        await run(w, as_(A, request("s", PROMPT, 2), salt="one"))
-        again = await run(w, as_(A, request("s", [*PROMPT, 1, 2, 3], 2), salt="two"))
+        await w.run(as_(A, request("s", PROMPT, 2), salt="one"))
+        again = await w.run(as_(A, request("s", [*PROMPT, 1, 2, 3], 2), salt="two"))
         assert again.n_cached == 0, "a cache of another salt is never reused"
-        same = await run(w, as_(A, request("s", [*PROMPT, 1, 2, 3, 4], 2), salt="two"))
+        same = await w.run(as_(A, request("s", [*PROMPT, 1, 2, 3, 4], 2), salt="two"))
         assert same.n_cached > 0
     finally:
         await w.registry.shutdown()
